@@ -1,0 +1,7 @@
+"""attnzoo: native LLMs over one shared paged attention layer, with a per-GPU backend policy."""
+from attnzoo.engine.engine import Completion
+from attnzoo.engine.llm import LLM, load_model
+from attnzoo.errors import AttnzooError
+
+__all__ = ["LLM", "Completion", "load_model", "AttnzooError"]
+__version__ = "0.1.0"

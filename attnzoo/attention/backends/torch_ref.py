@@ -1,0 +1,75 @@
+"""The torch reference backend: exact attention in float32 over the gathered pages.
+
+It is the oracle every other backend is tested against, on CPU and GPU, so it favours plainness over
+speed: one request at a time, the whole score matrix materialised.
+"""
+from __future__ import annotations
+
+import torch
+
+from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.kv_cache import KVPool
+from attnzoo.attention.metadata import BatchMetadata
+
+
+def gather_kv(cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[num_pages, heads, page_size, dim] pool view + a request's page ids -> [seq_len, heads, dim]."""
+    g = cache[pages]  # [n, heads, page_size, dim]
+    return g.permute(0, 2, 1, 3).reshape(-1, g.shape[1], g.shape[3])[:seq_len]
+
+
+def attention_reference(
+    q: torch.Tensor,  # [q_len, num_heads, head_dim]
+    k: torch.Tensor,  # [kv_len, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [kv_len, num_kv_heads, v_head_dim]
+    q_positions: torch.Tensor,  # [q_len] absolute positions of the queries (keys sit at 0..kv_len-1)
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:  # [q_len, num_heads, v_head_dim], float32
+    group = q.shape[1] // k.shape[1]
+    qf = q.float().transpose(0, 1)  # [H, q, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, kv, D]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = (qf @ kf.transpose(1, 2)) * scale  # [H, q, kv]
+    if logit_softcap:
+        scores = logit_softcap * torch.tanh(scores / logit_softcap)
+    kpos = torch.arange(k.shape[0], device=q.device)
+    qpos = q_positions.to(q.device).view(-1, 1)
+    visible = kpos.view(1, -1) <= qpos
+    if sliding_window:
+        visible &= kpos.view(1, -1) > qpos - sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ vf).transpose(0, 1)
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def __init__(self, pool: KVPool):
+        super().__init__(pool)
+
+    def _run(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        k_cache, v_cache = self.pool.k(layer.layer_id), self.pool.v(layer.layer_id)
+        ps = meta.page_size
+        out = torch.empty(q.shape[0], layer.num_heads, layer.v_head_dim, dtype=q.dtype, device=q.device)
+        start = 0
+        for i, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.q_lens_cpu)):
+            pages = meta.block_tables[i, : -(-seq_len // ps)]
+            k = gather_kv(k_cache, pages, seq_len)
+            v = gather_kv(v_cache, pages, seq_len)
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            o = attention_reference(
+                q[start : start + q_len], k, v, q_pos,
+                scale=layer.scale, sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap,
+            )
+            out[start : start + q_len] = o.to(q.dtype)
+            start += q_len
+        return out
+
+    def extend(self, layer, q, meta):
+        return self._run(layer, q, meta)
+
+    def decode(self, layer, q, meta):
+        return self._run(layer, q, meta)

@@ -1,0 +1,183 @@
+"""The paged KV cache: one preallocated pool, one page allocator, per-layer views by layer id.
+
+Every layer of a model indexes the pool with the same page ids, so one block table per request serves
+all layers, whatever each layer keeps per token (``KVCacheSpec``): Gemma 4 mixes head dims and KV head
+counts, MLA keeps one latent vector per token, NSA adds an indexer key. Layers that share another
+layer's KV (Gemma 4's ``num_kv_shared_layers``) own no memory: their views are the producer's.
+
+Page 0 is never handed out: padded block-table entries and padded CUDA-graph rows point at it, so a
+write through padding lands in a page nobody reads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnzoo.errors import KVCacheFullError
+
+_ALIGN = 256  # byte alignment of every layer's slab in the pool
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one attention layer keeps per token in the pool."""
+
+    num_kv_heads: int
+    head_dim: int  # width of the stored key; MLA: kv_lora_rank + qk_rope_head_dim
+    v_head_dim: int  # width of the value; MLA: kv_lora_rank
+    # MLA: values are the first v_head_dim channels of the stored key (the latent), not a buffer.
+    v_from_k: bool = False
+    index_head_dim: int = 0  # NSA: width of the indexer key cache per token, 0 when absent
+    shared_from: int | None = None  # KV-sharing layer: reads this layer's cache and owns none
+
+    def values_per_token(self) -> int:
+        v = 0 if self.v_from_k else self.num_kv_heads * self.v_head_dim
+        return self.num_kv_heads * self.head_dim + v + self.index_head_dim
+
+
+class PageAllocator:
+    """Hands out page ids 1..num_pages-1 with reference counts (shared prefixes hold a page twice)."""
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError("the pool needs at least 2 pages (page 0 is reserved for padding)")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, 0, -1))
+        self._refs = [0] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages - 1
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise KVCacheFullError(
+                f"asked for {n} KV pages, {len(self._free)} free of {self.capacity}",
+                fix="lower the batch size or max_new_tokens, or give the KV cache more memory (kv_cache_memory=...)",
+            )
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def incref(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self._refs[p] > 0, f"page {p} is not allocated"
+            self._refs[p] += 1
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self._refs[p] > 0, f"page {p} freed twice"
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+
+class KVPool:
+    """One byte buffer holding every layer's pages; typed per-layer views into it.
+
+    Layout per owning layer (HND, what FlashInfer and TRT-LLM kernels read):
+      k:       [num_pages, num_kv_heads, page_size, head_dim]
+      v:       [num_pages, num_kv_heads, page_size, v_head_dim]   (MLA: a view of k's first channels)
+      index_k: [num_pages, page_size, index_head_dim]            (NSA indexer keys)
+    """
+
+    def __init__(
+        self,
+        specs: list[KVCacheSpec | None],
+        *,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        if not 1 <= page_size <= 128:
+            raise ValueError(f"page_size must be in 1..128, got {page_size}")
+        self.specs = specs
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.dtype = dtype
+        self.device = torch.device(device)
+        elt = torch.empty((), dtype=dtype).element_size()
+        # (layer id) -> (name -> (byte offset, shape)) for layers that own memory
+        layout: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {}
+        offset = 0
+        for lid, spec in enumerate(specs):
+            if spec is None or spec.shared_from is not None:
+                continue
+            parts = {"k": (num_pages, spec.num_kv_heads, page_size, spec.head_dim)}
+            if not spec.v_from_k:
+                parts["v"] = (num_pages, spec.num_kv_heads, page_size, spec.v_head_dim)
+            if spec.index_head_dim:
+                parts["index_k"] = (num_pages, page_size, spec.index_head_dim)
+            layout[lid] = {}
+            for name, shape in parts.items():
+                layout[lid][name] = (offset, shape)
+                nbytes = elt * torch.Size(shape).numel()
+                offset += -(-nbytes // _ALIGN) * _ALIGN
+        self.nbytes = offset
+        self.buffer = torch.zeros(offset, dtype=torch.uint8, device=self.device)
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
+        for lid, parts in layout.items():
+            self._views[lid] = {
+                name: self.buffer[off : off + elt * torch.Size(shape).numel()].view(dtype).view(shape)
+                for name, (off, shape) in parts.items()
+            }
+        for lid, spec in enumerate(specs):
+            if spec is None:
+                continue
+            if spec.shared_from is not None:
+                src = spec.shared_from
+                if src not in self._views:
+                    raise ValueError(f"layer {lid} shares the KV of layer {src}, which owns none")
+                self._views[lid] = self._views[src]
+            elif spec.v_from_k:
+                self._views[lid]["v"] = self._views[lid]["k"][..., : spec.v_head_dim]
+
+    @staticmethod
+    def bytes_per_page(specs: list[KVCacheSpec | None], page_size: int, dtype: torch.dtype) -> int:
+        elt = torch.empty((), dtype=dtype).element_size()
+        return page_size * elt * sum(
+            s.values_per_token() for s in specs if s is not None and s.shared_from is None
+        )
+
+    def owns_memory(self, layer_id: int) -> bool:
+        spec = self.specs[layer_id]
+        return spec is not None and spec.shared_from is None
+
+    def k(self, layer_id: int) -> torch.Tensor:
+        return self._views[layer_id]["k"]
+
+    def v(self, layer_id: int) -> torch.Tensor:
+        return self._views[layer_id]["v"]
+
+    def index_k(self, layer_id: int) -> torch.Tensor:
+        return self._views[layer_id]["index_k"]
+
+    def store(
+        self,
+        layer_id: int,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor | None,  # [num_tokens, num_kv_heads, v_head_dim]; None when v_from_k
+        index_k: torch.Tensor | None = None,  # [num_tokens, index_head_dim]
+    ) -> None:
+        """The one store path: write this step's new tokens at their slots."""
+        if not self.owns_memory(layer_id):
+            raise RuntimeError(f"layer {layer_id} reads a shared KV cache and must not write it")
+        page = slot_mapping // self.page_size
+        off = slot_mapping % self.page_size
+        views = self._views[layer_id]
+        views["k"][page, :, off] = k.to(self.dtype)
+        if v is not None:
+            views["v"][page, :, off] = v.to(self.dtype)
+        if index_k is not None:
+            views["index_k"][page, off] = index_k.to(self.dtype)

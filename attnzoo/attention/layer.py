@@ -1,0 +1,96 @@
+"""The one attention layer every model calls.
+
+A model computes q, k, v (projections, norms, RoPE) and hands them here; this layer stores k/v in the
+paged pool at the step's slots and runs the step's backend. It never knows which kernel runs.
+
+MLA (DeepSeek) uses the same layer in its absorbed form: the query is projected into the latent
+space, the "key" stored per token is the latent plus the shared RoPE key (one KV head), and the values
+are the latent's first ``kv_lora_rank`` channels of that same entry (``v_from_k``). To a backend this
+is multi-query attention with head dims (kv_lora_rank + rope_dim, kv_lora_rank).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from attnzoo.attention.kv_cache import KVCacheSpec, KVPool
+from attnzoo.attention.metadata import BatchMetadata
+
+if TYPE_CHECKING:
+    from attnzoo.attention.backends.base import AttentionBackend
+
+
+@dataclass
+class ForwardContext:
+    """What a model's forward needs besides its inputs: the step's metadata, the pool, the backends."""
+
+    meta: BatchMetadata
+    pool: KVPool
+    prefill_backend: "AttentionBackend"
+    decode_backend: "AttentionBackend"
+
+    @property
+    def backend(self) -> "AttentionBackend":
+        return self.decode_backend if self.meta.is_decode else self.prefill_backend
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        layer_id: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        v_head_dim: int | None = None,
+        scale: float | None = None,
+        sliding_window: int | None = None,  # a query at p sees keys j with p - sliding_window < j <= p
+        logit_softcap: float | None = None,  # scores -> cap * tanh(scores / cap)
+        kv_shared_from: int | None = None,  # read this earlier layer's KV cache; store nothing
+        kind: str = "mha",  # "mha" (MHA/GQA/MQA) or "mla" (absorbed latent attention)
+        index_head_dim: int = 0,  # NSA indexer key width kept beside the MLA cache
+    ):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if kind not in ("mha", "mla"):
+            raise ValueError(f"unknown attention kind {kind!r}")
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        self.scale = scale if scale is not None else head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
+        self.kv_shared_from = kv_shared_from
+        self.kind = kind
+        self.index_head_dim = index_head_dim
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            v_head_dim=self.v_head_dim,
+            v_from_k=self.kind == "mla",
+            index_head_dim=self.index_head_dim,
+            shared_from=self.kv_shared_from,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None on KV-sharing layers
+        v: torch.Tensor | None,  # [num_tokens, num_kv_heads, v_head_dim]; None on sharing and MLA layers
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * v_head_dim]
+        meta = ctx.meta
+        if self.kv_shared_from is None:
+            ctx.pool.store(self.layer_id, meta.slot_mapping, k, v)
+        backend = ctx.backend
+        run = backend.decode if meta.is_decode else backend.extend
+        out = run(self, q, meta)
+        return out.reshape(q.shape[0], self.num_heads * self.v_head_dim)

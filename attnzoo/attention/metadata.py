@@ -1,0 +1,120 @@
+"""Per-step batch metadata: built once per step by the engine, read by every layer.
+
+A step runs either in EXTEND mode (each request brings >= 1 new tokens on top of an optional cached
+prefix: prefill, chunked prefill, scoring) or in DECODE mode (each request brings exactly one new token
+and has a cached prefix). The prefill backend serves EXTEND steps, the decode backend DECODE steps.
+
+Tokens of all requests are packed into one flat batch: request i owns rows
+``q_indptr[i]:q_indptr[i+1]`` of every ``[num_tokens, ...]`` tensor.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"
+    DECODE = "decode"
+
+
+@dataclass
+class BatchMetadata:
+    mode: ForwardMode
+    page_size: int
+    # ---- device tensors (on the model's device) ----
+    positions: torch.Tensor  # [num_tokens] int64: absolute position of each new token
+    slot_mapping: torch.Tensor  # [num_tokens] int64: page * page_size + offset where its k/v is stored
+    q_indptr: torch.Tensor  # [num_reqs + 1] int32: row offsets of each request's new tokens
+    seq_lens: torch.Tensor  # [num_reqs] int32: cached prefix + new tokens (the KV length after the store)
+    prefix_lens: torch.Tensor  # [num_reqs] int32: tokens already in the cache before this step
+    block_tables: torch.Tensor  # [num_reqs, max_pages] int32: page ids per request, padded with 0
+    # ---- host copies, for planning without device syncs ----
+    seq_lens_cpu: list[int]
+    q_lens_cpu: list[int]
+    # Last row of each request in the flat batch: where the logits for sampling are taken.
+    last_token_rows: torch.Tensor  # [num_reqs] int64, device
+    # Per-backend planned state (wrappers, indptr arrays, ...), filled by Backend.prepare().
+    backend_state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens_cpu)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu)
+
+    @property
+    def max_q_len(self) -> int:
+        return max(self.q_lens_cpu)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode is ForwardMode.DECODE
+
+
+def build_metadata(
+    *,
+    prefix_lens: list[int],
+    q_lens: list[int],
+    block_tables: list[list[int]],
+    page_size: int,
+    device: torch.device | str,
+    mode: ForwardMode | None = None,
+    pad_block_table_to: int | None = None,
+) -> BatchMetadata:
+    """Build the step's metadata on the host, then move it to the device in one go per tensor.
+
+    ``block_tables[i]`` must cover ``prefix_lens[i] + q_lens[i]`` tokens. ``mode`` defaults to DECODE
+    when every request adds exactly one token on top of a non-empty prefix, else EXTEND.
+    """
+    if not (len(prefix_lens) == len(q_lens) == len(block_tables)) or not q_lens:
+        raise ValueError("prefix_lens, q_lens and block_tables must be non-empty and equally long")
+    seq_lens = [p + q for p, q in zip(prefix_lens, q_lens)]
+    for i, (s, bt) in enumerate(zip(seq_lens, block_tables)):
+        if len(bt) * page_size < s:
+            raise ValueError(f"request {i}: {len(bt)} pages of {page_size} cannot hold {s} tokens")
+    if mode is None:
+        decode = all(q == 1 for q in q_lens) and all(p > 0 for p in prefix_lens)
+        mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
+
+    positions: list[int] = []
+    slots: list[int] = []
+    for p, q, bt in zip(prefix_lens, q_lens, block_tables):
+        for pos in range(p, p + q):
+            positions.append(pos)
+            slots.append(bt[pos // page_size] * page_size + pos % page_size)
+    indptr = [0]
+    for q in q_lens:
+        indptr.append(indptr[-1] + q)
+    width = max(len(bt) for bt in block_tables)
+    if pad_block_table_to is not None:
+        width = max(width, pad_block_table_to)
+    table = torch.zeros(len(block_tables), width, dtype=torch.int32)
+    for i, bt in enumerate(block_tables):
+        table[i, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
+
+    def dev(x, dtype):
+        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+    return BatchMetadata(
+        mode=mode,
+        page_size=page_size,
+        positions=dev(positions, torch.int64),
+        slot_mapping=dev(slots, torch.int64),
+        q_indptr=dev(indptr, torch.int32),
+        seq_lens=dev(seq_lens, torch.int32),
+        prefix_lens=dev(prefix_lens, torch.int32),
+        block_tables=table.to(device, non_blocking=True),
+        seq_lens_cpu=seq_lens,
+        q_lens_cpu=list(q_lens),
+        last_token_rows=dev([e - 1 for e in indptr[1:]], torch.int64),
+    )

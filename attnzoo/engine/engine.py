@@ -1,0 +1,276 @@
+"""The generation loop: continuous batching over the paged KV cache.
+
+Each step packs (a) one new token for every running request that is decoding and (b) prompt chunks of
+requests still prefilling, up to a token budget. A step with only (a) runs in DECODE mode on the decode
+backend; any prompt chunk makes it an EXTEND step on the prefill backend. Requests join when their
+pages fit and leave as soon as they finish, so the batch changes between steps.
+
+KV pages are reserved at admission for the prompt plus max_new_tokens (capped by the context limit),
+so an admitted request never runs out of pages and nothing is ever preempted or dropped; requests that
+do not fit wait in the queue.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from attnzoo.attention.kv_cache import KVPool, PageAllocator
+from attnzoo.attention.layer import ForwardContext
+from attnzoo.attention.metadata import BatchMetadata, build_metadata
+from attnzoo.engine.sampling import SamplingParams, sample_one
+from attnzoo.errors import KVCacheFullError, RequestError
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    prompt_token_ids: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # [num_new_tokens, vocab] float32, when asked for
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    max_len: int  # prompt + tokens this request may generate (context limit applied)
+    generator: torch.Generator | None
+    out: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose k/v are in the pool
+    reserved: int = 0  # pages promised at admission and not yet allocated
+    finish: str | None = None
+    text: str | None = None  # set when a stop string cut the output
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_cached < len(self.prompt)
+
+
+class Engine:
+    def __init__(
+        self,
+        model,
+        pool: KVPool,
+        prefill_backend,
+        decode_backend,
+        *,
+        tokenizer=None,
+        eos_token_ids: set[int] = frozenset(),
+        context_len: int,
+        max_batch_tokens: int = 4096,
+        max_running: int = 256,
+    ):
+        self.model = model
+        self.pool = pool
+        self.allocator = PageAllocator(pool.num_pages)
+        self.prefill_backend = prefill_backend
+        self.decode_backend = decode_backend
+        self.tokenizer = tokenizer
+        self.eos = set(eos_token_ids)
+        self.context_len = context_len
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.device = pool.device
+
+    # ---------------------------------------------------------------- public
+
+    def check_request(self, prompt: list[int], params: SamplingParams) -> int:
+        """Validate one request before any work; returns its max total length."""
+        params.validate()
+        if not prompt:
+            raise RequestError("empty prompt", fix="pass at least one token or a non-empty string")
+        if len(prompt) >= self.context_len:
+            raise RequestError(
+                f"prompt of {len(prompt)} tokens does not leave room to generate within the context limit of {self.context_len}",
+                fix="shorten the prompt",
+            )
+        max_len = min(len(prompt) + params.max_new_tokens, self.context_len)
+        need = self._pages_for(max_len)
+        if need > self.allocator.capacity:
+            raise KVCacheFullError(
+                f"a request of {len(prompt)} prompt + {max_len - len(prompt)} new tokens needs {need} KV pages; the cache has {self.allocator.capacity}",
+                fix="lower max_new_tokens or give the KV cache more memory (kv_cache_tokens=... / kv_cache_memory=...)",
+            )
+        return max_len
+
+    def generate(
+        self, prompts: list[list[int]], params: list[SamplingParams], return_logits: bool = False
+    ) -> list[Completion]:
+        max_lens = [self.check_request(p, sp) for p, sp in zip(prompts, params)]
+        waiting = deque(
+            _Request(i, list(p), sp, m, self._generator(sp)) for i, (p, sp, m) in enumerate(zip(prompts, params, max_lens))
+        )
+        running: list[_Request] = []
+        done: list[_Request] = []
+        try:
+            while waiting or running:
+                self._admit(waiting, running)
+                batch = self._schedule(running)
+                logits = self._step(batch)
+                for req, row in zip(batch.sampling_reqs, logits):
+                    self._append(req, row, return_logits)
+                for req in [r for r in running if r.finish]:
+                    self._release(req)
+                    running.remove(req)
+                    done.append(req)
+        finally:
+            for req in running:  # an exception mid-run must not leak pages
+                self._release(req)
+        if len(done) != len(prompts):
+            raise RuntimeError(f"engine bug: {len(prompts)} requests in, {len(done)} out")
+        done.sort(key=lambda r: r.index)
+        return [self._completion(r, return_logits) for r in done]
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced logits [len, vocab] float32 for one sequence, in token-budget chunks."""
+        if not token_ids:
+            raise RequestError("empty token list", fix="pass at least one token id")
+        if len(token_ids) > self.context_len:
+            raise RequestError(f"{len(token_ids)} tokens exceed the context limit {self.context_len}", fix="shorten the input")
+        need = self._pages_for(len(token_ids))
+        if need > self.allocator.num_free:
+            raise KVCacheFullError(f"scoring {len(token_ids)} tokens needs {need} free KV pages, {self.allocator.num_free} free", fix="give the KV cache more memory")
+        pages = self.allocator.alloc(need)
+        rows = []
+        try:
+            for start in range(0, len(token_ids), self.max_batch_tokens):
+                chunk = token_ids[start : start + self.max_batch_tokens]
+                meta = build_metadata(
+                    prefix_lens=[start], q_lens=[len(chunk)], block_tables=[pages],
+                    page_size=self.pool.page_size, device=self.device,
+                )
+                ids = torch.tensor(chunk, dtype=torch.int64, device=self.device)
+                hidden = self._forward(ids, meta)
+                rows.append(self.model.compute_logits(hidden).float())
+        finally:
+            self.allocator.free(pages)
+        return torch.cat(rows)
+
+    # ---------------------------------------------------------------- scheduling
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.pool.page_size)
+
+    def _generator(self, sp: SamplingParams) -> torch.Generator | None:
+        if sp.greedy:
+            return None
+        g = torch.Generator(device=self.device)
+        g.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,))))
+        return g
+
+    def _admit(self, waiting: deque, running: list[_Request]) -> None:
+        reserved = sum(r.reserved for r in running)
+        while waiting and len(running) < self.max_running:
+            req = waiting[0]
+            need = self._pages_for(req.max_len)
+            if need > self.allocator.num_free - reserved:
+                break
+            waiting.popleft()
+            req.reserved = need
+            reserved += need
+            running.append(req)
+        if not running and waiting:
+            raise RuntimeError("engine bug: nothing running and the first waiting request does not fit")
+
+    def _schedule(self, running: list[_Request]) -> "_Batch":
+        batch = _Batch()
+        budget = self.max_batch_tokens
+        for req in running:  # decoding requests first: they are latency-critical
+            if not req.prefilling and budget > 0:
+                batch.add(req, [req.tokens[-1]], sample=True)
+                budget -= 1
+        for req in running:
+            if req.prefilling and budget > 0:
+                n = min(len(req.prompt) - req.num_cached, budget)
+                chunk = req.prompt[req.num_cached : req.num_cached + n]
+                batch.add(req, chunk, sample=req.num_cached + n == len(req.prompt))
+                budget -= n
+        for req, chunk in zip(batch.reqs, batch.chunks):
+            need = self._pages_for(req.num_cached + len(chunk)) - len(req.pages)
+            if need > 0:
+                req.pages += self.allocator.alloc(need)
+                req.reserved -= need
+        return batch
+
+    def _step(self, batch: "_Batch") -> torch.Tensor:
+        meta = build_metadata(
+            prefix_lens=[r.num_cached for r in batch.reqs],
+            q_lens=[len(c) for c in batch.chunks],
+            block_tables=[r.pages for r in batch.reqs],
+            page_size=self.pool.page_size,
+            device=self.device,
+        )
+        ids = torch.tensor([t for c in batch.chunks for t in c], dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            hidden = self._forward(ids, meta)
+            rows = meta.last_token_rows[torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)]
+            logits = self.model.compute_logits(hidden[rows])
+        for req, chunk in zip(batch.reqs, batch.chunks):
+            req.num_cached += len(chunk)
+        return logits
+
+    def _forward(self, ids: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        backend = self.decode_backend if meta.is_decode else self.prefill_backend
+        backend.prepare(meta)
+        ctx = ForwardContext(meta, self.pool, self.prefill_backend, self.decode_backend)
+        return self.model(ids, meta.positions, ctx)
+
+    # ---------------------------------------------------------------- results
+
+    def _append(self, req: _Request, logits: torch.Tensor, keep_logits: bool) -> None:
+        sp = req.params
+        token = int(torch.argmax(logits)) if sp.greedy else sample_one(logits, sp, req.generator)
+        if keep_logits:
+            req.logits.append(logits.float().cpu())
+        req.out.append(token)
+        if not sp.ignore_eos and token in self.eos:
+            req.finish = "stop"
+        elif sp.stop and self._hit_stop(req):
+            req.finish = "stop"
+        elif len(req.prompt) + len(req.out) >= req.max_len:
+            req.finish = "length"
+
+    def _hit_stop(self, req: _Request) -> bool:
+        text = self.tokenizer.decode(req.out, skip_special_tokens=True)
+        cut = min((text.find(s) for s in req.params.stop if s in text), default=-1)
+        if cut < 0:
+            return False
+        req.text = text[:cut]
+        return True
+
+    def _release(self, req: _Request) -> None:
+        self.allocator.free(req.pages)
+        req.pages, req.reserved = [], 0
+
+    def _completion(self, req: _Request, keep_logits: bool) -> Completion:
+        text = req.text
+        if text is None and self.tokenizer is not None:
+            text = self.tokenizer.decode(req.out, skip_special_tokens=True)
+        logits = torch.stack(req.logits) if keep_logits else None
+        return Completion(text=text, token_ids=req.out, finish_reason=req.finish, prompt_token_ids=req.prompt, logits=logits)
+
+
+class _Batch:
+    def __init__(self):
+        self.reqs: list[_Request] = []
+        self.chunks: list[list[int]] = []
+        self.sample_rows: list[int] = []  # indices into reqs whose last row is sampled
+        self.sampling_reqs: list[_Request] = []
+
+    def add(self, req: _Request, chunk: list[int], sample: bool) -> None:
+        if sample:
+            self.sample_rows.append(len(self.reqs))
+            self.sampling_reqs.append(req)
+        self.reqs.append(req)
+        self.chunks.append(chunk)

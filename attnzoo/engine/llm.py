@@ -1,0 +1,232 @@
+"""Public API: ``load_model(...) -> LLM`` and the LLM's generate / logits / info."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+
+from attnzoo.attention.backends import get_backend_class
+from attnzoo.attention.kv_cache import KVPool
+from attnzoo.engine.engine import Completion, Engine
+from attnzoo.engine.sampling import SamplingParams
+from attnzoo.errors import ModelLoadError, RequestError
+from attnzoo.models import loader
+from attnzoo.models.registry import model_class
+
+log = logging.getLogger("attnzoo")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def _pick_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' was asked for but no CUDA GPU is available", fix="pass device='cpu'")
+    return dev
+
+
+def _pick_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}", fix=f"use one of: {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory, context_len) -> int:
+    per_page = KVPool.bytes_per_page(specs, page_size, dtype)
+    if kv_cache_tokens is not None:
+        return -(-kv_cache_tokens // page_size) + 1
+    if kv_cache_memory is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            kv_cache_memory = int(free * 0.85)
+        else:
+            # CPU: enough for several full-length sequences without eating the machine's memory.
+            kv_cache_memory = min(1 << 30, per_page * (-(-8 * context_len // page_size)))
+    return max(2, kv_cache_memory // per_page)
+
+
+class LLM:
+    def __init__(self, *, model, tokenizer, config, architecture, source, decision, pool, engine, dtype, device):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.architecture = architecture
+        self.source = source
+        self.decision = decision
+        self.pool = pool
+        self.engine = engine
+        self.dtype = dtype
+        self.device = device
+
+    # ------------------------------------------------------------------ inputs
+
+    def _encode(self, prompt) -> list[int]:
+        if self.tokenizer is None and not (isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)):
+            raise RequestError(f"{self.source.name} has no tokenizer, so prompts must be token id lists",
+                               fix="pass token ids, or a checkpoint with tokenizer files")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("empty prompt string", fix="pass non-empty text")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            if getattr(self.tokenizer, "chat_template", None) is None:
+                raise RequestError("chat messages given but the tokenizer has no chat template", fix="pass a plain string")
+            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+            vocab = self.config_vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", fix="pass valid token ids")
+            return ids
+        raise RequestError(
+            f"cannot read a prompt of type {type(prompt).__name__}",
+            fix="pass a string, a list of chat messages ({'role':..., 'content':...}), or a list of token ids",
+        )
+
+    @property
+    def config_vocab_size(self) -> int:
+        return (getattr(self.config, "text_config", None) or self.config).vocab_size
+
+    # ------------------------------------------------------------------ API
+
+    def generate(
+        self,
+        prompts,
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        ignore_eos: bool = False,
+        return_logits: bool = False,
+    ) -> list[Completion]:
+        """One Completion per prompt, in input order. A single prompt may be passed bare."""
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and prompts and (isinstance(prompts[0], (int, dict)))
+        )
+        batch = [prompts] if single else list(prompts)
+        if not batch:
+            raise RequestError("no prompts given", fix="pass at least one prompt")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        ids = [self._encode(p) for p in batch]
+        params = [
+            SamplingParams(max_new_tokens, temperature, top_p, top_k, None if seed is None else seed + i, stops, ignore_eos)
+            for i in range(len(batch))
+        ]
+        return self.engine.generate(ids, params, return_logits=return_logits)
+
+    def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced logits [len, vocab] float32 (on CPU)."""
+        ids = self._encode(list(token_ids))
+        return self.engine.score(ids).cpu()
+
+    def info(self) -> dict[str, Any]:
+        specs = self.model.kv_cache_specs()
+        elt = torch.empty((), dtype=self.pool.dtype).element_size()
+        kv_bytes_per_token = KVPool.bytes_per_page(specs, 1, self.pool.dtype)
+        return {
+            "model": self.source.name,
+            "architecture": self.architecture,
+            "prefill_backend": self.decision.prefill_backend,
+            "decode_backend": self.decision.decode_backend,
+            "page_size": self.pool.page_size,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "kv_dtype": str(self.pool.dtype).replace("torch.", ""),
+            "device": str(self.device),
+            "kv_cache_pages": self.engine.allocator.capacity,
+            "kv_cache_tokens": self.engine.allocator.capacity * self.pool.page_size,
+            "kv_bytes_per_token": kv_bytes_per_token,
+            "kv_layers_with_memory": sum(1 for i in range(len(specs)) if self.pool.owns_memory(i)),
+            "kv_element_bytes": elt,
+            "context_len": self.engine.context_len,
+            "decision": self.decision.to_dict(),
+        }
+
+
+def load_model(
+    name_or_path=None,
+    *,
+    backend: str | None = None,
+    prefill_backend: str | None = None,
+    decode_backend: str | None = None,
+    dtype=None,
+    device=None,
+    page_size: int | None = None,
+    policy_file: str | None = None,
+    kv_cache_tokens: int | None = None,
+    kv_cache_memory: int | None = None,
+    max_batch_tokens: int | None = None,
+    max_running: int = 256,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> LLM:
+    """Load a checkpoint (local dir, hub id, .gguf file; None = embedded SmolLM2-135M-Instruct).
+
+    ``load_format="random"`` builds the model from its config with random weights (for benchmarks of
+    full-size shapes without the weights); the tokenizer is still loaded when the checkpoint has one.
+    """
+    from attnzoo.defaults import Overrides, resolve
+
+    if load_format not in ("auto", "random"):
+        raise ModelLoadError(f"unknown load_format {load_format!r}", fix="use 'auto' or 'random'")
+    dev = _pick_device(device)
+    dt = _pick_dtype(dtype, dev)
+    src = loader.resolve_source(name_or_path)
+    config = loader.load_config(src)
+    arch = loader.architecture_of(config)
+    cls = model_class(arch)  # unknown architectures fail here, before any weights are read
+    overrides = Overrides(
+        backend=backend, prefill_backend=prefill_backend, decode_backend=decode_backend,
+        page_size=page_size, policy_file=policy_file,
+    )
+    decision = resolve(config, gpu=None if dev.type == "cuda" else "cpu", overrides=overrides, model_id=src.name)
+    log.info("attention policy for %s: %s", arch, decision.explain().splitlines()[0])
+
+    torch.manual_seed(seed)
+    with torch.device(dev):
+        model = cls(config)
+    model.to(dt)
+    if load_format == "auto":
+        model.load_weights(loader.iter_weights(src, config))
+    else:
+        model.after_weights_loaded()
+    model.eval()
+    tokenizer = loader.load_tokenizer(src)
+
+    text_config = getattr(config, "text_config", None) or config
+    context_len = int(getattr(text_config, "max_position_embeddings", 4096))
+    specs = model.kv_cache_specs()
+    ps = decision.page_size
+    num_pages = _kv_pages(specs, ps, dt, dev, kv_cache_tokens, kv_cache_memory, context_len)
+    pool = KVPool(specs, num_pages=num_pages, page_size=ps, dtype=dt, device=dev)
+    pre = get_backend_class(decision.prefill_backend)(pool)
+    dec = pre if decision.decode_backend == decision.prefill_backend else get_backend_class(decision.decode_backend)(pool)
+    eos = _eos_ids(config, tokenizer)
+    engine = Engine(
+        model, pool, pre, dec, tokenizer=tokenizer, eos_token_ids=eos, context_len=context_len,
+        max_batch_tokens=max_batch_tokens or (8192 if dev.type == "cuda" else 2048), max_running=max_running,
+    )
+    return LLM(model=model, tokenizer=tokenizer, config=config, architecture=arch, source=src, decision=decision,
+               pool=pool, engine=engine, dtype=dt, device=dev)
+
+
+def _eos_ids(config, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for cfg in (config, getattr(config, "text_config", None)):
+        e = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        ids.update(e if isinstance(e, (list, tuple)) else ([e] if e is not None else []))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,155 @@
+"""Building blocks shared by the model files: norms, rotary embeddings, MLPs, and the model base class.
+
+Model parameters are named like the Hugging Face checkpoints they load (``model.layers.0.self_attn.
+q_proj.weight``), so loading is a name-for-name copy with shape checks and no per-model mapping tables.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from attnzoo.attention.kv_cache import KVCacheSpec
+from attnzoo.attention.layer import Attention, ForwardContext
+from attnzoo.errors import WeightError
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * (offset + weight), computed in float32. Gemma-style norms store weight - 1 (offset 1)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, offset: float = 0.0, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.offset = offset
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            xf = xf * (self.offset + self.weight.float())
+        return xf.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions, from the config's rope parameters (transformers' definitions).
+
+    ``rope_init`` is one of transformers' ROPE_INIT_FUNCTIONS names or "default"; the scaling they
+    return (YaRN's attention factor) multiplies cos and sin, as in the reference models.
+    """
+
+    def __init__(self, config, *, rope_type: str = "default", layer_type: str | None = None, head_dim: int):
+        super().__init__()
+        if rope_type == "default":
+            params = config.rope_parameters[layer_type] if layer_type else config.rope_parameters
+            base = params["rope_theta"]
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            scaling = 1.0
+        else:
+            kwargs = {"layer_type": layer_type} if layer_type else {}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.scaling = scaling
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens] -> cos, sin [num_tokens, rotary_dim] in float32."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.scaling, emb.sin() * self.scaling
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on x [num_tokens, heads, rotary_dim] with cos/sin [num_tokens, rotary_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return (x.float() * c + rotated.float() * s).to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU for Llama/DeepSeek, GeGLU (tanh gelu) for Gemma."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu"):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate_proj(x)
+        g = F.silu(g) if self.act == "silu" else F.gelu(g, approximate="tanh")
+        return self.down_proj(g * self.up_proj(x))
+
+
+class CausalLM(nn.Module):
+    """What the engine needs from every model.
+
+    forward(input_ids [num_tokens], positions [num_tokens], ctx) -> hidden [num_tokens, hidden]
+    compute_logits(hidden [n, hidden]) -> logits [n, vocab] (float32)
+    """
+
+    # Checkpoint tensors that are allowed to be absent (e.g. tied lm_head) or present but unused.
+    tied_lm_head: bool = False
+
+    def attention_layers(self) -> list[Attention]:
+        return sorted((m for m in self.modules() if isinstance(m, Attention)), key=lambda a: a.layer_id)
+
+    def kv_cache_specs(self) -> list[KVCacheSpec | None]:
+        layers = self.attention_layers()
+        specs: list[KVCacheSpec | None] = [None] * (max(a.layer_id for a in layers) + 1)
+        for a in layers:
+            specs[a.layer_id] = a.kv_cache_spec()
+        return specs
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Map a checkpoint tensor name to our parameter name; None skips the tensor."""
+        return name
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        for ckpt_name, tensor in tensors:
+            name = self.checkpoint_name(ckpt_name)
+            if name is None:
+                continue
+            if name not in params:
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise WeightError(
+                    f"checkpoint tensor {ckpt_name!r} has no matching parameter in {type(self).__name__}",
+                    fix="check that config.json's architectures matches the weights",
+                )
+            p = params[name]
+            if tuple(tensor.shape) != tuple(p.shape):
+                raise WeightError(
+                    f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}",
+                    fix="the checkpoint does not match its config.json; re-export it",
+                )
+            with torch.no_grad():
+                p.copy_(tensor.to(p.dtype))
+            seen.add(name)
+        missing = [n for n in params if n not in seen and not self._may_be_missing(n)]
+        if missing:
+            raise WeightError(
+                f"checkpoint is missing {len(missing)} weight(s), first: {missing[0]!r}",
+                fix="point to a complete checkpoint (all safetensors shards present)",
+            )
+        self.after_weights_loaded()
+
+    def _may_be_missing(self, name: str) -> bool:
+        return self.tied_lm_head and name == "lm_head.weight"
+
+    def after_weights_loaded(self) -> None:
+        if self.tied_lm_head and hasattr(self, "lm_head"):
+            self.lm_head.weight = self.model.embed_tokens.weight
+

@@ -1,0 +1,24 @@
+"""Hugging Face ``architectures`` name -> our model class, imported only when asked for."""
+from __future__ import annotations
+
+import importlib
+
+from attnzoo.errors import UnsupportedArchitectureError
+
+_MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "attnzoo.models.llama:LlamaForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class(architecture: str):
+    if architecture not in _MODELS:
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture!r} is not implemented in attnzoo",
+            fix=f"use a checkpoint of one of: {', '.join(supported_architectures())}",
+        )
+    module, cls = _MODELS[architecture].split(":")
+    return getattr(importlib.import_module(module), cls)
