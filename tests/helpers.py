@@ -1,0 +1,59 @@
+"""Shared test helpers: tiny tokenizers and checkpoints written with transformers, and the parity check
+of our model against the transformers reference (float32 logits, greedy tokens)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def tiny_tokenizer(vocab_size: int):
+    """A word-level tokenizer over words w0..w{n-1}; ids 0/1/2 are <unk>/<s>/</s>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def save_checkpoint(hf_model, path: Path, *, with_tokenizer: bool = True) -> Path:
+    hf_model.save_pretrained(path)
+    if with_tokenizer:
+        vocab = getattr(hf_model.config, "text_config", hf_model.config).vocab_size
+        tiny_tokenizer(vocab).save_pretrained(path)
+    return path
+
+
+def random_prompts(vocab_size: int, lengths, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def hf_greedy(hf_model, prompt: list[int], steps: int):
+    """transformers' greedy continuation and its raw per-step logits [steps, vocab]."""
+    hf_model.generation_config.eos_token_id = None
+    hf_model.generation_config.pad_token_id = 0
+    out = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=0, do_sample=False,
+        output_logits=True, return_dict_in_generate=True,
+    )
+    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits, 1)[0].float()
+
+
+@torch.no_grad()
+def assert_matches_hf(llm, hf_model, prompts: list[list[int]], *, steps: int = 32, atol: float = 1e-4) -> None:
+    """Prefill logits and every step of a greedy decode equal transformers' within ``atol``."""
+    hf_model.eval()
+    ours = llm.generate(prompts, max_new_tokens=steps, ignore_eos=True, return_logits=True)
+    for prompt, got in zip(prompts, ours):
+        ref_prefill = hf_model(torch.tensor([prompt])).logits[0].float()
+        diff = (llm.logits(prompt) - ref_prefill).abs().max().item()
+        assert diff <= atol, f"prefill logits differ by {diff}"
+        ref_tokens, ref_logits = hf_greedy(hf_model, prompt, steps)
+        assert got.token_ids == ref_tokens, "greedy tokens differ from transformers"
+        diff = (got.logits - ref_logits).abs().max().item()
+        assert diff <= atol, f"decode logits differ by {diff}"
