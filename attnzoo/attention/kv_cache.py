@@ -173,9 +173,17 @@ class KVPool:
         """The one store path: write this step's new tokens at their slots."""
         if not self.owns_memory(layer_id):
             raise RuntimeError(f"layer {layer_id} reads a shared KV cache and must not write it")
+        views = self._views[layer_id]
+        if self.device.type == "cuda":
+            # One Triton launch per layer for k and v (torch indexing costs several kernels each).
+            from attnzoo.attention.kernels.store import store_kv, store_rows
+
+            store_kv(slot_mapping, k, views["k"], v, views["v"] if v is not None else None)
+            if index_k is not None:
+                store_rows(slot_mapping, index_k, views["index_k"])
+            return
         page = slot_mapping // self.page_size
         off = slot_mapping % self.page_size
-        views = self._views[layer_id]
         views["k"][page, :, off] = k.to(self.dtype)
         if v is not None:
             views["v"][page, :, off] = v.to(self.dtype)

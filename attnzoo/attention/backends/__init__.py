@@ -11,6 +11,7 @@ from attnzoo.errors import BackendError
 
 _REGISTRY: dict[str, str] = {
     "torch": "attnzoo.attention.backends.torch_ref:TorchBackend",
+    "triton": "attnzoo.attention.backends.triton:TritonBackend",
 }
 
 

@@ -1,0 +1,138 @@
+"""The ``triton`` backend: our own paged extend and decode kernels (``attnzoo/attention/kernels``).
+
+Portable wherever Triton runs (any CUDA GPU with bf16 for bf16 models; the CPU through Triton's
+interpreter with ``TRITON_INTERPRET=1``, for tests). Supports MHA/GQA/MQA and absorbed MLA (MQA with
+values inside the key), head dims up to 1024 (q/k and v may differ), page sizes 1..128, sliding
+windows, logit soft-capping, a custom scale, float16/bfloat16/float32.
+
+Per step, ``prepare`` records the host-side facts the launches need (longest context, longest extend)
+so that no layer syncs with the device; per layer, the decode split count is plain integer arithmetic
+and the split-K scratch is allocated once per step and shape, then shared by every layer of that shape.
+
+CUDA graphs (decode): the kernels read ``meta.seq_lens`` and ``meta.block_tables`` on the device, so a
+replay only needs the engine's static metadata buffers refilled. The split count is a launch constant
+baked into the graph: under ``prepare_graph`` it depends only on the batch size and the longest context
+the graph was sized for (``init_graph_state``), and the scratch lives on the backend, not the step.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.kv_cache import KVPool
+from attnzoo.attention.metadata import BatchMetadata
+from attnzoo.errors import BackendError
+
+
+def _import_kernels():
+    try:
+        from attnzoo.attention.kernels import decode, extend
+    except ImportError as e:  # triton missing or broken
+        raise BackendError(
+            f"the triton backend cannot import triton ({e})",
+            fix="pip install 'attnzoo[triton]', or choose backend='torch'",
+        ) from e
+    return decode, extend
+
+
+@dataclass
+class _StepPlan:
+    max_seq_len: int
+    max_q_len: int
+    num_reqs: int
+    graph_max_kv_len: int | None = None  # set under CUDA graphs: splits depend on this, not the step
+    # (batch, heads, splits, v_dim) -> (partial [b, h, s, dv] float32, lse [b, h, s] float32)
+    scratch: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    supports_cuda_graph = True
+
+    def __init__(self, pool: KVPool):
+        super().__init__(pool)
+        if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise BackendError(
+                f"the triton backend runs on CUDA GPUs; the KV cache is on {pool.device}",
+                fix="use backend='torch' on CPU (or set TRITON_INTERPRET=1 before importing attnzoo, for tests)",
+            )
+        self._decode_mod, self._extend_mod = _import_kernels()
+        if pool.device.type == "cuda":
+            self._num_sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
+        else:
+            self._num_sms = 4  # the interpreter: small grids, but still exercise the split-K path
+        self._graph_max_kv_len: int | None = None
+        self._graph_scratch: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # ---- per step ----
+    def prepare(self, meta: BatchMetadata) -> None:
+        meta.backend_state[self.name] = _StepPlan(
+            max_seq_len=max(meta.seq_lens_cpu), max_q_len=max(meta.q_lens_cpu), num_reqs=meta.num_reqs
+        )
+
+    def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
+        self._graph_max_kv_len = max_pages_per_req * self.pool.page_size
+        self._graph_scratch.clear()
+
+    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> None:
+        if self._graph_max_kv_len is None:
+            raise BackendError("prepare_graph before init_graph_state", fix="call init_graph_state first")
+        self.prepare(meta)
+        meta.backend_state[self.name].graph_max_kv_len = self._graph_max_kv_len
+
+    def _plan(self, meta: BatchMetadata) -> _StepPlan:
+        plan = meta.backend_state.get(self.name)
+        if plan is None:  # a caller that skipped prepare(): planning is host-only and cheap
+            self.prepare(meta)
+            plan = meta.backend_state[self.name]
+        return plan
+
+    # ---- per layer ----
+    def extend(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        plan = self._plan(meta)
+        lid = layer.layer_id
+        return self._extend_mod.extend_attention(
+            q, self.pool.k(lid), self.pool.v(lid), meta.block_tables, meta.q_indptr, meta.prefix_lens,
+            max_q_len=plan.max_q_len, scale=layer.scale,
+            sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap,
+        )
+
+    def decode(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        plan = self._plan(meta)
+        lid = layer.layer_id
+        k_cache, v_cache = self.pool.k(lid), self.pool.v(lid)
+        batch, num_heads = q.shape[0], q.shape[1]
+        v_dim = v_cache.shape[-1]
+        splits = self._num_splits(layer, plan, batch, k_cache.shape[1], q.shape[2], v_dim, k_cache.dtype)
+        partial = lse = None
+        if splits > 1:
+            partial, lse = self._scratch(plan, batch, num_heads, splits, v_dim, q.device)
+        return self._decode_mod.decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+            scale=layer.scale, sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap,
+            num_kv_splits=splits, partial=partial, lse=lse,
+        )
+
+    def _num_splits(self, layer, plan: _StepPlan, batch, num_kv_heads, head_dim, v_dim, dtype) -> int:
+        kv_len = plan.graph_max_kv_len or plan.max_seq_len
+        if layer.sliding_window:
+            kv_len = min(kv_len, layer.sliding_window)
+        block_h = self._decode_mod.decode_launch_config(head_dim, v_dim, layer.num_heads // num_kv_heads, dtype)["BLOCK_H"]
+        return self._decode_mod.choose_num_kv_splits(
+            batch=batch, num_kv_heads=num_kv_heads, group=layer.num_heads // num_kv_heads,
+            max_kv_len=kv_len, num_sms=self._num_sms, block_h=block_h,
+        )
+
+    def _scratch(self, plan: _StepPlan, batch, heads, splits, v_dim, device):
+        key = (batch, heads, splits, v_dim)
+        # Graph replays write into the buffers captured at capture time: they must outlive the step.
+        store = self._graph_scratch if plan.graph_max_kv_len is not None else plan.scratch
+        if key not in store:
+            store[key] = (
+                torch.empty(batch, heads, splits, v_dim, dtype=torch.float32, device=device),
+                torch.empty(batch, heads, splits, dtype=torch.float32, device=device),
+            )
+        return store[key]

@@ -1,0 +1,76 @@
+"""Helpers shared by the Triton attention kernels: tile shapes for head dims and small device functions.
+
+Head dims need not be powers of two (MLA keys are 512 + 64 = 576 wide, tiny test models use 40 or 48).
+Triton tiles must be, so a head dim is covered by a power-of-two main tile plus, when the rest is itself
+a power of two of at least 16 (576 = 512 + 64, 192 = 128 + 64, 48 = 32 + 16), a second tile: no padded
+lanes are loaded. Any other width uses one padded, masked tile (40 -> 64).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnzoo.errors import BackendError
+
+# tl.dot needs every tile side to be at least 16 on the GPU.
+MIN_TILE = 16
+MAX_HEAD_DIM = 1024
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def head_dim_tiles(head_dim: int) -> tuple[int, int]:
+    """-> (main tile width, remainder tile width or 0) covering ``head_dim`` channels."""
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise BackendError(
+            f"head dim {head_dim} is outside what the triton kernels support (1..{MAX_HEAD_DIM})",
+            fix="use the torch backend for this model",
+        )
+    full = max(MIN_TILE, next_pow2(head_dim))
+    if full == head_dim or head_dim < 2 * MIN_TILE:
+        return full, 0
+    main = full // 2
+    rest = head_dim - main
+    if rest >= MIN_TILE and rest & (rest - 1) == 0:
+        return main, rest
+    return full, 0
+
+
+def value_tile(v_head_dim: int) -> int:
+    head_dim_tiles(v_head_dim)  # range check
+    return max(MIN_TILE, next_pow2(v_head_dim))
+
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def dot_args(cache: torch.Tensor) -> dict:
+    """The operand dtype and precision of the kernels' tl.dot calls, as constexpr kernel arguments.
+
+    The tensor cores take the cache dtype. Triton's CPU interpreter multiplies the raw bits of bfloat16
+    operands in tl.dot (triton-lang/triton#11584; upstream does not support bfloat16 there), so off
+    the GPU the operands go through float32. float32 models are compared with transformers to 1e-4:
+    no TF32 rounding for them.
+    """
+    dtype = cache.dtype if cache.device.type == "cuda" else torch.float32
+    return {"DOT_DTYPE": _TL_DTYPES[dtype], "DOT_PREC": "ieee" if dtype == torch.float32 else "tf32"}
+
+
+def check_kernel_dtypes(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise BackendError(
+                f"triton attention kernels take float16, bfloat16 or float32 tensors, got {t.dtype}",
+                fix="run the model and its KV cache in one of those dtypes, or use the torch backend",
+            )
+
+
+@triton.jit
+def softcap_fn(x, cap):
+    # cap * tanh(x / cap), written with exp so that it runs on every Triton version and the interpreter;
+    # 1 - 2 / (e^{2y} + 1) saturates cleanly to +-1 instead of producing inf / inf.
+    y = x / cap
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))

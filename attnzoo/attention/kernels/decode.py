@@ -1,0 +1,290 @@
+"""Paged decode attention: one query token per request, split-K over the context, GQA-grouped.
+
+Stage 1 runs one program per (request, KV head, block of query heads sharing that KV head, KV split):
+it streams its split of the request's keys/values once through the block table and keeps a running
+softmax for all the query heads of its block together, so a KV head is read once per head block rather
+than once per query head (MLA: 128 query heads on one latent KV head). With one split, stage 1 writes
+the final output directly; otherwise it writes normalised partial outputs and their log-sum-exp, and
+stage 2 merges the splits. Splitting lets a small batch with a long context still fill the GPU.
+
+Every tensor is addressed through its strides: pool views may be strided (MLA values are the first
+channels of the stored key), and q may be a view of a fused projection.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnzoo.attention.kernels.common import (
+    MIN_TILE,
+    check_kernel_dtypes,
+    dot_args,
+    head_dim_tiles,
+    softcap_fn,
+    value_tile,
+)
+from attnzoo.errors import BackendError
+
+MAX_KV_SPLITS = 64
+# A split shorter than this spends more on the merge than it saves.
+MIN_TOKENS_PER_SPLIT = 256
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_stage1(
+    Q, K, V, BT, SEQ_LENS, O, LSE,
+    stride_qb, stride_qh, stride_qd,
+    stride_kp, stride_kh, stride_kt, stride_kd,
+    stride_vp, stride_vh, stride_vt, stride_vd,
+    stride_btb,
+    stride_ob, stride_oh, stride_os, stride_od,  # O: out [b, h, d] (stride_os unused) or partial [b, h, s, d]
+    stride_lb, stride_lh, stride_ls,
+    sm_scale, softcap, window,
+    GROUP: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    V_FROM_K: tl.constexpr,
+    DIRECT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1) // HEAD_BLOCKS
+    hblk = tl.program_id(1) % HEAD_BLOCKS
+    split = tl.program_id(2)
+
+    offs_g = hblk * BLOCK_H + tl.arange(0, BLOCK_H)  # index inside the KV head's group
+    head_ok = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=head_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    q = q.to(DOT_DTYPE)
+    if BLOCK_DR > 0:
+        offs_dr = BLOCK_D + tl.arange(0, BLOCK_DR)
+        qr_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh + offs_dr[None, :] * stride_qd
+        qr = tl.load(qr_ptrs, mask=head_ok[:, None], other=0.0).to(DOT_DTYPE)
+
+    seq_len = tl.load(SEQ_LENS + b)
+    kv_start = 0
+    if HAS_WINDOW:
+        kv_start = tl.maximum(seq_len - window, 0)
+    span = seq_len - kv_start
+    split_len = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = kv_start + split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634  # exp2 instead of exp
+    bt_row = BT + b * stride_btb
+
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = offs_n % PAGE_SIZE
+        k_row = K + page * stride_kp + kvh * stride_kh + slot * stride_kt  # [BLOCK_N] pointers
+        k = tl.load(
+            k_row[:, None] + offs_d[None, :] * stride_kd,
+            mask=n_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+            other=0.0,
+        )
+        k = k.to(DOT_DTYPE)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_N]
+        if BLOCK_DR > 0:
+            kr = tl.load(k_row[:, None] + offs_dr[None, :] * stride_kd, mask=n_ok[:, None], other=0.0)
+            kr = kr.to(DOT_DTYPE)
+            qk += tl.dot(qr, tl.trans(kr), input_precision=DOT_PREC)
+        if HAS_SOFTCAP:
+            qk = softcap_fn(qk * sm_scale, softcap) * 1.4426950408889634
+        else:
+            qk = qk * qk_scale
+        qk = tl.where(n_ok[None, :], qk, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_FROM_K:
+            # The values are the key's first V_DIM channels (MLA latent): reuse the loaded tile.
+            v = k
+        else:
+            v_row = V + page * stride_vp + kvh * stride_vh + slot * stride_vt
+            v = tl.load(
+                v_row[:, None] + offs_dv[None, :] * stride_vd,
+                mask=n_ok[:, None] & (offs_dv[None, :] < V_DIM),
+                other=0.0,
+            )
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if DIRECT:
+        o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=head_ok[:, None] & (offs_dv[None, :] < V_DIM))
+    else:
+        o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :] * stride_od
+        tl.store(o_ptrs, out, mask=head_ok[:, None] & (offs_dv[None, :] < V_DIM))
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(LSE + b * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=head_ok)
+
+
+@triton.jit
+def _decode_stage2(
+    PARTIAL, LSE, O,
+    stride_pb, stride_ph, stride_ps, stride_pd,
+    stride_lb, stride_lh, stride_ls,
+    stride_ob, stride_oh, stride_od,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_DV)
+    s_ok = offs_s < NUM_SPLITS
+    # lse is in log2 units; empty splits carry -inf and weigh 0. Split 0 is never empty.
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_s * stride_ls, mask=s_ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(
+        PARTIAL + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
+        mask=s_ok[:, None] & (offs_d[None, :] < V_DIM),
+        other=0.0,
+    )
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(O.dtype.element_ty), mask=offs_d < V_DIM)
+
+
+def decode_launch_config(head_dim: int, v_head_dim: int, group: int, dtype: torch.dtype) -> dict:
+    """Tile sizes for stage 1: (BLOCK_H, BLOCK_N, num_warps, num_stages), chosen for SM90's 228 KB of
+    shared memory and register file; the kernel is bound by KV bandwidth, so tiles stay moderate."""
+    bd, bdr = head_dim_tiles(head_dim)
+    width = bd + bdr + value_tile(v_head_dim)
+    block_h = MIN_TILE if group <= MIN_TILE else min(64, 1 << (group - 1).bit_length())
+    if width <= 256:
+        block_n, warps = 64, 4
+    elif width <= 512:
+        block_n, warps = 32, 4
+    else:
+        block_n, warps = 32, 8
+    if dtype == torch.float32:
+        block_n = max(MIN_TILE, block_n // 2)
+    if block_h > MIN_TILE:
+        warps = max(warps, 8)
+    return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": warps, "num_stages": 2}
+
+
+def choose_num_kv_splits(
+    *, batch: int, num_kv_heads: int, group: int, max_kv_len: int, num_sms: int, block_h: int = MIN_TILE
+) -> int:
+    """How many KV splits make ``batch`` decode programs fill ``num_sms`` multiprocessors (host ints only)."""
+    head_blocks = -(-group // block_h)
+    programs = batch * num_kv_heads * head_blocks
+    want = -(-2 * num_sms // programs)
+    longest = max(1, max_kv_len // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, longest, MAX_KV_SPLITS))
+
+
+def decode_attention(
+    q: torch.Tensor,  # [batch, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_pages, num_kv_heads, page_size, head_dim]
+    v_cache: torch.Tensor,  # [num_pages, num_kv_heads, page_size, v_head_dim] (may be a view of k_cache)
+    block_tables: torch.Tensor,  # [batch, max_pages] int32
+    seq_lens: torch.Tensor,  # [batch] int32: keys per request, including this step's token
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    num_kv_splits: int = 1,
+    out: torch.Tensor | None = None,  # [batch, num_heads, v_head_dim], q's dtype
+    partial: torch.Tensor | None = None,  # [batch, num_heads, num_kv_splits, v_head_dim] float32 scratch
+    lse: torch.Tensor | None = None,  # [batch, num_heads, num_kv_splits] float32 scratch
+) -> torch.Tensor:  # [batch, num_heads, v_head_dim]
+    """Attention of each request's one new token over its cached keys (all on q's device, no host sync)."""
+    batch, num_heads, head_dim = q.shape
+    num_pages, num_kv_heads, page_size, k_dim = k_cache.shape
+    v_dim = v_cache.shape[-1]
+    if k_dim != head_dim or v_cache.shape[:3] != k_cache.shape[:3]:
+        raise BackendError(
+            f"decode: q {tuple(q.shape)}, k cache {tuple(k_cache.shape)} and v cache {tuple(v_cache.shape)} disagree",
+            fix="pass the layer's pool views and a query with the layer's head dim",
+        )
+    if num_heads % num_kv_heads:
+        raise BackendError(f"decode: {num_heads} query heads is not a multiple of {num_kv_heads} KV heads",
+                           fix="check the layer's head counts")
+    if not 1 <= num_kv_splits <= MAX_KV_SPLITS:
+        raise BackendError(f"decode: num_kv_splits {num_kv_splits} outside 1..{MAX_KV_SPLITS}",
+                           fix="choose it with choose_num_kv_splits")
+    check_kernel_dtypes(q, k_cache, v_cache)
+    group = num_heads // num_kv_heads
+    bd, bdr = head_dim_tiles(head_dim)
+    bdv = value_tile(v_dim)
+    cfg = decode_launch_config(head_dim, v_dim, group, k_cache.dtype)
+    block_h = cfg.pop("BLOCK_H")
+    head_blocks = -(-group // block_h)
+    # MLA: values are the key's first channels. Reusing the key tile needs the value tile to be exactly
+    # the key's main tile, unpadded.
+    v_from_k = (
+        v_cache.data_ptr() == k_cache.data_ptr()
+        and v_cache.stride() == k_cache.stride()
+        and v_dim == bd == bdv
+    )
+    if out is None:
+        out = torch.empty(batch, num_heads, v_dim, dtype=q.dtype, device=q.device)
+    direct = num_kv_splits == 1
+    if direct:
+        dest, lse_t = out, out  # lse is not written when DIRECT
+        d_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
+        l_strides = (0, 0, 0)
+    else:
+        if partial is None:
+            partial = torch.empty(batch, num_heads, num_kv_splits, v_dim, dtype=torch.float32, device=q.device)
+        if lse is None:
+            lse = torch.empty(batch, num_heads, num_kv_splits, dtype=torch.float32, device=q.device)
+        if partial.shape[:3] != (batch, num_heads, num_kv_splits) or lse.shape != (batch, num_heads, num_kv_splits):
+            raise BackendError("decode: split-K scratch has the wrong shape", fix="size it [batch, heads, splits, v_dim]")
+        dest, lse_t = partial, lse
+        d_strides = partial.stride()
+        l_strides = lse.stride()
+    if batch == 0:
+        return out
+    grid = (batch, num_kv_heads * head_blocks, num_kv_splits)
+    _decode_stage1[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, dest, lse_t,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
+        *d_strides, *l_strides,
+        float(scale), float(logit_softcap or 0.0), int(sliding_window or 0),
+        GROUP=group, HEAD_BLOCKS=head_blocks, NUM_SPLITS=num_kv_splits,
+        HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=bdv, BLOCK_H=block_h,
+        PAGE_SIZE=page_size, HAS_SOFTCAP=bool(logit_softcap), HAS_WINDOW=bool(sliding_window),
+        V_FROM_K=v_from_k, DIRECT=direct, **dot_args(k_cache),
+        **cfg,
+    )
+    if not direct:
+        _decode_stage2[(batch, num_heads)](
+            partial, lse, out,
+            *partial.stride(), *lse.stride(), *out.stride(),
+            NUM_SPLITS=num_kv_splits, BLOCK_S=max(2, 1 << (num_kv_splits - 1).bit_length()),
+            V_DIM=v_dim, BLOCK_DV=bdv,
+            num_warps=4 if bdv <= 256 else 8,
+        )
+    return out

@@ -1,0 +1,207 @@
+"""Paged extend (prefill) attention: new tokens of each request over its cached prefix and themselves.
+
+The layer has already stored this step's k/v in the pool, so every key is read from the paged cache
+through the block table. Flash-attention style: one program per (request, KV head, block of rows), a
+running softmax over key blocks in float32. A row is one (new token, query head of the KV head's group)
+pair, tokens major: the query heads sharing a KV head read each key block once together, which matters
+for short extends over long prefixes and for MLA's 128 heads on one latent KV head.
+
+A program only visits the keys some row of its block can see: up to its last row's position (causal),
+and from its first row's position minus the window (sliding window).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnzoo.attention.kernels.common import (
+    check_kernel_dtypes,
+    dot_args,
+    head_dim_tiles,
+    softcap_fn,
+    value_tile,
+)
+from attnzoo.errors import BackendError
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, BT, Q_INDPTR, PREFIX_LENS, O,
+    stride_qt, stride_qh, stride_qd,
+    stride_kp, stride_kh, stride_kt, stride_kd,
+    stride_vp, stride_vh, stride_vt, stride_vd,
+    stride_btb,
+    stride_ot, stride_oh, stride_od,
+    sm_scale, softcap, window,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    V_FROM_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    mblk = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2)
+
+    q_start = tl.load(Q_INDPTR + b)
+    q_len = tl.load(Q_INDPTR + b + 1) - q_start
+    num_rows = q_len * GROUP
+    if mblk * BLOCK_M >= num_rows:
+        return
+    prefix = tl.load(PREFIX_LENS + b)
+
+    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < num_rows
+    # Rows past the end repeat the last row: every row then sees >= 1 key and stays finite.
+    rows = tl.minimum(offs_m, num_rows - 1)
+    tok = rows // GROUP
+    heads = kvh * GROUP + rows % GROUP
+    pos = prefix + tok  # [BLOCK_M] absolute positions
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q_row = Q + (q_start + tok).to(tl.int64) * stride_qt + heads * stride_qh
+    q = tl.load(q_row[:, None] + offs_d[None, :] * stride_qd, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    q = q.to(DOT_DTYPE)
+    if BLOCK_DR > 0:
+        offs_dr = BLOCK_D + tl.arange(0, BLOCK_DR)
+        qr = tl.load(q_row[:, None] + offs_dr[None, :] * stride_qd).to(DOT_DTYPE)
+
+    first_pos = prefix + (mblk * BLOCK_M) // GROUP
+    last_pos = prefix + (tl.minimum(mblk * BLOCK_M + BLOCK_M, num_rows) - 1) // GROUP
+    hi = last_pos + 1
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+    bt_row = BT + b * stride_btb
+
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = offs_n % PAGE_SIZE
+        k_row = K + page * stride_kp + kvh * stride_kh + slot * stride_kt
+        k = tl.load(
+            k_row[:, None] + offs_d[None, :] * stride_kd,
+            mask=n_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+            other=0.0,
+        )
+        k = k.to(DOT_DTYPE)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
+        if BLOCK_DR > 0:
+            kr = tl.load(k_row[:, None] + offs_dr[None, :] * stride_kd, mask=n_ok[:, None], other=0.0)
+            kr = kr.to(DOT_DTYPE)
+            qk += tl.dot(qr, tl.trans(kr), input_precision=DOT_PREC)
+        if HAS_SOFTCAP:
+            qk = softcap_fn(qk * sm_scale, softcap) * 1.4426950408889634
+        else:
+            qk = qk * qk_scale
+        visible = offs_n[None, :] <= pos[:, None]
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > pos[:, None] - window)
+        qk = tl.where(visible, qk, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_FROM_K:
+            v = k
+        else:
+            v_row = V + page * stride_vp + kvh * stride_vh + slot * stride_vt
+            v = tl.load(
+                v_row[:, None] + offs_dv[None, :] * stride_vd,
+                mask=n_ok[:, None] & (offs_dv[None, :] < V_DIM),
+                other=0.0,
+            )
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_ptrs = O + (q_start + tok).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < V_DIM))
+
+
+def extend_launch_config(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> dict:
+    """Tile sizes for SM90: the float32 accumulator [BLOCK_M, v_dim] and the k/v tiles in shared memory
+    bound BLOCK_M and BLOCK_N as head dims grow."""
+    bd, bdr = head_dim_tiles(head_dim)
+    width = max(bd + bdr, value_tile(v_head_dim))
+    if width <= 64:
+        cfg = (128, 64, 4, 2)
+    elif width <= 128:
+        cfg = (128, 64, 8, 2)
+    elif width <= 256:
+        cfg = (64, 64, 8, 2)
+    else:
+        cfg = (64, 32, 8, 1)
+    block_m, block_n, warps, stages = cfg
+    if dtype == torch.float32:
+        block_m, block_n = max(16, block_m // 2), max(16, block_n // 2)
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+
+
+def extend_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]: the new tokens of all requests, packed
+    k_cache: torch.Tensor,  # [num_pages, num_kv_heads, page_size, head_dim], new tokens already stored
+    v_cache: torch.Tensor,  # [num_pages, num_kv_heads, page_size, v_head_dim] (may be a view of k_cache)
+    block_tables: torch.Tensor,  # [num_reqs, max_pages] int32
+    q_indptr: torch.Tensor,  # [num_reqs + 1] int32: request i owns rows q_indptr[i]:q_indptr[i+1]
+    prefix_lens: torch.Tensor,  # [num_reqs] int32: cached tokens before the new ones
+    *,
+    max_q_len: int,  # host int: the longest request's new-token count (sizes the grid, no device sync)
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, v_head_dim], q's dtype
+    launch_config: dict | None = None,  # override the tile sizes (benchmarks and tuning)
+) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, k_dim = k_cache.shape[1], k_cache.shape[3]
+    v_dim = v_cache.shape[-1]
+    num_reqs = q_indptr.shape[0] - 1
+    if k_dim != head_dim or v_cache.shape[:3] != k_cache.shape[:3]:
+        raise BackendError(
+            f"extend: q {tuple(q.shape)}, k cache {tuple(k_cache.shape)} and v cache {tuple(v_cache.shape)} disagree",
+            fix="pass the layer's pool views and a query with the layer's head dim",
+        )
+    if num_heads % num_kv_heads:
+        raise BackendError(f"extend: {num_heads} query heads is not a multiple of {num_kv_heads} KV heads",
+                           fix="check the layer's head counts")
+    check_kernel_dtypes(q, k_cache, v_cache)
+    group = num_heads // num_kv_heads
+    bd, bdr = head_dim_tiles(head_dim)
+    bdv = value_tile(v_dim)
+    v_from_k = v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride() and v_dim == bd == bdv
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, v_dim, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_reqs == 0 or max_q_len == 0:
+        return out
+    cfg = dict(launch_config or extend_launch_config(head_dim, v_dim, k_cache.dtype))
+    grid = (triton.cdiv(max_q_len * group, cfg["BLOCK_M"]), num_kv_heads, num_reqs)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, block_tables, q_indptr, prefix_lens, out,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
+        float(scale), float(logit_softcap or 0.0), int(sliding_window or 0),
+        GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=bdv,
+        PAGE_SIZE=k_cache.shape[2], HAS_SOFTCAP=bool(logit_softcap), HAS_WINDOW=bool(sliding_window),
+        V_FROM_K=v_from_k, **dot_args(k_cache),
+        **cfg,
+    )
+    return out

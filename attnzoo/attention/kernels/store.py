@@ -1,0 +1,87 @@
+"""Writing a step's new k/v into the paged pool at their slots (``slot = page * page_size + offset``).
+
+One program per (token, KV head) copies that head's key row and, in the same program, its value row:
+one launch per layer instead of the two scatter kernels (plus index arithmetic) of torch indexing.
+Destinations are addressed through the pool views' strides, so MLA's strided value view and NSA's
+indexer keys (one "head") go through the same kernel.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnzoo.attention.kernels.common import next_pow2
+from attnzoo.errors import BackendError
+
+
+@triton.jit
+def _store_kernel(
+    SLOTS, K, V, K_CACHE, V_CACHE,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_cp, stride_ch, stride_cs, stride_cd,
+    stride_dp, stride_dh, stride_ds, stride_dd,
+    PAGE_SIZE: tl.constexpr,
+    K_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    HAS_V: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    page = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    offs_k = tl.arange(0, BLOCK_K)
+    k = tl.load(K + t.to(tl.int64) * stride_kt + h * stride_kh + offs_k * stride_kd, mask=offs_k < K_DIM)
+    dst = K_CACHE + page * stride_cp + h * stride_ch + off * stride_cs + offs_k * stride_cd
+    tl.store(dst, k.to(K_CACHE.dtype.element_ty), mask=offs_k < K_DIM)
+    if HAS_V:
+        offs_v = tl.arange(0, BLOCK_V)
+        v = tl.load(V + t.to(tl.int64) * stride_vt + h * stride_vh + offs_v * stride_vd, mask=offs_v < V_DIM)
+        dst_v = V_CACHE + page * stride_dp + h * stride_dh + off * stride_ds + offs_v * stride_dd
+        tl.store(dst_v, v.to(V_CACHE.dtype.element_ty), mask=offs_v < V_DIM)
+
+
+def store_kv(
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_pages, num_kv_heads, page_size, head_dim]
+    v: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, v_head_dim]
+    v_cache: torch.Tensor | None = None,  # [num_pages, num_kv_heads, page_size, v_head_dim]
+) -> None:
+    """cache[slot // page_size, :, slot % page_size] = row, for k (and v), cast to the cache dtype."""
+    num_tokens, heads, k_dim = k.shape
+    if k_cache.dim() != 4 or k_cache.shape[1] != heads or k_cache.shape[3] != k_dim:
+        raise BackendError(f"store: k {tuple(k.shape)} does not fit the cache {tuple(k_cache.shape)}",
+                           fix="pass [tokens, kv_heads, head_dim] rows for this layer's cache")
+    if slot_mapping.shape[0] != num_tokens:
+        raise BackendError(f"store: {slot_mapping.shape[0]} slots for {num_tokens} tokens",
+                           fix="pass one slot per new token (BatchMetadata.slot_mapping)")
+    has_v = v is not None
+    if has_v:
+        if v_cache is None or v.shape[:2] != k.shape[:2] or v_cache.shape[:3] != k_cache.shape[:3] \
+                or v_cache.shape[3] != v.shape[2]:
+            raise BackendError(f"store: v {tuple(v.shape)} does not fit the cache "
+                               f"{None if v_cache is None else tuple(v_cache.shape)}",
+                               fix="pass [tokens, kv_heads, v_head_dim] rows and the layer's v cache")
+    if num_tokens == 0:
+        return
+    v_arg, vc_arg = (v, v_cache) if has_v else (k, k_cache)
+    _store_kernel[(num_tokens, heads)](
+        slot_mapping, k, v_arg, k_cache, vc_arg,
+        *k.stride(), *v_arg.stride(), *k_cache.stride(), *vc_arg.stride(),
+        PAGE_SIZE=k_cache.shape[2], K_DIM=k_dim, V_DIM=v_arg.shape[2],
+        BLOCK_K=next_pow2(k_dim), BLOCK_V=next_pow2(v_arg.shape[2]), HAS_V=has_v,
+        num_warps=1 if max(k_dim, v_arg.shape[2]) <= 256 else 2,
+    )
+
+
+def store_rows(
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    rows: torch.Tensor,  # [num_tokens, dim]
+    cache: torch.Tensor,  # [num_pages, page_size, dim]: a cache without a head axis (NSA indexer keys)
+) -> None:
+    store_kv(slot_mapping, rows.unsqueeze(1), cache.unsqueeze(1))
