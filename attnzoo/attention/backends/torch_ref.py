@@ -72,4 +72,25 @@ class TorchBackend(AttentionBackend):
         return self._run(layer, q, meta)
 
     def decode(self, layer, q, meta):
-        return self._run(layer, q, meta)
+        """All requests at once (one query each), padded to the longest context and masked."""
+        k_cache, v_cache = self.pool.k(layer.layer_id), self.pool.v(layer.layer_id)
+        b, max_len = q.shape[0], meta.max_seq_len
+        pages = meta.block_tables[:, : -(-max_len // meta.page_size)]  # [B, n]
+
+        def gather(cache):  # -> [B, Hkv, max_len, dim] float32
+            g = cache[pages].float()  # [B, n, Hkv, page_size, dim]
+            return g.transpose(1, 2).reshape(b, g.shape[2], -1, g.shape[-1])[:, :, :max_len]
+
+        k, v = gather(k_cache), gather(v_cache)
+        qg = q.float().view(b, layer.num_kv_heads, -1, q.shape[-1])  # [B, Hkv, group, D]
+        scores = (qg @ k.transpose(-1, -2)) * layer.scale  # [B, Hkv, group, max_len]
+        if layer.logit_softcap:
+            scores = layer.logit_softcap * torch.tanh(scores / layer.logit_softcap)
+        kpos = torch.arange(max_len, device=q.device).view(1, -1)
+        qpos = (meta.seq_lens.long() - 1).view(-1, 1)
+        visible = kpos <= qpos
+        if layer.sliding_window:
+            visible &= kpos > qpos - layer.sliding_window
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v  # [B, Hkv, group, Dv]
+        return out.reshape(b, layer.num_heads, layer.v_head_dim).to(q.dtype)

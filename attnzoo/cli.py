@@ -1,0 +1,92 @@
+"""The ``attnzoo`` command line: ``generate``, ``info`` and ``policy`` (show / explain)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from attnzoo.errors import AttnzooError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local dir, hub id or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--backend", default=None, help="attention backend for prefill and decode")
+    p.add_argument("--prefill-backend", default=None)
+    p.add_argument("--decode-backend", default=None)
+    p.add_argument("--page-size", type=int, default=None)
+    p.add_argument("--policy", default=None, help="user policy file (TOML, same schema as the shipped table)")
+    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def _load(args):
+    from attnzoo import load_model
+
+    return load_model(
+        args.model, backend=args.backend, prefill_backend=args.prefill_backend, decode_backend=args.decode_backend,
+        page_size=args.page_size, policy_file=args.policy, dtype=args.dtype, device=args.device,
+    )
+
+
+def _generate(args) -> int:
+    llm = _load(args)
+    print(f"# {llm.architecture}: prefill={llm.decision.prefill_backend} decode={llm.decision.decode_backend} "
+          f"page_size={llm.pool.page_size} device={llm.device}", file=sys.stderr)
+    prompts = [[{"role": "user", "content": p}] for p in args.prompts] if args.chat else list(args.prompts)
+    outs = llm.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or None)
+    for prompt, out in zip(args.prompts, outs):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.text, "finish_reason": out.finish_reason,
+                              "num_tokens": len(out.token_ids)}))
+        else:
+            print(f"### {prompt}\n{out.text}\n[{out.finish_reason}, {len(out.token_ids)} tokens]")
+    return 0
+
+
+def _info(args) -> int:
+    print(json.dumps(_load(args).info(), indent=2, default=str))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="attnzoo", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    _add_model_args(g)
+    g.add_argument("prompts", nargs="+")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap each prompt as a user chat message (default on)")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    g.set_defaults(func=_generate)
+
+    i = sub.add_parser("info", help="load a model and print LLM.info() (backends, page size, KV capacity)")
+    _add_model_args(i)
+    i.set_defaults(func=_info)
+
+    from attnzoo.defaults.cli import add_subparser
+
+    add_subparser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except AttnzooError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
