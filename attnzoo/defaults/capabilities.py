@@ -1,0 +1,422 @@
+"""What each attention backend can run, declared as data and checked in one place.
+
+A declaration may exist before its backend does (the FlashInfer family is declared ahead of its
+implementation): resolution only ever picks backends registered in
+``attnzoo.attention.backends._REGISTRY``, and naming a declared-but-unregistered one is an error that says
+so. Checking never imports a backend module: it must be cheap and work on a machine without CUDA.
+
+GPU classes are compute capabilities as the policy table names them: "sm80" (A100), "sm89" (L40S/4090),
+"sm90" (H100/H200), "sm100" (B200/GB200), "sm103" (B300/GB300), "sm120" (RTX PRO 6000 / 5090), and "cpu".
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+GPUS: tuple[str, ...] = ("cpu", "sm80", "sm89", "sm90", "sm100", "sm103", "sm120")
+CUDA_GPUS = frozenset(GPUS) - {"cpu"}
+ATTENTION_KINDS: tuple[str, ...] = ("mha", "mla", "nsa")
+PHASES: tuple[str, ...] = ("prefill", "decode")
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+MAX_PAGE_SIZE = 128  # the KV pool's own limit (kv_cache.KVPool)
+_HALF = frozenset({"bfloat16", "float16"})
+_ALL_DTYPES = frozenset(DTYPES)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel family a backend uses for a phase, and where it runs.
+
+    A phase lists its kernels in order of preference; the first whose GPUs and head dims fit the model
+    serves it. ``runs_as`` names the backend whose kernel actually runs (trtllm_mha prefill off
+    Blackwell runs FlashInfer's prefill), so the Decision can say so.
+    """
+
+    name: str
+    gpus: frozenset[str]
+    excluded_head_dims: frozenset[int] = frozenset()
+    runs_as: str | None = None
+    # (variable, value) that must be set in the environment for this kernel to run (Triton on CPU).
+    requires_env: tuple[str, str] | None = None
+    note: str = ""
+
+    def env_ok(self) -> bool:
+        return self.requires_env is None or os.environ.get(self.requires_env[0]) == self.requires_env[1]
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    name: str
+    description: str
+    kinds: frozenset[str]  # subset of ATTENTION_KINDS
+    prefill: tuple[Kernel, ...]  # empty: the backend has no prefill path
+    decode: tuple[Kernel, ...]  # empty: the backend has no decode path
+    # q/k head dims: an explicit set, or None for any dim in 1..max_head_dim.
+    head_dims: frozenset[int] | None = None
+    max_head_dim: int = 1024
+    # v head dims: as head_dims; None with head_dims None means "any up to max_head_dim".
+    v_head_dims: frozenset[int] | None = None
+    # MLA/NSA: the (q/k, v) head dims of the absorbed form it serves; None = anything head dims allow.
+    mla_dims: frozenset[tuple[int, int]] | None = None
+    page_sizes: frozenset[int] | None = None  # None: any of 1..MAX_PAGE_SIZE
+    dtypes: frozenset[str] = _ALL_DTYPES  # model/activation dtypes
+    kv_dtypes: frozenset[str] = _ALL_DTYPES
+    sliding_window: bool = False
+    logit_softcap: bool = False
+    attention_sinks: bool = False
+    module: str | None = None  # importable module the backend needs; None: nothing beyond torch
+    extra: str | None = None  # pip extra that installs it: pip install "attnzoo[<extra>]"
+    cuda_graph: bool = False
+    kv_layout: str = "HND"  # the KV layout it reads (kv_cache.KVPool writes HND)
+    # Block tables padded so that columns * page_size is a multiple of this (trtllm_mla: 128).
+    block_table_pad_tokens: int | None = None
+    notes: tuple[str, ...] = ()
+
+    def kernels(self, phase: str) -> tuple[Kernel, ...]:
+        return self.prefill if phase == "prefill" else self.decode
+
+    def gpus(self, phase: str) -> frozenset[str]:
+        out: frozenset[str] = frozenset()
+        for k in self.kernels(phase):
+            out |= k.gpus
+        return out
+
+    def phases(self) -> tuple[str, ...]:
+        return tuple(p for p in PHASES if self.kernels(p))
+
+    def block_table_columns_multiple(self, page_size: int) -> int:
+        """Block-table column count must be a multiple of this (1 = no padding needed)."""
+        if not self.block_table_pad_tokens:
+            return 1
+        return max(1, self.block_table_pad_tokens // page_size)
+
+    def page_size_ok(self, page_size: int) -> bool:
+        if self.page_sizes is None:
+            return 1 <= page_size <= MAX_PAGE_SIZE
+        return page_size in self.page_sizes
+
+    def page_sizes_text(self) -> str:
+        return f"1..{MAX_PAGE_SIZE}" if self.page_sizes is None else _fmt(self.page_sizes)
+
+    def head_dims_text(self) -> str:
+        if self.mla_dims is not None:
+            return " or ".join(f"(q/k {q}, v {v})" for q, v in sorted(self.mla_dims))
+        if self.head_dims is None:
+            return f"any up to {self.max_head_dim}"
+        return _fmt(self.head_dims)
+
+    def to_dict(self) -> dict:
+        def kern(k: Kernel) -> dict:
+            d = {"kernel": k.name, "gpus": sorted(k.gpus, key=GPUS.index)}
+            if k.excluded_head_dims:
+                d["excluded_head_dims"] = sorted(k.excluded_head_dims)
+            if k.runs_as:
+                d["runs_as"] = k.runs_as
+            if k.requires_env:
+                d["requires_env"] = f"{k.requires_env[0]}={k.requires_env[1]}"
+            if k.note:
+                d["note"] = k.note
+            return d
+
+        return {
+            "name": self.name,
+            "description": self.description,
+            "kinds": sorted(self.kinds),
+            "prefill": [kern(k) for k in self.prefill],
+            "decode": [kern(k) for k in self.decode],
+            "head_dims": self.head_dims_text(),
+            "page_sizes": self.page_sizes_text(),
+            "dtypes": sorted(self.dtypes),
+            "kv_dtypes": sorted(self.kv_dtypes),
+            "sliding_window": self.sliding_window,
+            "logit_softcap": self.logit_softcap,
+            "attention_sinks": self.attention_sinks,
+            "module": self.module,
+            "extra": self.extra,
+            "cuda_graph": self.cuda_graph,
+            "kv_layout": self.kv_layout,
+            "block_table_pad_tokens": self.block_table_pad_tokens,
+            "notes": list(self.notes),
+        }
+
+
+def _fmt(values) -> str:
+    return "{" + ", ".join(str(v) for v in sorted(values)) + "}"
+
+
+def _gpus(*names: str) -> frozenset[str]:
+    unknown = set(names) - set(GPUS)
+    assert not unknown, unknown
+    return frozenset(names)
+
+
+_MLA_DS = frozenset({(576, 512)})  # DeepSeek absorbed MLA: kv_lora_rank 512 + rope 64, values 512
+_ANY_CUDA = frozenset(CUDA_GPUS)
+
+CAPABILITIES: dict[str, BackendCapabilities] = {
+    c.name: c
+    for c in (
+        BackendCapabilities(
+            name="torch",
+            description="exact float32-accumulating reference over gathered pages; the correctness oracle",
+            kinds=frozenset({"mha", "mla", "nsa"}),
+            prefill=(Kernel("torch reference", frozenset(GPUS)),),
+            decode=(Kernel("torch reference", frozenset(GPUS)),),
+            max_head_dim=1024,
+            sliding_window=True,
+            logit_softcap=True,
+            module="torch",
+        ),
+        BackendCapabilities(
+            name="triton",
+            description="attnzoo's own Triton paged extend/decode kernels (split-K decode)",
+            kinds=frozenset({"mha", "mla"}),
+            prefill=(
+                Kernel("triton extend", _ANY_CUDA),
+                Kernel("triton extend (interpreter)", _gpus("cpu"), requires_env=("TRITON_INTERPRET", "1"),
+                       note="CPU runs the Triton interpreter: for tests only, very slow"),
+            ),
+            decode=(
+                Kernel("triton split-K decode", _ANY_CUDA),
+                Kernel("triton split-K decode (interpreter)", _gpus("cpu"), requires_env=("TRITON_INTERPRET", "1"),
+                       note="CPU runs the Triton interpreter: for tests only, very slow"),
+            ),
+            # The kernels tile any width up to 1024 (attention/kernels/common.py MAX_HEAD_DIM); tuned
+            # for 64..512 and MLA's 576/512.
+            max_head_dim=1024,
+            sliding_window=True,
+            logit_softcap=True,
+            module="triton",
+            extra="triton",
+            cuda_graph=True,
+            notes=("tuned for head dims 64..512 (MHA) and 576/512 (MLA); smaller dims run padded",),
+        ),
+        BackendCapabilities(
+            name="flashinfer",
+            description="FlashInfer paged prefill/decode wrappers (FA2 everywhere, FA3 prefill on SM90)",
+            kinds=frozenset({"mha"}),
+            prefill=(
+                Kernel("FlashInfer FA3 prefill", _gpus("sm90"), excluded_head_dims=frozenset({512}),
+                       note="FA3 prefill does not build for head dim 512"),
+                Kernel("FlashInfer FA2 prefill", _ANY_CUDA),
+            ),
+            decode=(Kernel("FlashInfer FA2 decode", _ANY_CUDA),),
+            head_dims=frozenset({64, 128, 256, 512}),
+            v_head_dims=frozenset({64, 128, 256, 512}),
+            dtypes=_HALF,
+            kv_dtypes=_HALF,
+            sliding_window=True,
+            logit_softcap=True,
+            module="flashinfer",
+            extra="flashinfer",
+            cuda_graph=True,
+        ),
+        BackendCapabilities(
+            name="trtllm_mha",
+            description="TRT-LLM attention through FlashInfer: trtllm-gen on SM100/SM103, XQA decode on SM90/SM120",
+            kinds=frozenset({"mha"}),
+            prefill=(
+                Kernel("trtllm-gen context (trtllm_batch_context_with_kv_cache)", _gpus("sm100", "sm103")),
+                Kernel("FlashInfer FA3 prefill", _gpus("sm90"), excluded_head_dims=frozenset({512}),
+                       runs_as="flashinfer", note="trtllm-gen context kernels are SM100/SM103 only"),
+                Kernel("FlashInfer FA2 prefill", _gpus("sm90", "sm120"), runs_as="flashinfer",
+                       note="trtllm-gen context kernels are SM100/SM103 only"),
+            ),
+            decode=(
+                Kernel("trtllm-gen decode (trtllm_batch_decode_with_kv_cache)", _gpus("sm100", "sm103")),
+                Kernel("XQA decode (trtllm_batch_decode_with_kv_cache)", _gpus("sm90", "sm120")),
+            ),
+            head_dims=frozenset({64, 128, 256, 512}),
+            v_head_dims=frozenset({64, 128, 256, 512}),
+            page_sizes=frozenset({16, 32, 64}),
+            dtypes=_HALF,
+            kv_dtypes=_HALF | {"fp8_e4m3"},
+            sliding_window=True,
+            logit_softcap=False,  # the trtllm kernels take no soft-cap argument
+            attention_sinks=True,
+            module="flashinfer",
+            extra="flashinfer",
+            cuda_graph=True,
+            notes=("MHA/GQA models only",),
+        ),
+        BackendCapabilities(
+            name="flashinfer_mla",
+            description="FlashInfer BatchMLAPagedAttentionWrapper over the absorbed latent cache",
+            kinds=frozenset({"mla"}),
+            prefill=(
+                Kernel("FlashInfer MLA FA3", _gpus("sm90")),
+                Kernel("FlashInfer MLA FA2", _gpus("sm80", "sm89", "sm100", "sm103", "sm120")),
+            ),
+            decode=(
+                Kernel("FlashInfer MLA FA3", _gpus("sm90")),
+                Kernel("FlashInfer MLA FA2", _gpus("sm80", "sm89", "sm100", "sm103", "sm120")),
+            ),
+            mla_dims=_MLA_DS,
+            dtypes=_HALF,
+            kv_dtypes=_HALF,
+            module="flashinfer",
+            extra="flashinfer",
+            cuda_graph=True,
+            kv_layout="mla_bf16",
+            notes=("kv_lora_rank 512 with qk_rope_head_dim 64 only",),
+        ),
+        BackendCapabilities(
+            name="trtllm_mla",
+            description="TRT-LLM MLA decode through FlashInfer (trtllm_batch_decode_with_kv_cache_mla)",
+            kinds=frozenset({"mla", "nsa"}),
+            prefill=(),
+            decode=(Kernel("trtllm-gen MLA decode", _gpus("sm100", "sm103")),),
+            mla_dims=_MLA_DS,
+            page_sizes=frozenset({32, 64}),
+            dtypes=_HALF,
+            kv_dtypes=_HALF | {"fp8_e4m3"},
+            module="flashinfer",
+            extra="flashinfer",
+            cuda_graph=True,
+            kv_layout="mla_bf16",
+            block_table_pad_tokens=128,
+            notes=(
+                "decode only: pair it with an MLA prefill backend",
+                "block table column count padded to a multiple of 128/page_size",
+            ),
+        ),
+    )
+}
+
+
+def module_available(module: str | None) -> bool:
+    """Whether the backend's package can be imported here (checked without importing it)."""
+    if module is None:
+        return True
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@dataclass
+class Check:
+    """The outcome of checking one backend for one phase: every constraint, passed or violated."""
+
+    backend: str
+    phase: str
+    violations: list[str] = field(default_factory=list)
+    passed: list[str] = field(default_factory=list)
+    kernel: Kernel | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    @property
+    def reasons(self) -> list[str]:
+        return self.violations if self.violations else self.passed
+
+
+def check_backend(
+    name: str,
+    phase: str,
+    *,
+    gpu: str,
+    kind: str,
+    head_dims: frozenset[int],
+    v_head_dims: frozenset[int],
+    uses_sliding_window: bool = False,
+    uses_softcap: bool = False,
+    uses_sinks: bool = False,
+    dtype: str | None = None,
+    registered: frozenset[str] | set[str] = frozenset(),
+) -> Check:
+    """Check everything but the page size (the policy may still adjust that) for one phase."""
+    chk = Check(name, phase)
+    caps = CAPABILITIES.get(name)
+    if caps is None:
+        chk.violations.append(
+            "registered but declares no capabilities in attnzoo/defaults/capabilities.py" if name in registered
+            else f"unknown backend (declared: {', '.join(sorted(CAPABILITIES))})"
+        )
+        return chk
+    bad, good = chk.violations, chk.passed
+
+    if name in registered:
+        good.append("registered in this build")
+    else:
+        bad.append(
+            f"not implemented yet in this build (registered backends: {', '.join(sorted(registered)) or 'none'})"
+        )
+    if caps.module is None or module_available(caps.module):
+        good.append(f"package {caps.module!r} importable" if caps.module else "needs no extra package")
+    else:
+        fix = f'pip install "attnzoo[{caps.extra}]"' if caps.extra else f"install {caps.module}"
+        bad.append(f"needs the Python package {caps.module!r}, which is not installed ({fix})")
+
+    if kind not in caps.kinds:
+        bad.append(f"does not run {kind.upper()} attention (supports: {', '.join(sorted(caps.kinds)).upper()})")
+    else:
+        good.append(f"runs {kind.upper()} attention")
+
+    kernels = caps.kernels(phase)
+    if not kernels:
+        other = [p for p in caps.phases()]
+        bad.append(f"has no {phase} path ({' and '.join(other)} only)")
+    else:
+        on_gpu = [k for k in kernels if gpu in k.gpus]
+        if not on_gpu:
+            bad.append(
+                f"{phase} does not run on {gpu} (runs on: {', '.join(sorted(caps.gpus(phase), key=GPUS.index))})"
+            )
+        else:
+            runnable = [k for k in on_gpu if k.env_ok()]
+            if not runnable:
+                var, val = on_gpu[0].requires_env  # type: ignore[misc]
+                bad.append(f"{phase} on {gpu} needs {var}={val} in the environment ({on_gpu[0].note})")
+            else:
+                fitting = [k for k in runnable if not (head_dims & k.excluded_head_dims)]
+                if not fitting:
+                    k = runnable[0]
+                    bad.append(f"{k.name} on {gpu} does not support head dim(s) "
+                               f"{_fmt(head_dims & k.excluded_head_dims)} ({k.note})")
+                else:
+                    chk.kernel = fitting[0]
+                    skipped = [k for k in runnable if k not in fitting]
+                    extra = f"; {skipped[0].name} skipped: {skipped[0].note}" if skipped else ""
+                    good.append(f"{phase} runs on {gpu} via {fitting[0].name}{extra}")
+
+    dims_bad = _head_dim_violation(caps, kind, head_dims, v_head_dims)
+    if dims_bad:
+        bad.append(dims_bad)
+    else:
+        good.append(f"head dims q/k {_fmt(head_dims)} v {_fmt(v_head_dims)} supported")
+
+    if uses_sliding_window and not caps.sliding_window:
+        bad.append("does not support sliding-window attention, which this model uses")
+    if uses_softcap and not caps.logit_softcap:
+        bad.append("does not support attention logit soft-capping, which this model uses")
+    if uses_sinks and not caps.attention_sinks:
+        bad.append("does not support attention sinks, which this model uses")
+    if dtype is not None:
+        if dtype in caps.dtypes:
+            good.append(f"dtype {dtype} supported")
+        else:
+            bad.append(f"does not run dtype {dtype} (supports: {', '.join(sorted(caps.dtypes))})")
+    return chk
+
+
+def _head_dim_violation(caps: BackendCapabilities, kind: str, qk: frozenset[int], v: frozenset[int]) -> str | None:
+    if caps.mla_dims is not None:
+        pairs = {(q, vv) for q in qk for vv in v}
+        if len(qk) != 1 or len(v) != 1 or not pairs <= caps.mla_dims:
+            return (f"head dims q/k {_fmt(qk)} v {_fmt(v)} unsupported "
+                    f"(supports {caps.head_dims_text()})")
+        return None
+    for label, dims, allowed in (("q/k", qk, caps.head_dims), ("v", v, caps.v_head_dims)):
+        if allowed is None:
+            over = {d for d in dims if not 1 <= d <= caps.max_head_dim}
+            if over:
+                return f"{label} head dim(s) {_fmt(over)} unsupported (supports any up to {caps.max_head_dim})"
+        else:
+            missing = set(dims) - allowed
+            if missing:
+                return f"{label} head dim(s) {_fmt(missing)} unsupported (supports {_fmt(allowed)})"
+    return None
