@@ -218,6 +218,7 @@ def decode_attention(
     out: torch.Tensor | None = None,  # [batch, num_heads, v_head_dim], q's dtype
     partial: torch.Tensor | None = None,  # [batch, num_heads, num_kv_splits, v_head_dim] float32 scratch
     lse: torch.Tensor | None = None,  # [batch, num_heads, num_kv_splits] float32 scratch
+    launch_config: dict | None = None,  # override decode_launch_config (benchmarks and tuning)
 ) -> torch.Tensor:  # [batch, num_heads, v_head_dim]
     """Attention of each request's one new token over its cached keys (all on q's device, no host sync)."""
     batch, num_heads, head_dim = q.shape
@@ -238,7 +239,7 @@ def decode_attention(
     group = num_heads // num_kv_heads
     bd, bdr = head_dim_tiles(head_dim)
     bdv = value_tile(v_dim)
-    cfg = decode_launch_config(head_dim, v_dim, group, k_cache.dtype)
+    cfg = dict(launch_config or decode_launch_config(head_dim, v_dim, group, k_cache.dtype))
     block_h = cfg.pop("BLOCK_H")
     head_blocks = -(-group // block_h)
     # MLA: values are the key's first channels. Reusing the key tile needs the value tile to be exactly
