@@ -12,6 +12,10 @@ from attnzoo.errors import BackendError
 _REGISTRY: dict[str, str] = {
     "torch": "attnzoo.attention.backends.torch_ref:TorchBackend",
     "triton": "attnzoo.attention.backends.triton:TritonBackend",
+    "flashinfer": "attnzoo.attention.backends.flashinfer:FlashInferBackend",
+    "trtllm_mha": "attnzoo.attention.backends.trtllm_mha:TrtllmMHABackend",
+    "flashinfer_mla": "attnzoo.attention.backends.flashinfer_mla:FlashInferMLABackend",
+    "trtllm_mla": "attnzoo.attention.backends.trtllm_mla:TrtllmMLABackend",
 }
 
 

@@ -1,0 +1,259 @@
+"""The ``flashinfer`` backend: FlashInfer's paged prefill/extend and decode plan/run wrappers.
+
+Kernels (HND pages read in place, bf16/fp16, head dims 64/128/256/512, sliding window, soft-cap):
+
+* extend: ``BatchPrefillWithPagedKVCacheWrapper``, causal with the queries aligned to the end of each
+  request's KV range (a cached prefix then the new tokens). On SM90 it runs FlashInfer's FA3 kernels
+  when q/k and v head dims are equal and at most 256 (FA3 prefill does not build for head dim 512);
+  everywhere else, and for head dim 512, the FA2 kernels. ``prefill_kernel`` says which.
+* decode: ``BatchDecodeWithPagedKVCacheWrapper`` (FA2). It uses the tensor-core kernels when a KV head
+  serves >= 4 query heads (the rule SGLang applies; the CUDA-core kernel wins for small groups), and
+  layers whose v head dim differs from q/k run their one-token step through the prefill wrapper,
+  since the decode wrapper needs them equal.
+
+Planning: ``prepare(meta)`` builds the page indices once per step (one set per sliding-window size:
+pages wholly outside the window are skipped) and plans one wrapper per distinct layer signature
+(heads, KV heads, head dims, window, soft-cap, scale); every layer of that signature reuses it. The
+backend learns the signatures from the layers it serves: on the first step each signature is planned
+when its first layer runs, from then on ``prepare`` plans them all before the model runs. Plans read
+host copies of the index pointers, so no step synchronises with the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.backends.fi_common import (
+    LayerSignature,
+    check_dtype,
+    check_page_size,
+    compute_capability,
+    load_flashinfer,
+    sm_name,
+    window_page_start,
+    workspace,
+)
+from attnzoo.attention.kernels import page_table
+from attnzoo.attention.kv_cache import KVPool
+from attnzoo.attention.metadata import BatchMetadata, ForwardMode
+from attnzoo.errors import BackendError
+
+HEAD_DIMS = (64, 128, 256, 512)
+FA3_HEAD_DIMS = (64, 128, 256)
+TENSOR_CORE_DECODE_MIN_GROUP = 4
+
+
+@dataclass
+class _PageIndex:
+    """One step's pages in FlashInfer's ragged form, for one sliding-window size."""
+
+    kv_indptr: torch.Tensor  # [num_reqs + 1] int32, host
+    kv_indices: torch.Tensor  # [kv_indptr[-1]] int32, device
+    last_page_len: torch.Tensor  # [num_reqs] int32, host
+
+
+@dataclass
+class _Step:
+    mode: ForwardMode
+    qo_indptr: torch.Tensor  # [num_reqs + 1] int32, host
+    indices: dict[int | None, _PageIndex] = field(default_factory=dict)
+    planned: dict[LayerSignature, object] = field(default_factory=dict)  # signature -> planned wrapper
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "flashinfer"
+    supports_cuda_graph = False
+
+    def __init__(self, pool: KVPool, *, prefill_variant: str | None = None):
+        """``prefill_variant``: None picks per layer (FA3 on SM90 where it builds, else FA2); "fa2" or
+        "fa3" forces one (for measurements; "fa3" needs SM90 and head dims <= 256)."""
+        super().__init__(pool)
+        # The package first: without it nothing else matters, and the error names the extra.
+        self._fi = load_flashinfer(self.name)
+        self._cc = compute_capability(self.name, pool.device)
+        check_dtype(self.name, pool.dtype)
+        if prefill_variant not in (None, "fa2", "fa3"):
+            raise BackendError(f"unknown FlashInfer prefill variant {prefill_variant!r}", fix="use 'fa2', 'fa3' or None")
+        if prefill_variant == "fa3" and self._cc[0] != 9:
+            raise BackendError(
+                f"FlashInfer's FA3 prefill runs on SM90 only; this GPU is {sm_name(self._cc)}",
+                fix="use prefill_variant='fa2' or None",
+            )
+        self._prefill_variant = prefill_variant
+        self._prefill_wrappers: dict[LayerSignature, object] = {}
+        self._decode_wrappers: dict[LayerSignature, object] = {}
+        self._known: dict[LayerSignature, None] = {}  # insertion-ordered set of signatures seen
+        self._state_key = f"{self.name}:{id(self)}"
+
+    # ---------------------------------------------------------------- kernel choice (reported)
+
+    def prefill_kernel(self, head_dim: int, v_head_dim: int) -> str:
+        """"fa3" or "fa2": which FlashInfer prefill kernels serve a layer with these head dims here."""
+        fa3_fits = self._cc[0] == 9 and head_dim == v_head_dim and head_dim in FA3_HEAD_DIMS
+        if self._prefill_variant == "fa3":
+            if not fa3_fits:
+                raise BackendError(
+                    f"FlashInfer's FA3 prefill does not serve head dims q/k {head_dim}, v {v_head_dim} "
+                    f"(it builds for equal dims in {FA3_HEAD_DIMS})",
+                    fix="use prefill_variant='fa2' or None",
+                )
+            return "fa3"
+        if self._prefill_variant == "fa2":
+            return "fa2"
+        return "fa3" if fa3_fits else "fa2"
+
+    def decode_kernel(self, num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int) -> str:
+        if head_dim != v_head_dim:
+            return f"{self.prefill_kernel(head_dim, v_head_dim)} prefill (q/k and v head dims differ)"
+        if num_heads // num_kv_heads >= TENSOR_CORE_DECODE_MIN_GROUP:
+            return "fa2 decode (tensor cores)"
+        return "fa2 decode (CUDA cores)"
+
+    def kernels_for(self, layer) -> dict[str, str]:
+        """The kernels this backend runs for ``layer``, per phase, for reports and the Decision."""
+        return {
+            "prefill": f"FlashInfer {self.prefill_kernel(layer.head_dim, layer.v_head_dim)} paged prefill",
+            "decode": "FlashInfer " + self.decode_kernel(layer.num_heads, layer.num_kv_heads,
+                                                         layer.head_dim, layer.v_head_dim),
+        }
+
+    # ---------------------------------------------------------------- per step
+
+    def prepare(self, meta: BatchMetadata) -> None:
+        check_page_size(self.name, meta.page_size, self.pool.page_size)
+        qo = [0]
+        for q in meta.q_lens_cpu:
+            qo.append(qo[-1] + q)
+        step = _Step(mode=meta.mode, qo_indptr=torch.tensor(qo, dtype=torch.int32))
+        meta.backend_state[self._state_key] = step
+        for sig in self._known:
+            self._plan(meta, step, sig)
+
+    def _step(self, meta: BatchMetadata) -> _Step:
+        step = meta.backend_state.get(self._state_key)
+        if step is None or step.mode is not meta.mode:  # a caller that skipped prepare()
+            self.prepare(meta)
+            step = meta.backend_state[self._state_key]
+        return step
+
+    def _page_index(self, meta: BatchMetadata, step: _Step, window: int | None) -> _PageIndex:
+        idx = step.indices.get(window)
+        if idx is not None:
+            return idx
+        ps = meta.page_size
+        starts = window_page_start(meta.seq_lens_cpu, meta.q_lens_cpu, ps, window)
+        indptr = [0]
+        for i, s in enumerate(meta.seq_lens_cpu):
+            indptr.append(indptr[-1] + -(-s // ps) - (starts[i] if starts else 0))
+        indptr_host = torch.tensor(indptr, dtype=torch.int32)
+        dev = self.pool.device
+        kv_indices = page_table.create_kv_indices(
+            meta.block_tables, meta.seq_lens, indptr_host.to(dev, non_blocking=True), ps,
+            num_indices=indptr[-1],
+            page_start=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True) if starts else None,
+        )
+        last = torch.tensor([(s - 1) % ps + 1 for s in meta.seq_lens_cpu], dtype=torch.int32)
+        idx = _PageIndex(kv_indptr=indptr_host, kv_indices=kv_indices, last_page_len=last)
+        step.indices[window] = idx
+        return idx
+
+    def _check_layer(self, sig: LayerSignature, layer) -> None:
+        if layer is not None and layer.kind != "mha":
+            raise BackendError(
+                f"layer {layer.layer_id} is {layer.kind.upper()} attention; the flashinfer backend runs MHA/GQA/MQA only",
+                fix="use backend='flashinfer_mla' (or 'triton') for MLA models",
+            )
+        if sig.head_dim not in HEAD_DIMS or sig.v_head_dim not in HEAD_DIMS:
+            raise BackendError(
+                f"FlashInfer kernels are built here for head dims {HEAD_DIMS}; this layer has q/k "
+                f"{sig.head_dim}, v {sig.v_head_dim}",
+                fix="choose backend='triton' (any head dim up to 1024) or 'torch'",
+            )
+
+    def _uses_prefill_wrapper(self, mode: ForwardMode, sig: LayerSignature) -> bool:
+        return mode is ForwardMode.EXTEND or sig.head_dim != sig.v_head_dim
+
+    def _plan(self, meta: BatchMetadata, step: _Step, sig: LayerSignature, layer=None):
+        self._check_layer(sig, layer)
+        idx = self._page_index(meta, step, sig.window)
+        dtype = self.pool.dtype
+        if self._uses_prefill_wrapper(step.mode, sig):
+            wrapper = self._prefill_wrappers.get(sig)
+            if wrapper is None:
+                wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                    float_workspace_buffer=workspace(self.pool.device, "wrappers"),
+                    kv_layout="HND",
+                    backend=self.prefill_kernel(sig.head_dim, sig.v_head_dim),
+                )
+                self._prefill_wrappers[sig] = wrapper
+            wrapper.plan(
+                qo_indptr=step.qo_indptr,
+                paged_kv_indptr=idx.kv_indptr,
+                paged_kv_indices=idx.kv_indices,
+                paged_kv_last_page_len=idx.last_page_len,
+                num_qo_heads=sig.num_heads,
+                num_kv_heads=sig.num_kv_heads,
+                head_dim_qk=sig.head_dim,
+                head_dim_vo=sig.v_head_dim,
+                page_size=meta.page_size,
+                causal=True,  # bottom-right aligned: new tokens follow their request's cached prefix
+                pos_encoding_mode="NONE",
+                sm_scale=sig.scale,
+                window_left=sig.window_left,
+                logits_soft_cap=sig.softcap or 0.0,
+                q_data_type=dtype,
+                kv_data_type=dtype,
+                o_data_type=dtype,
+                non_blocking=True,
+            )
+        else:
+            wrapper = self._decode_wrappers.get(sig)
+            if wrapper is None:
+                wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                    float_workspace_buffer=workspace(self.pool.device, "wrappers"),
+                    kv_layout="HND",
+                    use_tensor_cores=sig.group >= TENSOR_CORE_DECODE_MIN_GROUP,
+                    backend="fa2",
+                )
+                self._decode_wrappers[sig] = wrapper
+            wrapper.plan(
+                indptr=idx.kv_indptr,
+                indices=idx.kv_indices,
+                last_page_len=idx.last_page_len,
+                num_qo_heads=sig.num_heads,
+                num_kv_heads=sig.num_kv_heads,
+                head_dim=sig.head_dim,
+                page_size=meta.page_size,
+                is_causal=False,  # one query per request: it sees its whole KV range
+                pos_encoding_mode="NONE",
+                sm_scale=sig.scale,
+                window_left=sig.window_left,
+                logits_soft_cap=sig.softcap or 0.0,
+                q_data_type=dtype,
+                kv_data_type=dtype,
+                o_data_type=dtype,
+                non_blocking=True,
+            )
+        step.planned[sig] = wrapper
+        return wrapper
+
+    # ---------------------------------------------------------------- per layer
+
+    def _run(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        step = self._step(meta)
+        sig = LayerSignature.of(layer)
+        wrapper = step.planned.get(sig)
+        if wrapper is None:
+            wrapper = self._plan(meta, step, sig, layer)
+            self._known[sig] = None
+        lid = layer.layer_id
+        # q: [num_tokens, heads, head_dim]; pages: HND [num_pages, kv_heads, page_size, dim], as planned.
+        return wrapper.run(q=q, paged_kv_cache=(self.pool.k(lid), self.pool.v(lid)))
+
+    def extend(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        return self._run(layer, q, meta)
+
+    def decode(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        return self._run(layer, q, meta)
