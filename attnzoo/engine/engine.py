@@ -7,7 +7,8 @@ pages fit and leave as soon as they finish, so the batch changes between steps.
 
 KV pages are reserved at admission for the prompt plus max_new_tokens (capped by the context limit),
 so an admitted request never runs out of pages and nothing is ever preempted or dropped; requests that
-do not fit wait in the queue.
+do not fit wait in the queue. With prefix caching on, a request starts from the longest prefix of full
+pages already in the cache (``PrefixCache``) and reserves only the pages it adds.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from attnzoo.attention.kv_cache import KVPool, PageAllocator
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.metadata import BatchMetadata, build_metadata
+from attnzoo.engine.prefix_cache import PrefixCache
 from attnzoo.engine.sampling import SamplingParams, sample_one
 from attnzoo.errors import KVCacheFullError, RequestError
 
@@ -43,6 +45,7 @@ class _Request:
     pages: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose k/v are in the pool
     reserved: int = 0  # pages promised at admission and not yet allocated
+    shared: list[int] = field(default_factory=list)  # prefix pages matched in the cache
     finish: str | None = None
     text: str | None = None  # set when a stop string cut the output
     logits: list[torch.Tensor] = field(default_factory=list)
@@ -69,6 +72,7 @@ class Engine:
         context_len: int,
         max_batch_tokens: int = 4096,
         max_running: int = 256,
+        prefix_caching: bool = True,
     ):
         self.model = model
         self.pool = pool
@@ -81,6 +85,7 @@ class Engine:
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.device = pool.device
+        self.prefix_cache = PrefixCache(self.allocator, pool.page_size) if prefix_caching else None
 
     # ---------------------------------------------------------------- public
 
@@ -116,6 +121,8 @@ class Engine:
             while waiting or running:
                 self._admit(waiting, running)
                 batch = self._schedule(running)
+                if not batch.reqs:
+                    raise RuntimeError("engine bug: a step with no work")
                 logits = self._step(batch)
                 for req, row in zip(batch.sampling_reqs, logits):
                     self._append(req, row, return_logits)
@@ -171,14 +178,27 @@ class Engine:
 
     def _admit(self, waiting: deque, running: list[_Request]) -> None:
         reserved = sum(r.reserved for r in running)
+        cache = self.prefix_cache
         while waiting and len(running) < self.max_running:
             req = waiting[0]
-            need = self._pages_for(req.max_len)
-            if need > self.allocator.num_free - reserved:
+            shared = cache.match(req.prompt) if cache is not None else []
+            need = self._pages_for(req.max_len) - len(shared)
+            short = need - (self.allocator.num_free - reserved)
+            if short > 0 and cache is not None:
+                short -= cache.evict(short)
+            if short > 0:
+                self.allocator.free(shared)
                 break
             waiting.popleft()
-            req.reserved = need
-            reserved += need
+            # Prompt pages are taken now and offered to the cache at once, so that requests admitted
+            # right after this one share them instead of computing the same prefix again.
+            own = self.allocator.alloc(self._pages_for(len(req.prompt)) - len(shared))
+            req.pages, req.shared = shared + own, shared
+            req.num_cached = len(shared) * self.pool.page_size
+            req.reserved = need - len(own)
+            reserved += req.reserved
+            if cache is not None:
+                cache.insert(req.prompt, req.pages)
             running.append(req)
         if not running and waiting:
             raise RuntimeError("engine bug: nothing running and the first waiting request does not fit")
@@ -191,11 +211,14 @@ class Engine:
                 batch.add(req, [req.tokens[-1]], sample=True)
                 budget -= 1
         for req in running:
-            if req.prefilling and budget > 0:
-                n = min(len(req.prompt) - req.num_cached, budget)
-                chunk = req.prompt[req.num_cached : req.num_cached + n]
-                batch.add(req, chunk, sample=req.num_cached + n == len(req.prompt))
-                budget -= n
+            if not req.prefilling or budget <= 0:
+                continue
+            if req.shared and not self.prefix_cache.all_ready(req.shared):
+                continue  # another request is still writing the prefix this one reuses
+            n = min(len(req.prompt) - req.num_cached, budget)
+            chunk = req.prompt[req.num_cached : req.num_cached + n]
+            batch.add(req, chunk, sample=req.num_cached + n == len(req.prompt))
+            budget -= n
         for req, chunk in zip(batch.reqs, batch.chunks):
             need = self._pages_for(req.num_cached + len(chunk)) - len(req.pages)
             if need > 0:
@@ -218,6 +241,9 @@ class Engine:
             logits = self.model.compute_logits(hidden[rows])
         for req, chunk in zip(batch.reqs, batch.chunks):
             req.num_cached += len(chunk)
+            if self.prefix_cache is not None and len(req.out) == 0:
+                written = min(req.num_cached, len(req.prompt)) // self.pool.page_size
+                self.prefix_cache.mark_ready(req.pages[:written])
         return logits
 
     def _forward(self, ids: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:

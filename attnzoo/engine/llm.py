@@ -5,6 +5,7 @@ import logging
 from typing import Any, Sequence
 
 import torch
+from transformers import PretrainedConfig
 
 from attnzoo.attention.backends import get_backend_class
 from attnzoo.attention.kv_cache import KVPool
@@ -169,6 +170,7 @@ def load_model(
     kv_cache_memory: int | None = None,
     max_batch_tokens: int | None = None,
     max_running: int = 256,
+    prefix_caching: bool = True,
     load_format: str = "auto",
     seed: int = 0,
 ) -> LLM:
@@ -183,15 +185,20 @@ def load_model(
         raise ModelLoadError(f"unknown load_format {load_format!r}", fix="use 'auto' or 'random'")
     dev = _pick_device(device)
     dt = _pick_dtype(dtype, dev)
-    src = loader.resolve_source(name_or_path)
-    config = loader.load_config(src)
+    if isinstance(name_or_path, PretrainedConfig):
+        if load_format != "random":
+            raise ModelLoadError("a config object has no weights", fix="pass load_format='random', or a checkpoint path")
+        config, src = name_or_path, None
+    else:
+        src = loader.resolve_source(name_or_path)
+        config = loader.load_config(src)
     arch = loader.architecture_of(config)
     cls = model_class(arch)  # unknown architectures fail here, before any weights are read
     overrides = Overrides(
         backend=backend, prefill_backend=prefill_backend, decode_backend=decode_backend,
         page_size=page_size, policy_file=policy_file,
     )
-    decision = resolve(config, gpu=None if dev.type == "cuda" else "cpu", overrides=overrides, model_id=src.name)
+    decision = resolve(config, gpu=None if dev.type == "cuda" else "cpu", overrides=overrides, model_id=src.name if src else None)
     log.info("attention policy for %s: %s", arch, decision.explain().splitlines()[0])
 
     torch.manual_seed(seed)
@@ -203,7 +210,7 @@ def load_model(
     else:
         model.after_weights_loaded()
     model.eval()
-    tokenizer = loader.load_tokenizer(src)
+    tokenizer = loader.load_tokenizer(src) if src else None
 
     text_config = getattr(config, "text_config", None) or config
     context_len = int(getattr(text_config, "max_position_embeddings", 4096))
@@ -217,7 +224,10 @@ def load_model(
     engine = Engine(
         model, pool, pre, dec, tokenizer=tokenizer, eos_token_ids=eos, context_len=context_len,
         max_batch_tokens=max_batch_tokens or (8192 if dev.type == "cuda" else 2048), max_running=max_running,
+        prefix_caching=prefix_caching,
     )
+    if src is None:
+        src = loader.CheckpointSource(f"random-weight {arch}", None)
     return LLM(model=model, tokenizer=tokenizer, config=config, architecture=arch, source=src, decision=decision,
                pool=pool, engine=engine, dtype=dt, device=dev)
 

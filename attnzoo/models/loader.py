@@ -25,7 +25,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 @dataclass
 class CheckpointSource:
     name: str  # what the user asked for (hub id, path, or the default's name)
-    directory: Path
+    directory: Path | None  # None for a random-weight model built from a config object
     gguf_file: str | None = None  # file name inside ``directory`` for GGUF checkpoints
 
     @property

@@ -1,0 +1,130 @@
+"""Engine behaviour on CPU: continuous batching, shared-prefix reuse, KV pressure, bad input."""
+import pytest
+import torch
+
+import attnzoo
+import attnzoo.errors
+from attnzoo.errors import KVCacheFullError, ModelLoadError, RequestError, UnsupportedArchitectureError
+from helpers import random_prompts, save_checkpoint
+from test_llama import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama_engine")
+    save_checkpoint(tiny_llama(kv_heads=2, heads=4), d)
+    return d
+
+
+def test_continuous_batching_matches_one_at_a_time(tiny_dir):
+    # A small token budget forces chunked prefill mixed with decode steps of other requests.
+    llm = attnzoo.load_model(tiny_dir, page_size=4, max_batch_tokens=7, prefix_caching=False)
+    prompts = random_prompts(160, [12, 3, 25, 8, 1], seed=1)
+    batched = llm.generate(prompts, max_new_tokens=9, ignore_eos=True)
+    single = [llm.generate([p], max_new_tokens=9, ignore_eos=True)[0] for p in prompts]
+    assert [c.token_ids for c in batched] == [c.token_ids for c in single]
+
+
+def test_shared_prefix_pages_allocated_once(tiny_dir):
+    ps = 4
+    prefix = random_prompts(160, [40], seed=5)[0]  # 10 full pages
+    tails = random_prompts(160, [3, 6, 2, 5], seed=6)
+    prompts = [prefix + t for t in tails]
+    plain = attnzoo.load_model(tiny_dir, page_size=ps, prefix_caching=False)
+    ref = plain.generate(prompts, max_new_tokens=6, ignore_eos=True)
+
+    llm = attnzoo.load_model(tiny_dir, page_size=ps, prefix_caching=True)
+    allocated = []
+    real_alloc = llm.engine.allocator.alloc
+
+    def counting_alloc(n):
+        allocated.append(n)
+        return real_alloc(n)
+
+    llm.engine.allocator.alloc = counting_alloc
+    got = llm.generate(prompts, max_new_tokens=6, ignore_eos=True)
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    # The cache holds prompt + 5 tokens per request (the 6th new token is never fed back). Without
+    # sharing every request would allocate all its pages; with sharing the 10 prefix pages are
+    # allocated once, by the first request, and the others allocate only their own.
+    own = sum(-(-(len(p) + 5) // ps) - 10 for p in prompts)
+    assert sum(allocated) == 10 + own
+    # and a later request reuses the cached prefix without recomputing it
+    again = llm.generate([prefix + [7, 8, 9]], max_new_tokens=4, ignore_eos=True)
+    assert again[0].token_ids == plain.generate([prefix + [7, 8, 9]], max_new_tokens=4, ignore_eos=True)[0].token_ids
+
+
+def test_n_in_n_out_under_kv_pressure(tiny_dir):
+    llm = attnzoo.load_model(tiny_dir, page_size=4, kv_cache_tokens=48)
+    prompts = random_prompts(160, [5, 17, 9, 30, 2, 11, 23, 4, 13], seed=9)
+    outs = llm.generate(prompts, max_new_tokens=8, ignore_eos=True)
+    assert len(outs) == len(prompts)
+    assert [len(o.token_ids) for o in outs] == [8] * len(prompts)
+    assert [o.prompt_token_ids for o in outs] == prompts
+
+
+def test_bad_input_is_rejected_before_work(tiny_dir, tmp_path):
+    llm = attnzoo.load_model(tiny_dir, kv_cache_tokens=64, page_size=16)
+    free = llm.engine.allocator.num_free
+    cases = [
+        (RequestError, lambda: llm.generate([])),
+        (RequestError, lambda: llm.generate("")),
+        (RequestError, lambda: llm.generate([[5, 6]], temperature=-1)),
+        (RequestError, lambda: llm.generate([[5, 6]], top_p=0)),
+        (RequestError, lambda: llm.generate([[5, 6]], top_k=-2)),
+        (RequestError, lambda: llm.generate([[5, 6]], max_new_tokens=0)),
+        (RequestError, lambda: llm.generate([[5, 10_000]])),
+        (RequestError, lambda: llm.generate([[5] * 600])),  # longer than the 512-token context
+        (KVCacheFullError, lambda: llm.generate([[5, 6], [5] * 100], max_new_tokens=8)),  # can never fit
+    ]
+    for exc, call in cases:
+        with pytest.raises(exc) as info:
+            call()
+        assert "Fix:" in str(info.value)
+        assert llm.engine.allocator.num_free == free  # nothing half-done is left behind
+
+
+def test_bad_checkpoints(tmp_path, tiny_dir):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        attnzoo.load_model(tmp_path / "nope")
+    import json, shutil
+    d = tmp_path / "weird"
+    shutil.copytree(tiny_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["FancyNetForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitectureError, match="LlamaForCausalLM"):
+        attnzoo.load_model(d)
+
+
+def test_missing_and_misshaped_weights(tmp_path):
+    from safetensors.torch import load_file, save_file
+    hf = tiny_llama()
+    d = save_checkpoint(hf, tmp_path / "ck")
+    f = d / "model.safetensors"
+    sd = load_file(f)
+    name = "model.layers.1.mlp.up_proj.weight"
+    sd2 = {k: v for k, v in sd.items() if k != name}
+    save_file(sd2, f, metadata={"format": "pt"})
+    with pytest.raises(attnzoo.errors.WeightError, match="missing"):
+        attnzoo.load_model(d)
+    sd[name] = torch.zeros(3, 3)
+    save_file(sd, f, metadata={"format": "pt"})
+    with pytest.raises(attnzoo.errors.WeightError, match="up_proj"):
+        attnzoo.load_model(d)
+
+
+def test_hub_id_offline_and_not_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(ModelLoadError, match="not in the local Hugging Face cache"):
+        attnzoo.load_model("someorg/not-a-cached-model")
+
+
+def test_random_weights_from_config():
+    cfg = tiny_llama().config
+    llm = attnzoo.load_model(cfg, load_format="random")
+    out = llm.generate([[5, 6, 7]], max_new_tokens=3, ignore_eos=True)
+    assert len(out[0].token_ids) == 3
+    with pytest.raises(ModelLoadError, match="load_format"):
+        attnzoo.load_model(cfg)
