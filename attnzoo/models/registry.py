@@ -7,6 +7,8 @@ from attnzoo.errors import UnsupportedArchitectureError
 
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "attnzoo.models.llama:LlamaForCausalLM",
+    "DeepseekV2ForCausalLM": "attnzoo.models.deepseek_v2:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "attnzoo.models.deepseek_v2:DeepseekV3ForCausalLM",
 }
 
 

@@ -1,0 +1,298 @@
+"""DeepSeek-V2 and DeepSeek-V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM).
+
+Multi-head latent attention (``attnzoo.attention.mla``) with or without a q low-rank path, YaRN RoPE
+with its softmax-scale correction, dense first layers (``first_k_dense_replace``) then MoE layers with
+shared experts. The two versions differ only in configuration-level choices, kept as class attributes:
+
+  V2: softmax router scores, ``topk_method`` "greedy" or "group_limited_greedy" (groups ranked by
+      their best expert), weights scaled by ``routed_scaling_factor``; RoPE on interleaved pairs.
+  V3: sigmoid router scores plus ``e_score_correction_bias`` for the choice only, groups ranked by the
+      sum of their two best experts, optional renormalisation (``norm_topk_prob``), then scaled; RoPE
+      on interleaved pairs when ``rope_interleave`` (the default), else rotate-half.
+
+The math follows transformers' ``models/deepseek_v2`` and ``models/deepseek_v3``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnzoo.attention.layer import ForwardContext
+from attnzoo.attention.mla import MLAAttention
+from attnzoo.errors import ModelLoadError, WeightError
+from attnzoo.models.common import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on pairs (x0, x1), (x2, x3), ... of x [T, heads, rope] with cos/sin [T, rope] (cat(f, f)).
+
+    The output is de-interleaved (all first members, then all second members). q and k get the same
+    permutation, so their dot products, all attention ever uses, are those of DeepSeek's pair layout.
+    """
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def mla_softmax_scale(config) -> float:
+    """1/sqrt(qk_head_dim), times mscale^2 when YaRN gives ``mscale_all_dim`` (as the reference does)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    rope = config.rope_parameters
+    if rope.get("rope_type", "default") != "default":
+        mscale_all_dim = rope.get("mscale_all_dim", 0)
+        factor = rope.get("factor", 1.0)
+        if mscale_all_dim and factor > 1:
+            mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+            scale *= mscale * mscale
+    return scale
+
+
+def _mlp(hidden: int, intermediate: int, bias: bool) -> GatedMLP:
+    mlp = GatedMLP(hidden, intermediate)
+    if bias:  # V2's mlp_bias (dense and shared-expert MLPs; routed experts never have biases)
+        for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            lin.bias = nn.Parameter(torch.zeros(lin.out_features))
+    return mlp
+
+
+class DeepseekAttention(nn.Module):
+    """MLA projections (named as in the checkpoints) around the shared ``MLAAttention`` core.
+
+    V3.2 builds on this: ``project_q`` also returns the q low-rank residual its indexer reads, and
+    ``index_head_dim`` reserves the indexer key cache beside the MLA entry.
+    """
+
+    def __init__(self, config, layer_id: int, *, interleaved_rope: bool, index_head_dim: int = 0):
+        super().__init__()
+        h = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.interleaved_rope = interleaved_rope
+        bias = bool(getattr(config, "attention_bias", False))
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, self.num_heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=bias)
+            # The latent norms use RMSNorm's default eps in the reference, not config.rms_norm_eps.
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(
+            self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, h, bias=bias)
+        self.mla = MLAAttention(
+            layer_id, self.num_heads, kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, scale=mla_softmax_scale(config),
+            index_head_dim=index_head_dim,
+        )
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rope_interleaved(x, cos, sin) if self.interleaved_rope else apply_rope(x, cos, sin)
+
+    def project_q(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [T, hidden] -> q_nope [T, H, nope], roped q_pe [T, H, rope], q low-rank residual [T, q_lora] or None."""
+        if self.q_lora_rank is None:
+            q, q_resid = self.q_proj(x), None
+        else:
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
+        q = q.view(x.shape[0], self.num_heads, self.qk_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        return q_nope, self.rope(q_pe, cos, sin), q_resid
+
+    def project_kv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> normalized latent [T, kv_lora_rank], roped shared key [T, rope]."""
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_pe = self.rope(k_pe[:, None, :], cos, sin)[:, 0]
+        return self.kv_a_layernorm(latent), k_pe
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        q_nope, q_pe, _ = self.project_q(x, cos, sin)
+        latent, k_pe = self.project_kv(x, cos, sin)
+        return self.o_proj(self.mla(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight, ctx))
+
+
+class DeepseekRouter(nn.Module):
+    """Top-k expert choice per token -> (weights [T, k] float32, expert ids [T, k])."""
+
+    def __init__(self, config, scoring: str):
+        super().__init__()
+        self.scoring = scoring  # "softmax" (V2) or "sigmoid" (V3)
+        self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.n_group = config.n_group
+        self.topk_group = config.topk_group
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
+        if scoring == "softmax":
+            self.topk_method = config.topk_method
+            if self.topk_method not in ("greedy", "group_limited_greedy"):
+                raise ModelLoadError(
+                    f"DeepSeek-V2 topk_method {self.topk_method!r} is not supported",
+                    fix="use a config with topk_method 'greedy' or 'group_limited_greedy'",
+                )
+        else:
+            self.norm_topk_prob = bool(config.norm_topk_prob)
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
+        if scoring == "sigmoid" or self.topk_method == "group_limited_greedy":
+            if not self.n_group or not self.topk_group or self.num_experts % self.n_group:
+                raise ModelLoadError(
+                    f"grouped routing needs n_group dividing n_routed_experts ({self.num_experts}) and topk_group;"
+                    f" the config has n_group={self.n_group}, topk_group={self.topk_group}",
+                    fix="fix n_group / topk_group in config.json",
+                )
+
+    def _apply(self, fn, recurse=True):
+        # The correction bias stays float32 whatever the model dtype, as in the reference: rounding it
+        # to bf16 would change which experts win close calls.
+        super()._apply(fn, recurse)
+        bias = getattr(self, "e_score_correction_bias", None)
+        if bias is not None and bias.dtype != torch.float32:
+            bias.data = bias.data.float()
+        return self
+
+    def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
+        """[T, n_group] group scores -> [T, num_experts] True for experts of the topk_group best groups."""
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        return group_mask.repeat_interleave(self.num_experts // self.n_group, dim=1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        t = x.shape[0]
+        if self.scoring == "softmax":
+            scores = logits.softmax(dim=-1)
+            if self.topk_method == "group_limited_greedy":
+                group_scores = scores.view(t, self.n_group, -1).max(dim=-1).values
+                scores = scores.masked_fill(~self._group_mask(group_scores), 0.0)
+            weights, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        else:
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias
+            group_scores = choice.view(t, self.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+            choice = choice.masked_fill(~self._group_mask(group_scores), float("-inf"))
+            ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, ids)
+            if self.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, config, scoring: str):
+        super().__init__()
+        self.gate = DeepseekRouter(config, scoring)
+        self.experts = nn.ModuleList(
+            GatedMLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts)
+        )
+        self.shared_experts = _mlp(
+            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
+            bool(getattr(config, "mlp_bias", False)),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        weights, ids = self.gate(x)
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            tok, slot = torch.where(ids == e)
+            y = self.experts[e](x[tok]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out + self.shared_experts(x)
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, *, scoring: str, interleaved_rope: bool):
+        super().__init__()
+        self.self_attn = DeepseekAttention(config, layer_id, interleaved_rope=interleaved_rope)
+        if layer_id >= config.first_k_dense_replace:
+            self.mlp = DeepseekMoE(config, scoring)
+        else:
+            self.mlp = _mlp(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, config, *, scoring: str, interleaved_rope: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(config, i, scoring=scoring, interleaved_rope=interleaved_rope)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV2ForCausalLM(CausalLM):
+    scoring = "softmax"
+
+    def __init__(self, config):
+        super().__init__()
+        _check_config(config)
+        self.config = config
+        self.model = DeepseekModel(config, scoring=self.scoring, interleaved_rope=self.interleaved_rope(config))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tied_lm_head = bool(getattr(config, "tie_word_embeddings", False))
+        rope_type = config.rope_parameters.get("rope_type", "default")
+        self.rotary = RotaryEmbedding(config, rope_type=rope_type, head_dim=config.qk_rope_head_dim)
+
+    @staticmethod
+    def interleaved_rope(config) -> bool:
+        return True  # V2 rotates interleaved pairs (its complex-number form)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if name.endswith("weight_scale_inv"):
+            raise WeightError(
+                f"checkpoint tensor {name!r} belongs to an FP8 block-quantized checkpoint, which attnzoo does not load",
+                fix="use a bf16 checkpoint (e.g. convert with DeepSeek's fp8_cast_bf16.py)",
+            )
+        parts = name.split(".")
+        # V3 checkpoints append the multi-token-prediction module as extra layers; generation skips it.
+        if parts[:2] == ["model", "layers"] and int(parts[2]) >= self.config.num_hidden_layers:
+            return None
+        return name
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    scoring = "sigmoid"
+
+    @staticmethod
+    def interleaved_rope(config) -> bool:
+        return bool(getattr(config, "rope_interleave", True))
+
+
+def _check_config(config) -> None:
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"DeepSeek hidden_act {act!r} is not supported", fix="use a checkpoint with hidden_act 'silu'")
+    freq = getattr(config, "moe_layer_freq", 1)
+    if freq != 1:
+        raise ModelLoadError(
+            f"moe_layer_freq={freq} is not supported (every layer from first_k_dense_replace on is MoE)",
+            fix="use a config with moe_layer_freq 1, as all released DeepSeek-V2/V3 models have",
+        )

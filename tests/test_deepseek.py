@@ -1,0 +1,243 @@
+"""DeepSeek-V2/V3 (MLA, MoE) on CPU against transformers, and the absorbed vs expanded MLA forms."""
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+import attnzoo
+from attnzoo.attention.backends import backend_names
+from attnzoo.attention.backends.torch_ref import TorchBackend
+from attnzoo.attention.kv_cache import KVPool
+from attnzoo.attention.layer import ForwardContext
+from attnzoo.attention.metadata import ForwardMode, build_metadata
+from attnzoo.attention.mla import (
+    MLAAttention, gather_context, mla_absorbed, mla_expanded, prefill_form, ragged_attention_reference, split_kv_b,
+)
+from attnzoo.errors import BackendError, ModelLoadError, WeightError
+from attnzoo.models.common import GatedMLP
+from helpers import assert_matches_hf, random_prompts, save_checkpoint
+
+VOCAB = 160
+# V2-Lite's YaRN: mscale == mscale_all_dim, so cos/sin stay unscaled and only the softmax scale grows.
+YARN_V2 = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+           "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+# mscale != mscale_all_dim: YaRN scales cos/sin (attention factor) and the softmax scale differently.
+YARN_V3 = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+           "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+              num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=16,
+              qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=256)
+
+
+def _sharpen_routing(hf, seed=1):
+    """The default init (std 0.02) makes router scores nearly equal, so float rounding could flip a
+    choice between two implementations; wide router weights (and a real correction bias) keep every
+    choice decisive."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is None:
+                continue
+            gate.weight.copy_(torch.randn(gate.weight.shape, generator=g) * 0.5)
+            if hasattr(gate, "e_score_correction_bias"):
+                gate.e_score_correction_bias.copy_(torch.rand(gate.weight.shape[0], generator=g) * 0.6 - 0.3)
+    return hf
+
+
+def tiny_v2(**kw):
+    cfg = DeepseekV2Config(**{**COMMON, "n_shared_experts": 2, **kw})
+    torch.manual_seed(0)
+    return _sharpen_routing(DeepseekV2ForCausalLM(cfg).eval())
+
+
+def tiny_v3(**kw):
+    cfg = DeepseekV3Config(**{**COMMON, "n_shared_experts": 1, "q_lora_rank": 24, "n_group": 4, "topk_group": 2,
+                              "routed_scaling_factor": 2.5, "rope_parameters": YARN_V3, **kw})
+    torch.manual_seed(0)
+    return _sharpen_routing(DeepseekV3ForCausalLM(cfg).eval())
+
+
+MODELS = {
+    # V2-Lite-like: no q low-rank path, group-limited greedy routing, plain RoPE.
+    "v2-noqlora-grouped": (lambda: tiny_v2(q_lora_rank=None, topk_method="group_limited_greedy", n_group=4,
+                                           topk_group=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), 16),
+    # V2 with q_lora, greedy routing, YaRN, biases on the attention and dense/shared MLPs.
+    "v2-qlora-greedy-yarn": (lambda: tiny_v2(q_lora_rank=24, topk_method="greedy", routed_scaling_factor=1.5,
+                                             rope_parameters=YARN_V2, attention_bias=True, mlp_bias=True), 1),
+    # V3-like: sigmoid routing with correction bias, n_group 4 / topk_group 2, YaRN, interleaved RoPE.
+    "v3-sigmoid-yarn": (lambda: tiny_v3(), 64),
+    # V3 with rotate-half RoPE (rope_interleave False), no q_lora, no renormalisation of the top-k weights.
+    "v3-rotate-half": (lambda: tiny_v3(rope_interleave=False, q_lora_rank=None, norm_topk_prob=False), 16),
+}
+
+
+def _count_expert_calls(llm) -> dict[str, int]:
+    counts = {}
+    for name, mod in llm.model.named_modules():
+        if ".experts." in name and isinstance(mod, GatedMLP):
+            counts[name] = 0
+            mod.register_forward_hook(lambda m, i, o, n=name: counts.__setitem__(n, counts[n] + 1))
+    return counts
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_matches_transformers(tmp_path, name):
+    build, page_size = MODELS[name]
+    hf = build()
+    save_checkpoint(hf, tmp_path)
+    llm = attnzoo.load_model(tmp_path, page_size=page_size, backend="torch")
+    calls = _count_expert_calls(llm)
+    assert_matches_hf(llm, hf, random_prompts(VOCAB, [7, 21]), steps=32)
+    unused = [n for n, c in calls.items() if c == 0]
+    assert calls and not unused, f"experts never routed to: {unused}"
+
+
+def test_triton_matches_transformers(tmp_path):
+    if "triton" not in backend_names():
+        pytest.skip("the triton backend is not registered in attnzoo/attention/backends/__init__.py")
+    hf = tiny_v3(num_hidden_layers=2)
+    save_checkpoint(hf, tmp_path)
+    llm = attnzoo.load_model(tmp_path, page_size=16, backend="triton")
+    assert llm.info()["decode_backend"] == "triton"
+    assert_matches_hf(llm, hf, random_prompts(VOCAB, [7, 21]), steps=32)
+
+
+class ExpandedTorch(TorchBackend):
+    """The torch reference, asking for expanded MLA prefill (as a vendor ragged-prefill backend would)."""
+
+    name = "torch_expanded"
+    mla_prefill = "expanded"
+
+    def __init__(self, pool):
+        super().__init__(pool)
+        self.ragged_calls = 0
+
+    def extend_ragged(self, q, k, v, kv_indptr, meta, *, scale):
+        self.ragged_calls += 1
+        return ragged_attention_reference(q, k, v, kv_indptr, meta, scale=scale)
+
+
+def test_expanded_prefill_matches_transformers(tmp_path):
+    hf = tiny_v3(num_hidden_layers=2)
+    save_checkpoint(hf, tmp_path)
+    # A 6-token budget splits prompts into chunks, so expanded prefill also runs over a cached prefix.
+    llm = attnzoo.load_model(tmp_path, page_size=4, backend="torch", max_batch_tokens=6)
+    expanded = ExpandedTorch(llm.pool)
+    llm.engine.prefill_backend = expanded
+    assert_matches_hf(llm, hf, random_prompts(VOCAB, [7, 21], seed=5), steps=8)
+    assert expanded.ragged_calls > 0
+
+
+def _mla_step(dtype, seed=0):
+    """Random MLA inputs for a 2-request EXTEND step (one with a cached prefix) over a paged pool."""
+    heads, rank, nope, rope, vdim, ps = 4, 64, 32, 16, 32, 4
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    core = MLAAttention(0, heads, kv_lora_rank=rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+                        v_head_dim=vdim, scale=(nope + rope) ** -0.5)
+    pool = KVPool([core.attn.kv_cache_spec()], num_pages=12, page_size=ps, dtype=dtype, device="cpu")
+    prefix, new = [5, 0], [4, 7]
+    tables = [[3, 7, 1], [9, 2]]
+    meta = build_metadata(prefix_lens=prefix, q_lens=new, block_tables=tables, page_size=ps, device="cpu",
+                          mode=ForwardMode.EXTEND)
+    pre = build_metadata(prefix_lens=[0], q_lens=[5], block_tables=[tables[0]], page_size=ps, device="cpu")
+    pool.store(0, pre.slot_mapping, rnd(5, 1, rank + rope), None)
+    t = sum(new)
+    inputs = dict(q_nope=rnd(t, heads, nope), q_pe=rnd(t, heads, rope), latent=rnd(t, rank), k_pe=rnd(t, rope),
+                  kv_b_weight=rnd(heads * (nope + vdim), rank) * rank**-0.5)
+    inputs = {k: v.to(dtype) for k, v in inputs.items()}
+    return core, pool, meta, inputs
+
+
+def _run(core, pool, meta, inputs, backend):
+    return core(**inputs, ctx=ForwardContext(meta, pool, backend, backend))
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_absorbed_and_expanded_agree(dtype, tol):
+    core, pool, meta, inputs = _mla_step(dtype)
+    absorbed = _run(core, pool, meta, inputs, TorchBackend(pool))
+    expanded_backend = ExpandedTorch(pool)
+    expanded = _run(core, pool, meta, inputs, expanded_backend)
+    assert expanded_backend.ragged_calls == 1
+    assert not torch.isnan(absorbed).any() and not torch.isnan(expanded).any()
+    assert _rel(absorbed, expanded) <= tol
+
+    # The contiguous one-sequence forms, over the same cached context, agree with both paths.
+    entries, indptr = gather_context(pool, 0, meta)
+    w_uk, w_uv = split_kv_b(inputs["kv_b_weight"], core.num_heads, core.qk_nope_head_dim)
+    bounds, start = indptr.tolist(), 0
+    for i, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.q_lens_cpu)):
+        rows = slice(start, start + q_len)
+        ctx_entries = entries[bounds[i] : bounds[i + 1]].to(dtype)
+        args = (inputs["q_nope"][rows], inputs["q_pe"][rows], ctx_entries[:, :64], ctx_entries[:, 64:], w_uk, w_uv,
+                torch.arange(seq_len - q_len, seq_len))
+        a = mla_absorbed(*args, scale=core.scale)
+        e = mla_expanded(*args, scale=core.scale)
+        assert _rel(a, e) <= tol
+        assert _rel(absorbed[rows].view_as(e), e) <= tol
+        start += q_len
+
+
+def test_bf16_absorbed_matches_float32():
+    core32, pool32, meta32, inputs32 = _mla_step(torch.float32, seed=3)
+    core16, pool16, meta16, inputs16 = _mla_step(torch.bfloat16, seed=3)
+    ref = _run(core32, pool32, meta32, inputs32, ExpandedTorch(pool32))
+    for backend in (TorchBackend(pool16), ExpandedTorch(pool16)):
+        assert _rel(_run(core16, pool16, meta16, inputs16, backend), ref) <= 1e-2
+
+
+@pytest.fixture(scope="module")
+def v3_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dsv3")
+    save_checkpoint(tiny_v3(num_hidden_layers=2), d)
+    return d
+
+
+@pytest.mark.parametrize("dtype,elt", [("float32", 4), ("bfloat16", 2)])
+def test_kv_bytes_per_token_is_one_latent_entry(v3_dir, dtype, elt):
+    llm = attnzoo.load_model(v3_dir, dtype=dtype, backend="torch")
+    info = llm.info()
+    # (kv_lora_rank + qk_rope_head_dim) x dtype bytes x layers: no per-head keys, no separate values.
+    assert info["kv_bytes_per_token"] == (32 + 8) * elt * 2
+    assert info["kv_layers_with_memory"] == 2
+    router = llm.model.model.layers[1].mlp.gate
+    assert router.e_score_correction_bias.dtype == torch.float32 and router.weight.dtype == getattr(torch, dtype)
+    out = llm.generate([[5, 9, 11, 40]], max_new_tokens=4, ignore_eos=True)[0]
+    assert len(out.token_ids) == 4
+
+
+def test_extra_mtp_layers_are_skipped_and_fp8_is_refused(tmp_path, v3_dir):
+    for f in v3_dir.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    # V3 checkpoints carry the multi-token-prediction module as layer num_hidden_layers.
+    save_file({"model.layers.2.self_attn.kv_b_proj.weight": torch.zeros(4, 4)}, tmp_path / "mtp.safetensors")
+    ref = attnzoo.load_model(v3_dir, backend="torch").logits([5, 9, 11])
+    assert torch.equal(attnzoo.load_model(tmp_path, backend="torch").logits([5, 9, 11]), ref)
+    save_file({"model.layers.0.self_attn.o_proj.weight_scale_inv": torch.ones(1, 1)}, tmp_path / "fp8.safetensors")
+    with pytest.raises(WeightError, match="FP8"):
+        attnzoo.load_model(tmp_path, backend="torch")
+
+
+def test_bad_configs_and_declarations_are_clear_errors(tmp_path):
+    hf = tiny_v2(q_lora_rank=None, topk_method="greedy", num_hidden_layers=2)
+    hf.config.topk_method = "noaux_tc"
+    save_checkpoint(hf, tmp_path)
+    with pytest.raises(ModelLoadError, match="topk_method"):
+        attnzoo.load_model(tmp_path, backend="torch")
+
+    class Bogus(TorchBackend):
+        mla_prefill = "expanded"  # but no extend_ragged
+
+    pool = KVPool([None], num_pages=2, page_size=1, dtype=torch.float32, device="cpu")
+    with pytest.raises(BackendError, match="extend_ragged"):
+        prefill_form(Bogus(pool))
+    Bogus.mla_prefill = "sparse"
+    with pytest.raises(BackendError, match="mla_prefill"):
+        prefill_form(Bogus(pool))
