@@ -98,9 +98,7 @@ def build_metadata(
     width = max(len(bt) for bt in block_tables)
     if pad_block_table_to is not None:
         width = max(width, pad_block_table_to)
-    table = torch.zeros(len(block_tables), width, dtype=torch.int32)
-    for i, bt in enumerate(block_tables):
-        table[i, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
+    table = torch.tensor([bt + [0] * (width - len(bt)) for bt in block_tables], dtype=torch.int32)
 
     def dev(x, dtype):
         return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)

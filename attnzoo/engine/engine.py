@@ -124,8 +124,10 @@ class Engine:
                 if not batch.reqs:
                     raise RuntimeError("engine bug: a step with no work")
                 logits = self._step(batch)
-                for req, row in zip(batch.sampling_reqs, logits):
-                    self._append(req, row, return_logits)
+                greedy = logits.argmax(dim=-1).tolist()  # one device sync per step, not per request
+                for i, req in enumerate(batch.sampling_reqs):
+                    token = greedy[i] if req.params.greedy else sample_one(logits[i], req.params, req.generator)
+                    self._append(req, token, logits[i] if return_logits else None)
                 for req in [r for r in running if r.finish]:
                     self._release(req)
                     running.remove(req)
@@ -254,10 +256,9 @@ class Engine:
 
     # ---------------------------------------------------------------- results
 
-    def _append(self, req: _Request, logits: torch.Tensor, keep_logits: bool) -> None:
+    def _append(self, req: _Request, token: int, logits: torch.Tensor | None) -> None:
         sp = req.params
-        token = int(torch.argmax(logits)) if sp.greedy else sample_one(logits, sp, req.generator)
-        if keep_logits:
+        if logits is not None:
             req.logits.append(logits.float().cpu())
         req.out.append(token)
         if not sp.ignore_eos and token in self.eos:
