@@ -12,6 +12,7 @@ pages already in the cache (``PrefixCache``) and reserves only the pages it adds
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -32,6 +33,9 @@ class Completion:
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     prompt_token_ids: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None  # [num_new_tokens, vocab] float32, when asked for
+    # seconds from the start of generate(): first token out, last token out
+    time_to_first_token: float = 0.0
+    latency: float = 0.0
 
 
 @dataclass
@@ -49,6 +53,8 @@ class _Request:
     finish: str | None = None
     text: str | None = None  # set when a stop string cut the output
     logits: list[torch.Tensor] = field(default_factory=list)
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
 
     @property
     def tokens(self) -> list[int]:
@@ -86,6 +92,7 @@ class Engine:
         self.max_running = max_running
         self.device = pool.device
         self.prefix_cache = PrefixCache(self.allocator, pool.page_size) if prefix_caching else None
+        self.step_log: list[dict] | None = None  # set to [] to record one summary per step (benchmarks)
 
     # ---------------------------------------------------------------- public
 
@@ -117,6 +124,7 @@ class Engine:
         )
         running: list[_Request] = []
         done: list[_Request] = []
+        self.t0 = time.perf_counter()
         try:
             while waiting or running:
                 self._admit(waiting, running)
@@ -128,6 +136,8 @@ class Engine:
                 for i, req in enumerate(batch.sampling_reqs):
                     token = greedy[i] if req.params.greedy else sample_one(logits[i], req.params, req.generator)
                     self._append(req, token, logits[i] if return_logits else None)
+                if self.step_log is not None:
+                    self.step_log.append(batch.summary())
                 for req in [r for r in running if r.finish]:
                     self._release(req)
                     running.remove(req)
@@ -261,6 +271,10 @@ class Engine:
         if logits is not None:
             req.logits.append(logits.float().cpu())
         req.out.append(token)
+        now = time.perf_counter() - self.t0
+        if len(req.out) == 1:
+            req.first_token_at = now
+        req.finished_at = now
         if not sp.ignore_eos and token in self.eos:
             req.finish = "stop"
         elif sp.stop and self._hit_stop(req):
@@ -285,7 +299,10 @@ class Engine:
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(req.out, skip_special_tokens=True)
         logits = torch.stack(req.logits) if keep_logits else None
-        return Completion(text=text, token_ids=req.out, finish_reason=req.finish, prompt_token_ids=req.prompt, logits=logits)
+        return Completion(
+            text=text, token_ids=req.out, finish_reason=req.finish, prompt_token_ids=req.prompt, logits=logits,
+            time_to_first_token=req.first_token_at, latency=req.finished_at,
+        )
 
 
 class _Batch:
@@ -294,6 +311,11 @@ class _Batch:
         self.chunks: list[list[int]] = []
         self.sample_rows: list[int] = []  # indices into reqs whose last row is sampled
         self.sampling_reqs: list[_Request] = []
+
+    def summary(self) -> dict:
+        """What a roofline model needs: new tokens, and KV tokens read by attention."""
+        return {"num_reqs": len(self.reqs), "new_tokens": sum(len(c) for c in self.chunks),
+                "kv_tokens": sum(r.num_cached for r in self.reqs)}
 
     def add(self, req: _Request, chunk: list[int], sample: bool) -> None:
         if sample:

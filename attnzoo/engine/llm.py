@@ -1,6 +1,7 @@
 """Public API: ``load_model(...) -> LLM`` and the LLM's generate / logits / info."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Sequence
 
@@ -202,9 +203,8 @@ def load_model(
     log.info("attention policy for %s: %s", arch, decision.explain().splitlines()[0])
 
     torch.manual_seed(seed)
-    with torch.device(dev):
+    with torch.device(dev), _default_dtype(dt):  # build in place: no float32 copy of a large model
         model = cls(config)
-    model.to(dt)
     if load_format == "auto":
         model.load_weights(loader.iter_weights(src, config))
     else:
@@ -230,6 +230,16 @@ def load_model(
         src = loader.CheckpointSource(f"random-weight {arch}", None)
     return LLM(model=model, tokenizer=tokenizer, config=config, architecture=arch, source=src, decision=decision,
                pool=pool, engine=engine, dtype=dt, device=dev)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _eos_ids(config, tokenizer) -> set[int]:

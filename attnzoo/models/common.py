@@ -51,12 +51,15 @@ class RotaryEmbedding(nn.Module):
         else:
             kwargs = {"layer_type": layer_type} if layer_type else {}
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
+        self.inv_freq = inv_freq.float()
         self.scaling = scaling
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens] -> cos, sin [num_tokens, rotary_dim] in float32."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.scaling, emb.sin() * self.scaling
 
