@@ -59,6 +59,10 @@ class BackendCapabilities:
     v_head_dims: frozenset[int] | None = None
     # MLA/NSA: the (q/k, v) head dims of the absorbed form it serves; None = anything head dims allow.
     mla_dims: frozenset[tuple[int, int]] | None = None
+    # MLA/NSA alternative to mla_dims: (m, r) = latent width a multiple of m, rope width a positive multiple of r.
+    mla_multiples: tuple[int, int] | None = None
+    same_qk_v_head_dim: bool = False  # q/k and v head dims must be equal
+    excluded_num_heads: tuple[int, int] | None = None  # query-head counts lo..hi it does not run
     page_sizes: frozenset[int] | None = None  # None: any of 1..MAX_PAGE_SIZE
     dtypes: frozenset[str] = _ALL_DTYPES  # model/activation dtypes
     kv_dtypes: frozenset[str] = _ALL_DTYPES
@@ -100,6 +104,9 @@ class BackendCapabilities:
         return f"1..{MAX_PAGE_SIZE}" if self.page_sizes is None else _fmt(self.page_sizes)
 
     def head_dims_text(self) -> str:
+        if self.mla_multiples is not None:
+            m, r = self.mla_multiples
+            return f"latent a multiple of {m}, rope a positive multiple of {r} (q/k = latent + rope, v = latent)"
         if self.mla_dims is not None:
             return " or ".join(f"(q/k {q}, v {v})" for q, v in sorted(self.mla_dims))
         if self.head_dims is None:
@@ -210,7 +217,7 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
             logit_softcap=True,
             module="flashinfer",
             extra="flashinfer",
-            cuda_graph=True,
+            notes=("decode layers whose v head dim differs from q/k run through the prefill wrapper",),
         ),
         BackendCapabilities(
             name="trtllm_mha",
@@ -230,6 +237,7 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
             head_dims=frozenset({64, 128, 256, 512}),
             v_head_dims=frozenset({64, 128, 256, 512}),
             page_sizes=frozenset({16, 32, 64}),
+            same_qk_v_head_dim=True,
             dtypes=_HALF,
             kv_dtypes=_HALF | {"fp8_e4m3"},
             sliding_window=True,
@@ -252,29 +260,27 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
                 Kernel("FlashInfer MLA FA3", _gpus("sm90")),
                 Kernel("FlashInfer MLA FA2", _gpus("sm80", "sm89", "sm100", "sm103", "sm120")),
             ),
-            mla_dims=_MLA_DS,
+            mla_multiples=(128, 64),
             dtypes=_HALF,
             kv_dtypes=_HALF,
             module="flashinfer",
             extra="flashinfer",
-            cuda_graph=True,
-            kv_layout="mla_bf16",
-            notes=("kv_lora_rank 512 with qk_rope_head_dim 64 only",),
+            notes=("dense MLA only: sparse (NSA) layers need an NSA backend",),
         ),
         BackendCapabilities(
             name="trtllm_mla",
             description="TRT-LLM MLA decode through FlashInfer (trtllm_batch_decode_with_kv_cache_mla)",
-            kinds=frozenset({"mla", "nsa"}),
+            kinds=frozenset({"mla"}),  # dense decode; the V3.2 sparse decode is planned
             prefill=(),
             decode=(Kernel("trtllm-gen MLA decode", _gpus("sm100", "sm103")),),
             mla_dims=_MLA_DS,
             page_sizes=frozenset({32, 64}),
-            dtypes=_HALF,
-            kv_dtypes=_HALF | {"fp8_e4m3"},
+            excluded_num_heads=(65, 127),
+            dtypes=frozenset({"bfloat16"}),  # FlashInfer allocates and checks a bfloat16 output
+            kv_dtypes=frozenset({"bfloat16"}),
             module="flashinfer",
             extra="flashinfer",
             cuda_graph=True,
-            kv_layout="mla_bf16",
             block_table_pad_tokens=128,
             notes=(
                 "decode only: pair it with an MLA prefill backend",
@@ -327,6 +333,7 @@ def check_backend(
     uses_sinks: bool = False,
     dtype: str | None = None,
     registered: frozenset[str] | set[str] = frozenset(),
+    num_heads: int | None = None,
 ) -> Check:
     """Check everything but the page size (the policy may still adjust that) for one phase."""
     chk = Check(name, phase)
@@ -389,6 +396,10 @@ def check_backend(
     else:
         good.append(f"head dims q/k {_fmt(head_dims)} v {_fmt(v_head_dims)} supported")
 
+    if caps.excluded_num_heads and num_heads is not None:
+        lo, hi = caps.excluded_num_heads
+        if lo <= num_heads <= hi:
+            bad.append(f"does not run {num_heads} query heads (not {lo}..{hi})")
     if uses_sliding_window and not caps.sliding_window:
         bad.append("does not support sliding-window attention, which this model uses")
     if uses_softcap and not caps.logit_softcap:
@@ -404,6 +415,13 @@ def check_backend(
 
 
 def _head_dim_violation(caps: BackendCapabilities, kind: str, qk: frozenset[int], v: frozenset[int]) -> str | None:
+    if caps.mla_multiples is not None:
+        m, r = caps.mla_multiples
+        if kind == "mha" or any(l % m or q - l <= 0 or (q - l) % r for q in qk for l in v):
+            return f"head dims q/k {_fmt(qk)} v {_fmt(v)} unsupported (supports {caps.head_dims_text()})"
+        return None
+    if caps.same_qk_v_head_dim and qk != v:
+        return f"needs equal q/k and v head dims, the model has q/k {_fmt(qk)} v {_fmt(v)}"
     if caps.mla_dims is not None:
         pairs = {(q, vv) for q in qk for vv in v}
         if len(qk) != 1 or len(v) != 1 or not pairs <= caps.mla_dims:

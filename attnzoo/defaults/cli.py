@@ -59,11 +59,12 @@ def run(args) -> int:
 
 
 def _show(args) -> int:
-    from attnzoo.defaults.resolve import table_cells
+    from attnzoo.defaults.resolve import model_patterns, table_cells
 
     cells = table_cells(args.gpu, args.policy)
+    patterns = model_patterns(args.gpu, args.policy)
     if args.json:
-        print(json.dumps(cells, indent=2))
+        print(json.dumps({"cells": cells, "model_patterns": patterns}, indent=2))
         return 0
     head = ("architecture", "gpu", "prefill", "decode", "page", "planned / reason")
     rows = []
@@ -73,6 +74,11 @@ def _show(args) -> int:
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(5)]
     for r in [head, *rows]:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)) + "  " + r[5])
+    if patterns:
+        print("\nmodel-id patterns (applied by `explain` and load_model when the model id matches):")
+        for p in patterns:
+            fields = ", ".join(f"{k}={p[k]}" for k in ("prefill", "decode", "page_size") if p[k] is not None)
+            print(f"  {p['pattern']:30} {p['gpu']:6} {fields}   ({p['file']}:{p['line']})")
     return 0
 
 

@@ -69,6 +69,14 @@ def _get(cfg, name: str, default=None):
     return getattr(cfg, name, default)
 
 
+def _config_dtype(cfg):
+    # config.json files written before transformers 5 say torch_dtype; reading it from a config object
+    # only triggers a deprecation warning.
+    if isinstance(cfg, dict):
+        return cfg.get("dtype") or cfg.get("torch_dtype")
+    return getattr(cfg, "dtype", None)
+
+
 def _dtype_name(value) -> str | None:
     if value is None:
         return None
@@ -76,9 +84,22 @@ def _dtype_name(value) -> str | None:
     return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}.get(name, name)
 
 
+# Configs read from GGUF files carry only a model_type; each maps to one causal-LM class.
+_MODEL_TYPE_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
+    "gemma4": "Gemma4ForConditionalGeneration",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+}
+
+
 def architecture_of(cfg) -> str | None:
     archs = _get(cfg, "architectures") or []
-    return archs[0] if archs else None
+    if archs:
+        return archs[0]
+    return _MODEL_TYPE_ARCH.get(str(_get(cfg, "model_type") or ""))
 
 
 def profile_from_config(hf_config, *, architecture: str | None = None, family: str | None = None) -> ModelProfile:
@@ -104,8 +125,7 @@ def profile_from_config(hf_config, *, architecture: str | None = None, family: s
                 fix=f"use one of: {', '.join(table.architectures())}",
             )
     text = _get(hf_config, "text_config") or hf_config
-    dtype = _dtype_name(_get(hf_config, "dtype") or _get(hf_config, "torch_dtype")
-                        or _get(text, "dtype") or _get(text, "torch_dtype"))
+    dtype = _dtype_name(_config_dtype(hf_config) or _config_dtype(text))
     if _get(text, "kv_lora_rank"):
         return _mla_profile(text, arch, family, dtype)
     return _mha_profile(text, arch, family, dtype)
@@ -220,6 +240,6 @@ def profile_from_table(architecture: str, family: str, fields: dict[str, Any] | 
         num_heads=fields.get("num_heads"),
         num_kv_heads=frozenset(fields.get("num_kv_heads", [])),
         dtype=fields.get("dtype"),
-        source=f"assumed from the architecture name (like {fields['example']})" if fields.get("example")
+        source=f"assumed from the architecture name, shaped like {fields['example']}" if fields.get("example")
         else "assumed from the architecture name",
     )

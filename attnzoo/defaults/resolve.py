@@ -26,7 +26,7 @@ from attnzoo.defaults.capabilities import (
     Check,
     check_backend,
 )
-from attnzoo.defaults.profile import ModelProfile, profile_from_config, profile_from_table
+from attnzoo.defaults.profile import ModelProfile, architecture_of, profile_from_config, profile_from_table
 from attnzoo.defaults.table import SHIPPED_POLICY, Match, PolicyTable, load_table
 from attnzoo.errors import BackendError, PolicyError
 
@@ -141,14 +141,16 @@ class Decision:
             f"page size {self.page_size}",
             f"  model: {self.profile.describe()}",
         ]
+        shown: set[str] = set()
         for key, label in (("prefill_backend", "prefill backend"), ("decode_backend", "decode backend"),
                            ("page_size", "page size")):
             value = getattr(self, key)
-            out.append(f"  {label + ':':17}{value!s:<12} from {s[key].detail}")
-            if s[key].reason:
-                out.append(f"  {'':17}{'':12} reason: {s[key].reason}")
-            if s[key].measured_in:
-                out.append(f"  {'':17}{'':12} measured in: {s[key].measured_in}")
+            out.append(f"  {label + ':':17}{value!s:<8} from {s[key].detail}")
+            # One row usually sets all three values: say its reason once.
+            for what, text in (("reason", s[key].reason), ("measured in", s[key].measured_in)):
+                if text and (what, text) not in shown:
+                    shown.add((what, text))
+                    out.append(f"  {'':26}{what}: {text}")
         for phase in PHASES:
             if phase in self.kernels:
                 out.append(f"  {phase} kernel: {self.kernels[phase]}")
@@ -272,14 +274,14 @@ def resolve(
     fallback = shipped.families[fam].fallback
     explicit_page = values["page_size"] if sources["page_size"].explicit else None
 
-    def check(name: str, phase: str) -> Check:
+    def check(name: str, phase: str, page_bound: bool = True) -> Check:
         chk = check_backend(
             name, phase, gpu=cls, kind=profile.kind, head_dims=profile.head_dims, v_head_dims=profile.v_head_dims,
             uses_sliding_window=profile.uses_sliding_window, uses_softcap=profile.uses_softcap,
-            uses_sinks=profile.uses_sinks, dtype=dtype, registered=registered,
+            uses_sinks=profile.uses_sinks, dtype=dtype, registered=registered, num_heads=profile.num_heads,
         )
         caps = CAPABILITIES.get(name)
-        if explicit_page is not None and caps is not None and not caps.page_size_ok(explicit_page):
+        if page_bound and explicit_page is not None and caps is not None and not caps.page_size_ok(explicit_page):
             chk.violations.append(f"page size {explicit_page} unsupported (supports {caps.page_sizes_text()})")
         return chk
 
@@ -289,7 +291,9 @@ def resolve(
         key = f"{phase}_backend"
         name, src = values[key], sources[key]
         first_choice[phase] = name
-        chk = check(name, phase)
+        # An explicit backend with an explicit page size it cannot take is a conflict between two
+        # explicit choices: _settle_page_size reports it naming both.
+        chk = check(name, phase, page_bound=not src.explicit)
         if chk.ok:
             checks[phase] = chk
             continue
@@ -395,6 +399,24 @@ def table_cells(gpu: str | None = None, policy_file: str | os.PathLike | None = 
     return cells
 
 
+def model_patterns(gpu: str | None = None, policy_file: str | os.PathLike | None = None, *,
+                   table: str | Path | None = None) -> list[dict[str, Any]]:
+    """The model-id pattern rows of the shipped table and the user policy file ("*" = all GPUs)."""
+    path, _ = _user_policy_path(Overrides(policy_file=policy_file))
+    tables = [load_table(table or SHIPPED_POLICY, shipped=True)] + ([load_table(path)] if path else [])
+    want = gpu_class(gpu) if gpu else None
+    out = []
+    for tbl in tables:
+        for pattern, entry in tbl.models.items():
+            for g, row in [("*", entry.all_gpus), *entry.gpus.items()]:
+                if (want and g not in ("*", want)) or (row.prefill, row.decode, row.page_size) == (None,) * 3:
+                    continue
+                out.append({"pattern": pattern, "gpu": g, "prefill": row.prefill, "decode": row.decode,
+                            "page_size": row.page_size, "reason": row.reason, "file": str(tbl.path),
+                            "line": row.line})
+    return out
+
+
 def _gcd(a: int, b: int) -> int:
     while b:
         a, b = b, a % b
@@ -411,11 +433,11 @@ def _profile(model, shipped: PolicyTable) -> ModelProfile:
         if fam is None:
             raise _unknown_arch(model, shipped)
         return profile_from_table(model, fam, shipped.profile_for(model))
-    arch = (model.get("architectures") if isinstance(model, dict) else getattr(model, "architectures", None)) or [None]
-    fam = shipped.family_of(arch[0]) if arch[0] else None
-    if arch[0] and fam is None:
-        raise _unknown_arch(arch[0], shipped)
-    return profile_from_config(model, family=fam)
+    arch = architecture_of(model)
+    fam = shipped.family_of(arch) if arch else None
+    if arch and fam is None:
+        raise _unknown_arch(arch, shipped)
+    return profile_from_config(model, architecture=arch, family=fam)
 
 
 def _unknown_arch(arch: str, shipped: PolicyTable) -> PolicyError:

@@ -41,6 +41,8 @@ PROFILE_KEYS = (
     "kind", "head_dims", "v_head_dims", "num_heads", "num_kv_heads",
     "sliding_window", "softcap", "dtype", "example",
 )
+# The automatic policy's own machinery: a user file's choices are explicit and never fall back.
+_SHIPPED_ONLY = ("fallback", "profile")
 _ENTRY_KEYS = {
     "family": set(ROW_KEYS) | {"gpu", "arch", "fallback", "profile"},
     "arch": set(ROW_KEYS) | {"gpu", "profile"},
@@ -240,6 +242,9 @@ class _Parser:
         for k in body:
             if k not in _ENTRY_KEYS["family"]:
                 raise self.unknown(kp + (k,), _ENTRY_KEYS["family"])
+            if k in _SHIPPED_ONLY and not self.shipped:
+                raise self.fail(kp + (k,), "only the shipped table sets this key",
+                                "remove it; a user policy file chooses backends and page sizes, explicitly")
         entry = self.entry(body, kp, "family")
         archs = {
             a: self.entry(self.table(b, kp + ("arch", a)), kp + ("arch", a), "arch")
@@ -256,6 +261,9 @@ class _Parser:
         for k in body:
             if k not in _ENTRY_KEYS[kind]:
                 raise self.unknown(kp + (k,), _ENTRY_KEYS[kind])
+            if k in _SHIPPED_ONLY and not self.shipped:
+                raise self.fail(kp + (k,), "only the shipped table sets this key",
+                                "remove it; a user policy file chooses backends and page sizes, explicitly")
         gpus: dict[str, Row] = {}
         for gpu, rb in self.table(body.get("gpu", {}), kp + ("gpu",)).items():
             if gpu not in GPUS:
