@@ -9,6 +9,8 @@ _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "attnzoo.models.llama:LlamaForCausalLM",
     "DeepseekV2ForCausalLM": "attnzoo.models.deepseek_v2:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "attnzoo.models.deepseek_v2:DeepseekV3ForCausalLM",
+    "Gemma4ForCausalLM": "attnzoo.models.gemma4:Gemma4ForCausalLM",
+    "Gemma4ForConditionalGeneration": "attnzoo.models.gemma4:Gemma4ForCausalLM",
 }
 
 

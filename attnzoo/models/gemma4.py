@@ -1,0 +1,311 @@
+"""Gemma 4 text model: Gemma4ForCausalLM, and the language model of Gemma4ForConditionalGeneration.
+
+What differs from Llama, per transformers' ``models/gemma4/modeling_gemma4.py``:
+- ``layer_types``: sliding layers use ``head_dim`` and ``num_key_value_heads``; full layers use the global
+  head dim (512 in the released models) and, with ``attention_k_eq_v``, ``num_global_key_value_heads``
+  and values taken from the key projection. Each layer type has its own RoPE (proportional partial RoPE
+  on full layers).
+- q/k RMSNorm and softmax scale 1.0; values are RMS-normalised without a weight.
+- The last ``num_kv_shared_layers`` layers attend over the KV cache of the last earlier layer of the
+  same type: they compute only q, own no KV memory and write none (optionally with a double-wide MLP).
+- Per-layer input embeddings (PLE), an MoE block beside the dense MLP, a per-layer output scalar,
+  sqrt(hidden) embedding scaling and final logit soft-capping.
+
+Only text goes in: the engine feeds token ids, and vision/audio tower weights are skipped at load.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnzoo.attention.layer import Attention, ForwardContext
+from attnzoo.errors import ModelLoadError, RequestError
+from attnzoo.models.common import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+
+log = logging.getLogger("attnzoo")
+
+# Checkpoint prefixes of Gemma4ForConditionalGeneration's non-text parts.
+_TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+_TEXT_PREFIX = "model.language_model."
+_KV_WEIGHTS = ("k_proj", "v_proj", "k_norm", "v_norm")
+
+
+def layer_attention_shape(cfg, layer_id: int) -> tuple[int, int]:
+    """(head_dim, num_kv_heads) of one layer. transformers >= 5.2x resolves full layers through the
+    heterogeneous ``per_layer_config``; earlier versions keep ``global_head_dim`` and
+    ``num_global_key_value_heads`` as fields (the KV-head override only with ``attention_k_eq_v``)."""
+    if getattr(cfg, "is_heterogeneous", False):
+        lc = cfg.per_layer_config[layer_id]
+        return lc.head_dim, lc.num_key_value_heads
+    if cfg.layer_types[layer_id] != "full_attention":
+        return cfg.head_dim, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "global_head_dim", None) or cfg.head_dim
+    kv = getattr(cfg, "num_global_key_value_heads", None) if cfg.attention_k_eq_v else None
+    return head_dim, kv or cfg.num_key_value_heads
+
+
+def kv_producers(cfg) -> list[int | None]:
+    """For each layer, the layer whose KV cache it reads (None: its own)."""
+    n = cfg.num_hidden_layers
+    first_shared = n - (cfg.num_kv_shared_layers or 0)
+    out: list[int | None] = [None] * n
+    for i in range(first_shared, n):
+        same = [j for j in range(first_shared) if cfg.layer_types[j] == cfg.layer_types[i]]
+        if not same:
+            raise ModelLoadError(
+                f"layer {i} ({cfg.layer_types[i]}) shares KV but no earlier layer of that type produces it",
+                fix="check layer_types and num_kv_shared_layers in config.json",
+            )
+        out[i] = same[-1]
+    return out
+
+
+def layer_type_rope(cfg, layer_type: str, head_dim: int) -> RotaryEmbedding:
+    params = cfg.rope_parameters[layer_type]
+    rope_type = params.get("rope_type", "default")
+    rope_cfg = cfg
+    if rope_type != "default" and not getattr(cfg, "is_heterogeneous", False) and cfg.head_dim != head_dim:
+        # Older transformers read the head dim from ``config.head_dim`` unless told otherwise; hand the
+        # init function a copy that carries this layer type's head dim.
+        rope_cfg = copy.copy(cfg)
+        rope_cfg.head_dim = head_dim
+    rope = RotaryEmbedding(rope_cfg, rope_type=rope_type, layer_type=layer_type, head_dim=head_dim)
+    if rope.inv_freq.numel() * 2 != head_dim:
+        raise ModelLoadError(
+            f"{layer_type} RoPE ({rope_type}) has {rope.inv_freq.numel()} frequencies for head dim {head_dim}",
+            fix="check rope_parameters in config.json",
+        )
+    return rope
+
+
+def _act(cfg) -> str:
+    if cfg.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"hidden_activation {cfg.hidden_activation!r} is not supported for Gemma 4",
+                             fix="use a checkpoint with gelu_pytorch_tanh")
+    return "gelu_tanh"
+
+
+class Gemma4Attention(nn.Module):
+    def __init__(self, cfg, layer_id: int, kv_from: int | None):
+        super().__init__()
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.full = cfg.layer_types[layer_id] == "full_attention"
+        self.layer_type = cfg.layer_types[layer_id]
+        self.num_heads = cfg.num_attention_heads
+        self.head_dim, self.num_kv_heads = layer_attention_shape(cfg, layer_id)
+        self.shared = kv_from is not None
+        self.k_eq_v = bool(cfg.attention_k_eq_v) and self.full
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        if not self.shared:
+            self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+            if not self.k_eq_v:
+                self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.attn = Attention(
+            layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
+            scale=1.0,  # q and k are RMS-normalised: no 1/sqrt(d)
+            sliding_window=None if self.full else cfg.sliding_window,
+            kv_shared_from=kv_from,
+        )
+
+    def forward(self, x, cos, sin, ctx: ForwardContext):  # x [num_tokens, hidden]
+        t = x.shape[0]
+        q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), cos, sin)
+        k = v = None
+        if not self.shared:
+            k_raw = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+            v_raw = k_raw if self.k_eq_v else self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+            k = apply_rope(self.k_norm(k_raw), cos, sin)
+            v = self.v_norm(v_raw)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class Gemma4Router(nn.Module):
+    """Softmax router over RMS-normalised, rescaled input; top-k renormalised, times a per-expert scale."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.top_k = cfg.top_k_experts
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, with_scale=False)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
+        self.root = cfg.hidden_size**-0.5
+
+    def forward(self, x):  # [num_tokens, hidden] -> weights float32 [num_tokens, k], experts [num_tokens, k]
+        probs = F.softmax(self.proj(self.norm(x) * self.scale * self.root), dim=-1, dtype=torch.float32)
+        w, idx = torch.topk(probs, self.top_k, dim=-1)
+        w = w / w.sum(dim=-1, keepdim=True)
+        return w * self.per_expert_scale[idx], idx
+
+
+class TopKExperts(nn.Module):
+    """Experts stored as stacked tensors (gate_up [E, 2I, H], down [E, H, I]); each token's output is the
+    routing-weighted sum of its top-k experts' gated MLPs."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x, weights, experts):  # x [T, H], weights float32 [T, k], experts int64 [T, k]
+        out = torch.zeros_like(x)
+        k = experts.shape[1]
+        flat_w = weights.reshape(-1)
+        order = experts.reshape(-1).argsort()
+        counts = torch.bincount(experts.reshape(-1), minlength=self.gate_up_proj.shape[0]).tolist()  # one sync
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = order[start : start + n]
+            tok = rows // k
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e]) * flat_w[rows, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+            start += n
+        return out
+
+
+class Gemma4DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_id: int, kv_from: int | None):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = Gemma4Attention(cfg, layer_id, kv_from)
+        wide = 2 if cfg.use_double_wide_mlp and kv_from is not None else 1
+        self.mlp = GatedMLP(h, cfg.intermediate_size * wide, act=_act(cfg))
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            setattr(self, name, RMSNorm(h, eps))
+        # A checkpoint tensor (a buffer in transformers): the whole residual stream is scaled by it.
+        self.layer_scalar = nn.Parameter(torch.ones(1))
+        self.moe = bool(cfg.enable_moe_block)
+        if self.moe:
+            self.router = Gemma4Router(cfg)
+            self.experts = TopKExperts(cfg.num_experts, h, cfg.moe_intermediate_size)
+            self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
+            self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)
+        self.ple = bool(cfg.hidden_size_per_layer_input)
+        if self.ple:
+            self.per_layer_input_gate = nn.Linear(h, cfg.hidden_size_per_layer_input, bias=False)
+            self.per_layer_projection = nn.Linear(cfg.hidden_size_per_layer_input, h, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(h, eps)
+
+    def forward(self, x, cos, sin, ple, ctx):  # x [T, hidden], ple [T, ple_dim] or None
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, ctx))
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.moe:
+            w, idx = self.router(x)  # routed on the MLP's input residual, not its output
+            moe = self.experts(self.pre_feedforward_layernorm_2(x), w, idx)
+            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe)
+        x = x + self.post_feedforward_layernorm(h)
+        if self.ple:
+            g = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * ple
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
+        return x * self.layer_scalar
+
+
+class Gemma4Model(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        producers = kv_producers(cfg)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i, producers[i]) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ple_dim = cfg.hidden_size_per_layer_input or 0
+        if self.ple_dim:
+            width = cfg.num_hidden_layers * self.ple_dim
+            self.embed_tokens_per_layer = nn.Embedding(cfg.vocab_size_per_layer_input, width)
+            self.per_layer_model_projection = nn.Linear(cfg.hidden_size, width, bias=False)
+            self.per_layer_projection_norm = RMSNorm(self.ple_dim, cfg.rms_norm_eps)
+
+
+class Gemma4ForCausalLM(CausalLM):
+    """Serves both Gemma4ForCausalLM and Gemma4ForConditionalGeneration checkpoints (text path)."""
+
+    def __init__(self, config):
+        super().__init__()
+        cfg = config.get_text_config()
+        if getattr(cfg, "use_bidirectional_attention", None) == "all":
+            raise ModelLoadError("this Gemma 4 checkpoint uses bidirectional attention over all tokens",
+                                 fix="use a causal (generative) Gemma 4 checkpoint")
+        self.config, self.cfg = config, cfg
+        self.model = Gemma4Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tied_lm_head = bool(getattr(config, "tie_word_embeddings", True))
+        self.softcap = cfg.final_logit_softcapping
+        self.embed_scale = cfg.hidden_size**0.5
+        self.ropes = nn.ModuleDict()
+        for i, lt in enumerate(cfg.layer_types):
+            if lt not in self.ropes:
+                self.ropes[lt] = layer_type_rope(cfg, lt, layer_attention_shape(cfg, i)[0])
+        self.consumers = {i for i, p in enumerate(kv_producers(cfg)) if p is not None}
+        self.multimodal = cfg is not config
+        # Placeholder ids that only mean something with image/audio/video features attached.
+        ids = [getattr(config, n, None) for n in ("image_token_id", "video_token_id", "audio_token_id")]
+        self.register_buffer("mm_token_ids", torch.tensor([i for i in ids if i is not None] if self.multimodal else [],
+                                                          dtype=torch.int64), persistent=False)
+        self.pad_token_id = cfg.pad_token_id or 0
+        self._skipped_tower_tensors = 0
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if name.startswith(_TOWER_PREFIXES):
+            self._skipped_tower_tensors += 1
+            return None
+        if name.startswith(_TEXT_PREFIX):
+            name = "model." + name[len(_TEXT_PREFIX):]
+        parts = name.split(".")
+        # Converted checkpoints keep k/v weights on KV-sharing layers, which never use them.
+        if parts[1:2] == ["layers"] and int(parts[2]) in self.consumers and parts[3:4] == ["self_attn"] \
+                and parts[4] in _KV_WEIGHTS:
+            return None
+        return name
+
+    def after_weights_loaded(self) -> None:
+        super().after_weights_loaded()
+        if self._skipped_tower_tensors:
+            log.info("Gemma 4: skipped %d vision/audio tower tensors (attnzoo serves the text model only)",
+                     self._skipped_tower_tensors)
+
+    def _per_layer_inputs(self, ids, x):  # -> [T, num_layers, ple_dim]
+        m, t = self.model, ids.shape[0]
+        tok = m.embed_tokens_per_layer(ids) * torch.tensor(self.model.ple_dim**0.5, dtype=x.dtype)
+        proj = m.per_layer_model_projection(x) * self.cfg.hidden_size**-0.5
+        proj = m.per_layer_projection_norm(proj.view(t, -1, m.ple_dim))
+        return (proj + tok.view(t, -1, m.ple_dim)) * 2.0**-0.5
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.mm_token_ids.numel():
+            is_mm = torch.isin(input_ids, self.mm_token_ids)
+            if not ctx.meta.is_decode and bool(is_mm.any()):
+                bad = int(input_ids[is_mm][0])
+                raise RequestError(
+                    f"the prompt contains token id {bad}, an image/audio/video placeholder: attnzoo serves the text "
+                    "part of Gemma 4 only and accepts no image, audio or video input",
+                    fix="pass text or token ids without multimodal placeholders",
+                )
+            # Generated placeholders read as padding, as in transformers' text-only path.
+            input_ids = torch.where(is_mm, self.pad_token_id, input_ids)
+        w = self.model.embed_tokens.weight
+        # The scale is rounded to the weight dtype first, as in the reference (sqrt(5376) -> 73.5 in bf16).
+        x = self.model.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
+        ple = self._per_layer_inputs(input_ids, x) if self.model.ple_dim else None
+        rope = {lt: r(positions) for lt, r in self.ropes.items()}
+        for i, layer in enumerate(self.model.layers):
+            cos, sin = rope[layer.self_attn.layer_type]
+            x = layer(x, cos, sin, None if ple is None else ple[:, i], ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
