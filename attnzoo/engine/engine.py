@@ -315,7 +315,8 @@ class _Batch:
     def summary(self) -> dict:
         """What a roofline model needs: new tokens, and KV tokens read by attention."""
         return {"num_reqs": len(self.reqs), "new_tokens": sum(len(c) for c in self.chunks),
-                "kv_tokens": sum(r.num_cached for r in self.reqs)}
+                "kv_tokens": sum(r.num_cached for r in self.reqs),
+                "attn_pairs": sum(len(c) * r.num_cached for r, c in zip(self.reqs, self.chunks))}
 
     def add(self, req: _Request, chunk: list[int], sample: bool) -> None:
         if sample:
