@@ -197,7 +197,7 @@ def load_model(
     cls = model_class(arch)  # unknown architectures fail here, before any weights are read
     overrides = Overrides(
         backend=backend, prefill_backend=prefill_backend, decode_backend=decode_backend,
-        page_size=page_size, policy_file=policy_file,
+        page_size=page_size, policy_file=policy_file, dtype=dt,
     )
     decision = resolve(config, gpu=None if dev.type == "cuda" else "cpu", overrides=overrides, model_id=src.name if src else None)
     log.info("attention policy for %s: %s", arch, decision.explain().splitlines()[0])
