@@ -1,0 +1,451 @@
+"""GPU parity suite for the FlashInfer-backed backends: flashinfer, trtllm_mha, flashinfer_mla, trtllm_mla.
+
+Skipped as a whole (not failed) without a CUDA GPU or without FlashInfer. Each backend runs against
+the float32 attention reference on random paged inputs: non-contiguous, shuffled pages filled with
+random values, several batch shapes with contexts of 1 and lengths that are not multiples of the page
+size, cached prefixes under extend, head dims 128/256/512, GQA ratios 1/2/4/8, sliding windows and
+soft-capping where the backend has them. Pass: bf16 relative error (norm of the difference over the
+norm of the reference) <= 1e-2 and no NaN. Then whole tiny models (Llama, and Gemma 4 / DeepSeek-V3
+when registered) must decode as the torch backend does (tolerance policy at ``assert_same_greedy``).
+
+FlashInfer compiles each kernel variant on first use (5-60 s each, cached in ~/.cache/flashinfer), so
+the cases below are chosen to cover every feature with few variants. Run a part with -k (flashinfer,
+trtllm_mha, flashinfer_mla, trtllm_mla, model).
+"""
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("flashinfer", reason='FlashInfer is not installed (pip install "attnzoo[flashinfer]")')
+
+import attnzoo  # noqa: E402
+from attnzoo.attention.backends import get_backend_class  # noqa: E402
+from attnzoo.attention.backends.torch_ref import attention_reference, gather_kv  # noqa: E402
+from attnzoo.attention.kv_cache import KVPool  # noqa: E402
+from attnzoo.attention.layer import Attention  # noqa: E402
+from attnzoo.attention.metadata import ForwardMode, build_metadata  # noqa: E402
+from attnzoo.models.registry import supported_architectures  # noqa: E402
+from helpers import random_prompts, save_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+CC = torch.cuda.get_device_capability()
+SM90 = CC == (9, 0)
+BLACKWELL = CC in ((10, 0), (10, 3))
+XQA_OR_TRTLLM_GEN = CC in ((9, 0), (10, 0), (10, 3), (12, 0), (12, 1))
+DTYPE = torch.bfloat16
+DEV = "cuda"
+REL_TOL = 1e-2
+
+# (prefix_lens, q_lens) per batch shape: contexts of 1, page-size non-multiples, long and short mixed.
+DECODE_BATCHES = {
+    "b5": ([0, 16, 68, 199, 330], [1] * 5),  # seq lens 1, 17, 69, 200, 331
+    "b1": ([1000], [1]),
+}
+EXTEND_BATCHES = {
+    "b4-prefix": ([0, 0, 19, 64], [1, 37, 5, 70]),  # fresh prompts and chunks over a cached prefix
+    "b1": ([0], [129]),
+}
+
+
+def _case_id(c):
+    return c["id"]
+
+
+# MHA cases: each is one kernel variant per backend, so the list stays short.
+MHA_CASES = [
+    dict(id="d128-g1", heads=8, kv_heads=8, head_dim=128),
+    dict(id="d128-g4", heads=16, kv_heads=4, head_dim=128),
+    dict(id="d128-g8", heads=32, kv_heads=4, head_dim=128),
+    dict(id="d128-g4-window-softcap", heads=16, kv_heads=4, head_dim=128, window=48, softcap=30.0),
+    dict(id="d256-g2-window", heads=8, kv_heads=4, head_dim=256, window=40),  # Gemma 4 sliding-like
+    dict(id="d256-g8", heads=16, kv_heads=2, head_dim=256),
+    dict(id="d512-g8", heads=16, kv_heads=2, head_dim=512),  # Gemma 4 global-like
+    dict(id="d512-g1", heads=4, kv_heads=4, head_dim=512),
+]
+# No soft-cap in the TRT-LLM kernels; their sliding window is covered by the d256 (Gemma 4) case.
+TRTLLM_MHA_CASES = [c for c in MHA_CASES if not c.get("softcap")]
+
+
+def make_step(*, heads, kv_heads, head_dim, page_size, prefix_lens, q_lens, mode, v_head_dim=None,
+              window=None, softcap=None, kind="mha", scale=None, seed=0, num_pages=None, **_):
+    """A one-layer pool of random pages, the step's metadata and a random query."""
+    layer = Attention(0, heads, kv_heads, head_dim, v_head_dim=v_head_dim, sliding_window=window,
+                      logit_softcap=softcap, kind=kind, scale=scale)
+    seq = [p + q for p, q in zip(prefix_lens, q_lens)]
+    need = [-(-s // page_size) for s in seq]
+    num_pages = num_pages or sum(need) + 7  # spare pages that no request owns
+    pool = KVPool([layer.kv_cache_spec()], num_pages=num_pages, page_size=page_size, dtype=DTYPE, device=DEV)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    pool.buffer.view(DTYPE).normal_(generator=gen)
+    order = (torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(order[at:at + n])
+        at += n
+    meta = build_metadata(prefix_lens=list(prefix_lens), q_lens=list(q_lens), block_tables=tables,
+                          page_size=page_size, device=DEV, mode=mode)
+    q = torch.randn(sum(q_lens), heads, head_dim, device=DEV, dtype=DTYPE, generator=gen)
+    return layer, pool, meta, q
+
+
+def reference(layer, pool, meta, q) -> torch.Tensor:
+    """float32 attention per request over its gathered pages: [num_tokens, heads, v_head_dim]."""
+    outs, start = [], 0
+    for i, (s, ql) in enumerate(zip(meta.seq_lens_cpu, meta.q_lens_cpu)):
+        pages = meta.block_tables[i, : -(-s // meta.page_size)]
+        k = gather_kv(pool.k(layer.layer_id), pages, s)
+        v = gather_kv(pool.v(layer.layer_id), pages, s)
+        pos = torch.arange(s - ql, s, device=q.device)
+        outs.append(attention_reference(q[start:start + ql], k, v, pos, scale=layer.scale,
+                                        sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap))
+        start += ql
+    return torch.cat(outs)
+
+
+def run_backend(backend, layer, meta, q) -> torch.Tensor:
+    backend.prepare(meta)
+    return backend.decode(layer, q, meta) if meta.is_decode else backend.extend(layer, q, meta)
+
+
+def assert_close(out, ref):
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert out.dtype == DTYPE
+    assert not out.isnan().any(), "NaN in the output"
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel <= REL_TOL, f"relative error {rel:.3e} > {REL_TOL}"
+
+
+def check(name, case, page_size, mode, batch, **backend_kw):
+    prefix, qlens = (DECODE_BATCHES if mode is ForwardMode.DECODE else EXTEND_BATCHES)[batch]
+    layer, pool, meta, q = make_step(page_size=page_size, prefix_lens=prefix, q_lens=qlens, mode=mode, **case)
+    backend = get_backend_class(name)(pool, **backend_kw)
+    out = run_backend(backend, layer, meta, q)
+    assert_close(out, reference(layer, pool, meta, q))
+    # A second step reuses the planned signature from prepare(); it must give the same answer.
+    out2 = run_backend(backend, layer, meta, q)
+    assert torch.equal(out, out2)
+
+
+MODES = {"decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND}
+
+
+# ------------------------------------------------------------------------------------------ flashinfer
+
+@pytest.mark.parametrize("case", MHA_CASES, ids=_case_id)
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_flashinfer(case, mode, page_size):
+    batches = DECODE_BATCHES if mode == "decode" else EXTEND_BATCHES
+    for batch in batches:
+        check("flashinfer", case, page_size, MODES[mode], batch)
+
+
+@pytest.mark.skipif(not SM90, reason="FA3 runs on SM90 only")
+def test_flashinfer_fa2_prefill_forced_on_sm90():
+    """The FA2 prefill kernels on Hopper too (the benchmark compares them with FA3)."""
+    case = MHA_CASES[1]
+    for batch in EXTEND_BATCHES:
+        check("flashinfer", case, 16, ForwardMode.EXTEND, batch, prefill_variant="fa2")
+
+
+def test_flashinfer_reports_its_kernels():
+    layer, pool, _, _ = make_step(heads=8, kv_heads=2, head_dim=512, page_size=16, prefix_lens=[3], q_lens=[1],
+                                  mode=ForwardMode.DECODE)
+    be = get_backend_class("flashinfer")(pool)
+    assert be.prefill_kernel(512, 512) == "fa2"  # FA3 prefill does not build for head dim 512
+    assert be.prefill_kernel(128, 128) == ("fa3" if SM90 else "fa2")
+    assert "tensor cores" in be.kernels_for(layer)["decode"]
+
+
+def test_flashinfer_gemma4_like_mixed_layers_share_one_step():
+    """Layers with different signatures (sliding d256, global d512) in one pool: one plan each per step."""
+    sliding = Attention(0, 8, 4, 256, sliding_window=24)
+    glob = Attention(1, 8, 2, 512)
+    ps = 16
+    prefix, qlens = [0, 40, 7], [30, 1, 12]
+    seq = [p + q for p, q in zip(prefix, qlens)]
+    pages = [list(range(1 + 10 * i, 1 + 10 * i + -(-s // ps))) for i, s in enumerate(seq)]
+    pool = KVPool([sliding.kv_cache_spec(), glob.kv_cache_spec()], num_pages=40, page_size=ps, dtype=DTYPE, device=DEV)
+    pool.buffer.view(DTYPE).normal_()
+    meta = build_metadata(prefix_lens=prefix, q_lens=qlens, block_tables=pages, page_size=ps, device=DEV)
+    be = get_backend_class("flashinfer")(pool)
+    for step in range(2):  # step 0 learns the signatures lazily, step 1 plans them in prepare()
+        be.prepare(meta)
+        for layer in (sliding, glob, sliding):
+            q = torch.randn(sum(qlens), layer.num_heads, layer.head_dim, device=DEV, dtype=DTYPE)
+            assert_close(be.extend(layer, q, meta), reference(layer, pool, meta, q))
+    assert len(meta.backend_state[be._state_key].planned) == 2
+
+
+# ------------------------------------------------------------------------------------------ trtllm_mha
+
+TRTLLM_PAGES = {"d128-g4": [16, 32, 64], "d256-g2-window": [16, 64], "d256-g8": [16, 64],
+                "d512-g8": [16, 64], "d512-g1": [16, 64]}
+
+
+def _trtllm_params():
+    for case in TRTLLM_MHA_CASES:
+        for ps in TRTLLM_PAGES.get(case["id"], [16]):
+            yield pytest.param(case, ps, id=f"{case['id']}-p{ps}")
+
+
+@pytest.mark.skipif(not XQA_OR_TRTLLM_GEN, reason="trtllm_mha runs on SM90/SM120 (XQA) and SM100/SM103")
+@pytest.mark.parametrize("case,page_size", list(_trtllm_params()))
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_trtllm_mha(case, page_size, mode):
+    batches = DECODE_BATCHES if mode == "decode" else EXTEND_BATCHES
+    for batch in batches:
+        check("trtllm_mha", case, page_size, MODES[mode], batch)
+
+
+@pytest.mark.skipif(not XQA_OR_TRTLLM_GEN, reason="trtllm_mha runs on SM90/SM120 (XQA) and SM100/SM103")
+def test_trtllm_mha_states_its_prefill_split():
+    cls = get_backend_class("trtllm_mha")
+    assert cls.extend_runs_as((10, 0)) == "trtllm_mha"
+    assert cls.extend_runs_as((9, 0)) == "flashinfer"
+    layer, pool, _, _ = make_step(heads=8, kv_heads=2, head_dim=128, page_size=16, prefix_lens=[3], q_lens=[1],
+                                  mode=ForwardMode.DECODE)
+    kernels = cls(pool).kernels_for(layer)
+    assert ("xqa" if not BLACKWELL else "trtllm-gen") in kernels["decode"]
+    assert kernels["prefill"].startswith("trtllm-gen" if BLACKWELL else "runs as flashinfer")
+
+
+@pytest.mark.skipif(not XQA_OR_TRTLLM_GEN, reason="trtllm_mha runs on SM90/SM120 (XQA) and SM100/SM103")
+def test_trtllm_mha_rejects_softcap_and_bad_page_size():
+    from attnzoo.errors import BackendError
+
+    case = dict(heads=8, kv_heads=2, head_dim=128, softcap=20.0)
+    layer, pool, meta, q = make_step(page_size=16, prefix_lens=[5], q_lens=[1], mode=ForwardMode.DECODE, **case)
+    be = get_backend_class("trtllm_mha")(pool)
+    be.prepare(meta)
+    with pytest.raises(BackendError, match="soft-capping"):
+        be.decode(layer, q, meta)
+    _, pool8, _, _ = make_step(page_size=8, prefix_lens=[5], q_lens=[1], mode=ForwardMode.DECODE, **case)
+    with pytest.raises(BackendError, match="page size 16, 32 or 64"):
+        get_backend_class("trtllm_mha")(pool8)
+
+
+def _graph_replay(name, case, page_size, batch=4):
+    """Capture one decode in a CUDA graph, then replay it for a different step of the same batch size:
+    new contexts, new pages, new queries, through static buffers refilled by prepare_graph()."""
+    steps = []
+    for seed, prefix in ((0, [5, 40, 90, 17]), (1, [120, 3, 64, 77])):
+        steps.append(make_step(page_size=page_size, prefix_lens=prefix, q_lens=[1] * batch,
+                               mode=ForwardMode.DECODE, seed=seed, num_pages=64, **case))
+    layer, pool, meta0, q0 = steps[0]
+    # One pool for both steps: step 1's random pages replace step 0's (same layout, 64 pages each).
+    _, pool1, meta1, q1 = steps[1]
+    pool.buffer.copy_(pool1.buffer)
+    width = max(meta0.block_tables.shape[1], meta1.block_tables.shape[1])
+    static = dict(seq=meta0.seq_lens.clone(), bt=torch.zeros(batch, width, dtype=torch.int32, device=DEV),
+                  q=q0.clone())
+
+    def bind(meta, q):
+        static["seq"].copy_(meta.seq_lens)
+        static["bt"].zero_()
+        static["bt"][:, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        static["q"].copy_(q)
+        meta.seq_lens, meta.block_tables = static["seq"], static["bt"]
+        return meta
+
+    be = get_backend_class(name)(pool)
+    be.init_graph_state(batch, width)
+    bind(meta0, q0)
+    be.prepare_graph(meta0, capturing=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture: JIT builds, workspace allocation
+        be.decode(layer, static["q"], meta0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = be.decode(layer, static["q"], meta0)
+    bind(meta1, q1)
+    be.prepare_graph(meta1, capturing=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, reference(layer, pool, meta1, q1))
+
+
+@pytest.mark.skipif(not XQA_OR_TRTLLM_GEN, reason="trtllm_mha runs on SM90/SM120 (XQA) and SM100/SM103")
+def test_trtllm_mha_cuda_graph_replay():
+    _graph_replay("trtllm_mha", dict(heads=16, kv_heads=4, head_dim=128), 16)
+
+
+# ------------------------------------------------------------------------------------------ MLA
+
+MLA_RANK, MLA_ROPE = 512, 64
+
+
+def mla_case(heads):
+    # DeepSeek-V3's softmax scale: 1/sqrt(qk_nope + rope) with YaRN's mscale^2 folded in.
+    return dict(id=f"h{heads}", heads=heads, kv_heads=1, head_dim=MLA_RANK + MLA_ROPE, v_head_dim=MLA_RANK,
+                kind="mla", scale=192 ** -0.5 * 1.3)
+
+
+def _mla_variants():
+    return ["fa2", "fa3"] if SM90 else [None]
+
+
+@pytest.mark.skipif(CC[0] < 8, reason="FlashInfer MLA needs SM80+")
+@pytest.mark.parametrize("variant", _mla_variants())
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_flashinfer_mla(variant, heads, mode, page_size):
+    batches = DECODE_BATCHES if mode == "decode" else EXTEND_BATCHES
+    kw = {"variant": variant} if variant else {}
+    for batch in batches:
+        check("flashinfer_mla", mla_case(heads), page_size, MODES[mode], batch, **kw)
+
+
+@pytest.mark.skipif(CC[0] < 8, reason="FlashInfer MLA needs SM80+")
+def test_flashinfer_mla_reads_the_pool_in_place():
+    """No copy of the cache per layer: the packed view handed to FlashInfer aliases the pool."""
+    layer, pool, meta, q = make_step(page_size=64, prefix_lens=[70], q_lens=[1], mode=ForwardMode.DECODE,
+                                     **mla_case(16))
+    view = pool.k(0)[:, 0]
+    assert view.data_ptr() == pool.k(0).data_ptr() and view.is_contiguous()
+
+
+@pytest.mark.skipif(not BLACKWELL, reason="trtllm_mla (trtllm-gen MLA decode) runs on SM100/SM103 only")
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("page_size", [32, 64])
+def test_trtllm_mla_decode(heads, page_size):
+    for batch in DECODE_BATCHES:
+        check("trtllm_mla", mla_case(heads), page_size, ForwardMode.DECODE, batch)
+
+
+@pytest.mark.skipif(not BLACKWELL, reason="trtllm_mla (trtllm-gen MLA decode) runs on SM100/SM103 only")
+def test_trtllm_mla_cuda_graph_replay():
+    case = mla_case(16)
+    _graph_replay("trtllm_mla", {k: v for k, v in case.items() if k != "id"}, 64)
+
+
+@pytest.mark.skipif(BLACKWELL, reason="checks the refusal on GPUs other than SM100/SM103")
+def test_trtllm_mla_refuses_other_gpus():
+    from attnzoo.errors import BackendError
+
+    _, pool, _, _ = make_step(page_size=64, prefix_lens=[3], q_lens=[1], mode=ForwardMode.DECODE, **mla_case(16))
+    with pytest.raises(BackendError, match="SM100/SM103 only"):
+        get_backend_class("trtllm_mla")(pool)
+
+
+# ------------------------------------------------------------------------------------------ whole models
+
+# Tolerance policy for whole bf16 models (needed: on a tiny random model, two correct bf16 attention
+# kernels round differently, logits then differ by up to ~0.1, and a near-tie can flip a greedy token;
+# measured on CPU with the torch vs triton backends, where one of four prompts flipped at step 6):
+# (1) while the two runs have the same history, every step's logits agree within LOGIT_ATOL (an
+#     attention bug moves them by whole units); (2) the greedy tokens are equal, except that the first
+#     divergence is accepted where the reference's top-2 margin is within 2 * LOGIT_ATOL (the two runs'
+#     combined noise); after a divergence the continuations are not compared.
+LOGIT_ATOL = 0.25
+STEPS = 16
+
+
+def assert_same_greedy(ref_llm, llm, prompts):
+    ref = ref_llm.generate(prompts, max_new_tokens=STEPS, ignore_eos=True, return_logits=True)
+    got = llm.generate(prompts, max_new_tokens=STEPS, ignore_eos=True, return_logits=True)
+    for p, (r, g) in enumerate(zip(ref, got)):
+        for t in range(STEPS):
+            diff = (r.logits[t] - g.logits[t]).abs().max().item()
+            assert diff <= LOGIT_ATOL, f"prompt {p} step {t}: logits differ by {diff:.3f}"
+            if r.token_ids[t] != g.token_ids[t]:
+                top2 = r.logits[t].topk(2).values
+                margin = (top2[0] - top2[1]).item()
+                assert margin <= 2 * LOGIT_ATOL, (
+                    f"prompt {p} step {t}: token {g.token_ids[t]} vs reference {r.token_ids[t]} "
+                    f"with a reference margin of {margin:.3f}"
+                )
+                break
+        teacher = (ref_llm.logits(prompts[p]) - llm.logits(prompts[p])).abs().max().item()
+        assert teacher <= LOGIT_ATOL, f"prompt {p}: teacher-forced prefill logits differ by {teacher:.3f}"
+
+
+def tiny_llama(path, *, heads, kv_heads, head_dim):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=1024, initializer_range=0.1)
+    torch.manual_seed(0)
+    return save_checkpoint(LlamaForCausalLM(cfg).eval(), path)
+
+
+def tiny_gemma4(path):
+    """31B-like in miniature: sliding d256 layers (window 16) and global d512 layers with k == v."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    s, f = "sliding_attention", "full_attention"
+    cfg = Gemma4TextConfig(
+        vocab_size=256, vocab_size_per_layer_input=256, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=4, layer_types=[s, s, f, s], num_attention_heads=4, num_key_value_heads=2,
+        head_dim=256, global_head_dim=512, attention_k_eq_v=True, num_global_key_value_heads=1,
+        sliding_window=16, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+        max_position_embeddings=1024, initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return save_checkpoint(Gemma4ForCausalLM(cfg).eval(), path)
+
+
+def tiny_deepseek_v3(path):
+    """DeepSeek-V3 attention in miniature (latent 512, rope 64, 16 heads); dense MLPs only, so that no
+    near-equal router scores can flip an expert choice between two bf16 runs."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=2,
+        first_k_dense_replace=2, num_attention_heads=16, num_key_value_heads=16, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=MLA_RANK, q_lora_rank=96,
+        qk_nope_head_dim=32, qk_rope_head_dim=MLA_ROPE, v_head_dim=32, max_position_embeddings=1024,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(0)
+    return save_checkpoint(DeepseekV3ForCausalLM(cfg).eval(), path)
+
+
+ARCHS = set(supported_architectures())
+
+
+def _model_params():
+    # (model, builder, backend kwargs, page size): every applicable backend, and mixed prefill/decode.
+    out = [
+        ("llama-d128-gqa4", lambda p: tiny_llama(p, heads=4, kv_heads=1, head_dim=128), dict(backend="flashinfer"), 16),
+        ("llama-d128-gqa4", lambda p: tiny_llama(p, heads=4, kv_heads=1, head_dim=128), dict(backend="flashinfer"), 1),
+        ("llama-d64-mha", lambda p: tiny_llama(p, heads=4, kv_heads=4, head_dim=64), dict(backend="flashinfer"), 16),
+    ]
+    if XQA_OR_TRTLLM_GEN:
+        out += [
+            ("llama-d128-gqa4", lambda p: tiny_llama(p, heads=4, kv_heads=1, head_dim=128), dict(backend="trtllm_mha"), 16),
+            ("llama-d64-mha", lambda p: tiny_llama(p, heads=4, kv_heads=4, head_dim=64), dict(backend="trtllm_mha"), 32),
+            ("llama-d128-gqa4", lambda p: tiny_llama(p, heads=4, kv_heads=1, head_dim=128),
+             dict(prefill_backend="flashinfer", decode_backend="trtllm_mha"), 64),
+        ]
+    if "Gemma4ForCausalLM" in ARCHS:
+        out.append(("gemma4-31b-like", tiny_gemma4, dict(backend="flashinfer"), 64))
+        if XQA_OR_TRTLLM_GEN:
+            out.append(("gemma4-31b-like", tiny_gemma4, dict(backend="trtllm_mha"), 64))
+    if "DeepseekV3ForCausalLM" in ARCHS and CC[0] >= 8:
+        out.append(("deepseek-v3-like", tiny_deepseek_v3, dict(backend="flashinfer_mla"), 64))
+        if BLACKWELL:
+            out += [("deepseek-v3-like", tiny_deepseek_v3,
+                     dict(prefill_backend="flashinfer_mla", decode_backend="trtllm_mla"), ps) for ps in (32, 64)]
+    for model, build, kw, ps in out:
+        label = "+".join(f"{v}" for v in kw.values())
+        yield pytest.param(model, build, kw, ps, id=f"model-{model}-{label}-p{ps}")
+
+
+@pytest.mark.parametrize("model,build,backend_kw,page_size", list(_model_params()))
+def test_model_greedy_matches_torch_backend(tmp_path, model, build, backend_kw, page_size):
+    path = build(tmp_path)
+    common = dict(dtype=DTYPE, device=DEV, page_size=page_size)
+    ref = attnzoo.load_model(path, backend="torch", **common)
+    llm = attnzoo.load_model(path, **backend_kw, **common)
+    info = llm.info()
+    for phase in ("prefill", "decode"):
+        want = backend_kw.get(f"{phase}_backend", backend_kw.get("backend"))
+        assert info[f"{phase}_backend"] == want, info
+    assert_same_greedy(ref, llm, random_prompts(256, [1, 5, 17, 40], seed=7))
