@@ -18,6 +18,8 @@ from attnzoo.models.common import GatedMLP
 from helpers import assert_matches_hf, random_prompts, save_checkpoint
 
 VOCAB = 160
+# The parity tests are CPU tests (float32 against transformers on CPU); the triton one also runs on a GPU.
+GPU = torch.cuda.is_available()
 # V2-Lite's YaRN: mscale == mscale_all_dim, so cos/sin stay unscaled and only the softmax scale grows.
 YARN_V2 = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
            "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
@@ -87,7 +89,7 @@ def test_matches_transformers(tmp_path, name):
     build, page_size = MODELS[name]
     hf = build()
     save_checkpoint(hf, tmp_path)
-    llm = attnzoo.load_model(tmp_path, page_size=page_size, backend="torch")
+    llm = attnzoo.load_model(tmp_path, page_size=page_size, backend="torch", device="cpu")
     calls = _count_expert_calls(llm)
     assert_matches_hf(llm, hf, random_prompts(VOCAB, [7, 21]), steps=32)
     unused = [n for n, c in calls.items() if c == 0]
@@ -99,7 +101,8 @@ def test_triton_matches_transformers(tmp_path):
         pytest.skip("the triton backend is not registered in attnzoo/attention/backends/__init__.py")
     hf = tiny_v3(num_hidden_layers=2)
     save_checkpoint(hf, tmp_path)
-    llm = attnzoo.load_model(tmp_path, page_size=16, backend="triton")
+    # float32 on the GPU too: the check is against transformers' float32 logits.
+    llm = attnzoo.load_model(tmp_path, page_size=16, backend="triton", device="cuda" if GPU else "cpu", dtype="float32")
     assert llm.info()["decode_backend"] == "triton"
     assert_matches_hf(llm, hf, random_prompts(VOCAB, [7, 21]), steps=32)
 
@@ -123,7 +126,7 @@ def test_expanded_prefill_matches_transformers(tmp_path):
     hf = tiny_v3(num_hidden_layers=2)
     save_checkpoint(hf, tmp_path)
     # A 6-token budget splits prompts into chunks, so expanded prefill also runs over a cached prefix.
-    llm = attnzoo.load_model(tmp_path, page_size=4, backend="torch", max_batch_tokens=6)
+    llm = attnzoo.load_model(tmp_path, page_size=4, backend="torch", max_batch_tokens=6, device="cpu")
     expanded = ExpandedTorch(llm.pool)
     llm.engine.prefill_backend = expanded
     assert_matches_hf(llm, hf, random_prompts(VOCAB, [7, 21], seed=5), steps=8)
@@ -202,7 +205,7 @@ def v3_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("dtype,elt", [("float32", 4), ("bfloat16", 2)])
 def test_kv_bytes_per_token_is_one_latent_entry(v3_dir, dtype, elt):
-    llm = attnzoo.load_model(v3_dir, dtype=dtype, backend="torch")
+    llm = attnzoo.load_model(v3_dir, dtype=dtype, backend="torch", device="cpu")
     info = llm.info()
     # (kv_lora_rank + qk_rope_head_dim) x dtype bytes x layers: no per-head keys, no separate values.
     assert info["kv_bytes_per_token"] == (32 + 8) * elt * 2
@@ -211,6 +214,7 @@ def test_kv_bytes_per_token_is_one_latent_entry(v3_dir, dtype, elt):
     assert router.e_score_correction_bias.dtype == torch.float32 and router.weight.dtype == getattr(torch, dtype)
     out = llm.generate([[5, 9, 11, 40]], max_new_tokens=4, ignore_eos=True)[0]
     assert len(out.token_ids) == 4
+    assert router.to(torch.float16).e_score_correction_bias.dtype == torch.float32
 
 
 def test_extra_mtp_layers_are_skipped_and_fp8_is_refused(tmp_path, v3_dir):
@@ -218,11 +222,11 @@ def test_extra_mtp_layers_are_skipped_and_fp8_is_refused(tmp_path, v3_dir):
         (tmp_path / f.name).write_bytes(f.read_bytes())
     # V3 checkpoints carry the multi-token-prediction module as layer num_hidden_layers.
     save_file({"model.layers.2.self_attn.kv_b_proj.weight": torch.zeros(4, 4)}, tmp_path / "mtp.safetensors")
-    ref = attnzoo.load_model(v3_dir, backend="torch").logits([5, 9, 11])
-    assert torch.equal(attnzoo.load_model(tmp_path, backend="torch").logits([5, 9, 11]), ref)
+    ref = attnzoo.load_model(v3_dir, backend="torch", device="cpu").logits([5, 9, 11])
+    assert torch.equal(attnzoo.load_model(tmp_path, backend="torch", device="cpu").logits([5, 9, 11]), ref)
     save_file({"model.layers.0.self_attn.o_proj.weight_scale_inv": torch.ones(1, 1)}, tmp_path / "fp8.safetensors")
     with pytest.raises(WeightError, match="FP8"):
-        attnzoo.load_model(tmp_path, backend="torch")
+        attnzoo.load_model(tmp_path, backend="torch", device="cpu")
 
 
 def test_bad_configs_and_declarations_are_clear_errors(tmp_path):
@@ -230,7 +234,7 @@ def test_bad_configs_and_declarations_are_clear_errors(tmp_path):
     hf.config.topk_method = "noaux_tc"
     save_checkpoint(hf, tmp_path)
     with pytest.raises(ModelLoadError, match="topk_method"):
-        attnzoo.load_model(tmp_path, backend="torch")
+        attnzoo.load_model(tmp_path, backend="torch", device="cpu")
 
     class Bogus(TorchBackend):
         mla_prefill = "expanded"  # but no extend_ragged

@@ -144,7 +144,11 @@ class DeepseekRouter(nn.Module):
                 )
         else:
             self.norm_topk_prob = bool(config.norm_topk_prob)
-            self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
+            # float32 whatever the model dtype, as in the reference: rounded to bf16 it would change
+            # which experts win close calls.
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(self.num_experts, dtype=torch.float32), requires_grad=False
+            )
         if scoring == "sigmoid" or self.topk_method == "group_limited_greedy":
             if not self.n_group or not self.topk_group or self.num_experts % self.n_group:
                 raise ModelLoadError(
@@ -154,8 +158,7 @@ class DeepseekRouter(nn.Module):
                 )
 
     def _apply(self, fn, recurse=True):
-        # The correction bias stays float32 whatever the model dtype, as in the reference: rounding it
-        # to bf16 would change which experts win close calls.
+        # model.to(dtype) must not round the correction bias either.
         super()._apply(fn, recurse)
         bias = getattr(self, "e_score_correction_bias", None)
         if bias is not None and bias.dtype != torch.float32:
