@@ -93,6 +93,13 @@ class Engine:
         self.device = pool.device
         self.prefix_cache = PrefixCache(self.allocator, pool.page_size) if prefix_caching else None
         self.step_log: list[dict] | None = None  # set to [] to record one summary per step (benchmarks)
+        self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs()
+        self.graph_stats = {"replayed": 0, "eager": 0}
+
+    def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
+        from attnzoo.engine.cuda_graph import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.pool, self.decode_backend, max_batch=max_batch, max_context=max_context)
 
     # ---------------------------------------------------------------- public
 
@@ -247,10 +254,15 @@ class Engine:
             device=self.device,
         )
         ids = torch.tensor([t for c in batch.chunks for t in c], dtype=torch.int64, device=self.device)
+        sample_rows = torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
-            hidden = self._forward(ids, meta)
-            rows = meta.last_token_rows[torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)]
-            logits = self.model.compute_logits(hidden[rows])
+            if self.graphs is not None and self.graphs.fits(meta):
+                logits = self.graphs.replay(ids, meta)[sample_rows]  # decode: row i is request i
+                self.graph_stats["replayed"] += 1
+            else:
+                hidden = self._forward(ids, meta)
+                logits = self.model.compute_logits(hidden[meta.last_token_rows[sample_rows]])
+                self.graph_stats["eager"] += 1
         for req, chunk in zip(batch.reqs, batch.chunks):
             req.num_cached += len(chunk)
             if self.prefix_cache is not None and len(req.out) == 0:

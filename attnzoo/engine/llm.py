@@ -12,7 +12,7 @@ from attnzoo.attention.backends import get_backend_class
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.engine.engine import Completion, Engine
 from attnzoo.engine.sampling import SamplingParams
-from attnzoo.errors import ModelLoadError, RequestError
+from attnzoo.errors import BackendError, ModelLoadError, RequestError
 from attnzoo.models import loader
 from attnzoo.models.registry import model_class
 
@@ -153,6 +153,8 @@ class LLM:
             "kv_layers_with_memory": sum(1 for i in range(len(specs)) if self.pool.owns_memory(i)),
             "kv_element_bytes": elt,
             "context_len": self.engine.context_len,
+            "cuda_graph": None if self.engine.graphs is None else {
+                "batch_buckets": self.engine.graphs.buckets, "max_context": self.engine.graphs.max_context},
             "decision": self.decision.to_dict(),
         }
 
@@ -172,6 +174,8 @@ def load_model(
     max_batch_tokens: int | None = None,
     max_running: int = 256,
     prefix_caching: bool = True,
+    cuda_graph: bool | None = None,
+    cuda_graph_max_context: int = 8192,
     load_format: str = "auto",
     seed: int = 0,
 ) -> LLM:
@@ -226,6 +230,15 @@ def load_model(
         max_batch_tokens=max_batch_tokens or (8192 if dev.type == "cuda" else 2048), max_running=max_running,
         prefix_caching=prefix_caching,
     )
+    if cuda_graph is None:
+        cuda_graph = dev.type == "cuda" and dec.supports_cuda_graph
+    if cuda_graph:
+        if dev.type != "cuda" or not dec.supports_cuda_graph:
+            raise BackendError(
+                f"CUDA graphs were asked for, but the decode backend {dec.name!r} on {dev} does not support them",
+                fix="pass cuda_graph=False, or a decode backend that supports graphs on a GPU",
+            )
+        engine.enable_cuda_graphs(max_batch=max_running, max_context=min(context_len, cuda_graph_max_context))
     if src is None:
         src = loader.CheckpointSource(f"random-weight {arch}", None)
     return LLM(model=model, tokenizer=tokenizer, config=config, architecture=arch, source=src, decision=decision,

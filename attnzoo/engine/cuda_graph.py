@@ -1,0 +1,99 @@
+"""CUDA-graph capture of the decode step, per batch-size bucket, for backends that declare support.
+
+A decode step's host work (Python per layer, kernel launches) costs more than its GPU work at small
+batches. Captured once per bucket, a step becomes: copy this step's metadata into static buffers, replay.
+Rows past the real batch are padding: they point at page 0 (never handed out), so their KV writes land
+where nobody reads, and their logits are dropped.
+
+The graphs are sized for contexts up to ``max_context`` tokens; a decode step with a longer request,
+or more requests than the largest bucket, runs eagerly (``DecodeGraphs.fits`` decides, and the engine
+counts those steps in ``Engine.graph_stats``).
+"""
+from __future__ import annotations
+
+import torch
+
+from attnzoo.attention.layer import ForwardContext
+from attnzoo.attention.metadata import BatchMetadata, ForwardMode
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024)
+
+
+class DecodeGraphs:
+    def __init__(self, model, pool, backend, *, max_batch: int, max_context: int, buckets=DEFAULT_BUCKETS):
+        self.model, self.pool, self.backend = model, pool, backend
+        dev, ps = pool.device, pool.page_size
+        self.buckets = sorted(b for b in buckets if b <= max_batch) or [max_batch]
+        self.max_batch = self.buckets[-1]
+        self.max_pages = -(-max_context // ps)
+        self.max_context = self.max_pages * ps
+        n = self.max_batch
+        # Static inputs: every replay reads these addresses.
+        self.ids = torch.zeros(n, dtype=torch.int64, device=dev)  # [max_batch]
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)  # [max_batch]
+        self.slots = torch.zeros(n, dtype=torch.int64, device=dev)  # [max_batch]: padding writes page 0
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)  # [max_batch]
+        self.prefix_lens = torch.zeros(n, dtype=torch.int32, device=dev)  # [max_batch]
+        self.block_tables = torch.zeros(n, self.max_pages, dtype=torch.int32, device=dev)  # [max_batch, max_pages]
+        self.q_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)  # [max_batch + 1]
+        self.rows = torch.arange(n, dtype=torch.int64, device=dev)  # [max_batch]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # bucket -> static output [bucket, vocab]
+        backend.init_graph_state(self.max_batch, self.max_pages)
+        self._capture_all()
+
+    def _meta(self, bs: int) -> BatchMetadata:
+        return BatchMetadata(
+            mode=ForwardMode.DECODE, page_size=self.pool.page_size,
+            positions=self.positions[:bs], slot_mapping=self.slots[:bs], q_indptr=self.q_indptr[: bs + 1],
+            seq_lens=self.seq_lens[:bs], prefix_lens=self.prefix_lens[:bs],
+            block_tables=self.block_tables[:bs], seq_lens_cpu=[self.max_context] * bs, q_lens_cpu=[1] * bs,
+            last_token_rows=self.rows[:bs],
+        )
+
+    def _run(self, bs: int, capturing: bool) -> torch.Tensor:
+        meta = self._meta(bs)
+        self.backend.prepare_graph(meta, capturing)
+        ctx = ForwardContext(meta, self.pool, self.backend, self.backend)
+        hidden = self.model(self.ids[:bs], self.positions[:bs], ctx)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._run(bs, capturing=True)  # warm-up: kernels compile, allocator settles
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[bs] = self._run(bs, capturing=True)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def fits(self, meta: BatchMetadata) -> bool:
+        return meta.is_decode and meta.num_reqs <= self.max_batch and meta.max_seq_len <= self.max_context
+
+    def replay(self, ids: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        """Logits [num_reqs, vocab] for a decode step that ``fits``."""
+        n = meta.num_reqs
+        bs = next(b for b in self.buckets if b >= n)
+        width = meta.block_tables.shape[1]
+        self.ids[:n].copy_(ids)
+        self.positions[:n].copy_(meta.positions)
+        self.slots[:n].copy_(meta.slot_mapping)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.prefix_lens[:n].copy_(meta.prefix_lens)
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        # padding rows: one token at position 0 in page 0
+        self.ids[n:bs].zero_()
+        self.positions[n:bs].zero_()
+        self.slots[n:bs].zero_()
+        self.seq_lens[n:bs].fill_(1)
+        self.prefix_lens[n:bs].zero_()
+        self.block_tables[n:bs].zero_()
+        self.backend.prepare_graph(self._meta(bs), capturing=False)
+        self.graphs[bs].replay()
+        return self.logits[bs][:n]
