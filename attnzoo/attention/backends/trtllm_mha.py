@@ -162,6 +162,12 @@ class TrtllmMHABackend(AttentionBackend):
                 f"q/k {sig.head_dim}, v {sig.v_head_dim}",
                 fix="choose backend='flashinfer' or 'triton'",
             )
+        if self.decode_kernel() == "xqa" and sig.head_dim > 256 and sig.group > 16:
+            raise BackendError(
+                f"XQA serves head dims above 256 only with at most 16 query heads per KV head; layer "
+                f"{layer.layer_id} has head dim {sig.head_dim} with {sig.group}",
+                fix="choose backend='flashinfer' or 'triton' for this model on this GPU",
+            )
         return sig
 
     def extend(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
