@@ -1,0 +1,282 @@
+"""Turn lm-eval's results into our report (a JSON-able dict) and render it for the terminal.
+
+A report holds one run: model, Decision, device, versions, per-task metrics per filter, invalid rates,
+timing and throughput, and one record per question. A comparison of two runs holds paired
+statistics per (task, filter) and one verdict.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import platform
+from collections import defaultdict
+from typing import Any, Iterable
+
+from attnzoo.errors import EvalError
+from attnzoo.evals import stats
+
+REPORT_FORMAT = 1
+# lm-eval's regex filter answers this when its pattern finds nothing ("no number extracted").
+INVALID = "[invalid]"
+# Per-question right/wrong comes from the first of these metrics that the task reports.
+BINARY_METRICS = ("exact_match", "acc")
+_VERSIONED = {
+    "attnzoo": "attnzoo", "torch": "torch", "transformers": "transformers", "lm_eval": "lm_eval",
+    "triton": "triton", "flashinfer": "flashinfer-python", "datasets": "datasets", "gguf": "gguf",
+}
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for key, dist in _VERSIONED.items():
+        try:
+            out[key] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            if key == "attnzoo":  # running from a source checkout that is not pip-installed
+                import attnzoo
+
+                out[key] = attnzoo.__version__
+    try:
+        import torch
+
+        if torch.version.cuda:
+            out["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    return out
+
+
+def device_info(device) -> dict[str, Any]:
+    import torch
+
+    dev = torch.device(device)
+    info: dict[str, Any] = {"device": str(dev)}
+    if dev.type == "cuda":
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(idx)
+        info.update(name=props.name, compute_capability=f"sm{props.major}{props.minor}",
+                    memory_gib=round(props.total_memory / 2**30, 1))
+    else:
+        info["name"] = platform.processor() or platform.machine()
+        info["threads"] = torch.get_num_threads()
+    return info
+
+
+# ------------------------------------------------------------------------------ per-question records
+
+
+def _primary_metric(sample: dict) -> str | None:
+    return next((m for m in BINARY_METRICS if m in sample), None)
+
+
+def _scalar(x):
+    # lm-eval wraps per-request values in lists (one per repeat); gsm8k has one repeat.
+    while isinstance(x, (list, tuple)) and len(x) == 1:
+        x = x[0]
+    return x
+
+
+def per_question(samples: Iterable[dict], generations: dict[int, Any] | None = None) -> list[dict]:
+    """One record per document from lm-eval's logged samples (one sample per document and filter)."""
+    by_doc: dict[int, dict] = {}
+    for s in samples:
+        doc_id = int(s["doc_id"])
+        rec = by_doc.setdefault(doc_id, {
+            "doc_id": doc_id, "prompt_hash": s.get("prompt_hash"), "target": _scalar(s.get("target")),
+            "answers": {}, "correct": {}, "response": _scalar(_scalar(s.get("resps"))),
+        })
+        metric = _primary_metric(s)
+        rec["answers"][s["filter"]] = _scalar(s.get("filtered_resps"))
+        if metric is not None:
+            value = float(s[metric])
+            if value not in (0.0, 1.0):
+                rec.setdefault("non_binary", []).append(s["filter"])
+            rec["correct"][s["filter"]] = value == 1.0
+    records = [by_doc[k] for k in sorted(by_doc)]
+    for rec in records:
+        g = (generations or {}).get(rec["doc_id"])
+        if g is not None:
+            rec.update(output_tokens=g.output_tokens, prompt_tokens=g.prompt_tokens, finish_reason=g.finish_reason)
+    return records
+
+
+def task_metrics(task_results: dict, records: list[dict]) -> dict[str, dict]:
+    """{filter: {metric: value, metric_stderr: value, invalid_rate: ...}} from lm-eval's results."""
+    out: dict[str, dict] = defaultdict(dict)
+    for key, value in task_results.items():
+        if "," not in key:
+            continue
+        metric, flt = key.split(",", 1)
+        out[flt][metric] = None if value == "N/A" or (isinstance(value, float) and math.isnan(value)) else value
+    n = len(records)
+    for flt in out:
+        if n and all(flt in r["answers"] for r in records):
+            out[flt]["invalid_rate"] = sum(1 for r in records if r["answers"][flt] == INVALID) / n
+    return dict(out)
+
+
+def build_run(*, task_results: dict[str, dict], samples: dict[str, list], lm, info: dict, decision, wall_s: float,
+              settings: dict, label: str) -> dict:
+    """The report of one run (JSON-able)."""
+    gens: dict[str, dict[int, Any]] = defaultdict(dict)
+    for g in lm.records:
+        gens[g.task_name][g.doc_id] = g
+    tasks = {}
+    for name, res in task_results.items():
+        records = per_question(samples.get(name, []), gens.get(name))
+        tasks[name] = {"num_questions": len(records), "metrics": task_metrics(res, records), "per_question": records}
+    out_tokens = sum(g.output_tokens for g in lm.records)
+    gen_s = lm.generation_seconds
+    return {
+        "format": REPORT_FORMAT,
+        "label": label,
+        "model": info["model"],
+        "architecture": info["architecture"],
+        "decision": decision.to_dict(),
+        "decision_explain": decision.explain(),
+        "dtype": info["dtype"],
+        "device": device_info(info["device"]),
+        "versions": versions(),
+        "settings": settings,
+        "tasks": tasks,
+        "timing": {
+            "wall_s": wall_s,
+            "generation_s": gen_s,
+            "output_tokens": out_tokens,
+            "output_tokens_per_s": out_tokens / gen_s if gen_s > 0 else None,
+        },
+    }
+
+
+# ------------------------------------------------------------------------------ comparison
+
+
+def compare_runs(a: dict, b: dict, alpha: float = 0.05) -> dict:
+    """Paired statistics of run B against run A, per (task, filter), on the questions both answered."""
+    results: dict[str, stats.PairedResult] = {}
+    per_metric = []
+    identical: dict[str, dict] = {}
+    for task, ta in a["tasks"].items():
+        tb = b["tasks"].get(task)
+        if tb is None:
+            raise EvalError(f"run B has no results for task {task!r}", fix="compare runs of the same task")
+        ra = {r["doc_id"]: r for r in ta["per_question"]}
+        rb = {r["doc_id"]: r for r in tb["per_question"]}
+        if sorted(ra) != sorted(rb):
+            raise EvalError(
+                f"the two runs of {task!r} answered different questions ({len(ra)} vs {len(rb)} documents)",
+                fix="use the same --limit, task and data for both runs",
+            )
+        ids = sorted(ra)
+        changed_prompts = [i for i in ids if ra[i].get("prompt_hash") != rb[i].get("prompt_hash")]
+        if changed_prompts:
+            raise EvalError(
+                f"the two runs of {task!r} gave different prompts for {len(changed_prompts)} questions "
+                f"(first: document {changed_prompts[0]})",
+                fix="use the same --num-fewshot, --apply-chat-template and data for both runs",
+            )
+        filters = [f for f in ra[ids[0]]["correct"] if all(f in ra[i]["correct"] and f in rb[i]["correct"] for i in ids)]
+        if not filters:
+            raise EvalError(f"task {task!r} has no per-question right/wrong metric ({' or '.join(BINARY_METRICS)})",
+                            fix="--compare-to needs a task scored by exact_match or acc")
+        for flt in filters:
+            r = stats.paired_compare([ra[i]["correct"][flt] for i in ids], [rb[i]["correct"][flt] for i in ids])
+            same = sum(1 for i in ids if ra[i]["answers"].get(flt) == rb[i]["answers"].get(flt))
+            results[f"{task},{flt}"] = r
+            per_metric.append({"task": task, "filter": flt, **r.to_dict(), "answers_agree": same,
+                               "answer_agreement": same / len(ids)})
+        identical[task] = {"n": len(ids), "responses_identical": sum(1 for i in ids if ra[i].get("response") == rb[i].get("response"))}
+    verdict, threshold = stats.verdict(results, alpha)
+    return {
+        "a": _run_label(a), "b": _run_label(b),
+        "metrics": per_metric,
+        "tasks": identical,
+        "alpha": alpha,
+        "per_test_threshold": threshold,
+        "verdict": verdict,
+    }
+
+
+def _run_label(run: dict) -> dict:
+    d = run["decision"]
+    return {"label": run.get("label"), "prefill_backend": d["prefill_backend"], "decode_backend": d["decode_backend"],
+            "page_size": d["page_size"]}
+
+
+def check_saved_report(report: Any, path: str) -> dict:
+    """A saved report must be ours and hold per-question records."""
+    if not isinstance(report, dict) or report.get("format") != REPORT_FORMAT or "run" not in report:
+        raise EvalError(f"{path} is not a run_eval report (format {REPORT_FORMAT})",
+                        fix="pass a JSON file written by run_eval --output, or a backend name")
+    run = report["run"]
+    for task, t in run.get("tasks", {}).items():
+        if not t.get("per_question"):
+            raise EvalError(f"{path} has no per-question records for task {task!r}", fix="re-run run_eval --output to save one")
+    return run
+
+
+# ------------------------------------------------------------------------------ terminal
+
+
+def _pct(x) -> str:
+    return "   n/a" if x is None else f"{100 * x:6.2f}"
+
+
+def render(report: dict, per_question_rows: bool = False) -> str:
+    run = report["run"]
+    d = run["decision"]
+    lines = [
+        f"run_eval {', '.join(run['tasks'])}: {run['model']} [{run['architecture']}]",
+        f"  device {run['device']['device']} ({run['device'].get('name', '')}), dtype {run['dtype']}",
+        f"  policy: prefill {d['prefill_backend']}, decode {d['decode_backend']}, page size {d['page_size']}",
+    ]
+    for key in ("prefill_backend", "decode_backend", "page_size"):
+        src = d["sources"].get(key, {})
+        why = src.get("detail", "")
+        if src.get("reason"):
+            why += f" ({src['reason']})"
+        lines.append(f"    {key.replace('_', ' ')}: {why}")
+    v = run["versions"]
+    lines.append("  versions: " + ", ".join(f"{k} {v[k]}" for k in v))
+    s = run["settings"]
+    lines.append(f"  settings: limit {s.get('limit')}, {s.get('num_fewshot')}-shot, chat template "
+                 f"{'on' if s.get('apply_chat_template') else 'off'}, max new tokens {s.get('max_new_tokens')}, "
+                 f"data {s.get('data_dir') or 'Hugging Face Hub'}")
+    for task, t in run["tasks"].items():
+        lines.append("")
+        lines.append(f"  {task}: {t['num_questions']} questions")
+        lines.append(f"    {'filter':20} {'accuracy %':>10} {'± stderr':>9} {'invalid %':>10}")
+        for flt, m in t["metrics"].items():
+            metric = next((k for k in BINARY_METRICS if k in m), next((k for k in m if not k.endswith("_stderr") and k != "invalid_rate"), None))
+            acc = m.get(metric) if metric else None
+            se = m.get(f"{metric}_stderr") if metric else None
+            lines.append(f"    {flt:20} {_pct(acc):>10} {_pct(se):>9} {_pct(m.get('invalid_rate')):>10}")
+        if per_question_rows:
+            filters = list(t["metrics"])
+            lines.append(f"    {'doc':>5}  " + "  ".join(f"{f[:18]:>18} ok" for f in filters) + "  tokens finish")
+            for r in t["per_question"]:
+                cells = "  ".join(f"{str(r['answers'].get(f))[:18]:>18} {'y' if r['correct'].get(f) else 'n':>2}" for f in filters)
+                lines.append(f"    {r['doc_id']:>5}  {cells}  {r.get('output_tokens', ''):>6} {r.get('finish_reason', '')}")
+    tm = run["timing"]
+    tps = tm["output_tokens_per_s"]
+    lines.append("")
+    lines.append(f"  wall latency {tm['wall_s']:.1f} s (generation {tm['generation_s']:.1f} s), output tokens "
+                 f"{tm['output_tokens']}, output throughput {'n/a' if tps is None else f'{tps:.1f}'} tok/s")
+    cmp = report.get("comparison")
+    if cmp:
+        a, b = cmp["a"], cmp["b"]
+        lines.append("")
+        lines.append(f"  comparison: A = {a['prefill_backend']}/{a['decode_backend']} page {a['page_size']}  vs  "
+                     f"B = {b['prefill_backend']}/{b['decode_backend']} page {b['page_size']} ({b.get('label')})")
+        lines.append(f"    {'task,filter':28} {'acc A %':>8} {'acc B %':>8} {'B-A %':>7} {'95% CI %':>17} "
+                     f"{'A only':>6} {'B only':>6} {'McNemar p':>10} {'same answer':>12}")
+        for m in cmp["metrics"]:
+            ci = f"[{100 * m['ci95'][0]:+.1f}, {100 * m['ci95'][1]:+.1f}]"
+            lines.append(f"    {m['task'] + ',' + m['filter']:28} {100 * m['accuracy_a']:8.2f} {100 * m['accuracy_b']:8.2f} "
+                         f"{100 * m['difference']:+7.2f} {ci:>17} {m['only_a']:6d} {m['only_b']:6d} {m['mcnemar_p']:10.4f} "
+                         f"{m['answers_agree']:>5}/{m['n']:<6}")
+        lines.append(f"    verdict: {cmp['verdict']} (exact McNemar, alpha {cmp['alpha']}, "
+                     f"p < {cmp['per_test_threshold']:.4g} per test after Bonferroni)")
+        for task, t in cmp["tasks"].items():
+            lines.append(f"    {task}: identical responses on {t['responses_identical']}/{t['n']} questions")
+    return "\n".join(lines)

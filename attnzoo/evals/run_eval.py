@@ -1,0 +1,275 @@
+"""``run_eval TASK``: an lm-eval task through our engine, with a report and an optional paired comparison.
+
+Everything that can be wrong with the command line (task, data files, backend choices the policy
+rejects, limits, the output path, a saved report to compare with) is checked before any weights are
+read, so a mistake costs seconds, not a model load and a half-finished run.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from attnzoo.errors import AttnzooError, EvalError
+
+log = logging.getLogger("attnzoo")
+
+DESCRIPTION = """Evaluate a model with lm-evaluation-harness through attnzoo's engine.
+Example: run_eval gsm8k --data-dir ../shared/data/gsm8k --limit 50
+         run_eval gsm8k --backend triton --compare-to torch --limit 200 --output report.json"""
+
+
+@dataclass
+class Backends:
+    """One run's explicit attention choices (None: the policy decides)."""
+
+    backend: str | None = None
+    prefill_backend: str | None = None
+    decode_backend: str | None = None
+    page_size: int | None = None
+
+    def describe(self) -> str:
+        parts = [f"{k}={v}" for k, v in self.__dict__.items() if v is not None]
+        return ", ".join(parts) or "policy default"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="run_eval", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("task", help="lm-eval task name (gsm8k, or any other lm-eval task)")
+    p.add_argument("--model", default=None, help="checkpoint dir, hub id or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--backend", default=None, help="attention backend for prefill and decode")
+    p.add_argument("--prefill-backend", default=None)
+    p.add_argument("--decode-backend", default=None)
+    p.add_argument("--page-size", type=int, default=None, help="KV-cache page size (default: the policy's)")
+    p.add_argument("--policy", default=None, metavar="FILE", help="user policy file (same schema as the shipped table)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    p.add_argument("--limit", type=int, default=None, help="evaluate the first N questions")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's, 5 for gsm8k)")
+    p.add_argument("--apply-chat-template", action="store_true", help="format prompts with the tokenizer's chat template")
+    p.add_argument("--data-dir", default=None, help="folder with train.jsonl and test.jsonl: run gsm8k offline from them")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="generation limit per question (default: the task's, else 256)")
+    p.add_argument("--compare-to", default=None, metavar="B2",
+                   help="a second backend to run on the same questions, or a report JSON saved by --output")
+    p.add_argument("--compare-page-size", type=int, default=None, help="page size for the --compare-to backend")
+    p.add_argument("--alpha", type=float, default=0.05, help="significance level of the comparison (default 0.05)")
+    p.add_argument("--output", default=None, metavar="FILE.json", help="write the report (with per-question records) here")
+    p.add_argument("--per-question", action="store_true", help="also print one line per question")
+    p.add_argument("--wave-size", type=int, default=None,
+                   help="questions handed to the engine per call (default: all on GPU, 16 on CPU); the progress bar moves per wave")
+    return p
+
+
+# ------------------------------------------------------------------------------ validation
+
+
+def check_output_path(path: str) -> Path:
+    out = Path(path).expanduser()
+    if out.is_dir():
+        raise EvalError(f"--output {path!r} is a directory", fix="give a file name, e.g. report.json")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise EvalError(f"--output {path!r}: the folder {str(parent)!r} does not exist", fix="create it first, or pick another path")
+    # os.access says yes to root even on read-only mounts; creating a file is the real test.
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".run_eval-", delete=True):
+            pass
+        if out.exists() and not os.access(out, os.W_OK):
+            raise PermissionError(str(out))
+    except OSError as e:
+        raise EvalError(f"--output {path!r} is not writable ({e.strerror or e})", fix="pick a path you can write to") from None
+    return out
+
+
+def _check_numbers(args) -> None:
+    if args.limit is not None and args.limit < 1:
+        raise EvalError(f"--limit must be at least 1, got {args.limit}", fix="pass --limit N with N >= 1, or leave it out to run every question")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise EvalError(f"--num-fewshot must be >= 0, got {args.num_fewshot}", fix="pass --num-fewshot 0 or more")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise EvalError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}", fix="pass a positive number")
+    if args.wave_size is not None and args.wave_size < 1:
+        raise EvalError(f"--wave-size must be at least 1, got {args.wave_size}", fix="pass a positive number")
+    if not 0 < args.alpha < 1:
+        raise EvalError(f"--alpha must be between 0 and 1, got {args.alpha}", fix="pass e.g. --alpha 0.05")
+    if args.backend and (args.prefill_backend or args.decode_backend):
+        raise EvalError("--backend cannot be combined with --prefill-backend/--decode-backend",
+                        fix="use --backend B for both phases, or --prefill-backend B1 --decode-backend B2")
+    if args.compare_page_size is not None and args.compare_to is None:
+        raise EvalError("--compare-page-size needs --compare-to", fix="add --compare-to BACKEND")
+
+
+def _compare_target(value: str | None) -> tuple[str | None, Path | None]:
+    """(backend name, None) or (None, saved report path)."""
+    if value is None:
+        return None, None
+    p = Path(value).expanduser()
+    if p.is_file():
+        return None, p
+    if value.endswith(".json") or os.sep in value:
+        raise EvalError(f"--compare-to {value!r}: no such report file", fix="pass an existing report JSON or a backend name")
+    return value, None
+
+
+def _load_saved(path: Path) -> dict:
+    from attnzoo.evals.report import check_saved_report
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise EvalError(f"cannot read the report {str(path)!r}: {e}", fix="pass a JSON file written by run_eval --output") from None
+    return check_saved_report(data, str(path))
+
+
+def _resolve_policy(config, src, device, dtype, policy_file, b: Backends):
+    """The Decision load_model would take, computed from the config alone (no weights read)."""
+    import torch
+
+    from attnzoo.defaults import Overrides, resolve
+
+    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ov = Overrides(backend=b.backend, prefill_backend=b.prefill_backend, decode_backend=b.decode_backend,
+                   page_size=b.page_size, policy_file=policy_file, dtype=dtype)
+    return resolve(config, gpu=None if dev.type == "cuda" else "cpu", overrides=ov, model_id=src.name)
+
+
+# ------------------------------------------------------------------------------ one run
+
+
+def _evaluate(args, data_files, b: Backends, label: str) -> dict:
+    """Load the model with backends ``b``, run the task, and return the run's report."""
+    import lm_eval
+
+    from attnzoo import load_model
+    from attnzoo.evals.lm import AttnzooLM
+    from attnzoo.evals.report import build_run
+    from attnzoo.evals.tasks import load_tasks
+
+    t_load = time.perf_counter()
+    llm = load_model(args.model, backend=b.backend, prefill_backend=b.prefill_backend, decode_backend=b.decode_backend,
+                     page_size=b.page_size, policy_file=args.policy, dtype=args.dtype, device=args.device)
+    load_s = time.perf_counter() - t_load
+    lm = AttnzooLM(llm=llm, pretrained=args.model, wave_size=args.wave_size)
+    # Fresh task objects per run: lm-eval stores each run's instances and responses on them.
+    loaded = load_tasks(args.task, data_files)
+    gen_kwargs = {"max_gen_toks": args.max_new_tokens} if args.max_new_tokens else None
+    t0 = time.perf_counter()
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=list(loaded["tasks"].values()), num_fewshot=args.num_fewshot, limit=args.limit,
+        apply_chat_template=args.apply_chat_template, fewshot_as_multiturn=args.apply_chat_template,
+        gen_kwargs=gen_kwargs, log_samples=True,
+    )
+    wall = time.perf_counter() - t0
+    configs = results.get("configs", {})
+    settings = {
+        "task": args.task, "limit": args.limit,
+        "num_fewshot": {t: c.get("num_fewshot") for t, c in configs.items()} if len(configs) > 1
+        else next((c.get("num_fewshot") for c in configs.values()), args.num_fewshot),
+        "apply_chat_template": args.apply_chat_template,
+        "max_new_tokens": args.max_new_tokens or next(
+            (c.get("generation_kwargs", {}).get("max_gen_toks") for c in configs.values()), None) or lm.max_gen_toks,
+        "data_dir": str(Path(args.data_dir).resolve()) if args.data_dir else None,
+        "backends_asked": b.describe(),
+        "policy_file": args.policy,
+        "seeds": {k: results.get("config", {}).get(k) for k in ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")},
+        "load_s": load_s,
+    }
+    run = build_run(task_results=results["results"], samples=results.get("samples", {}), lm=lm, info=llm.info(),
+                    decision=llm.decision, wall_s=wall, settings=settings, label=label)
+    del lm, llm
+    _free_memory()
+    return run
+
+
+def _free_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------ entry points
+
+
+def run(args) -> dict:
+    """Validate, evaluate, compare. Returns ``{"format", "run", ["run_b"], ["comparison"]}``."""
+    from attnzoo.evals.report import REPORT_FORMAT, compare_runs
+    from attnzoo.evals.tasks import check_data_dir, load_tasks
+    from attnzoo.models import loader
+
+    _check_numbers(args)
+    out_path = check_output_path(args.output) if args.output else None
+    compare_backend, saved_path = _compare_target(args.compare_to)
+    saved = _load_saved(saved_path) if saved_path else None
+
+    mine = Backends(args.backend, args.prefill_backend, args.decode_backend, args.page_size)
+    other = Backends(compare_backend, None, None, args.compare_page_size) if compare_backend else None
+    src = loader.resolve_source(args.model)
+    config = loader.load_config(src)
+    _resolve_policy(config, src, args.device, args.dtype, args.policy, mine)
+    if other is not None:
+        _resolve_policy(config, src, args.device, args.dtype, args.policy, other)
+
+    data_files = check_data_dir(args.task, args.data_dir) if args.data_dir else None
+    # Reads the documents now, so an unknown task or an unreachable dataset fails before the model loads.
+    loaded = load_tasks(args.task, data_files)
+    if saved is not None:
+        _check_saved_matches(saved, args, loaded)
+    del loaded
+
+    report: dict[str, Any] = {"format": REPORT_FORMAT}
+    report["run"] = _evaluate(args, data_files, mine, label=mine.describe())
+    if other is not None:
+        report["run_b"] = _evaluate(args, data_files, other, label=other.describe())
+        report["comparison"] = compare_runs(report["run"], report["run_b"], alpha=args.alpha)
+    elif saved is not None:
+        report["comparison"] = compare_runs(report["run"], saved, alpha=args.alpha)
+        report["comparison"]["b"]["label"] = f"saved report {saved_path}"
+    if out_path is not None:
+        out_path.write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
+def _check_saved_matches(saved: dict, args, loaded) -> None:
+    names = set(loaded["tasks"])
+    if set(saved.get("tasks", {})) != names:
+        raise EvalError(f"the saved report is for task(s) {', '.join(sorted(saved.get('tasks', {})))}, not {', '.join(sorted(names))}",
+                        fix="compare against a report of the same task")
+    s = saved.get("settings", {})
+    for key, mine in (("limit", args.limit), ("apply_chat_template", args.apply_chat_template)):
+        if s.get(key) != mine:
+            raise EvalError(f"the saved report was run with {key}={s.get(key)!r}, this run has {mine!r}",
+                            fix=f"run with the same {key} as the saved report")
+    if args.num_fewshot is not None and s.get("num_fewshot") not in (args.num_fewshot, None):
+        raise EvalError(f"the saved report was run {s.get('num_fewshot')}-shot, this run {args.num_fewshot}-shot",
+                        fix="use the same --num-fewshot")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from attnzoo.evals.report import render
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    log.setLevel(logging.INFO)
+    try:
+        report = run(args)
+    except AttnzooError as e:
+        print(f"run_eval: error: {e}", file=sys.stderr)
+        return 2
+    print(render(report, per_question_rows=args.per_question))
+    if args.output:
+        print(f"\nreport written to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
