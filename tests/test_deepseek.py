@@ -15,6 +15,7 @@ from attnzoo.attention.mla import (
 )
 from attnzoo.errors import BackendError, ModelLoadError, WeightError
 from attnzoo.models.common import GatedMLP
+from attnzoo.models.deepseek_v2 import DeepseekV3ForCausalLM as DeepseekV3ForCausalLM_ours
 from helpers import assert_matches_hf, random_prompts, save_checkpoint
 
 VOCAB = 160
@@ -105,6 +106,16 @@ def test_triton_matches_transformers(tmp_path):
     llm = attnzoo.load_model(tmp_path, page_size=16, backend="triton", device="cuda" if GPU else "cpu", dtype="float32")
     assert llm.info()["decode_backend"] == "triton"
     assert_matches_hf(llm, hf, random_prompts(VOCAB, [7, 21]), steps=32)
+
+
+def test_static_moe_dispatch_equals_sparse():
+    """The routing-independent dispatch (used under CUDA-graph capture) computes the same sum."""
+    moe = DeepseekV3ForCausalLM_ours(tiny_v3(num_hidden_layers=2).config).model.layers[1].mlp
+    torch.nn.init.normal_(moe.gate.weight, std=0.5)
+    x = torch.randn(9, 64)
+    weights, ids = moe.gate(x)
+    torch.testing.assert_close(moe.routed_static(x, weights, ids), moe.routed_sparse(x, weights, ids),
+                               rtol=1e-6, atol=1e-6)
 
 
 class ExpandedTorch(TorchBackend):

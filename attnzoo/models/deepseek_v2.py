@@ -134,7 +134,9 @@ class DeepseekRouter(nn.Module):
         self.routed_scaling_factor = config.routed_scaling_factor
         self.n_group = config.n_group
         self.topk_group = config.topk_group
-        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
+        # Initialised (not empty) so that random-weight models (load_format="random") route sensibly.
+        std = getattr(config, "initializer_range", 0.02)
+        self.weight = nn.Parameter(torch.randn(self.num_experts, config.hidden_size) * std)
         if scoring == "softmax":
             self.topk_method = config.topk_method
             if self.topk_method not in ("greedy", "group_limited_greedy"):
@@ -205,13 +207,32 @@ class DeepseekMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        weights, ids = self.gate(x)
+        weights, ids = self.gate(x)  # [T, k] float32, [T, k]
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            routed = self.routed_static(x, weights, ids)
+        else:
+            routed = self.routed_sparse(x, weights, ids)
+        return routed + self.shared_experts(x)
+
+    def routed_sparse(self, x, weights, ids) -> torch.Tensor:
+        """The chosen experts on the tokens that chose them; one host sync per layer (which experts)."""
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():
             tok, slot = torch.where(ids == e)
             y = self.experts[e](x[tok]) * weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
-        return out + self.shared_experts(x)
+        return out
+
+    def routed_static(self, x, weights, ids) -> torch.Tensor:
+        """Every expert on every token, weighted by zero where not chosen: shapes and launches do not
+        depend on the routing, so a captured CUDA graph replays it. It reads every expert's weights,
+        as a decode batch of a large MoE mostly does anyway, and spends the extra FLOPs on small batches."""
+        dense = torch.zeros(x.shape[0], len(self.experts), dtype=weights.dtype, device=x.device)
+        dense.scatter_(1, ids, weights)  # [T, E]
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out += (expert(x) * dense[:, e, None]).to(out.dtype)
+        return out
 
 
 class DeepseekDecoderLayer(nn.Module):
