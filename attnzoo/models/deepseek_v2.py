@@ -236,9 +236,9 @@ class DeepseekMoE(nn.Module):
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, *, scoring: str, interleaved_rope: bool):
+    def __init__(self, config, layer_id: int, *, scoring: str, interleaved_rope: bool, attention_cls=None):
         super().__init__()
-        self.self_attn = DeepseekAttention(config, layer_id, interleaved_rope=interleaved_rope)
+        self.self_attn = (attention_cls or DeepseekAttention)(config, layer_id, interleaved_rope=interleaved_rope)
         if layer_id >= config.first_k_dense_replace:
             self.mlp = DeepseekMoE(config, scoring)
         else:
@@ -252,11 +252,12 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, config, *, scoring: str, interleaved_rope: bool):
+    def __init__(self, config, *, scoring: str, interleaved_rope: bool, attention_cls=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, scoring=scoring, interleaved_rope=interleaved_rope)
+            DeepseekDecoderLayer(config, i, scoring=scoring, interleaved_rope=interleaved_rope,
+                                 attention_cls=attention_cls)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -264,12 +265,14 @@ class DeepseekModel(nn.Module):
 
 class DeepseekV2ForCausalLM(CausalLM):
     scoring = "softmax"
+    attention_cls = DeepseekAttention  # V3.2 swaps in its indexer-carrying subclass
 
     def __init__(self, config):
         super().__init__()
         _check_config(config)
         self.config = config
-        self.model = DeepseekModel(config, scoring=self.scoring, interleaved_rope=self.interleaved_rope(config))
+        self.model = DeepseekModel(config, scoring=self.scoring, interleaved_rope=self.interleaved_rope(config),
+                                   attention_cls=self.attention_cls)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tied_lm_head = bool(getattr(config, "tie_word_embeddings", False))
         rope_type = config.rope_parameters.get("rope_type", "default")
