@@ -15,7 +15,6 @@ Only text goes in: the engine feeds token ids, and vision/audio tower weights ar
 """
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
@@ -35,17 +34,11 @@ _KV_WEIGHTS = ("k_proj", "v_proj", "k_norm", "v_norm")
 
 
 def layer_attention_shape(cfg, layer_id: int) -> tuple[int, int]:
-    """(head_dim, num_kv_heads) of one layer. transformers >= 5.2x resolves full layers through the
-    heterogeneous ``per_layer_config``; earlier versions keep ``global_head_dim`` and
-    ``num_global_key_value_heads`` as fields (the KV-head override only with ``attention_k_eq_v``)."""
-    if getattr(cfg, "is_heterogeneous", False):
-        lc = cfg.per_layer_config[layer_id]
-        return lc.head_dim, lc.num_key_value_heads
-    if cfg.layer_types[layer_id] != "full_attention":
-        return cfg.head_dim, cfg.num_key_value_heads
-    head_dim = getattr(cfg, "global_head_dim", None) or cfg.head_dim
-    kv = getattr(cfg, "num_global_key_value_heads", None) if cfg.attention_k_eq_v else None
-    return head_dim, kv or cfg.num_key_value_heads
+    """(head_dim, num_kv_heads) of one layer. transformers (>= 5.17) resolves config.json's
+    ``global_head_dim`` / ``num_global_key_value_heads`` (the latter only with ``attention_k_eq_v``) into
+    the full layers' entries of ``per_layer_config``."""
+    lc = cfg.per_layer_config[layer_id] if getattr(cfg, "is_heterogeneous", False) else cfg
+    return lc.head_dim, lc.num_key_value_heads
 
 
 def kv_producers(cfg) -> list[int | None]:
@@ -65,15 +58,10 @@ def kv_producers(cfg) -> list[int | None]:
 
 
 def layer_type_rope(cfg, layer_type: str, head_dim: int) -> RotaryEmbedding:
-    params = cfg.rope_parameters[layer_type]
-    rope_type = params.get("rope_type", "default")
-    rope_cfg = cfg
-    if rope_type != "default" and not getattr(cfg, "is_heterogeneous", False) and cfg.head_dim != head_dim:
-        # Older transformers read the head dim from ``config.head_dim`` unless told otherwise; hand the
-        # init function a copy that carries this layer type's head dim.
-        rope_cfg = copy.copy(cfg)
-        rope_cfg.head_dim = head_dim
-    rope = RotaryEmbedding(rope_cfg, rope_type=rope_type, layer_type=layer_type, head_dim=head_dim)
+    """This layer type's RoPE ("default" on sliding layers, "proportional" partial RoPE on full layers);
+    transformers' init functions find the layer type's head dim through ``per_layer_config``."""
+    rope_type = cfg.rope_parameters[layer_type].get("rope_type", "default")
+    rope = RotaryEmbedding(cfg, rope_type=rope_type, layer_type=layer_type, head_dim=head_dim)
     if rope.inv_freq.numel() * 2 != head_dim:
         raise ModelLoadError(
             f"{layer_type} RoPE ({rope_type}) has {rope.inv_freq.numel()} frequencies for head dim {head_dim}",
@@ -150,28 +138,31 @@ class TopKExperts(nn.Module):
     """Experts stored as stacked tensors (gate_up [E, 2I, H], down [E, H, I]); each token's output is the
     routing-weighted sum of its top-k experts' gated MLPs."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, init_std: float = 0.02):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        # Initialised (not torch.empty) so that load_format="random" models compute finite numbers.
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden).normal_(0, init_std))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate).normal_(0, init_std))
 
     def forward(self, x, weights, experts):  # x [T, H], weights float32 [T, k], experts int64 [T, k]
-        out = torch.zeros_like(x)
-        k = experts.shape[1]
-        flat_w = weights.reshape(-1)
-        order = experts.reshape(-1).argsort()
-        counts = torch.bincount(experts.reshape(-1), minlength=self.gate_up_proj.shape[0]).tolist()  # one sync
+        t, k = experts.shape
+        flat = experts.reshape(-1)
+        order = flat.argsort()
+        # One host sync per layer for the per-expert token counts: MoE steps cannot be CUDA-graph captured.
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        # One float32 row per (token, slot), summed over the slots at the end: deterministic (no atomic
+        # index_add) and accumulated in float32, as transformers' grouped experts do.
+        out = torch.empty(t * k, x.shape[1], dtype=torch.float32, device=x.device)
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             rows = order[start : start + n]
-            tok = rows // k
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e]) * flat_w[rows, None]
-            out.index_add_(0, tok, y.to(out.dtype))
+            gate, up = F.linear(x[rows // k], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e])
+            out[rows] = y * weights.reshape(-1)[rows, None]
             start += n
-        return out
+        return out.view(t, k, -1).sum(dim=1).to(x.dtype)
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -189,7 +180,7 @@ class Gemma4DecoderLayer(nn.Module):
         self.moe = bool(cfg.enable_moe_block)
         if self.moe:
             self.router = Gemma4Router(cfg)
-            self.experts = TopKExperts(cfg.num_experts, h, cfg.moe_intermediate_size)
+            self.experts = TopKExperts(cfg.num_experts, h, cfg.moe_intermediate_size, cfg.initializer_range)
             self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
             self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
             self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)
@@ -242,7 +233,11 @@ class Gemma4ForCausalLM(CausalLM):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tied_lm_head = bool(getattr(config, "tie_word_embeddings", True))
         self.softcap = cfg.final_logit_softcapping
-        self.embed_scale = cfg.hidden_size**0.5
+        # Scales as tensors of the model's dtype: rounded like the reference (sqrt(5376) -> 73.5 in bf16),
+        # and no host-to-device copy per step (CUDA-graph safe).
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5), persistent=False)
+        self.register_buffer("ple_scale", torch.tensor(float(cfg.hidden_size_per_layer_input or 1) ** 0.5),
+                             persistent=False)
         self.ropes = nn.ModuleDict()
         for i, lt in enumerate(cfg.layer_types):
             if lt not in self.ropes:
@@ -277,7 +272,7 @@ class Gemma4ForCausalLM(CausalLM):
 
     def _per_layer_inputs(self, ids, x):  # -> [T, num_layers, ple_dim]
         m, t = self.model, ids.shape[0]
-        tok = m.embed_tokens_per_layer(ids) * torch.tensor(self.model.ple_dim**0.5, dtype=x.dtype)
+        tok = m.embed_tokens_per_layer(ids) * self.ple_scale.to(x.dtype)
         proj = m.per_layer_model_projection(x) * self.cfg.hidden_size**-0.5
         proj = m.per_layer_projection_norm(proj.view(t, -1, m.ple_dim))
         return (proj + tok.view(t, -1, m.ple_dim)) * 2.0**-0.5
@@ -294,9 +289,8 @@ class Gemma4ForCausalLM(CausalLM):
                 )
             # Generated placeholders read as padding, as in transformers' text-only path.
             input_ids = torch.where(is_mm, self.pad_token_id, input_ids)
-        w = self.model.embed_tokens.weight
-        # The scale is rounded to the weight dtype first, as in the reference (sqrt(5376) -> 73.5 in bf16).
-        x = self.model.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
+        x = self.model.embed_tokens(input_ids)
+        x = x * self.embed_scale.to(x.dtype)
         ple = self._per_layer_inputs(input_ids, x) if self.model.ple_dim else None
         rope = {lt: r(positions) for lt, r in self.ropes.items()}
         for i, layer in enumerate(self.model.layers):
