@@ -296,6 +296,11 @@ def test_error_compare_to_missing_or_foreign_report(no_model_work, tiny_model, t
     assert "not a run_eval report" in _error(base + ["--compare-to", other])
 
 
+def test_error_chat_template_missing(no_model_work, tiny_model, tiny_data):
+    msg = _error(["gsm8k", "--model", tiny_model, "--data-dir", tiny_data, "--apply-chat-template"])
+    assert "no chat template" in msg
+
+
 def test_main_reports_errors_with_exit_code(no_model_work, capsys):
     assert run_eval.main(["gsm8k", "--limit", "0"]) == 2
     assert "run_eval: error: --limit must be at least 1" in capsys.readouterr().err

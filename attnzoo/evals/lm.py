@@ -109,6 +109,19 @@ class AttnzooLM(TemplateLM):
         self.records: list[GenerationRecord] = []
         self.generation_seconds = 0.0
 
+    # lm-eval's CLI adds its own batch_size/device to every model's arguments; a device given in
+    # --model_args must win over the CLI's default instead of colliding with it.
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
     # ------------------------------------------------------------------ tokenizer (as lm-eval's hf model)
 
     @property

@@ -57,9 +57,20 @@ def device_info(device) -> dict[str, Any]:
         info.update(name=props.name, compute_capability=f"sm{props.major}{props.minor}",
                     memory_gib=round(props.total_memory / 2**30, 1))
     else:
-        info["name"] = platform.processor() or platform.machine()
+        info["name"] = _cpu_name()
         info["threads"] = torch.get_num_threads()
     return info
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 # ------------------------------------------------------------------------------ per-question records

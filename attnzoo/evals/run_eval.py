@@ -219,6 +219,12 @@ def run(args) -> dict:
     if other is not None:
         _resolve_policy(config, src, args.device, args.dtype, args.policy, other)
 
+    if args.apply_chat_template:
+        tok = loader.load_tokenizer(src)
+        if tok is None or getattr(tok, "chat_template", None) is None:
+            raise EvalError(f"--apply-chat-template was given but {src.name} has no chat template",
+                            fix="drop --apply-chat-template, or evaluate a checkpoint whose tokenizer has a chat template")
+
     data_files = check_data_dir(args.task, args.data_dir) if args.data_dir else None
     # Reads the documents now, so an unknown task or an unreachable dataset fails before the model loads.
     loaded = load_tasks(args.task, data_files)
