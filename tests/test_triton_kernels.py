@@ -432,3 +432,28 @@ def test_decode_cuda_graph_replay_follows_metadata():
         graph.replay()
         ref = TorchBackend(pool).decode(layer, q, new)
         assert rel_err(out, ref) <= 1e-2
+
+
+def test_launch_shrinks_tiles_that_do_not_fit_shared_memory():
+    from attnzoo.attention.kernels.common import OutOfResources, launch
+
+    calls = []
+
+    class FakeKernel:  # fits only with one stage and BLOCK_N <= 32, like a d512 tile on a 100 KB GPU
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                calls.append((grid, kw["num_stages"], kw["BLOCK_N"]))
+                if kw["num_stages"] > 1 or kw["BLOCK_N"] > 32:
+                    raise OutOfResources(300000, 101376, "shared memory")
+            return run
+
+    kernel = FakeKernel()
+    cfg = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+    launch(kernel, lambda c: (c["BLOCK_N"],), (torch.zeros(1),), {"X": 1}, cfg, tile_keys=("BLOCK_N",))
+    assert calls[-1] == ((32,), 1, 32)
+    n = len(calls)
+    launch(kernel, lambda c: (c["BLOCK_N"],), (torch.zeros(1),), {"X": 1}, cfg, tile_keys=("BLOCK_N",))
+    assert len(calls) == n + 1, "the fitted config is remembered"
+    with pytest.raises(OutOfResources):
+        launch(kernel, lambda c: (1,), (torch.zeros(1),), {"X": 2}, {"BLOCK_N": 64, "num_stages": 2},
+               tile_keys=())  # nothing left to shrink

@@ -13,6 +13,11 @@ import triton.language as tl
 
 from attnzoo.errors import BackendError
 
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # older Triton layouts
+    from triton.runtime.autotuner import OutOfResources  # type: ignore[no-redef]
+
 # tl.dot needs every tile side to be at least 16 on the GPU.
 MIN_TILE = 16
 MAX_HEAD_DIM = 1024
@@ -74,3 +79,35 @@ def softcap_fn(x, cap):
     # 1 - 2 / (e^{2y} + 1) saturates cleanly to +-1 instead of producing inf / inf.
     y = x / cap
     return cap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+
+
+# (kernel, device, constexprs, requested config) -> the config that fit, so a shrink happens once.
+_FITTED: dict[tuple, dict] = {}
+
+
+def launch(kernel, grid, args: tuple, constexprs: dict, cfg: dict, *, tile_keys: tuple[str, ...]) -> None:
+    """Launch ``kernel`` with the tile config ``cfg``, shrinking it when the GPU lacks shared memory.
+
+    The default tiles are tuned for SM90's 228 KB of shared memory; an SM89 GPU has 100 KB and an
+    SM80 one 164 KB. On OutOfResources this drops pipeline stages first, then halves the tiles named
+    in ``tile_keys`` (never below 16). ``grid`` is a function of the config (tile sizes shape it).
+    """
+    device = args[0].device
+    key = (id(kernel), device.index, tuple(sorted(constexprs.items(), key=str)), tuple(sorted(cfg.items())))
+    cfg = dict(_FITTED.get(key, cfg))
+    while True:
+        try:
+            kernel[grid(cfg)](*args, **constexprs, **cfg)
+            if key not in _FITTED:
+                _FITTED[key] = cfg
+            return
+        except OutOfResources:
+            if cfg.get("num_stages", 1) > 1:
+                cfg["num_stages"] -= 1
+                continue
+            big = [k for k in tile_keys if cfg[k] > MIN_TILE]
+            if not big:
+                raise
+            tile = max(big, key=lambda k: cfg[k])
+            cfg[tile] //= 2
+            cfg["num_stages"] = 2

@@ -19,6 +19,7 @@ from attnzoo.attention.kernels.common import (
     check_kernel_dtypes,
     dot_args,
     head_dim_tiles,
+    launch,
     softcap_fn,
     value_tile,
 )
@@ -70,12 +71,14 @@ def _extend_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
+    # Keys-major tiles (scores [keys, rows], accumulator [v channels, rows]), as in decode.py: no
+    # register-A wgmma, which the ptxas bundled with Triton miscompiles on Hopper.
     q_row = Q + (q_start + tok).to(tl.int64) * stride_qt + heads * stride_qh
-    q = tl.load(q_row[:, None] + offs_d[None, :] * stride_qd, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    q = q.to(DOT_DTYPE)
+    q_t = tl.load(q_row[None, :] + offs_d[:, None] * stride_qd, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
+    q_t = q_t.to(DOT_DTYPE)  # [BLOCK_D, BLOCK_M]
     if BLOCK_DR > 0:
         offs_dr = BLOCK_D + tl.arange(0, BLOCK_DR)
-        qr = tl.load(q_row[:, None] + offs_dr[None, :] * stride_qd).to(DOT_DTYPE)
+        qr_t = tl.load(q_row[None, :] + offs_dr[:, None] * stride_qd).to(DOT_DTYPE)
 
     first_pos = prefix + (mblk * BLOCK_M) // GROUP
     last_pos = prefix + (tl.minimum(mblk * BLOCK_M + BLOCK_M, num_rows) - 1) // GROUP
@@ -87,7 +90,7 @@ def _extend_kernel(
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_DV, BLOCK_M], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
     bt_row = BT + b * stride_btb
 
@@ -103,24 +106,23 @@ def _extend_kernel(
             other=0.0,
         )
         k = k.to(DOT_DTYPE)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
+        qk = tl.dot(k, q_t, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_M]
         if BLOCK_DR > 0:
             kr = tl.load(k_row[:, None] + offs_dr[None, :] * stride_kd, mask=n_ok[:, None], other=0.0)
-            kr = kr.to(DOT_DTYPE)
-            qk += tl.dot(qr, tl.trans(kr), input_precision=DOT_PREC)
+            qk += tl.dot(kr.to(DOT_DTYPE), qr_t, input_precision=DOT_PREC)
         if HAS_SOFTCAP:
             qk = softcap_fn(qk * sm_scale, softcap) * 1.4426950408889634
         else:
             qk = qk * qk_scale
-        visible = offs_n[None, :] <= pos[:, None]
+        visible = offs_n[:, None] <= pos[None, :]
         if HAS_WINDOW:
-            visible = visible & (offs_n[None, :] > pos[:, None] - window)
+            visible = visible & (offs_n[:, None] > pos[None, :] - window)
         qk = tl.where(visible, qk, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
+        m_new = tl.maximum(m_i, tl.max(qk, 0))
+        p = tl.exp2(qk - m_new[None, :])
         alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 0)
         if V_FROM_K:
             v = k
         else:
@@ -130,27 +132,27 @@ def _extend_kernel(
                 mask=n_ok[:, None] & (offs_dv[None, :] < V_DIM),
                 other=0.0,
             )
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
+        pv = tl.dot(tl.trans(v.to(DOT_DTYPE)), p.to(DOT_DTYPE), input_precision=DOT_PREC)
+        acc = acc * alpha[None, :] + pv  # [BLOCK_DV, BLOCK_M]
         m_i = m_new
 
-    out = acc / l_i[:, None]
-    o_ptrs = O + (q_start + tok).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < V_DIM))
+    out = acc / l_i[None, :]
+    o_ptrs = O + (q_start + tok).to(tl.int64)[None, :] * stride_ot + heads[None, :] * stride_oh + offs_dv[:, None] * stride_od
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[None, :] & (offs_dv[:, None] < V_DIM))
 
 
 def extend_launch_config(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile sizes for SM90: the float32 accumulator [BLOCK_M, v_dim] and the k/v tiles in shared memory
-    bound BLOCK_M and BLOCK_N as head dims grow."""
+    """Tile sizes measured on an H100 (causal prefill, batch 1: about 220 TFLOP/s at d128, 100 at
+    d512). The float32 accumulator [v_dim, BLOCK_M] and the k/v tiles bound the tiles as head dims
+    grow; smaller GPUs shrink them at launch (``common.launch``)."""
     bd, bdr = head_dim_tiles(head_dim)
     width = max(bd + bdr, value_tile(v_head_dim))
-    if width <= 64:
-        cfg = (128, 64, 4, 2)
-    elif width <= 128:
-        cfg = (128, 64, 8, 2)
+    if width <= 128:
+        cfg = (128, 32, 4, 3)
     elif width <= 256:
-        cfg = (64, 64, 8, 2)
+        cfg = (64, 32, 4, 2)
     else:
-        cfg = (64, 32, 8, 1)
+        cfg = (32, 128, 8, 1)
     block_m, block_n, warps, stages = cfg
     if dtype == torch.float32:
         block_m, block_n = max(16, block_m // 2), max(16, block_n // 2)
@@ -194,14 +196,20 @@ def extend_attention(
     if num_tokens == 0 or num_reqs == 0 or max_q_len == 0:
         return out
     cfg = dict(launch_config or extend_launch_config(head_dim, v_dim, k_cache.dtype))
-    grid = (triton.cdiv(max_q_len * group, cfg["BLOCK_M"]), num_kv_heads, num_reqs)
-    _extend_kernel[grid](
-        q, k_cache, v_cache, block_tables, q_indptr, prefix_lens, out,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
-        float(scale), float(logit_softcap or 0.0), int(sliding_window or 0),
-        GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=bdv,
-        PAGE_SIZE=k_cache.shape[2], HAS_SOFTCAP=bool(logit_softcap), HAS_WINDOW=bool(sliding_window),
-        V_FROM_K=v_from_k, **dot_args(k_cache),
-        **cfg,
+    launch(
+        _extend_kernel,
+        lambda c: (triton.cdiv(max_q_len * group, c["BLOCK_M"]), num_kv_heads, num_reqs),
+        (
+            q, k_cache, v_cache, block_tables, q_indptr, prefix_lens, out,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
+            float(scale), float(logit_softcap or 0.0), int(sliding_window or 0),
+        ),
+        dict(
+            GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=bdv,
+            PAGE_SIZE=k_cache.shape[2], HAS_SOFTCAP=bool(logit_softcap), HAS_WINDOW=bool(sliding_window),
+            V_FROM_K=v_from_k, **dot_args(k_cache),
+        ),
+        cfg,
+        tile_keys=("BLOCK_M", "BLOCK_N"),
     )
     return out
