@@ -33,7 +33,7 @@ EXPECTED = {
     "llama": {**_MHA, "cpu": ("torch", "torch", 16)},
     "gemma4": {**_MHA, "cpu": ("torch", "torch", 16)},
     "deepseek_mla": {**_MLA, "cpu": ("torch", "torch", 16)},
-    "deepseek_nsa": {g: ("torch", "torch", 64) for g in GPUS},
+    "deepseek_nsa": {g: ("torch", "torch", 64) if g == "cpu" else ("nsa_triton", "nsa_triton", 64) for g in GPUS},
 }
 ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -123,7 +123,7 @@ def test_shipped_table_is_complete_and_follows_the_field_on_blackwell():
         assert cells[arch, "sm100"]["decode_backend"] == "trtllm_mla"
     # V3.2's sparse prefill + trtllm decode is not implemented yet: the row says so.
     v32 = cells["DeepseekV32ForCausalLM", "sm100"]
-    assert v32["decode_backend"] == "torch" and "sparse" in v32["planned"] and "trtllm" in v32["planned"]
+    assert v32["decode_backend"] == "nsa_triton" and "sparse" in v32["planned"] and "trtllm" in v32["planned"]
 
 
 @pytest.mark.parametrize("gpu", GPUS)

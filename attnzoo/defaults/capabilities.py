@@ -73,9 +73,16 @@ class BackendCapabilities:
     extra: str | None = None  # pip extra that installs it: pip install "attnzoo[<extra>]"
     cuda_graph: bool = False
     kv_layout: str = "HND"  # the KV layout it reads (kv_cache.KVPool writes HND)
+    # MLA/NSA caches: the entry layout it reads (attnzoo.attention.kv_layout.KVLayout values). The pool
+    # holds "bf16" (model-dtype) entries; a backend reading another layout keeps a converted copy.
+    mla_kv_layout: str = "bf16"
     # Block tables padded so that columns * page_size is a multiple of this (trtllm_mla: 128).
     block_table_pad_tokens: int | None = None
     notes: tuple[str, ...] = ()
+
+    def layout_for(self, kind: str) -> str:
+        """The cache layout it reads for a model of this attention kind."""
+        return self.kv_layout if kind == "mha" else self.mla_kv_layout
 
     def kernels(self, phase: str) -> tuple[Kernel, ...]:
         return self.prefill if phase == "prefill" else self.decode
@@ -143,9 +150,33 @@ class BackendCapabilities:
             "extra": self.extra,
             "cuda_graph": self.cuda_graph,
             "kv_layout": self.kv_layout,
+            "mla_kv_layout": self.mla_kv_layout,
             "block_table_pad_tokens": self.block_table_pad_tokens,
             "notes": list(self.notes),
         }
+
+
+POOL_MLA_LAYOUT = "bf16"  # what KVPool holds for MLA/NSA layers: model-dtype [latent | rope] entries
+
+
+def kv_layout_notes(prefill: BackendCapabilities, decode: BackendCapabilities, kind: str) -> list[str]:
+    """What the Decision says about KV layouts: a mismatch between the phases, and every conversion."""
+    pre, dec = prefill.layout_for(kind), decode.layout_for(kind)
+    notes = []
+    if pre != dec:
+        notes.append(f"prefill ({prefill.name}) reads KV layout {pre} and decode ({decode.name}) reads {dec}: "
+                     "the cache is converted between them")
+    if kind == "mha":
+        return notes
+    phases = {"prefill and decode": prefill} if prefill.name == decode.name else {"prefill": prefill, "decode": decode}
+    for phase, caps in phases.items():
+        if caps.mla_kv_layout != POOL_MLA_LAYOUT:
+            notes.append(
+                f"{phase} backend {caps.name} reads KV layout {caps.mla_kv_layout}: the pool keeps "
+                f"{POOL_MLA_LAYOUT} (model dtype) entries and a Triton kernel (attnzoo/attention/kernels/kv_layout.py) "
+                f"converts each token once, when its layer stores it, into {caps.name}'s {caps.mla_kv_layout} copy"
+            )
+    return notes
 
 
 def _fmt(values) -> str:
@@ -158,6 +189,11 @@ def _gpus(*names: str) -> frozenset[str]:
     return frozenset(names)
 
 
+_NSA_TRITON = (
+    Kernel("triton indexer + sparse MLA", frozenset(CUDA_GPUS)),
+    Kernel("triton indexer + sparse MLA (interpreter)", frozenset({"cpu"}), requires_env=("TRITON_INTERPRET", "1"),
+           note="CPU runs the Triton interpreter: for tests only, very slow"),
+)
 _MLA_DS = frozenset({(576, 512)})  # DeepSeek absorbed MLA: kv_lora_rank 512 + rope 64, values 512
 _ANY_CUDA = frozenset(CUDA_GPUS)
 
@@ -285,6 +321,36 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
             notes=(
                 "decode only: pair it with an MLA prefill backend",
                 "block table column count padded to a multiple of 128/page_size",
+            ),
+        ),
+        BackendCapabilities(
+            name="nsa_triton",
+            description="attnzoo's Triton NSA kernels: indexer scores over the paged indexer cache, top-k, "
+                        "sparse MLA over the selected tokens (prefill and decode)",
+            kinds=frozenset({"nsa"}),
+            prefill=_NSA_TRITON,
+            decode=_NSA_TRITON,
+            max_head_dim=1024,
+            module="triton",
+            extra="triton",
+            mla_kv_layout="bf16",
+            notes=("sparse (NSA) layers only: DeepSeek-V3.2",),
+        ),
+        BackendCapabilities(
+            name="nsa_triton_fp8",
+            description="nsa_triton's kernels reading the FlashMLA sparse layout: fp8 latent with one scale per "
+                        "128 values, bf16 rope (656 bytes per token for DeepSeek)",
+            kinds=frozenset({"nsa"}),
+            prefill=_NSA_TRITON,
+            decode=_NSA_TRITON,
+            mla_multiples=(128, 2),
+            module="triton",
+            extra="triton",
+            mla_kv_layout="fp8_nope_scaled_bf16_rope",
+            notes=(
+                "sparse (NSA) layers only: DeepSeek-V3.2",
+                "keeps an fp8 copy of the MLA cache beside the pool's model-dtype entries (memory on top of the "
+                "KV budget); attention reads fp8 values: expect fp8-level differences from the bf16 backends",
             ),
         ),
     )

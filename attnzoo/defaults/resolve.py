@@ -25,6 +25,7 @@ from attnzoo.defaults.capabilities import (
     PHASES,
     Check,
     check_backend,
+    kv_layout_notes,
 )
 from attnzoo.defaults.profile import ModelProfile, architecture_of, profile_from_config, profile_from_table
 from attnzoo.defaults.table import SHIPPED_POLICY, Match, PolicyTable, load_table
@@ -340,10 +341,8 @@ def resolve(
             notes.append(f"{caps.name}: block tables padded to a multiple of {m} columns "
                          f"({caps.block_table_pad_tokens}/page_size)")
             multiple = multiple * m // _gcd(multiple, m)
-    layouts = {"prefill": pre_caps.kv_layout, "decode": dec_caps.kv_layout}
-    if layouts["prefill"] != layouts["decode"]:
-        notes.append(f"prefill reads KV layout {layouts['prefill']} and decode reads {layouts['decode']}: "
-                     "the cache is converted between them")
+    layouts = {"prefill": pre_caps.layout_for(profile.kind), "decode": dec_caps.layout_for(profile.kind)}
+    notes += kv_layout_notes(pre_caps, dec_caps, profile.kind)
     if profile.source != "config":
         notes.append(f"model profile {profile.source}; pass the model's config for an exact check")
     if dtype is None:

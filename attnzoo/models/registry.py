@@ -9,6 +9,7 @@ _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "attnzoo.models.llama:LlamaForCausalLM",
     "DeepseekV2ForCausalLM": "attnzoo.models.deepseek_v2:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "attnzoo.models.deepseek_v2:DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM": "attnzoo.models.deepseek_v32:DeepseekV32ForCausalLM",
     "Gemma4ForCausalLM": "attnzoo.models.gemma4:Gemma4ForCausalLM",
     "Gemma4ForConditionalGeneration": "attnzoo.models.gemma4:Gemma4ForCausalLM",
 }

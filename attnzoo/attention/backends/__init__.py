@@ -16,6 +16,8 @@ _REGISTRY: dict[str, str] = {
     "trtllm_mha": "attnzoo.attention.backends.trtllm_mha:TrtllmMHABackend",
     "flashinfer_mla": "attnzoo.attention.backends.flashinfer_mla:FlashInferMLABackend",
     "trtllm_mla": "attnzoo.attention.backends.trtllm_mla:TrtllmMLABackend",
+    "nsa_triton": "attnzoo.attention.backends.nsa_triton:NSATritonBackend",
+    "nsa_triton_fp8": "attnzoo.attention.backends.nsa_triton:NSATritonFP8Backend",
 }
 
 

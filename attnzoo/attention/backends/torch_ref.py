@@ -9,6 +9,7 @@ import torch
 
 from attnzoo.attention.backends.base import AttentionBackend
 from attnzoo.attention.kv_cache import KVPool
+from attnzoo.attention.kv_layout import KVLayout
 from attnzoo.attention.metadata import BatchMetadata
 
 
@@ -46,6 +47,7 @@ def attention_reference(
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    mla_kv_layout = KVLayout.BF16  # NSA layers: it reads the pool's own entries
 
     def __init__(self, pool: KVPool):
         super().__init__(pool)
@@ -94,3 +96,17 @@ class TorchBackend(AttentionBackend):
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
         out = torch.softmax(scores, dim=-1) @ v  # [B, Hkv, group, Dv]
         return out.reshape(b, layer.num_heads, layer.v_head_dim).to(q.dtype)
+
+    # ---- NSA (DeepSeek-V3.2) layers: the reference indexer and sparse MLA of attention/nsa.py ----
+    def nsa_topk(self, layer, q, weights, meta, *, topk, scale):
+        from attnzoo.attention import nsa  # nsa builds on mla, which imports this module
+
+        scores = nsa.indexer_scores_reference(self.pool.index_k(layer.layer_id), q, weights, meta, scale=scale)
+        return nsa.select_topk(scores, topk)
+
+    def nsa_sparse_mla(self, layer, q, positions, meta):
+        from attnzoo.attention import nsa
+
+        slots = nsa.positions_to_slots(positions, meta)
+        entries = nsa.entries_of(layer, self.pool)
+        return nsa.sparse_mla_reference(entries, q, slots, rank=layer.v_head_dim, scale=layer.scale).to(q.dtype)

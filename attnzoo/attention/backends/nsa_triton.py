@@ -1,0 +1,104 @@
+"""The NSA (DeepSeek-V3.2 sparse attention) backends on attnzoo's Triton kernels
+(``attnzoo/attention/kernels/nsa.py``): indexer scores over the paged indexer-key cache, top-k selection
+(``attnzoo.attention.nsa.select_topk``), and sparse MLA over the selected slots, for prefill and decode.
+
+``nsa_triton`` reads the pool's own entries (layout BF16: the model dtype). ``nsa_triton_fp8`` reads
+the FlashMLA sparse layout (FP8_NOPE_SCALED_BF16_ROPE: fp8 latent with per-128 scales, bf16 rope) from
+its own copy of the cache, into which each token is converted once when its layer stores it; pairing it
+with a BF16 prefill backend is the mixed prefill/decode configuration of the field (the policy's
+Decision names the conversion).
+
+They serve NSA layers only (``mla_kv_layout`` + ``nsa_topk`` / ``nsa_sparse_mla``, the contract in
+``attnzoo/attention/nsa.py``); dense MHA/MLA layers belong to the ``triton`` backend.
+"""
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+import torch
+
+from attnzoo.attention import nsa
+from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.kv_cache import KVPool
+from attnzoo.attention.kv_layout import KVLayout, LayoutCache
+from attnzoo.attention.metadata import BatchMetadata
+from attnzoo.errors import BackendError
+
+# Index scores are materialised per block of query rows: [rows, longest context] float32 at most this big.
+SCORE_BYTES = 256 << 20
+
+
+def _import_kernels():
+    try:
+        from attnzoo.attention.kernels import nsa as kernels
+    except ImportError as e:  # triton missing or broken
+        raise BackendError(f"the NSA triton backends cannot import triton ({e})",
+                           fix="pip install 'attnzoo[triton]', or choose backend='torch'") from e
+    return kernels
+
+
+class NSATritonBackend(AttentionBackend):
+    name = "nsa_triton"
+    mla_kv_layout: ClassVar[KVLayout] = KVLayout.BF16
+
+    def __init__(self, pool: KVPool):
+        super().__init__(pool)
+        if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise BackendError(
+                f"the {self.name} backend runs on CUDA GPUs; the KV cache is on {pool.device}",
+                fix="use backend='torch' on CPU (or set TRITON_INTERPRET=1 before importing attnzoo, for tests)",
+            )
+        self._kernels = _import_kernels()
+        self.kv_copy = self._make_copy(pool)
+
+    def _make_copy(self, pool: KVPool) -> LayoutCache | None:
+        return None  # BF16: it reads the pool itself
+
+    def prepare(self, meta: BatchMetadata) -> None:
+        meta.backend_state[self.name] = nsa.token_requests(meta)
+
+    def _token_reqs(self, meta: BatchMetadata) -> torch.Tensor:
+        reqs = meta.backend_state.get(self.name)
+        return reqs if reqs is not None else nsa.token_requests(meta)
+
+    def extend(self, layer, q, meta):
+        raise BackendError(f"the {self.name} backend runs sparse (NSA) layers only, not dense {layer.kind} attention",
+                           fix="use the triton or torch backend for models without an indexer")
+
+    decode = extend
+
+    # ---- NSA hooks ----
+    def nsa_topk(self, layer, q, weights, meta, *, topk, scale):
+        reqs = self._token_reqs(meta)
+        width = meta.max_seq_len
+        rows = max(1, SCORE_BYTES // (4 * width))
+        index_k = self.pool.index_k(layer.layer_id)
+        out = []
+        for r in range(0, q.shape[0], rows):
+            sl = slice(r, r + rows)
+            scores = self._kernels.index_scores(q[sl], weights[sl], index_k, meta.block_tables, reqs[sl],
+                                                meta.positions[sl], width=width, scale=scale)
+            out.append(nsa.select_topk(scores, topk))
+        return torch.cat(out)
+
+    def _kv_rows(self, layer) -> torch.Tensor:
+        return nsa.entries_of(layer, self.pool)
+
+    def nsa_sparse_mla(self, layer, q, positions, meta):
+        slots = nsa.positions_to_slots(positions, meta)
+        scale = self.kv_copy.scale if self.kv_copy is not None else 1.0
+        return self._kernels.sparse_mla(q, self._kv_rows(layer), slots, self.mla_kv_layout, rank=layer.v_head_dim,
+                                        scale=layer.scale, kv_scale=scale)
+
+
+class NSATritonFP8Backend(NSATritonBackend):
+    name = "nsa_triton_fp8"
+    mla_kv_layout: ClassVar[KVLayout] = KVLayout.FP8_NOPE_SCALED_BF16_ROPE
+
+    def _make_copy(self, pool: KVPool) -> LayoutCache:
+        return LayoutCache(pool, self.mla_kv_layout)
+
+    def _kv_rows(self, layer) -> torch.Tensor:
+        rows = self.kv_copy.view(layer.layer_id)
+        return rows.view(-1, rows.shape[-1])

@@ -1,0 +1,200 @@
+"""Triton conversion kernels between MLA cache layouts (``attnzoo/attention/kv_layout.py``).
+
+``pack_rows``: model-dtype entries -> a packed layout, written at given slots (or row by row); this is
+what runs once per token when a layer stores its entries and a backend keeps a copy in another layout.
+``unpack_rows``: packed rows -> entries in a float dtype. One program per token.
+
+The bf16 rope part is rounded with integer arithmetic (round to nearest even) rather than a cast:
+Triton's interpreter does not round float32 -> bfloat16 to nearest, and the torch reference does.
+Divisions use ``div_rn`` (IEEE) so the fp8 bytes match the torch reference on the GPU too.
+fp8 values are encoded and decoded with integer arithmetic (``fp8_bytes`` / ``fp8_value``, shared
+with the sparse attention kernel), so the kernels also run on GPUs without fp8 support.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnzoo.attention.kv_layout import FP8_BLOCK, KVLayout
+from attnzoo.errors import BackendError
+
+_LAYOUT_ID = {KVLayout.FP8_NOPE_FP8_ROPE: 1, KVLayout.FP8_NOPE_SCALED_BF16_ROPE: 2}
+
+
+@triton.jit
+def fp8_bytes(x):
+    """float32 -> float8 e4m3fn bytes, round to nearest even, saturating at +-448 like the reference.
+
+    Integer arithmetic on the float32 bits rather than a cast: the interpreter's cast drops the carry
+    when rounding overflows the mantissa (1.97 -> 1.0), and this also runs on GPUs without fp8 (SM80).
+    """
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = (bits >> 31).to(tl.uint8) << 7
+    a = tl.abs(x)
+    # Normal range: round the 23-bit mantissa to 3 bits; a carry moves into the exponent by itself.
+    r = (a.to(tl.uint32, bitcast=True) + 0x7FFFF + ((bits >> 20) & 1)) >> 20
+    normal = (r - (120 << 3)).to(tl.uint8)  # rebias the exponent: 127 - 7
+    # Subnormals (below 2^-6): multiples of 2^-9, rounded to nearest even by the float add.
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.uint8)
+    return tl.where(a < 0.015625, sub, normal) | sign
+
+
+@triton.jit
+def fp8_value(b):
+    """float8 e4m3fn bytes -> float32 (exact)."""
+    b = b.to(tl.uint32)
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = ((b >> 7) << 31) | ((e + 120) << 23) | (m << 20)
+    val = tl.where(e == 0, m.to(tl.float32) * 0.001953125, 0.0)
+    val = tl.where((e == 0) & ((b >> 7) == 1), -val, val)
+    return tl.where(e == 0, val, normal.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _bf16_bits(x):
+    """float32 -> bfloat16 bits, round to nearest even (finite inputs)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+
+
+@triton.jit
+def _pack_kernel(
+    SRC, DST, SLOTS,
+    stride_sn, stride_sd, stride_dn,
+    scale,
+    LAYOUT: tl.constexpr,  # 1: FP8_NOPE_FP8_ROPE, 2: FP8_NOPE_SCALED_BF16_ROPE
+    RANK: tl.constexpr,
+    ROPE: tl.constexpr,
+    NB: tl.constexpr,  # latent blocks of FP8_BLOCK values (layout 2)
+    BLOCK_NB: tl.constexpr,
+    FP8_BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+):
+    i = tl.program_id(0)
+    if HAS_SLOTS:
+        row = tl.load(SLOTS + i).to(tl.int64)
+    else:
+        row = i.to(tl.int64)
+    src = SRC + i.to(tl.int64) * stride_sn
+    dst = DST + row * stride_dn
+    offs_p = tl.arange(0, BLOCK_P)
+    p_ok = offs_p < ROPE
+    rope = tl.load(src + (RANK + offs_p) * stride_sd, mask=p_ok, other=0.0).to(tl.float32)
+    if LAYOUT == 1:
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < RANK
+        lat = tl.load(src + offs_r * stride_sd, mask=r_ok, other=0.0).to(tl.float32)
+        tl.store(dst + offs_r, fp8_bytes(tl.math.div_rn(lat, scale)), mask=r_ok)
+        tl.store(dst + RANK + offs_p, fp8_bytes(tl.math.div_rn(rope, scale)), mask=p_ok)
+    else:
+        offs_b = tl.arange(0, BLOCK_NB)
+        offs_c = tl.arange(0, FP8_BLOCK_C)
+        b_ok = offs_b < NB
+        offs = offs_b[:, None] * FP8_BLOCK_C + offs_c[None, :]  # [BLOCK_NB, 128]
+        lat = tl.load(src + offs * stride_sd, mask=b_ok[:, None], other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(lat), 1)
+        # float32 tiny as the floor: an all-zero block must not divide by zero (as in the reference).
+        s = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)  # [BLOCK_NB]
+        q = tl.math.div_rn(lat, s[:, None])
+        tl.store(dst + offs, fp8_bytes(q), mask=b_ok[:, None])
+        tl.store((dst + RANK).to(tl.pointer_type(tl.float32)) + offs_b, s, mask=b_ok)
+        tl.store((dst + RANK + 4 * NB).to(tl.pointer_type(tl.uint16)) + offs_p, _bf16_bits(rope), mask=p_ok)
+
+
+@triton.jit
+def _unpack_kernel(
+    SRC, DST, SLOTS,
+    stride_sn, stride_dn, stride_dd,
+    scale,
+    LAYOUT: tl.constexpr,
+    RANK: tl.constexpr,
+    ROPE: tl.constexpr,
+    NB: tl.constexpr,
+    FP8_BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+):
+    i = tl.program_id(0)
+    if HAS_SLOTS:
+        row = tl.load(SLOTS + i).to(tl.int64)
+    else:
+        row = i.to(tl.int64)
+    src = SRC + row * stride_sn
+    dst = DST + i.to(tl.int64) * stride_dn
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < RANK
+    offs_p = tl.arange(0, BLOCK_P)
+    p_ok = offs_p < ROPE
+    lat = fp8_value(tl.load(src + offs_r, mask=r_ok, other=0))
+    if LAYOUT == 1:
+        lat = lat * scale
+        rope = fp8_value(tl.load(src + RANK + offs_p, mask=p_ok, other=0)) * scale
+    else:
+        s = tl.load((src + RANK).to(tl.pointer_type(tl.float32)) + offs_r // FP8_BLOCK_C, mask=r_ok, other=0.0)
+        lat = lat * s
+        rope = tl.load((src + RANK + 4 * NB).to(tl.pointer_type(tl.bfloat16)) + offs_p, mask=p_ok, other=0.0)
+        rope = rope.to(tl.float32)
+    tl.store(dst + offs_r * stride_dd, lat.to(DST.dtype.element_ty), mask=r_ok)
+    tl.store(dst + (RANK + offs_p) * stride_dd, rope.to(DST.dtype.element_ty), mask=p_ok)
+
+
+def _geometry(layout: KVLayout, rank: int, rope: int) -> dict:
+    if layout not in _LAYOUT_ID:
+        raise BackendError(f"no conversion kernel for KV layout {layout.value}: it is the model dtype itself",
+                           fix="use the entries as they are")
+    layout.check(rank, rope)
+    nb = rank // FP8_BLOCK
+    return dict(LAYOUT=_LAYOUT_ID[layout], RANK=rank, ROPE=rope, NB=nb, FP8_BLOCK_C=FP8_BLOCK,
+                BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=triton.next_power_of_2(max(rope, 1)))
+
+
+def pack_rows(
+    entries: torch.Tensor,  # [N, rank + rope], float
+    out: torch.Tensor,  # [rows, row_bytes] uint8, contiguous rows
+    layout: KVLayout,
+    *,
+    rank: int,
+    scale: float = 1.0,
+    slots: torch.Tensor | None = None,  # [N] int64: out row of each entry; None: row i
+) -> None:
+    n = entries.shape[0]
+    rope = entries.shape[1] - rank
+    geo = _geometry(layout, rank, rope)
+    if out.dtype != torch.uint8 or out.stride(-1) != 1 or out.shape[-1] != layout.row_bytes(rank, rope, entries.dtype):
+        raise BackendError(f"pack_rows needs uint8 rows of {layout.row_bytes(rank, rope, entries.dtype)} bytes, "
+                           f"got {tuple(out.shape)} {out.dtype}", fix="allocate the destination with KVLayout.row_bytes")
+    if n == 0:
+        return
+    _pack_kernel[(n,)](
+        entries, out, slots if slots is not None else out,
+        entries.stride(0), entries.stride(1), out.stride(0),
+        float(scale), BLOCK_NB=triton.next_power_of_2(max(geo["NB"], 1)), HAS_SLOTS=slots is not None, **geo,
+    )
+
+
+def unpack_rows(
+    rows: torch.Tensor,  # [R, row_bytes] uint8
+    layout: KVLayout,
+    *,
+    rank: int,
+    rope: int,
+    dtype: torch.dtype,
+    scale: float = 1.0,
+    slots: torch.Tensor | None = None,  # [N] int64: rows to read; None: all rows in order
+) -> torch.Tensor:  # [N, rank + rope] dtype
+    geo = _geometry(layout, rank, rope)
+    n = rows.shape[0] if slots is None else slots.shape[0]
+    out = torch.empty(n, rank + rope, dtype=dtype, device=rows.device)
+    if n:
+        _unpack_kernel[(n,)](
+            rows, out, slots if slots is not None else rows,
+            rows.stride(0), out.stride(0), out.stride(1),
+            float(scale), HAS_SLOTS=slots is not None, **geo,
+        )
+    return out

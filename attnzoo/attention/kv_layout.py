@@ -1,0 +1,149 @@
+"""Explicit KV-cache layouts for MLA caches, and the conversions between them.
+
+One MLA cache entry per token is the normalized latent (``rank`` = kv_lora_rank values) followed by the
+shared RoPE key (``rope`` values). Kernels disagree on how that entry is stored:
+
+  BF16                       the model dtype, [latent | rope]: what the KV pool holds and every dense MLA
+                             kernel reads. (Named for the serving dtype; a float32 model stores float32.)
+  FP8_NOPE_FP8_ROPE          the TRT-LLM MLA decode layout: fp8 e4m3 latent, then fp8 e4m3 rope, both
+                             divided by one per-tensor scale: rank + rope bytes per token.
+  FP8_NOPE_SCALED_BF16_ROPE  the FlashMLA sparse layout: fp8 e4m3 latent with one float32 scale per 128
+                             values (amax / 448), the scales, then the rope part in bf16:
+                             rank + 4 * rank / 128 + 2 * rope bytes (512 + 16 + 128 = 656 for DeepSeek).
+
+Every NSA backend declares the layout it reads (``mla_kv_layout``); nothing infers it from a flag. The
+pool always holds BF16 entries (the shared attention layer writes them); a backend that reads another
+layout keeps a ``LayoutCache``, into which each token is converted once, when its layer stores it.
+
+The torch functions here (``pack``, ``unpack``, ``convert``) are the reference for the Triton
+conversion kernels (``attnzoo/attention/kernels/kv_layout.py``).
+"""
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from attnzoo.attention.kv_cache import KVPool
+from attnzoo.errors import BackendError
+
+FP8_MAX = 448.0  # largest finite float8 e4m3fn value
+FP8_BLOCK = 128  # latent values per scale in FP8_NOPE_SCALED_BF16_ROPE
+
+
+class KVLayout(enum.Enum):
+    BF16 = "bf16"
+    FP8_NOPE_FP8_ROPE = "fp8_nope_fp8_rope"
+    FP8_NOPE_SCALED_BF16_ROPE = "fp8_nope_scaled_bf16_rope"
+
+    def check(self, rank: int, rope: int) -> None:
+        """Raise if entries of this geometry cannot be stored in this layout."""
+        if self is KVLayout.FP8_NOPE_SCALED_BF16_ROPE and (rank % FP8_BLOCK or rope % 2):
+            raise BackendError(
+                f"KV layout {self.value} stores the latent in blocks of {FP8_BLOCK} values; this model has "
+                f"kv_lora_rank {rank} (rope {rope})",
+                fix=f"use a backend that reads the {KVLayout.BF16.value} layout (e.g. nsa_triton or torch)",
+            )
+
+    def row_bytes(self, rank: int, rope: int, dtype: torch.dtype) -> int:
+        """Bytes one token's entry takes in this layout (BF16: in ``dtype``, the model dtype)."""
+        self.check(rank, rope)
+        if self is KVLayout.BF16:
+            return (rank + rope) * torch.empty((), dtype=dtype).element_size()
+        if self is KVLayout.FP8_NOPE_FP8_ROPE:
+            return rank + rope
+        return rank + 4 * (rank // FP8_BLOCK) + 2 * rope
+
+
+def _to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> e4m3 bytes, saturating (torch's cast alone turns out-of-range values into NaN)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _from_fp8(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float8_e4m3fn).float()
+
+
+def pack(entries: torch.Tensor, layout: KVLayout, *, rank: int, scale: float = 1.0) -> torch.Tensor:
+    """Entries [N, rank + rope] (any float dtype) -> [N, row_bytes] uint8 in ``layout``.
+
+    BF16 returns the entries themselves (that layout is the model dtype). ``scale`` is the per-tensor
+    scale of FP8_NOPE_FP8_ROPE (stored value = entry / scale); the other layouts ignore it.
+    """
+    rope = entries.shape[-1] - rank
+    layout.check(rank, rope)
+    if layout is KVLayout.BF16:
+        return entries
+    x = entries.float()
+    if layout is KVLayout.FP8_NOPE_FP8_ROPE:
+        return _to_fp8(x / scale)
+    n = x.shape[0]
+    blocks = x[:, :rank].reshape(n, rank // FP8_BLOCK, FP8_BLOCK)
+    scales = (blocks.abs().amax(-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # [N, rank / 128]
+    latent = _to_fp8(blocks / scales[..., None]).reshape(n, rank)
+    return torch.cat([
+        latent,
+        scales.contiguous().view(torch.uint8),
+        x[:, rank:].to(torch.bfloat16).contiguous().view(torch.uint8),
+    ], dim=-1)
+
+
+def unpack(rows: torch.Tensor, layout: KVLayout, *, rank: int, rope: int, dtype: torch.dtype,
+           scale: float = 1.0) -> torch.Tensor:
+    """[N, row_bytes] uint8 in ``layout`` (BF16: entries) -> entries [N, rank + rope] in ``dtype``."""
+    layout.check(rank, rope)
+    if layout is KVLayout.BF16:
+        return rows.to(dtype)
+    if layout is KVLayout.FP8_NOPE_FP8_ROPE:
+        return (_from_fp8(rows) * scale).to(dtype)
+    n, nb = rows.shape[0], rank // FP8_BLOCK
+    scales = rows[:, rank : rank + 4 * nb].contiguous().view(torch.float32)  # [N, nb]
+    latent = _from_fp8(rows[:, :rank]).reshape(n, nb, FP8_BLOCK) * scales[..., None]
+    rope_part = rows[:, rank + 4 * nb :].contiguous().view(torch.bfloat16).float()
+    return torch.cat([latent.reshape(n, rank), rope_part], dim=-1).to(dtype)
+
+
+def convert(rows: torch.Tensor, src: KVLayout, dst: KVLayout, *, rank: int, rope: int,
+            src_scale: float = 1.0, dst_scale: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Rows in ``src`` -> rows in ``dst``, through float32 (``dtype``: the BF16 layout's dtype)."""
+    x = unpack(rows, src, rank=rank, rope=rope, dtype=torch.float32, scale=src_scale)
+    out = pack(x, dst, rank=rank, scale=dst_scale)
+    return out.to(dtype) if dst is KVLayout.BF16 else out
+
+
+class LayoutCache:
+    """A backend's copy, in its own layout, of every MLA layer's cache in ``pool``.
+
+    Indexed by the pool's page ids, so block tables, shared prefixes and page 0's padding role carry
+    over unchanged: view(layer) is [num_pages, page_size, row_bytes] uint8. It is filled by ``store``
+    with the step's new entries, right after the layer stores them in the pool: every token is
+    converted once, from values the layer already holds, and decode never re-reads the pool for it.
+    """
+
+    def __init__(self, pool: KVPool, layout: KVLayout, *, scale: float = 1.0):
+        if layout is KVLayout.BF16:
+            raise BackendError("the BF16 layout is the pool itself and needs no copy",
+                               fix="read pool.k(layer) directly")
+        self.pool, self.layout, self.scale = pool, layout, float(scale)
+        self.rank: dict[int, int] = {}
+        self._rows: dict[int, torch.Tensor] = {}
+        for lid, spec in enumerate(pool.specs):
+            if spec is None or not spec.v_from_k or not pool.owns_memory(lid):
+                continue
+            rope = spec.head_dim - spec.v_head_dim
+            self.rank[lid] = spec.v_head_dim
+            nbytes = layout.row_bytes(spec.v_head_dim, rope, pool.dtype)
+            self._rows[lid] = torch.zeros(pool.num_pages, pool.page_size, nbytes, dtype=torch.uint8,
+                                          device=pool.device)
+        self.nbytes = sum(t.numel() for t in self._rows.values())
+
+    def view(self, layer_id: int) -> torch.Tensor:
+        return self._rows[layer_id]
+
+    def store(self, layer_id: int, slot_mapping: torch.Tensor, entries: torch.Tensor) -> None:
+        """entries [num_tokens, rank + rope] (model dtype) -> this layout, at their slots."""
+        from attnzoo.attention.kernels.kv_layout import pack_rows
+
+        rows = self._rows[layer_id]
+        pack_rows(entries, rows.view(-1, rows.shape[-1]), self.layout, rank=self.rank[layer_id],
+                  scale=self.scale, slots=slot_mapping)

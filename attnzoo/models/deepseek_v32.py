@@ -1,0 +1,101 @@
+"""DeepSeek-V3.2 (DeepseekV32ForCausalLM): DeepSeek-V3 with DeepSeek Sparse Attention (NSA / DSA).
+
+Each MLA layer gains a lightning indexer with its own weights: a query of ``index_n_heads`` heads of
+``index_head_dim`` (``wq_b`` on the q low-rank residual, so V3.2 always has a q_lora path), one key per
+token (``wk`` then the LayerNorm ``k_norm``) and per-head weights (``weights_proj``, kept in float32 as
+in the reference). Indexer query and key are roped on their first ``qk_rope_head_dim`` channels with
+rotate-half (non-interleaved) RoPE, while the MLA RoPE stays interleaved. The indexer key is cached per
+token beside the MLA entry, and each query attends only to its ``index_topk`` best-scoring cached
+tokens: ``attnzoo.attention.nsa`` holds the scoring, selection and sparse attention. Everything else
+(MoE, MLA projections, YaRN) is DeepSeek-V3.
+
+The math follows transformers' ``models/deepseek_v32``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnzoo.attention.layer import ForwardContext
+from attnzoo.attention.nsa import NSAAttention
+from attnzoo.errors import ModelLoadError
+from attnzoo.models.common import apply_rope
+from attnzoo.models.deepseek_v2 import DeepseekAttention, DeepseekV3ForCausalLM
+
+
+class DeepseekV32Indexer(nn.Module):
+    """The indexer's projections: x [T, hidden], q residual [T, q_lora] -> its query, key and head weights."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) must not round weights_proj (transformers keeps it in float32).
+        super()._apply(fn, recurse)
+        if self.weights_proj.weight.dtype != torch.float32:
+            self.weights_proj.weight.data = self.weights_proj.weight.data.float()
+        return self
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.rope_dim
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+    def forward(self, x, q_resid, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> q [T, Hi, D] and k [T, D], roped; weights [T, Hi] float32."""
+        t = x.shape[0]
+        q = self._rope(self.wq_b(q_resid).view(t, self.n_heads, self.head_dim), cos, sin)
+        k = self._rope(self.k_norm(self.wk(x))[:, None, :], cos, sin)[:, 0]
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float()
+        return q, k, weights
+
+
+class DeepseekV32Attention(DeepseekAttention):
+    def __init__(self, config, layer_id: int, *, interleaved_rope: bool):
+        super().__init__(config, layer_id, interleaved_rope=interleaved_rope)
+        self.indexer = DeepseekV32Indexer(config)
+        self.mla = NSAAttention(
+            layer_id, self.num_heads, kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, scale=self.mla.scale,
+            index_head_dim=config.index_head_dim, index_n_heads=config.index_n_heads, index_topk=config.index_topk,
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        q_nope, q_pe, q_resid = self.project_q(x, cos, sin)
+        latent, k_pe = self.project_kv(x, cos, sin)
+        index_q, index_k, index_weights = self.indexer(x, q_resid, cos, sin)
+        out = self.mla(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight, ctx,
+                       index_q=index_q, index_k=index_k, index_weights=index_weights)
+        return self.o_proj(out)
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    attention_cls = DeepseekV32Attention
+
+    def __init__(self, config):
+        _check_config(config)
+        super().__init__(config)
+
+    @staticmethod
+    def interleaved_rope(config) -> bool:
+        return True  # V3.2's MLA RoPE is always interleaved: its config has no rope_interleave switch
+
+
+def _check_config(config) -> None:
+    if config.q_lora_rank is None:
+        raise ModelLoadError("DeepSeek-V3.2 config has no q_lora_rank, but its indexer reads the q low-rank residual",
+                             fix="set q_lora_rank in config.json (1536 in the released models)")
+    n_dense = min(config.first_k_dense_replace, config.num_hidden_layers)
+    expected = ["dense"] * n_dense + ["sparse"] * (config.num_hidden_layers - n_dense)
+    given = getattr(config, "mlp_layer_types", None)
+    if given is not None and list(given) != expected:
+        raise ModelLoadError(
+            f"mlp_layer_types {list(given)} is not first_k_dense_replace={config.first_k_dense_replace} dense "
+            "layers then MoE layers",
+            fix="make mlp_layer_types agree with first_k_dense_replace in config.json",
+        )
