@@ -34,13 +34,13 @@ def main(argv: list[str] | None = None) -> int:
 
     src = resolve_source(None)
     files = check_data_dir("gsm8k", args.data_dir)
-    loaded = load_tasks("gsm8k", files)
+    tm, loaded = load_tasks("gsm8k", files)
     t0 = time.perf_counter()
     results = lm_eval.simple_evaluate(
         model="hf",
         model_args={"pretrained": str(src.directory), "gguf_file": src.gguf_file, "dtype": "float32", "device": "cpu"},
         tasks=list(loaded["tasks"].values()), num_fewshot=args.num_fewshot, limit=args.limit, batch_size=1,
-        log_samples=True,
+        log_samples=True, task_manager=tm,
     )
     wall = time.perf_counter() - t0
     records = per_question(results["samples"]["gsm8k"])

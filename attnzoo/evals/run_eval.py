@@ -159,13 +159,13 @@ def _evaluate(args, data_files, b: Backends, label: str) -> dict:
     load_s = time.perf_counter() - t_load
     lm = AttnzooLM(llm=llm, pretrained=args.model, wave_size=args.wave_size)
     # Fresh task objects per run: lm-eval stores each run's instances and responses on them.
-    loaded = load_tasks(args.task, data_files)
+    tm, loaded = load_tasks(args.task, data_files)
     gen_kwargs = {"max_gen_toks": args.max_new_tokens} if args.max_new_tokens else None
     t0 = time.perf_counter()
     results = lm_eval.simple_evaluate(
         model=lm, tasks=list(loaded["tasks"].values()), num_fewshot=args.num_fewshot, limit=args.limit,
         apply_chat_template=args.apply_chat_template, fewshot_as_multiturn=args.apply_chat_template,
-        gen_kwargs=gen_kwargs, log_samples=True,
+        gen_kwargs=gen_kwargs, log_samples=True, task_manager=tm,
     )
     wall = time.perf_counter() - t0
     configs = results.get("configs", {})
@@ -227,7 +227,7 @@ def run(args) -> dict:
 
     data_files = check_data_dir(args.task, args.data_dir) if args.data_dir else None
     # Reads the documents now, so an unknown task or an unreachable dataset fails before the model loads.
-    loaded = load_tasks(args.task, data_files)
+    _, loaded = load_tasks(args.task, data_files)
     if saved is not None:
         _check_saved_matches(saved, args, loaded)
     del loaded

@@ -102,8 +102,10 @@ def task_spec(tm, task: str, data_files: dict[str, str] | None) -> str | dict[st
     return cfg
 
 
-def load_tasks(task: str, data_files: dict[str, str] | None) -> dict[str, Any]:
-    """Build the task objects (this reads the documents). Returns lm-eval's ``{"tasks": ..., ...}``."""
+def load_tasks(task: str, data_files: dict[str, str] | None) -> tuple[Any, dict[str, Any]]:
+    """Build the task objects (this reads the documents). Returns the TaskManager (hand it to
+    ``simple_evaluate``, which otherwise indexes every task lm-eval has) and lm-eval's
+    ``{"tasks": ..., ...}``."""
     tm = task_manager(task)
     spec = task_spec(tm, task, data_files)
     try:
@@ -118,4 +120,4 @@ def load_tasks(task: str, data_files: dict[str, str] | None) -> dict[str, Any]:
         raise EvalError(f"cannot load the documents of task {task!r} from {where}: {type(e).__name__}: {e}", fix=fix) from e
     if not loaded["tasks"]:
         raise EvalError(f"task {task!r} expands to no tasks", fix="pick a task, or a group with tasks in it")
-    return loaded
+    return tm, loaded
