@@ -62,12 +62,15 @@ def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     return idx.masked_fill(vals == float("-inf"), -1).to(torch.int32)
 
 
-def positions_to_slots(positions: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-    """Positions [T, k] (-1 = none) -> pool slots [T, k] int64 (page * page_size + offset; -1 = none)."""
+def positions_to_slots(positions: torch.Tensor, meta: BatchMetadata, token_reqs: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+    """Positions [T, k] (-1 = none) -> pool slots [T, k] int64 (page * page_size + offset; -1 = none).
+    ``token_reqs``: ``token_requests(meta)`` when the caller already has it."""
     ps = meta.page_size
     pos = positions.long()
     clamped = pos.clamp_min(0)
-    pages = meta.block_tables.long()[token_requests(meta)[:, None], clamped // ps]
+    reqs = token_requests(meta) if token_reqs is None else token_reqs
+    pages = meta.block_tables.long()[reqs[:, None], clamped // ps]
     return torch.where(pos >= 0, pages * ps + clamped % ps, -1)
 
 

@@ -1,7 +1,7 @@
 """DeepSeek-V3.2 (DeepseekV32ForCausalLM): DeepSeek-V3 with DeepSeek Sparse Attention (NSA / DSA).
 
 Each MLA layer gains a lightning indexer with its own weights: a query of ``index_n_heads`` heads of
-``index_head_dim`` (``wq_b`` on the q low-rank residual, so V3.2 always has a q_lora path), one key per
+``index_head_dim`` (``wq_b`` on the q low-rank residual: V3.2 configs always have q_lora_rank), one key per
 token (``wk`` then the LayerNorm ``k_norm``) and per-head weights (``weights_proj``, kept in float32 as
 in the reference). Indexer query and key are roped on their first ``qk_rope_head_dim`` channels with
 rotate-half (non-interleaved) RoPE, while the MLA RoPE stays interleaved. The indexer key is cached per
@@ -87,9 +87,6 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
 
 
 def _check_config(config) -> None:
-    if config.q_lora_rank is None:
-        raise ModelLoadError("DeepSeek-V3.2 config has no q_lora_rank, but its indexer reads the q low-rank residual",
-                             fix="set q_lora_rank in config.json (1536 in the released models)")
     n_dense = min(config.first_k_dense_replace, config.num_hidden_layers)
     expected = ["dense"] * n_dense + ["sparse"] * (config.num_hidden_layers - n_dense)
     given = getattr(config, "mlp_layer_types", None)
