@@ -37,7 +37,7 @@ from attnzoo.attention.kv_layout import KVLayout
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.attention.mla import MLAAttention, absorb_query, latent_to_values, split_kv_b
-from attnzoo.errors import BackendError
+from attnzoo.errors import BackendError, ModelLoadError
 
 NSA_BACKENDS = ("torch", "nsa_triton", "nsa_triton_fp8")
 
@@ -143,7 +143,8 @@ class NSAAttention(MLAAttention):
                          qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim, scale=scale,
                          index_head_dim=index_head_dim)
         if index_topk < 1:
-            raise ValueError(f"index_topk must be positive, got {index_topk}")
+            raise ModelLoadError(f"index_topk must be a positive token count, the config has {index_topk}",
+                                 fix="set index_topk in config.json (2048 in the released models)")
         self.index_topk = index_topk
         self.index_scale = index_head_dim**-0.5
         self.index_weight_scale = index_n_heads**-0.5
@@ -166,6 +167,8 @@ class NSAAttention(MLAAttention):
         backend = nsa_backend(ctx.backend)
         entry = torch.cat([latent, k_pe], dim=-1)  # [T, rank + rope]
         ctx.pool.store(layer.layer_id, meta.slot_mapping, entry[:, None, :], None, index_k=index_k)
+        # Both backends of the engine, not just this step's: a token stored by prefill is read by decode
+        # later, in the decode backend's layout. Converting now reads it once, from values in hand.
         for b in {id(b): b for b in (ctx.prefill_backend, ctx.decode_backend)}.values():
             if nsa_backend(b).mla_kv_layout is not KVLayout.BF16:
                 b.kv_copy.store(layer.layer_id, meta.slot_mapping, entry)
