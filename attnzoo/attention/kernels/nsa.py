@@ -104,14 +104,15 @@ def index_scores(
 @triton.jit
 def _load_entries(KV, slot, ok, offs_r, offs_p, stride_kn, stride_kd, kv_scale,
                   LAYOUT: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, NB: tl.constexpr,
-                  FP8_BLOCK_C: tl.constexpr):
-    """Entries of ``slot`` [BLOCK_N] -> latent [BLOCK_N, BLOCK_R], rope [BLOCK_N, BLOCK_P] float32."""
+                  FP8_BLOCK_C: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Entries of ``slot`` [BLOCK_N] -> latent [BLOCK_N, BLOCK_R], rope [BLOCK_N, BLOCK_P] in DOT_DTYPE."""
     r_mask = ok[:, None] & (offs_r[None, :] < RANK)
     p_mask = ok[:, None] & (offs_p[None, :] < ROPE)
     row = KV + slot[:, None] * stride_kn
     if LAYOUT == 0:
-        lat = tl.load(row + offs_r[None, :] * stride_kd, mask=r_mask, other=0.0).to(tl.float32)
-        rope = tl.load(row + (RANK + offs_p[None, :]) * stride_kd, mask=p_mask, other=0.0).to(tl.float32)
+        # Straight from memory in the cache dtype (a no-op cast on the GPU), as decode.py's tiles are.
+        lat = tl.load(row + offs_r[None, :] * stride_kd, mask=r_mask, other=0.0).to(DOT_DTYPE)
+        rope = tl.load(row + (RANK + offs_p[None, :]) * stride_kd, mask=p_mask, other=0.0).to(DOT_DTYPE)
     elif LAYOUT == 1:
         lat = fp8_value(tl.load(row + offs_r[None, :], mask=r_mask, other=0)) * kv_scale
         rope = fp8_value(tl.load(row + RANK + offs_p[None, :], mask=p_mask, other=0)) * kv_scale
@@ -121,7 +122,7 @@ def _load_entries(KV, slot, ok, offs_r, offs_p, stride_kn, stride_kd, kv_scale,
         lat = fp8_value(tl.load(row + offs_r[None, :], mask=r_mask, other=0)) * s
         rope = tl.load((row + RANK + 4 * NB).to(tl.pointer_type(tl.bfloat16)) + offs_p[None, :],
                        mask=p_mask, other=0.0).to(tl.float32)
-    return lat, rope
+    return lat.to(DOT_DTYPE), rope.to(DOT_DTYPE)
 
 
 @triton.jit
@@ -165,10 +166,9 @@ def _sparse_mla_kernel(
         slot = tl.load(SLOTS + t * stride_st + offs_n * stride_sk, mask=offs_n < num_selected, other=-1)
         ok = slot >= 0
         lat, rope = _load_entries(KV, tl.where(ok, slot, 0).to(tl.int64), ok, offs_r, offs_p, stride_kn, stride_kd,
-                                  kv_scale, LAYOUT, RANK, ROPE, NB, FP8_BLOCK_C)
-        lat = lat.to(DOT_DTYPE)
+                                  kv_scale, LAYOUT, RANK, ROPE, NB, FP8_BLOCK_C, DOT_DTYPE)
         qk = tl.dot(lat, q_lat, input_precision=DOT_PREC)
-        qk += tl.dot(rope.to(DOT_DTYPE), q_rope, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_H]
+        qk += tl.dot(rope, q_rope, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_H]
         qk = tl.where(ok[:, None], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 0))
         p = tl.exp2(qk - m_new[None, :])
