@@ -287,6 +287,7 @@ def test_error_backend_rejected_by_policy(no_model_work, tiny_model, tiny_data):
     # The comparison backend is checked just as early.
     assert "no_such_backend" in _error(base + ["--compare-to", "no_such_backend"], AttnzooError)
     assert "cannot be combined" in _error(base + ["--backend", "torch", "--decode-backend", "torch"])
+    assert "not a device" in _error(["gsm8k", "--model", tiny_model, "--device", "gpu0"])
 
 
 def test_error_compare_to_missing_or_foreign_report(no_model_work, tiny_model, tiny_data, tmp_path):

@@ -98,11 +98,9 @@ def per_question(samples: Iterable[dict], generations: dict[int, Any] | None = N
         })
         metric = _primary_metric(s)
         rec["answers"][s["filter"]] = _scalar(s.get("filtered_resps"))
-        if metric is not None:
-            value = float(s[metric])
-            if value not in (0.0, 1.0):
-                rec.setdefault("non_binary", []).append(s["filter"])
-            rec["correct"][s["filter"]] = value == 1.0
+        # Only a 0/1 score says right or wrong; anything else (a partial score) has no place in McNemar.
+        if metric is not None and float(s[metric]) in (0.0, 1.0):
+            rec["correct"][s["filter"]] = float(s[metric]) == 1.0
     records = [by_doc[k] for k in sorted(by_doc)]
     for rec in records:
         g = (generations or {}).get(rec["doc_id"])
@@ -179,6 +177,8 @@ def compare_runs(a: dict, b: dict, alpha: float = 0.05) -> dict:
                 fix="use the same --limit, task and data for both runs",
             )
         ids = sorted(ra)
+        if not ids:
+            raise EvalError(f"run A has no per-question records for task {task!r}", fix="re-run with --output to save them")
         changed_prompts = [i for i in ids if ra[i].get("prompt_hash") != rb[i].get("prompt_hash")]
         if changed_prompts:
             raise EvalError(
@@ -290,4 +290,9 @@ def render(report: dict, per_question_rows: bool = False) -> str:
                      f"p < {cmp['per_test_threshold']:.4g} per test after Bonferroni)")
         for task, t in cmp["tasks"].items():
             lines.append(f"    {task}: identical responses on {t['responses_identical']}/{t['n']} questions")
+        if "run_b" in report:
+            tb = report["run_b"]["timing"]
+            tps_b = tb["output_tokens_per_s"]
+            lines.append(f"    B: wall latency {tb['wall_s']:.1f} s (generation {tb['generation_s']:.1f} s), output tokens "
+                         f"{tb['output_tokens']}, output throughput {'n/a' if tps_b is None else f'{tps_b:.1f}'} tok/s")
     return "\n".join(lines)

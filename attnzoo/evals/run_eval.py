@@ -135,7 +135,12 @@ def _resolve_policy(config, src, device, dtype, policy_file, b: Backends):
 
     from attnzoo.defaults import Overrides, resolve
 
-    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    except RuntimeError:
+        raise EvalError(f"--device {device!r} is not a device torch knows", fix="pass cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EvalError(f"--device {device} was asked for but no CUDA GPU is available", fix="pass --device cpu")
     ov = Overrides(backend=b.backend, prefill_backend=b.prefill_backend, decode_backend=b.decode_backend,
                    page_size=b.page_size, policy_file=policy_file, dtype=dtype)
     return resolve(config, gpu=None if dev.type == "cuda" else "cpu", overrides=ov, model_id=src.name)
