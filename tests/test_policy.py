@@ -28,7 +28,9 @@ from attnzoo.errors import BackendError, PolicyError
 # policy.toml must be made here too, on purpose.
 _BLACKWELL = ("sm100", "sm103")
 _MHA = {g: ("trtllm_mha", "trtllm_mha", 64) if g in _BLACKWELL else ("triton", "triton", 16) for g in GPUS}
+_MHA["sm90"] = ("flashinfer", "flashinfer", 16)  # measured: benchmarks/results/attention_nvidia_h100_80gb_hbm3_quick.json
 _MLA = {g: ("flashinfer_mla", "trtllm_mla", 64) if g in _BLACKWELL else ("triton", "triton", 64) for g in GPUS}
+_MLA["sm90"] = ("flashinfer_mla", "flashinfer_mla", 64)  # measured: benchmarks/results/mla_decode_nvidia_h200.json
 EXPECTED = {
     "llama": {**_MHA, "cpu": ("torch", "torch", 16)},
     "gemma4": {**_MHA, "cpu": ("torch", "torch", 16)},
@@ -187,7 +189,7 @@ def test_profiles_from_hf_configs():
                                 "num_attention_heads": 32}).head_dims == {128}
 
 
-@pytest.mark.parametrize("gpu", ["cpu", "sm90"])
+@pytest.mark.parametrize("gpu", ["cpu", "sm80"])
 def test_config_resolves_like_its_cell(gpu):
     for arch, cfg in _tiny_configs().items():
         d = resolve(cfg, gpu=gpu)
@@ -219,15 +221,15 @@ def test_blackwell_tiny_models_fall_back_on_shape(flashinfer_installed):
 
 
 def test_keyword_overrides_and_their_precedence():
-    d = resolve("LlamaForCausalLM", gpu="sm90", overrides=Overrides(backend="torch"))
+    d = resolve("LlamaForCausalLM", gpu="sm80", overrides=Overrides(backend="torch"))
     assert (d.prefill_backend, d.decode_backend) == ("torch", "torch")
     assert d.sources["prefill_backend"].level == "override" and "backend='torch'" in d.sources["decode_backend"].detail
     assert d.sources["page_size"].level == "family_default"
     # A phase-specific keyword beats backend=.
-    d = resolve("LlamaForCausalLM", gpu="sm90", overrides=Overrides(backend="torch", decode_backend="triton"))
+    d = resolve("LlamaForCausalLM", gpu="sm80", overrides=Overrides(backend="torch", decode_backend="triton"))
     assert (d.prefill_backend, d.decode_backend) == ("torch", "triton")
     assert "decode_backend='triton'" in d.sources["decode_backend"].detail
-    d = resolve("LlamaForCausalLM", gpu="sm90", overrides=Overrides(page_size=1))
+    d = resolve("LlamaForCausalLM", gpu="sm80", overrides=Overrides(page_size=1))
     assert d.page_size == 1 and d.sources["page_size"].level == "override" and not d.adjustments
 
 
@@ -250,19 +252,19 @@ page_size = 8
 """
 
 
-def test_user_policy_file_levels(tmp_path):
+def test_user_policy_file_levels(tmp_path, flashinfer_installed):
     path = write(tmp_path, USER_POLICY)
     ov = Overrides(policy_file=path)
     arch = "Gemma4ForConditionalGeneration"
     # No model id: the arch entry and the family GPU row apply, the shipped table fills the rest.
     d = resolve(arch, gpu="sm90", overrides=ov)
-    assert (d.prefill_backend, d.decode_backend, d.page_size) == ("triton", "torch", 32)
+    assert (d.prefill_backend, d.decode_backend, d.page_size) == ("flashinfer", "torch", 32)
     assert d.sources["decode_backend"].level == "user_policy"
     assert d.sources["decode_backend"].line == line_of(USER_POLICY, "[family.gemma4.arch.")
     assert d.sources["page_size"].where == "family.gemma4.gpu.sm90"
     assert d.sources["prefill_backend"].level == "family_default"
     # The arch entry is for Gemma4ForConditionalGeneration only.
-    assert resolve("Gemma4ForCausalLM", gpu="sm90", overrides=ov).decode_backend == "triton"
+    assert resolve("Gemma4ForCausalLM", gpu="sm90", overrides=ov).decode_backend == "flashinfer"
     # A model-id pattern beats the arch entry; the more literal pattern beats the shorter one.
     d = resolve(arch, gpu="sm90", overrides=ov, model_id="google/gemma-4-31B-it")
     assert (d.prefill_backend, d.decode_backend, d.page_size) == ("torch", "torch", 8)
@@ -539,7 +541,8 @@ def test_decision_json_and_explain(flashinfer_missing):
     text = d.explain()
     assert text.splitlines()[0] == ("Gemma4ForConditionalGeneration (google/gemma-4-31B-it) on sm90: "
                                     "prefill triton, decode triton, page size 16")
-    assert "FA3 prefill does not build for head dim 512" in text  # the row's reason
+    assert "FA3 does not build for 512" in text  # the row's reason
+    assert 'pip install "attnzoo[flashinfer]"' in text and "using triton" in text  # the fallback, stated
     assert "trtllm_mha" in text and "rejected" in text
 
 
