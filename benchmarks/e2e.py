@@ -14,12 +14,18 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from attention import matmul_tflops  # noqa: E402
+from attention_triton import copy_bandwidth, versions  # noqa: E402
 
 LLAMA_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -32,28 +38,7 @@ LLAMA_8B = dict(
 
 def device_limits() -> dict:
     """Measured device-to-device copy bandwidth (read + write bytes) and bf16 matmul rate."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(20):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    bw = 2 * x.numel() * 20 / (time.perf_counter() - t)
-    del x, y
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn_like(a)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(20):
-        a @ b
-    torch.cuda.synchronize()
-    flops = 2 * 8192**3 * 20 / (time.perf_counter() - t)
-    return {"copy_bytes_per_s": bw, "matmul_flops_per_s": flops}
+    return {"copy_bytes_per_s": copy_bandwidth("cuda") * 1e9, "matmul_flops_per_s": matmul_tflops("cuda") * 1e12}
 
 
 def roofline_seconds(steps: list[dict], *, weight_bytes: int, params: int, kv_bytes_per_token: int,
@@ -167,18 +152,9 @@ def main():
         print(json.dumps(r), flush=True)
         results.append(r)
 
-    import transformers
-
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "model": "Llama-3.1-8B-shaped, random bf16 weights", "config": cfg,
+    meta = {"device": torch.cuda.get_device_name(), **versions(), "model": "Llama-3.1-8B-shaped, random bf16 weights", "config": cfg,
             "workload": f"{len(prompts)} GSM8K 8-shot prompts ({len(data['prefix'])}-token shared prefix), "
                         f"{args.new_tokens} output tokens each, EOS ignored", "limits": limits}
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))

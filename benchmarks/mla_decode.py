@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
 import sys
 import time
@@ -35,7 +34,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from attention_triton import copy_bandwidth, time_cuda, versions  # noqa: E402
 
 from attnzoo.attention.backends import backend_names, get_backend_class  # noqa: E402
 from attnzoo.attention.kv_cache import KVPool  # noqa: E402
@@ -89,30 +91,6 @@ class Case:
         return attn + elt * (weights + inputs + b * entry + b * HEADS * V_DIM)
 
 
-def time_cuda(fn, *, warmup: int, iters: int, flush: torch.Tensor) -> float:
-    """Median milliseconds of ``fn``, with the L2 cache flushed before each run (not timed)."""
-    for _ in range(warmup):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends):
-        flush.zero_()
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
-    return times[len(times) // 2]
-
-
-def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy: bytes read + bytes written per second (GB/s)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = time_cuda(lambda: dst.copy_(src), warmup=5, iters=30, flush=torch.empty(1, device=device))
-    return 2 * nbytes / (ms * 1e-3) / 1e9
-
-
 def check_backend(name: str, page_size: int, dtype, device) -> tuple[bool, str]:
     """Both components on a small case vs the torch reference: relative error <= 1e-2, no NaN."""
     try:
@@ -134,16 +112,6 @@ def check_backend(name: str, page_size: int, dtype, device) -> tuple[bool, str]:
         return False, f"crashed: {type(e).__name__}: {e}"
     worst = max(errs)
     return worst <= 1e-2, f"relative error {worst:.2e}"
-
-
-def versions() -> dict:
-    v = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    for mod in ("triton", "flashinfer", "transformers"):
-        try:
-            v[mod] = __import__(mod).__version__
-        except Exception:
-            v[mod] = None
-    return v
 
 
 def parse_ints(s: str) -> list[int]:
