@@ -145,10 +145,12 @@ class TopKExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate).normal_(0, init_std))
 
     def forward(self, x, weights, experts):  # x [T, H], weights float32 [T, k], experts int64 [T, k]
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self._forward_static(x, weights, experts)
         t, k = experts.shape
         flat = experts.reshape(-1)
         order = flat.argsort()
-        # One host sync per layer for the per-expert token counts: MoE steps cannot be CUDA-graph captured.
+        # One host sync per layer for the per-expert token counts (eager steps only).
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
         # One float32 row per (token, slot), summed over the slots at the end: deterministic (no atomic
         # index_add) and accumulated in float32, as transformers' grouped experts do.
@@ -163,6 +165,17 @@ class TopKExperts(nn.Module):
             out[rows] = y * weights.reshape(-1)[rows, None]
             start += n
         return out.view(t, k, -1).sum(dim=1).to(x.dtype)
+
+    def _forward_static(self, x, weights, experts):
+        """Every expert on every token, weighted by zero where not chosen: nothing depends on the
+        routing, so a captured CUDA-graph decode step replays it (extra FLOPs on small batches)."""
+        dense = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=torch.float32, device=x.device)
+        dense.scatter_(1, experts, weights)  # [T, E]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in range(self.gate_up_proj.shape[0]):
+            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            out += F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e]).float() * dense[:, e, None]
+        return out.to(x.dtype)
 
 
 class Gemma4DecoderLayer(nn.Module):
