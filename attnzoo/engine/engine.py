@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -123,8 +124,10 @@ class Engine:
         return max_len
 
     def generate(
-        self, prompts: list[list[int]], params: list[SamplingParams], return_logits: bool = False
+        self, prompts: list[list[int]], params: list[SamplingParams], return_logits: bool = False,
+        on_finish: Callable[[int], None] | None = None,
     ) -> list[Completion]:
+        """One Completion per prompt, in input order; ``on_finish(i)`` is called as request i ends."""
         max_lens = [self.check_request(p, sp) for p, sp in zip(prompts, params)]
         waiting = deque(
             _Request(i, list(p), sp, m, self._generator(sp)) for i, (p, sp, m) in enumerate(zip(prompts, params, max_lens))
@@ -149,6 +152,8 @@ class Engine:
                     self._release(req)
                     running.remove(req)
                     done.append(req)
+                    if on_finish is not None:
+                        on_finish(req.index)
         finally:
             for req in running:  # an exception mid-run must not leak pages
                 self._release(req)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from transformers import PretrainedConfig
@@ -113,8 +113,10 @@ class LLM:
         stop: str | Sequence[str] | None = None,
         ignore_eos: bool = False,
         return_logits: bool = False,
+        on_finish: Callable[[int], None] | None = None,
     ) -> list[Completion]:
-        """One Completion per prompt, in input order. A single prompt may be passed bare."""
+        """One Completion per prompt, in input order. A single prompt may be passed bare.
+        ``on_finish(i)`` is called when prompt i finishes (progress bars)."""
         single = isinstance(prompts, str) or (
             isinstance(prompts, (list, tuple)) and prompts and (isinstance(prompts[0], (int, dict)))
         )
@@ -127,7 +129,7 @@ class LLM:
             SamplingParams(max_new_tokens, temperature, top_p, top_k, None if seed is None else seed + i, stops, ignore_eos)
             for i in range(len(batch))
         ]
-        return self.engine.generate(ids, params, return_logits=return_logits)
+        return self.engine.generate(ids, params, return_logits=return_logits, on_finish=on_finish)
 
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Teacher-forced logits [len, vocab] float32 (on CPU)."""

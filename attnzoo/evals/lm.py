@@ -48,9 +48,9 @@ class GenerationRecord:
 class AttnzooLM(TemplateLM):
     """An ``LLM`` from :func:`attnzoo.load_model` behind lm-eval's model interface.
 
-    ``generate_until`` hands the requests to the engine in waves of ``wave_size`` (default: all at once
-    on a GPU, 16 on CPU, where bigger batches buy little and a live progress bar is worth more); the
-    engine batches each wave continuously. Results come back in the original order.
+    ``generate_until`` hands the requests to the engine in waves of ``wave_size`` (default: all at
+    once); the engine batches each wave continuously and the progress bar moves as each request
+    finishes. Results come back in the original order.
     """
 
     def __init__(
@@ -103,7 +103,7 @@ class AttnzooLM(TemplateLM):
         self._max_gen_toks = int(max_gen_toks)
         self._max_length = int(max_length) if max_length else int(llm.engine.context_len)
         self.add_bos_token = add_bos_token
-        self.wave_size = int(wave_size) if wave_size else (llm.engine.max_running if llm.device.type == "cuda" else 16)
+        self.wave_size = int(wave_size) if wave_size else None  # None: all requests in one call
         self.pretrained = pretrained
         # Filled by generate_until; read by run_eval's report.
         self.records: list[GenerationRecord] = []
@@ -230,11 +230,13 @@ class AttnzooLM(TemplateLM):
                         fix="lower --max-new-tokens",
                     )
                 sampling = self._sampling(kwargs)
-                for start in range(0, len(indices), self.wave_size):
-                    wave = indices[start : start + self.wave_size]
+                size = self.wave_size or len(indices)
+                for start in range(0, len(indices), size):
+                    wave = indices[start : start + size]
                     prompts = [self.tok_encode(requests[i].args[0], left_truncate_len=self.max_length - max_new) for i in wave]
                     t0 = time.perf_counter()
-                    completions = self.llm.generate(prompts, max_new_tokens=max_new, stop=until, **sampling)
+                    completions = self.llm.generate(prompts, max_new_tokens=max_new, stop=until, **sampling,
+                                                    on_finish=lambda _: bar.update(1))
                     self.generation_seconds += time.perf_counter() - t0
                     for i, p, c in zip(wave, prompts, completions):
                         text = postprocess_generated_text(c.text, until, None)
@@ -245,7 +247,6 @@ class AttnzooLM(TemplateLM):
                             c.finish_reason, text,
                         ))
                         self.cache_hook.add_partial("generate_until", req.args, text)
-                    bar.update(len(wave))
                     out_tokens = sum(r.output_tokens for r in self.records)
                     bar.set_postfix(tok_s=f"{out_tokens / max(self.generation_seconds, 1e-9):.1f}")
         finally:

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default=None, metavar="FILE.json", help="write the report (with per-question records) here")
     p.add_argument("--per-question", action="store_true", help="also print one line per question")
     p.add_argument("--wave-size", type=int, default=None,
-                   help="questions handed to the engine per call (default: all on GPU, 16 on CPU); the progress bar moves per wave")
+                   help="questions handed to the engine per call (default: all at once)")
     return p
 
 
