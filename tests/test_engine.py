@@ -49,9 +49,15 @@ def test_shared_prefix_pages_allocated_once(tiny_dir):
     # allocated once, by the first request, and the others allocate only their own.
     own = sum(-(-(len(p) + 5) // ps) - 10 for p in prompts)
     assert sum(allocated) == 10 + own
-    # and a later request reuses the cached prefix without recomputing it
+    # and a later request reuses the cached prefix: it allocates only its own pages (43 + 3 tokens
+    # kept = 12 pages, 10 of them cached) and computes only the tokens after the prefix
+    allocated.clear()
+    computed = []
+    real_step = llm.engine._step
+    llm.engine._step = lambda batch: computed.append(sum(len(c) for c in batch.chunks)) or real_step(batch)
     again = llm.generate([prefix + [7, 8, 9]], max_new_tokens=4, ignore_eos=True)
     assert again[0].token_ids == plain.generate([prefix + [7, 8, 9]], max_new_tokens=4, ignore_eos=True)[0].token_ids
+    assert sum(allocated) == 2 and computed[0] == 3
 
 
 def test_n_in_n_out_under_kv_pressure(tiny_dir):
@@ -128,3 +134,37 @@ def test_random_weights_from_config():
     assert len(out[0].token_ids) == 3
     with pytest.raises(ModelLoadError, match="load_format"):
         attnzoo.load_model(cfg)
+
+
+def test_failed_step_leaves_no_unwritten_prefix_in_the_cache(tiny_dir):
+    llm = attnzoo.load_model(tiny_dir, page_size=4)
+    prompt = random_prompts(160, [42], seed=8)[0]
+    real_forward = llm.engine._forward
+
+    def failing_forward(ids, meta):
+        raise RuntimeError("injected failure")
+
+    llm.engine._forward = failing_forward
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([prompt], max_new_tokens=4, ignore_eos=True)
+    llm.engine._forward = real_forward
+    assert llm.engine.allocator.num_free == llm.engine.allocator.capacity
+    assert len(llm.engine.prefix_cache) == 0
+    # the same prefix runs normally afterwards
+    ref = attnzoo.load_model(tiny_dir, page_size=4, prefix_caching=False)
+    got = llm.generate([prompt + [5]], max_new_tokens=4, ignore_eos=True)
+    assert got[0].token_ids == ref.generate([prompt + [5]], max_new_tokens=4, ignore_eos=True)[0].token_ids
+
+
+def test_logits_evict_cached_prefix_pages_when_short(tiny_dir):
+    llm = attnzoo.load_model(tiny_dir, page_size=4, kv_cache_tokens=64)
+    llm.generate(random_prompts(160, [30, 30], seed=2), max_new_tokens=2, ignore_eos=True)
+    assert llm.engine.prefix_cache.evictable() > 0
+    assert llm.logits(random_prompts(160, [40], seed=3)[0]).shape == (40, 160)
+
+
+@pytest.mark.parametrize("kw", [dict(max_running=0), dict(max_batch_tokens=0), dict(max_batch_tokens=-1),
+                                dict(kv_cache_tokens=0)])
+def test_invalid_engine_settings_are_named(tiny_dir, kw):
+    with pytest.raises(ModelLoadError, match=f"{next(iter(kw))} must be a positive integer"):
+        attnzoo.load_model(tiny_dir, **kw)

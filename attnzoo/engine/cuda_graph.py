@@ -94,6 +94,7 @@ class DecodeGraphs:
         self.seq_lens[n:bs].fill_(1)
         self.prefix_lens[n:bs].zero_()
         self.block_tables[n:bs].zero_()
-        self.backend.prepare_graph(self._meta(bs), capturing=False)
+        # No prepare_graph here: whatever the backend does per step on the device was captured with
+        # the graph and reads the static buffers just refilled.
         self.graphs[bs].replay()
         return self.logits[bs][:n]

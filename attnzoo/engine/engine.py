@@ -109,6 +109,7 @@ class Engine:
         params.validate()
         if not prompt:
             raise RequestError("empty prompt", fix="pass at least one token or a non-empty string")
+        self.model.validate_prompt(prompt)
         if len(prompt) >= self.context_len:
             raise RequestError(
                 f"prompt of {len(prompt)} tokens does not leave room to generate within the context limit of {self.context_len}",
@@ -155,7 +156,9 @@ class Engine:
                     if on_finish is not None:
                         on_finish(req.index)
         finally:
-            for req in running:  # an exception mid-run must not leak pages
+            for req in running:  # an exception mid-run must not leak pages or leave unwritten cache entries
+                if self.prefix_cache is not None:
+                    self.prefix_cache.drop_unready(req.pages)
                 self._release(req)
         if len(done) != len(prompts):
             raise RuntimeError(f"engine bug: {len(prompts)} requests in, {len(done)} out")
@@ -170,6 +173,8 @@ class Engine:
         if len(token_ids) > self.context_len:
             raise RequestError(f"{len(token_ids)} tokens exceed the context limit {self.context_len}", fix="shorten the input")
         need = self._pages_for(len(token_ids))
+        if need > self.allocator.num_free and self.prefix_cache is not None:
+            self.prefix_cache.evict(need - self.allocator.num_free)
         if need > self.allocator.num_free:
             raise KVCacheFullError(f"scoring {len(token_ids)} tokens needs {need} free KV pages, {self.allocator.num_free} free", fix="give the KV cache more memory")
         pages = self.allocator.alloc(need)
@@ -232,7 +237,7 @@ class Engine:
         budget = self.max_batch_tokens
         for req in running:  # decoding requests first: they are latency-critical
             if not req.prefilling and budget > 0:
-                batch.add(req, [req.tokens[-1]], sample=True)
+                batch.add(req, [req.out[-1]], sample=True)
                 budget -= 1
         for req in running:
             if not req.prefilling or budget <= 0:
@@ -300,11 +305,14 @@ class Engine:
             req.finish = "length"
 
     def _hit_stop(self, req: _Request) -> bool:
-        text = self.tokenizer.decode(req.out, skip_special_tokens=True)
-        cut = min((text.find(s) for s in req.params.stop if s in text), default=-1)
-        if cut < 0:
+        # A stop string ending at this token lies within its last few tokens: decode only that tail
+        # (a token is at least one character, plus slack for tokens that decode to nothing alone).
+        window = max(len(s) for s in req.params.stop) + 8
+        tail = self.tokenizer.decode(req.out[-window:], skip_special_tokens=True)
+        if not any(s in tail for s in req.params.stop):
             return False
-        req.text = text[:cut]
+        text = self.tokenizer.decode(req.out, skip_special_tokens=True)
+        req.text = text[: min(text.find(s) for s in req.params.stop if s in text)]
         return True
 
     def _release(self, req: _Request) -> None:

@@ -190,6 +190,11 @@ def load_model(
 
     if load_format not in ("auto", "random"):
         raise ModelLoadError(f"unknown load_format {load_format!r}", fix="use 'auto' or 'random'")
+    for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens),
+                        ("kv_cache_tokens", kv_cache_tokens), ("kv_cache_memory", kv_cache_memory)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ModelLoadError(f"{name} must be a positive integer, got {value!r}",
+                                 fix=f"pass {name}=N with N >= 1, or leave it unset for the default")
     dev = _pick_device(device)
     dt = _pick_dtype(dtype, dev)
     if isinstance(name_or_path, PretrainedConfig):
@@ -208,9 +213,11 @@ def load_model(
     decision = resolve(config, gpu=None if dev.type == "cuda" else "cpu", overrides=overrides, model_id=src.name if src else None)
     log.info("attention policy for %s: %s", arch, decision.explain().splitlines()[0])
 
-    torch.manual_seed(seed)
-    with torch.device(dev), _default_dtype(dt):  # build in place: no float32 copy of a large model
-        model = cls(config)
+    # Seeded random init (load_format="random") without touching the caller's global RNG state.
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        torch.manual_seed(seed)
+        with torch.device(dev), _default_dtype(dt):  # build in place: no float32 copy of a large model
+            model = cls(config)
     if load_format == "auto":
         model.load_weights(loader.iter_weights(src, config))
     else:
@@ -229,7 +236,7 @@ def load_model(
     eos = _eos_ids(config, tokenizer)
     engine = Engine(
         model, pool, pre, dec, tokenizer=tokenizer, eos_token_ids=eos, context_len=context_len,
-        max_batch_tokens=max_batch_tokens or (8192 if dev.type == "cuda" else 2048), max_running=max_running,
+        max_batch_tokens=max_batch_tokens if max_batch_tokens is not None else (8192 if dev.type == "cuda" else 2048), max_running=max_running,
         prefix_caching=prefix_caching,
     )
     if cuda_graph is None:

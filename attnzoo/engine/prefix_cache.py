@@ -57,6 +57,12 @@ class PrefixCache:
     def all_ready(self, pages: list[int]) -> bool:
         return all(p in self._ready for p in pages)
 
+    def drop_unready(self, pages: list[int]) -> None:
+        """Forget cache entries among ``pages`` that were never written (their writer failed)."""
+        gone = set(pages) - self._ready
+        for h in [h for h, p in self._pages.items() if p in gone]:
+            self.allocator.free([self._pages.pop(h)])
+
     def evictable(self) -> int:
         return sum(1 for p in self._pages.values() if self.allocator.refcount(p) == 1)
 

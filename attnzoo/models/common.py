@@ -114,6 +114,9 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        """Reject prompts this model cannot serve (raise RequestError) before any work is scheduled."""
+
     def checkpoint_name(self, name: str) -> str | None:
         """Map a checkpoint tensor name to our parameter name; None skips the tensor."""
         return name

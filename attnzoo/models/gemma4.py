@@ -290,18 +290,20 @@ class Gemma4ForCausalLM(CausalLM):
         proj = m.per_layer_projection_norm(proj.view(t, -1, m.ple_dim))
         return (proj + tok.view(t, -1, m.ple_dim)) * 2.0**-0.5
 
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        bad = set(token_ids) & set(self.mm_token_ids.tolist())
+        if bad:
+            raise RequestError(
+                f"the prompt contains token id {min(bad)}, an image/audio/video placeholder: attnzoo serves the text "
+                "part of Gemma 4 only and accepts no image, audio or video input",
+                fix="pass text or token ids without multimodal placeholders",
+            )
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.mm_token_ids.numel():
-            is_mm = torch.isin(input_ids, self.mm_token_ids)
-            if not ctx.meta.is_decode and bool(is_mm.any()):
-                bad = int(input_ids[is_mm][0])
-                raise RequestError(
-                    f"the prompt contains token id {bad}, an image/audio/video placeholder: attnzoo serves the text "
-                    "part of Gemma 4 only and accepts no image, audio or video input",
-                    fix="pass text or token ids without multimodal placeholders",
-                )
-            # Generated placeholders read as padding, as in transformers' text-only path.
-            input_ids = torch.where(is_mm, self.pad_token_id, input_ids)
+            # Prompts were checked by validate_prompt; generated placeholders read as padding, as in
+            # transformers' text-only path.
+            input_ids = torch.where(torch.isin(input_ids, self.mm_token_ids), self.pad_token_id, input_ids)
         x = self.model.embed_tokens(input_ids)
         x = x * self.embed_scale.to(x.dtype)
         ple = self._per_layer_inputs(input_ids, x) if self.model.ple_dim else None
