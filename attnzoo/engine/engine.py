@@ -23,7 +23,7 @@ from attnzoo.attention.kv_cache import KVPool, PageAllocator
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.metadata import BatchMetadata, build_metadata
 from attnzoo.engine.prefix_cache import PrefixCache
-from attnzoo.engine.sampling import SamplingParams, sample_one
+from attnzoo.engine.sampling import SamplingParams, sample
 from attnzoo.errors import KVCacheFullError, RequestError
 
 
@@ -143,9 +143,13 @@ class Engine:
                 if not batch.reqs:
                     raise RuntimeError("engine bug: a step with no work")
                 logits = self._step(batch)
-                greedy = logits.argmax(dim=-1).tolist()  # one device sync per step, not per request
-                for i, req in enumerate(batch.sampling_reqs):
-                    token = greedy[i] if req.params.greedy else sample_one(logits[i], req.params, req.generator)
+                tokens = logits.argmax(dim=-1)
+                rows = [i for i, r in enumerate(batch.sampling_reqs) if not r.params.greedy]
+                if rows:
+                    reqs = [batch.sampling_reqs[i] for i in rows]
+                    at = torch.tensor(rows, device=tokens.device)
+                    tokens[at] = sample(logits[at], [r.params for r in reqs], [r.generator for r in reqs])
+                for i, (req, token) in enumerate(zip(batch.sampling_reqs, tokens.tolist())):  # one sync a step
                     self._append(req, token, logits[i] if return_logits else None)
                 if self.step_log is not None:
                     self.step_log.append(batch.summary())

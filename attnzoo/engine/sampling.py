@@ -35,17 +35,27 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits [vocab] float32 -> token id, drawing from ``generator`` so a seed fixes the result."""
-    logits = logits / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Tokens [n] for logits [n, vocab] float32, one row per request, without a host sync.
+
+    Temperature, top-k and top-p are applied per row on the whole batch at once; the draw is
+    argmax(probs / E) with E ~ Exp(1) from each request's own generator, which samples from probs and
+    keeps a seeded request's tokens independent of what else is in the batch.
+    """
+    dev = logits.device
+    temp = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32)
+    logits = logits / temp[:, None]
+    if any(p.top_k for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=dev)
+        k_max = min(max(p.top_k for p in params), logits.shape[-1])
+        kth = torch.topk(logits, k_max, dim=-1).values.gather(1, (top_k.clamp(1, k_max) - 1)[:, None])
+        logits = logits.masked_fill((top_k[:, None] > 0) & (logits < kth), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32)
+        sorted_p, order = torch.sort(probs, descending=True, dim=-1)
         # keep the smallest prefix whose mass reaches top_p (the token crossing the line included)
-        drop = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= params.top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        drop = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= top_p[:, None]
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+    noise = torch.stack([torch.empty(logits.shape[-1], device=dev).exponential_(generator=g) for g in generators])
+    return (probs / noise).argmax(dim=-1)
