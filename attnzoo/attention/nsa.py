@@ -50,9 +50,13 @@ def token_requests(meta: BatchMetadata) -> torch.Tensor:
 
 
 def visible_positions(meta: BatchMetadata) -> torch.Tensor:
-    """[num_tokens, max_seq_len] int32: every position a token sees (j <= its position), -1 beyond."""
-    j = torch.arange(meta.max_seq_len, device=meta.positions.device, dtype=torch.int32)
-    return torch.where(j[None, :] <= meta.positions[:, None], j[None, :], -1)
+    """[num_tokens, max_seq_len] int32: every position a token sees (j <= its position), -1 beyond.
+    Built once per step (every layer of a short-context step asks for the same matrix)."""
+    cached = meta.backend_state.get("nsa:visible")
+    if cached is None:
+        j = torch.arange(meta.max_seq_len, device=meta.positions.device, dtype=torch.int32)
+        cached = meta.backend_state["nsa:visible"] = torch.where(j[None, :] <= meta.positions[:, None], j[None, :], -1)
+    return cached
 
 
 def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -66,12 +70,18 @@ def positions_to_slots(positions: torch.Tensor, meta: BatchMetadata, token_reqs:
                        ) -> torch.Tensor:
     """Positions [T, k] (-1 = none) -> pool slots [T, k] int64 (page * page_size + offset; -1 = none).
     ``token_reqs``: ``token_requests(meta)`` when the caller already has it."""
+    dense = positions is meta.backend_state.get("nsa:visible")
+    if dense and "nsa:visible_slots" in meta.backend_state:  # the same for every layer of the step
+        return meta.backend_state["nsa:visible_slots"]
     ps = meta.page_size
     pos = positions.long()
     clamped = pos.clamp_min(0)
     reqs = token_requests(meta) if token_reqs is None else token_reqs
     pages = meta.block_tables.long()[reqs[:, None], clamped // ps]
-    return torch.where(pos >= 0, pages * ps + clamped % ps, -1)
+    slots = torch.where(pos >= 0, pages * ps + clamped % ps, -1)
+    if dense:
+        meta.backend_state["nsa:visible_slots"] = slots
+    return slots
 
 
 def indexer_scores_reference(
