@@ -69,7 +69,6 @@ def build_metadata(
     page_size: int,
     device: torch.device | str,
     mode: ForwardMode | None = None,
-    pad_block_table_to: int | None = None,
 ) -> BatchMetadata:
     """Build the step's metadata on the host, then move it to the device in one go per tensor.
 
@@ -96,8 +95,6 @@ def build_metadata(
     for q in q_lens:
         indptr.append(indptr[-1] + q)
     width = max(len(bt) for bt in block_tables)
-    if pad_block_table_to is not None:
-        width = max(width, pad_block_table_to)
     table = torch.tensor([bt + [0] * (width - len(bt)) for bt in block_tables], dtype=torch.int32)
 
     def dev(x, dtype):
