@@ -622,3 +622,12 @@ def test_attnzoo_entry_point_mounts_policy(capsys):
 
     assert main(["policy", "explain", "LlamaForCausalLM", "--gpu", "cpu", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["decode_backend"] == "torch"
+
+
+def test_xqa_group_limit_for_large_head_dims(flashinfer_installed):
+    # XQA (trtllm_mha decode on sm90) serves head dims above 256 only with <= 16 query heads per KV head.
+    wide = profile(dims=(512,), num_heads=32, num_kv_heads=frozenset({1}))
+    _reject(BackendError, r"at most 16 query heads per KV head; this model has head dim 512 and up to 32",
+            model=wide, decode_backend="trtllm_mha")
+    ok = profile(dims=(512,), num_heads=32, num_kv_heads=frozenset({4}))
+    assert resolve(ok, gpu="sm90", overrides=Overrides(decode_backend="trtllm_mha")).decode_backend == "trtllm_mha"

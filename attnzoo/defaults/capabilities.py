@@ -39,6 +39,8 @@ class Kernel:
     runs_as: str | None = None
     # (variable, value) that must be set in the environment for this kernel to run (Triton on CPU).
     requires_env: tuple[str, str] | None = None
+    # (head dim d, group g): layers with head dim above d need at most g query heads per KV head (XQA).
+    max_group_above: tuple[int, int] | None = None
     note: str = ""
 
     def env_ok(self) -> bool:
@@ -268,7 +270,8 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
             ),
             decode=(
                 Kernel("trtllm-gen decode (trtllm_batch_decode_with_kv_cache)", _gpus("sm100", "sm103")),
-                Kernel("XQA decode (trtllm_batch_decode_with_kv_cache)", _gpus("sm90", "sm120")),
+                Kernel("XQA decode (trtllm_batch_decode_with_kv_cache)", _gpus("sm90", "sm120"),
+                       max_group_above=(256, 16)),
             ),
             head_dims=frozenset({64, 128, 256, 512}),
             v_head_dims=frozenset({64, 128, 256, 512}),
@@ -400,6 +403,7 @@ def check_backend(
     dtype: str | None = None,
     registered: frozenset[str] | set[str] = frozenset(),
     num_heads: int | None = None,
+    num_kv_heads: frozenset[int] = frozenset(),
 ) -> Check:
     """Check everything but the page size (the policy may still adjust that) for one phase."""
     chk = Check(name, phase)
@@ -446,7 +450,16 @@ def check_backend(
                 bad.append(f"{phase} on {gpu} needs {var}={val} in the environment ({on_gpu[0].note})")
             else:
                 fitting = [k for k in runnable if not (head_dims & k.excluded_head_dims)]
-                if not fitting:
+                # The profile does not pair head dims with KV head counts: assume the largest group.
+                group = num_heads // min(num_kv_heads) if num_heads and num_kv_heads else None
+                too_grouped = [k for k in fitting if k.max_group_above and group is not None
+                               and max(head_dims) > k.max_group_above[0] and group > k.max_group_above[1]]
+                fitting = [k for k in fitting if k not in too_grouped]
+                if not fitting and too_grouped:
+                    d, g = too_grouped[0].max_group_above  # type: ignore[misc]
+                    bad.append(f"{too_grouped[0].name} on {gpu} serves head dims above {d} with at most {g} "
+                               f"query heads per KV head; this model has head dim {max(head_dims)} and up to {group}")
+                elif not fitting:
                     k = runnable[0]
                     bad.append(f"{k.name} on {gpu} does not support head dim(s) "
                                f"{_fmt(head_dims & k.excluded_head_dims)} ({k.note})")

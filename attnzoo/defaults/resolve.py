@@ -280,6 +280,7 @@ def resolve(
             name, phase, gpu=cls, kind=profile.kind, head_dims=profile.head_dims, v_head_dims=profile.v_head_dims,
             uses_sliding_window=profile.uses_sliding_window, uses_softcap=profile.uses_softcap,
             uses_sinks=profile.uses_sinks, dtype=dtype, registered=registered, num_heads=profile.num_heads,
+            num_kv_heads=profile.num_kv_heads,
         )
         caps = CAPABILITIES.get(name)
         if page_bound and explicit_page is not None and caps is not None and not caps.page_size_ok(explicit_page):
