@@ -39,6 +39,7 @@ class DecodeGraphs:
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)  # [max_batch]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> static output [bucket, vocab]
+        self.metas: dict[int, BatchMetadata] = {}  # bucket -> metadata over the static buffers
         backend.init_graph_state(self.max_batch, self.max_pages)
         self._capture_all()
 
@@ -51,9 +52,8 @@ class DecodeGraphs:
             last_token_rows=self.rows[:bs],
         )
 
-    def _run(self, bs: int, capturing: bool) -> torch.Tensor:
-        meta = self._meta(bs)
-        self.backend.prepare_graph(meta, capturing)
+    def _run(self, meta: BatchMetadata) -> torch.Tensor:
+        bs = meta.num_reqs
         ctx = ForwardContext(meta, self.pool, self.backend, self.backend)
         hidden = self.model(self.ids[:bs], self.positions[:bs], ctx)
         return self.model.compute_logits(hidden)
@@ -62,14 +62,18 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
+            meta = self.metas[bs] = self._meta(bs)
+            # The backend's per-step preparation runs eagerly, outside the graph, before capture and
+            # before every replay (the contract of AttentionBackend.prepare_graph).
+            self.backend.prepare_graph(meta, capturing=True)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._run(bs, capturing=True)  # warm-up: kernels compile, allocator settles
+                self._run(meta)  # warm-up: kernels compile, allocator settles
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[bs] = self._run(bs, capturing=True)
+                self.logits[bs] = self._run(meta)
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
@@ -94,7 +98,6 @@ class DecodeGraphs:
         self.seq_lens[n:bs].fill_(1)
         self.prefix_lens[n:bs].zero_()
         self.block_tables[n:bs].zero_()
-        # No prepare_graph here: whatever the backend does per step on the device was captured with
-        # the graph and reads the static buffers just refilled.
+        self.backend.prepare_graph(self.metas[bs], capturing=False)  # refill the backend's static state
         self.graphs[bs].replay()
         return self.logits[bs][:n]
