@@ -142,6 +142,46 @@ def test_flashinfer(case, mode, page_size):
         check("flashinfer", case, page_size, MODES[mode], batch)
 
 
+def cascade_step(case, page_size, shared_pages, suffix_lens, seed=0):
+    """A decode step whose requests all start with the same ``shared_pages`` pages, then own pages."""
+    layer = Attention(0, case["heads"], case["kv_heads"], case["head_dim"], logit_softcap=case.get("softcap"),
+                      scale=case.get("scale"))
+    seq = [shared_pages * page_size + n for n in suffix_lens]
+    own = [-(-n // page_size) for n in suffix_lens]
+    pool = KVPool([layer.kv_cache_spec()], num_pages=shared_pages + sum(own) + 5, page_size=page_size,
+                  dtype=DTYPE, device=DEV)
+    pool.buffer.view(DTYPE).normal_(generator=torch.Generator(device=DEV).manual_seed(seed))
+    order = (torch.randperm(pool.num_pages - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
+    shared, at, tables = order[:shared_pages], shared_pages, []
+    for n in own:
+        tables.append(shared + order[at:at + n])
+        at += n
+    meta = build_metadata(prefix_lens=[s - 1 for s in seq], q_lens=[1] * len(seq), block_tables=tables,
+                          page_size=page_size, device=DEV, detect_shared_prefix=True)
+    q = torch.randn(len(seq), case["heads"], case["head_dim"], device=DEV, dtype=DTYPE,
+                    generator=torch.Generator(device=DEV).manual_seed(seed + 1))
+    return layer, pool, meta, q
+
+
+CASCADE_CASES = [c for c in MHA_CASES if not c.get("window") and c["id"] != "d512-g1"]
+
+
+@pytest.mark.parametrize("case", CASCADE_CASES, ids=_case_id)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flashinfer_cascade_decode(case, page_size):
+    """Shared prefix once for the batch + each request's rest, merged: the plain answer."""
+    shared_pages = 96 // page_size
+    # suffix lengths: just the token being written, a page-size non-multiple, several pages
+    layer, pool, meta, q = cascade_step(case, page_size, shared_pages, [1, 7, 40, 2, 65])
+    assert meta.shared_prefix_len == shared_pages * page_size
+    backend = get_backend_class("flashinfer")(pool)
+    out = run_backend(backend, layer, meta, q)
+    assert_close(out, reference(layer, pool, meta, q))
+    meta.shared_prefix_len, meta.backend_state = 0, {}
+    plain = run_backend(backend, layer, meta, q)
+    assert ((out.float() - plain.float()).norm() / plain.float().norm()).item() < 5e-3
+
+
 @pytest.mark.skipif(not SM90, reason="FA3 runs on SM90 only")
 def test_flashinfer_fa2_prefill_forced_on_sm90():
     """The FA2 prefill kernels on Hopper too (the benchmark compares them with FA3)."""

@@ -106,6 +106,7 @@ def test_registry_and_capabilities_agree():
         assert name in CAPABILITIES, f"registered backend {name} declares no capabilities"
         # The declaration and the class agree on CUDA-graph support (the engine reads the class).
         assert CAPABILITIES[name].cuda_graph == get_backend_class(name).supports_cuda_graph, name
+        assert CAPABILITIES[name].cascade == get_backend_class(name).supports_cascade, name
 
 
 def test_shipped_table_is_complete_and_follows_the_field_on_blackwell():

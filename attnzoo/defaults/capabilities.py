@@ -74,6 +74,8 @@ class BackendCapabilities:
     module: str | None = None  # importable module the backend needs; None: nothing beyond torch
     extra: str | None = None  # pip extra that installs it: pip install "attnzoo[<extra>]"
     cuda_graph: bool = False
+    # Decode reads a prefix shared by the whole batch once per step (cascade attention; eager steps).
+    cascade: bool = False
     kv_layout: str = "HND"  # the KV layout it reads (kv_cache.KVPool writes HND)
     # MLA/NSA caches: the entry layout it reads (attnzoo.attention.kv_layout.KVLayout values). The pool
     # holds "bf16" (model-dtype) entries; a backend reading another layout keeps a converted copy.
@@ -151,6 +153,7 @@ class BackendCapabilities:
             "module": self.module,
             "extra": self.extra,
             "cuda_graph": self.cuda_graph,
+            "cascade": self.cascade,
             "kv_layout": self.kv_layout,
             "mla_kv_layout": self.mla_kv_layout,
             "block_table_pad_tokens": self.block_table_pad_tokens,
@@ -235,6 +238,7 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
             module="triton",
             extra="triton",
             cuda_graph=True,
+            cascade=True,
             notes=("tuned for head dims 64..512 (MHA) and 576/512 (MLA); smaller dims run padded",),
         ),
         BackendCapabilities(
@@ -255,7 +259,10 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
             logit_softcap=True,
             module="flashinfer",
             extra="flashinfer",
-            notes=("decode layers whose v head dim differs from q/k run through the prefill wrapper",),
+            cascade=True,
+            notes=("decode layers whose v head dim differs from q/k run through the prefill wrapper",
+                   "cascade decode: the shared prefix through the prefill wrapper (all queries, not causal), "
+                   "the rest through the decode wrapper, merged by log-sum-exp (merge_state)"),
         ),
         BackendCapabilities(
             name="trtllm_mha",

@@ -114,7 +114,8 @@ def _backends(args) -> int:
             print(f"  {phase}: {ks}")
         print(f"  kinds {', '.join(d['kinds'])}; head dims {d['head_dims']}; page sizes {d['page_sizes']}; "
               f"dtypes {', '.join(d['dtypes'])}; sliding window {d['sliding_window']}; "
-              f"soft-cap {d['logit_softcap']}; sinks {d['attention_sinks']}; cuda graphs {d['cuda_graph']}")
+              f"soft-cap {d['logit_softcap']}; sinks {d['attention_sinks']}; cuda graphs {d['cuda_graph']}; "
+              f"cascade {d['cascade']}")
         if d["extra"]:
             print(f'  needs: pip install "attnzoo[{d["extra"]}]" (module {d["module"]})')
         for n in d["notes"]:

@@ -23,6 +23,7 @@ from attnzoo.attention.kv_cache import KVPool, PageAllocator
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.metadata import BatchMetadata, build_metadata
 from attnzoo.engine.prefix_cache import PrefixCache
+from attnzoo.errors import BackendError
 from attnzoo.engine.sampling import SamplingParams, sample
 from attnzoo.errors import KVCacheFullError, RequestError
 
@@ -80,6 +81,8 @@ class Engine:
         max_batch_tokens: int = 4096,
         max_running: int = 256,
         prefix_caching: bool = True,
+        cascade: bool | None = None,
+        cascade_min_saved_tokens: int = 32768,
     ):
         self.model = model
         self.pool = pool
@@ -93,9 +96,23 @@ class Engine:
         self.max_running = max_running
         self.device = pool.device
         self.prefix_cache = PrefixCache(self.allocator, pool.page_size) if prefix_caching else None
+        # Cascade decode (the shared prefix read once per step) needs shared pages and a backend that
+        # reads them once. A cascade step runs eagerly (its kernels differ from the captured graph's),
+        # so it is used only where it saves more KV reads than a graph replay saves launches:
+        # at least ``cascade_min_saved_tokens`` = shared tokens x (requests - 1) per layer.
+        can = prefix_caching and decode_backend.supports_cascade
+        if cascade and not can:
+            raise BackendError(
+                f"cascade attention needs prefix caching and a decode backend that supports it; "
+                f"{decode_backend.name!r} {'does' if decode_backend.supports_cascade else 'does not'}"
+                f"{'' if prefix_caching else ', and prefix caching is off'}",
+                fix="pass cascade=None (automatic) or False, or use decode backend 'flashinfer' or 'triton'",
+            )
+        self.cascade = can if cascade is None else cascade
+        self.cascade_min_saved_tokens = cascade_min_saved_tokens
         self.step_log: list[dict] | None = None  # set to [] to record one summary per step (benchmarks)
         self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs()
-        self.graph_stats = {"replayed": 0, "eager": 0}
+        self.graph_stats = {"replayed": 0, "eager": 0, "cascade": 0}
 
     def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
         from attnzoo.engine.cuda_graph import DecodeGraphs
@@ -266,17 +283,22 @@ class Engine:
             block_tables=[r.pages for r in batch.reqs],
             page_size=self.pool.page_size,
             device=self.device,
+            detect_shared_prefix=self.cascade,
         )
+        if meta.shared_prefix_len * (meta.num_reqs - 1) < self.cascade_min_saved_tokens:
+            meta.shared_prefix_len = 0
+        batch.shared_prefix_len = meta.shared_prefix_len
         ids = torch.tensor([t for c in batch.chunks for t in c], dtype=torch.int64, device=self.device)
         sample_rows = torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
-            if self.graphs is not None and self.graphs.fits(meta):
+            if self.graphs is not None and not meta.shared_prefix_len and self.graphs.fits(meta):
                 logits = self.graphs.replay(ids, meta)[sample_rows]  # decode: row i is request i
                 self.graph_stats["replayed"] += 1
             else:
                 hidden = self._forward(ids, meta)
                 logits = self.model.compute_logits(hidden[meta.last_token_rows[sample_rows]])
                 self.graph_stats["eager"] += 1
+                self.graph_stats["cascade"] += bool(meta.shared_prefix_len)
         for req, chunk in zip(batch.reqs, batch.chunks):
             req.num_cached += len(chunk)
             if self.prefix_cache is not None and len(req.out) == 0:
@@ -340,11 +362,13 @@ class _Batch:
         self.chunks: list[list[int]] = []
         self.sample_rows: list[int] = []  # indices into reqs whose last row is sampled
         self.sampling_reqs: list[_Request] = []
+        self.shared_prefix_len = 0  # set by the step: KV tokens every request read from the same pages
 
     def summary(self) -> dict:
         """What a roofline model needs: new tokens, and KV tokens read by attention."""
         return {"num_reqs": len(self.reqs), "new_tokens": sum(len(c) for c in self.chunks),
                 "kv_tokens": sum(r.num_cached for r in self.reqs),
+                "shared_prefix_len": self.shared_prefix_len,
                 "attn_pairs": sum(len(c) * r.num_cached for r, c in zip(self.reqs, self.chunks))}
 
     def add(self, req: _Request, chunk: list[int], sample: bool) -> None:

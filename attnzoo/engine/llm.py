@@ -136,6 +136,17 @@ class LLM:
         ids = self._encode(list(token_ids))
         return self.engine.score(ids).cpu()
 
+    def _cascade_info(self) -> str:
+        e = self.engine
+        if e.cascade:
+            return (f"on: decode steps whose requests share >= 1 page read it once "
+                    f"(when shared tokens x (requests - 1) >= {e.cascade_min_saved_tokens}; such steps run eagerly)")
+        if e.prefix_cache is None:
+            return "off: prefix caching is off"
+        if not e.decode_backend.supports_cascade:
+            return f"off: decode backend {e.decode_backend.name!r} has no cascade path"
+        return "off: turned off (cascade=False)"
+
     def info(self) -> dict[str, Any]:
         specs = self.model.kv_cache_specs()
         elt = torch.empty((), dtype=self.pool.dtype).element_size()
@@ -157,6 +168,7 @@ class LLM:
             "context_len": self.engine.context_len,
             "cuda_graph": None if self.engine.graphs is None else {
                 "batch_buckets": self.engine.graphs.buckets, "max_context": self.engine.graphs.max_context},
+            "cascade": self._cascade_info(),
             "decision": self.decision.to_dict(),
         }
 
@@ -178,6 +190,7 @@ def load_model(
     prefix_caching: bool = True,
     cuda_graph: bool | None = None,
     cuda_graph_max_context: int = 8192,
+    cascade: bool | None = None,
     load_format: str = "auto",
     seed: int = 0,
 ) -> LLM:
@@ -185,6 +198,8 @@ def load_model(
 
     ``load_format="random"`` builds the model from its config with random weights (for benchmarks of
     full-size shapes without the weights); the tokenizer is still loaded when the checkpoint has one.
+    ``cascade``: read a prefix shared by a whole decode batch once per step (None: wherever the decode
+    backend supports it and prefix caching is on; ``info()["cascade"]`` says which).
     """
     from attnzoo.defaults import Overrides, resolve
 
@@ -237,7 +252,7 @@ def load_model(
     engine = Engine(
         model, pool, pre, dec, tokenizer=tokenizer, eos_token_ids=eos, context_len=context_len,
         max_batch_tokens=max_batch_tokens if max_batch_tokens is not None else (8192 if dev.type == "cuda" else 2048), max_running=max_running,
-        prefix_caching=prefix_caching,
+        prefix_caching=prefix_caching, cascade=cascade,
     )
     if cuda_graph is None:
         cuda_graph = dev.type == "cuda" and dec.supports_cuda_graph

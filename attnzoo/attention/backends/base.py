@@ -7,6 +7,10 @@ the layer has already stored this step's k/v in the pool, so a backend only read
 CUDA-graph hooks: a backend that can run inside a captured decode graph sets
 ``supports_cuda_graph = True`` and implements ``init_graph_state`` (static buffers for the largest
 batch) and ``prepare_graph(meta, capturing)`` (refill those buffers in place for a replay).
+
+Cascade attention: a backend that reads a prefix shared by every request of a DECODE step once for the
+whole batch (``meta.shared_prefix_len``) sets ``supports_cascade = True``; others ignore the field and
+read every request's pages as usual, which gives the same result.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ if TYPE_CHECKING:
 class AttentionBackend(ABC):
     name: ClassVar[str]
     supports_cuda_graph: ClassVar[bool] = False
+    supports_cascade: ClassVar[bool] = False
 
     def __init__(self, pool: KVPool):
         self.pool = pool

@@ -11,6 +11,12 @@ Kernels (HND pages read in place, bf16/fp16, head dims 64/128/256/512, sliding w
   layers whose v head dim differs from q/k run their one-token step through the prefill wrapper,
   since the decode wrapper needs them equal.
 
+Cascade decode (``meta.shared_prefix_len`` > 0: every request starts with the same pages, e.g. a
+few-shot prefix): the shared pages are read once for the whole batch by the prefill wrapper, all the
+step's queries as one non-causal request over them; each request's remaining pages go through the
+decode wrapper; ``merge_state`` combines the two partial results by their log-sum-exp. Layers with a
+sliding window, or whose decode runs through the prefill wrapper, keep the plain path.
+
 Planning: ``prepare(meta)`` builds the page indices once per step (one set per sliding-window size:
 pages wholly outside the window are skipped) and plans one wrapper per distinct layer signature
 (heads, KV heads, head dims, window, soft-cap, scale); every layer of that signature reuses it. The
@@ -58,13 +64,29 @@ class _PageIndex:
 class _Step:
     mode: ForwardMode
     qo_indptr: torch.Tensor  # [num_reqs + 1] int32, host
+    shared_pages: int = 0  # cascade decode: leading pages every request shares (0: no cascade)
     indices: dict[int | None, _PageIndex] = field(default_factory=dict)
     planned: dict[LayerSignature, object] = field(default_factory=dict)  # signature -> planned wrapper
+
+
+@dataclass
+class _CascadeRun:
+    """A planned cascade decode: the shared prefix once for all queries, the rest per request."""
+
+    shared: object  # BatchPrefillWithPagedKVCacheWrapper planned over the shared pages
+    rest: object  # BatchDecodeWithPagedKVCacheWrapper planned over each request's other pages
+    merge_state: object
+
+    def run(self, *, q: torch.Tensor, paged_kv_cache) -> torch.Tensor:
+        o_shared, lse_shared = self.shared.run(q=q, paged_kv_cache=paged_kv_cache, return_lse=True)
+        o_rest, lse_rest = self.rest.run(q=q, paged_kv_cache=paged_kv_cache, return_lse=True)
+        return self.merge_state(v_a=o_shared, s_a=lse_shared, v_b=o_rest, s_b=lse_rest)[0]
 
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graph = False
+    supports_cascade = True
 
     def __init__(self, pool: KVPool, *, prefill_variant: str | None = None):
         """``prefill_variant``: None picks per layer (FA3 on SM90 where it builds, else FA2); "fa2" or
@@ -84,6 +106,7 @@ class FlashInferBackend(AttentionBackend):
         self._prefill_variant = prefill_variant
         self._prefill_wrappers: dict[LayerSignature, object] = {}
         self._decode_wrappers: dict[LayerSignature, object] = {}
+        self._cascade_wrappers: dict[LayerSignature, tuple[object, object]] = {}
         self._known: dict[LayerSignature, None] = {}  # insertion-ordered set of signatures seen
         self._state_key = f"{self.name}:{id(self)}"
 
@@ -126,7 +149,8 @@ class FlashInferBackend(AttentionBackend):
         qo = [0]
         for q in meta.q_lens_cpu:
             qo.append(qo[-1] + q)
-        step = _Step(mode=meta.mode, qo_indptr=torch.tensor(qo, dtype=torch.int32))
+        step = _Step(mode=meta.mode, qo_indptr=torch.tensor(qo, dtype=torch.int32),
+                     shared_pages=meta.shared_prefix_len // meta.page_size if meta.is_decode else 0)
         meta.backend_state[self._state_key] = step
         for sig in self._known:
             self._plan(meta, step, sig)
@@ -138,12 +162,17 @@ class FlashInferBackend(AttentionBackend):
             step = meta.backend_state[self._state_key]
         return step
 
-    def _page_index(self, meta: BatchMetadata, step: _Step, window: int | None) -> _PageIndex:
-        idx = step.indices.get(window)
+    def _page_index(self, meta: BatchMetadata, step: _Step, window: int | None, skip_shared: bool = False) -> _PageIndex:
+        """Each request's pages, minus those wholly outside ``window``, or minus the shared prefix."""
+        key = "rest" if skip_shared else window
+        idx = step.indices.get(key)
         if idx is not None:
             return idx
         ps = meta.page_size
-        starts = window_page_start(meta.seq_lens_cpu, meta.q_lens_cpu, ps, window)
+        if skip_shared:
+            starts = [step.shared_pages] * meta.num_reqs
+        else:
+            starts = window_page_start(meta.seq_lens_cpu, meta.q_lens_cpu, ps, window)
         indptr = [0]
         for i, s in enumerate(meta.seq_lens_cpu):
             indptr.append(indptr[-1] + -(-s // ps) - (starts[i] if starts else 0))
@@ -156,7 +185,7 @@ class FlashInferBackend(AttentionBackend):
         )
         last = torch.tensor([(s - 1) % ps + 1 for s in meta.seq_lens_cpu], dtype=torch.int32)
         idx = _PageIndex(kv_indptr=indptr_host, kv_indices=kv_indices, last_page_len=last)
-        step.indices[window] = idx
+        step.indices[key] = idx
         return idx
 
     def _check_layer(self, sig: LayerSignature, layer) -> None:
@@ -177,66 +206,88 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan(self, meta: BatchMetadata, step: _Step, sig: LayerSignature, layer=None):
         self._check_layer(sig, layer)
-        idx = self._page_index(meta, step, sig.window)
-        dtype = self.pool.dtype
         if self._uses_prefill_wrapper(step.mode, sig):
-            wrapper = self._prefill_wrappers.get(sig)
-            if wrapper is None:
-                wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(
-                    float_workspace_buffer=workspace(self.pool.device, "wrappers"),
-                    kv_layout="HND",
-                    backend=self.prefill_kernel(sig.head_dim, sig.v_head_dim),
-                )
-                self._prefill_wrappers[sig] = wrapper
-            wrapper.plan(
-                qo_indptr=step.qo_indptr,
-                paged_kv_indptr=idx.kv_indptr,
-                paged_kv_indices=idx.kv_indices,
-                paged_kv_last_page_len=idx.last_page_len,
-                num_qo_heads=sig.num_heads,
-                num_kv_heads=sig.num_kv_heads,
-                head_dim_qk=sig.head_dim,
-                head_dim_vo=sig.v_head_dim,
-                page_size=meta.page_size,
-                causal=True,  # bottom-right aligned: new tokens follow their request's cached prefix
-                pos_encoding_mode="NONE",
-                sm_scale=sig.scale,
-                window_left=sig.window_left,
-                logits_soft_cap=sig.softcap or 0.0,
-                q_data_type=dtype,
-                kv_data_type=dtype,
-                o_data_type=dtype,
-                non_blocking=True,
+            planned = self._plan_prefill(self._prefill_wrappers, meta, sig, step.qo_indptr,
+                                         self._page_index(meta, step, sig.window), causal=True)
+        elif step.shared_pages and sig.window is None:
+            shared_wrappers, rest_wrappers = self._cascade_wrappers.setdefault(sig, ({}, {}))
+            ps = meta.page_size
+            shared = _PageIndex(
+                kv_indptr=torch.tensor([0, step.shared_pages], dtype=torch.int32),
+                kv_indices=meta.block_tables[0, : step.shared_pages],
+                last_page_len=torch.tensor([ps], dtype=torch.int32),
+            )
+            everyone = torch.tensor([0, meta.num_reqs], dtype=torch.int32)  # every query sees every shared key
+            planned = _CascadeRun(
+                shared=self._plan_prefill(shared_wrappers, meta, sig, everyone, shared, causal=False),
+                rest=self._plan_decode(rest_wrappers, meta, sig, self._page_index(meta, step, None, skip_shared=True)),
+                merge_state=self._fi.merge_state,
             )
         else:
-            wrapper = self._decode_wrappers.get(sig)
-            if wrapper is None:
-                wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-                    float_workspace_buffer=workspace(self.pool.device, "wrappers"),
-                    kv_layout="HND",
-                    use_tensor_cores=sig.group >= TENSOR_CORE_DECODE_MIN_GROUP,
-                    backend="fa2",
-                )
-                self._decode_wrappers[sig] = wrapper
-            wrapper.plan(
-                indptr=idx.kv_indptr,
-                indices=idx.kv_indices,
-                last_page_len=idx.last_page_len,
-                num_qo_heads=sig.num_heads,
-                num_kv_heads=sig.num_kv_heads,
-                head_dim=sig.head_dim,
-                page_size=meta.page_size,
-                is_causal=False,  # one query per request: it sees its whole KV range
-                pos_encoding_mode="NONE",
-                sm_scale=sig.scale,
-                window_left=sig.window_left,
-                logits_soft_cap=sig.softcap or 0.0,
-                q_data_type=dtype,
-                kv_data_type=dtype,
-                o_data_type=dtype,
-                non_blocking=True,
+            planned = self._plan_decode(self._decode_wrappers, meta, sig, self._page_index(meta, step, sig.window))
+        step.planned[sig] = planned
+        return planned
+
+    def _plan_prefill(self, wrappers: dict, meta: BatchMetadata, sig: LayerSignature, qo_indptr: torch.Tensor,
+                      idx: _PageIndex, *, causal: bool):
+        wrapper = wrappers.get(sig)
+        if wrapper is None:
+            wrapper = wrappers[sig] = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                float_workspace_buffer=workspace(self.pool.device, "wrappers"),
+                kv_layout="HND",
+                backend=self.prefill_kernel(sig.head_dim, sig.v_head_dim),
             )
-        step.planned[sig] = wrapper
+        dtype = self.pool.dtype
+        wrapper.plan(
+            qo_indptr=qo_indptr,
+            paged_kv_indptr=idx.kv_indptr,
+            paged_kv_indices=idx.kv_indices,
+            paged_kv_last_page_len=idx.last_page_len,
+            num_qo_heads=sig.num_heads,
+            num_kv_heads=sig.num_kv_heads,
+            head_dim_qk=sig.head_dim,
+            head_dim_vo=sig.v_head_dim,
+            page_size=meta.page_size,
+            causal=causal,  # causal is bottom-right aligned: new tokens follow their request's cached prefix
+            pos_encoding_mode="NONE",
+            sm_scale=sig.scale,
+            window_left=sig.window_left,
+            logits_soft_cap=sig.softcap or 0.0,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+            o_data_type=dtype,
+            non_blocking=True,
+        )
+        return wrapper
+
+    def _plan_decode(self, wrappers: dict, meta: BatchMetadata, sig: LayerSignature, idx: _PageIndex):
+        wrapper = wrappers.get(sig)
+        if wrapper is None:
+            wrapper = wrappers[sig] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                float_workspace_buffer=workspace(self.pool.device, "wrappers"),
+                kv_layout="HND",
+                use_tensor_cores=sig.group >= TENSOR_CORE_DECODE_MIN_GROUP,
+                backend="fa2",
+            )
+        dtype = self.pool.dtype
+        wrapper.plan(
+            indptr=idx.kv_indptr,
+            indices=idx.kv_indices,
+            last_page_len=idx.last_page_len,
+            num_qo_heads=sig.num_heads,
+            num_kv_heads=sig.num_kv_heads,
+            head_dim=sig.head_dim,
+            page_size=meta.page_size,
+            is_causal=False,  # one query per request: it sees its whole KV range
+            pos_encoding_mode="NONE",
+            sm_scale=sig.scale,
+            window_left=sig.window_left,
+            logits_soft_cap=sig.softcap or 0.0,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+            o_data_type=dtype,
+            non_blocking=True,
+        )
         return wrapper
 
     # ---------------------------------------------------------------- per layer
