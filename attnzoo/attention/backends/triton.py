@@ -13,6 +13,12 @@ CUDA graphs (decode): the kernels read ``meta.seq_lens`` and ``meta.block_tables
 replay only needs the engine's static metadata buffers refilled. The split count is a launch constant
 baked into the graph: under ``prepare_graph`` it depends only on the batch size and the longest context
 the graph was sized for (``init_graph_state``), and the scratch lives on the backend, not the step.
+
+Cascade (``supports_cascade``): when a DECODE step's requests share leading pages
+(``meta.shared_prefix_len``), a layer without a sliding window reads those pages once per KV head for
+the whole batch (``cascade_decode_attention``) and each request's own pages as usual. Cascade steps are
+eager: the engine sets ``shared_prefix_len`` only outside graph replays, and under ``prepare_graph``
+this backend ignores it, so a captured graph always holds the plain path.
 """
 from __future__ import annotations
 
@@ -51,6 +57,7 @@ class _StepPlan:
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
+    supports_cascade = True
 
     def __init__(self, pool: KVPool):
         super().__init__(pool)
@@ -102,29 +109,38 @@ class TritonBackend(AttentionBackend):
 
     def decode(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         plan = self._plan(meta)
+        dec = self._decode_mod
         lid = layer.layer_id
         k_cache, v_cache = self.pool.k(lid), self.pool.v(lid)
-        batch, num_heads = q.shape[0], q.shape[1]
-        v_dim = v_cache.shape[-1]
-        splits = self._num_splits(layer, plan, batch, k_cache.shape[1], q.shape[2], v_dim, k_cache.dtype)
-        partial = lse = None
-        if splits > 1:
-            partial, lse = self._scratch(plan, batch, num_heads, splits, v_dim, q.device)
-        return self._decode_mod.decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-            scale=layer.scale, sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap,
-            num_kv_splits=splits, partial=partial, lse=lse,
-        )
-
-    def _num_splits(self, layer, plan: _StepPlan, batch, num_kv_heads, head_dim, v_dim, dtype) -> int:
+        batch, num_heads, head_dim = q.shape
+        num_kv_heads, v_dim = k_cache.shape[1], v_cache.shape[-1]
+        group = num_heads // num_kv_heads
+        shared = 0 if layer.sliding_window or plan.graph_max_kv_len is not None else meta.shared_prefix_len
         kv_len = plan.graph_max_kv_len or plan.max_seq_len
         if layer.sliding_window:
             kv_len = min(kv_len, layer.sliding_window)
-        block_h = self._decode_mod.decode_launch_config(head_dim, v_dim, layer.num_heads // num_kv_heads, dtype)["BLOCK_H"]
-        return self._decode_mod.choose_num_kv_splits(
-            batch=batch, num_kv_heads=num_kv_heads, group=layer.num_heads // num_kv_heads,
-            max_kv_len=kv_len, num_sms=self._num_sms, block_h=block_h,
+        block_h = dec.decode_launch_config(head_dim, v_dim, group, k_cache.dtype)["BLOCK_H"]
+        splits = dec.choose_num_kv_splits(batch=batch, num_kv_heads=num_kv_heads, group=group,
+                                          max_kv_len=kv_len - shared, num_sms=self._num_sms, block_h=block_h)
+        kw = dict(scale=layer.scale, logit_softcap=layer.logit_softcap)
+        if not shared:
+            partial = lse = None
+            if splits > 1:
+                partial, lse = self._scratch(plan, batch, num_heads, splits, v_dim, q.device)
+            return dec.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                        sliding_window=layer.sliding_window, num_kv_splits=splits,
+                                        partial=partial, lse=lse, **kw)
+        # Stage 2 merges the suffix and shared splits together: their sum stays within its limit.
+        splits = min(splits, dec.MAX_KV_SPLITS - 1)
+        block_m = dec.cascade_launch_config(head_dim, v_dim, batch * group, k_cache.dtype)["BLOCK_M"]
+        shared_splits = dec.choose_num_shared_splits(
+            batch=batch, num_kv_heads=num_kv_heads, group=group, shared_len=shared, num_sms=self._num_sms,
+            block_m=block_m, max_splits=dec.MAX_KV_SPLITS - splits,
         )
+        partial, lse = self._scratch(plan, batch, num_heads, splits + shared_splits, v_dim, q.device)
+        return dec.cascade_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                            shared_len=shared, num_kv_splits=splits,
+                                            num_shared_splits=shared_splits, partial=partial, lse=lse, **kw)
 
     def _scratch(self, plan: _StepPlan, batch, heads, splits, v_dim, device):
         key = (batch, heads, splits, v_dim)

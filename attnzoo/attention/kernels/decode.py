@@ -7,6 +7,12 @@ than once per query head (MLA: 128 query heads on one latent KV head). With one 
 the final output directly; otherwise it writes normalised partial outputs and their log-sum-exp, and
 stage 2 merges the splits. Splitting lets a small batch with a long context still fill the GPU.
 
+Cascade (``cascade_decode_attention``): when every request's first pages are the same pages (a shared
+few-shot prompt), stage 1 covers only each request's keys after them, and ``_cascade_shared`` attends
+the shared keys once per KV head for all (request, query head) rows together, a prefill-like tile of
+rows x keys. Both write split-K partials into one scratch (suffix splits, then shared splits), which
+the unchanged stage 2 merges: the shared pages are read once per block of rows, not once per request.
+
 Every tensor is addressed through its strides: pool views may be strided (MLA values are the first
 channels of the stored key), and q may be a view of a fused projection.
 """
@@ -24,9 +30,11 @@ from attnzoo.attention.kernels.common import (
     dot_args,
     head_dim_tiles,
     launch,
+    next_pow2,
     softcap_fn,
     value_tile,
 )
+from attnzoo.attention.kernels.extend import extend_launch_config
 from attnzoo.errors import BackendError
 
 MAX_KV_SPLITS = 64
@@ -36,15 +44,115 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend(
+    Q, q_rows, row_ok, K, V, bt_row, kvh, lo, hi,
+    stride_qd, stride_kp, stride_kh, stride_kt, stride_kd, stride_vp, stride_vh, stride_vt, stride_vd,
+    sm_scale, softcap,
+    HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    V_FROM_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Running softmax of BLOCK_R query rows (q at Q + q_rows) over the keys [lo, hi) of one KV head,
+    paged through bt_row. -> (acc [BLOCK_DV, BLOCK_R] unnormalised, running max m_i, sum l_i), log2 units."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    # Tiles are keys-major (scores [keys, rows], accumulator [v channels, rows]): both products then
+    # read their register-computed operand (q, p) as the B operand through shared memory. On Hopper,
+    # register-A wgmma is miscompiled by the ptxas that Triton bundles (triton-lang/triton#11781) and
+    # gave wrong attention; this layout never emits it.
+    q_t = tl.load(Q + q_rows[None, :] + offs_d[:, None] * stride_qd,
+                  mask=row_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+    q_t = q_t.to(DOT_DTYPE)  # [BLOCK_D, BLOCK_R]
+    if BLOCK_DR > 0:
+        offs_dr = BLOCK_D + tl.arange(0, BLOCK_DR)
+        qr_t = tl.load(Q + q_rows[None, :] + offs_dr[:, None] * stride_qd, mask=row_ok[None, :], other=0.0)
+        qr_t = qr_t.to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_DV, BLOCK_R], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634  # exp2 instead of exp
+
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = offs_n % PAGE_SIZE
+        k_row = K + page * stride_kp + kvh * stride_kh + slot * stride_kt  # [BLOCK_N] pointers
+        k = tl.load(
+            k_row[:, None] + offs_d[None, :] * stride_kd,
+            mask=n_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+            other=0.0,
+        )
+        k = k.to(DOT_DTYPE)
+        qk = tl.dot(k, q_t, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_R]
+        if BLOCK_DR > 0:
+            kr = tl.load(k_row[:, None] + offs_dr[None, :] * stride_kd, mask=n_ok[:, None], other=0.0)
+            qk += tl.dot(kr.to(DOT_DTYPE), qr_t, input_precision=DOT_PREC)
+        if HAS_SOFTCAP:
+            qk = softcap_fn(qk * sm_scale, softcap) * 1.4426950408889634
+        else:
+            qk = qk * qk_scale
+        qk = tl.where(n_ok[:, None], qk, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, 0))
+        p = tl.exp2(qk - m_new[None, :])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        if V_FROM_K:
+            # The values are the key's first V_DIM channels (MLA latent): reuse the loaded tile.
+            v = k
+        else:
+            v_row = V + page * stride_vp + kvh * stride_vh + slot * stride_vt
+            v = tl.load(
+                v_row[:, None] + offs_dv[None, :] * stride_vd,
+                mask=n_ok[:, None] & (offs_dv[None, :] < V_DIM),
+                other=0.0,
+            )
+        pv = tl.dot(tl.trans(v.to(DOT_DTYPE)), p.to(DOT_DTYPE), input_precision=DOT_PREC)
+        acc = acc * alpha[None, :] + pv  # [BLOCK_DV, BLOCK_R]
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _finish(O, LSE, o_rows, lse_rows, row_ok, acc, m_i, l_i, stride_od,
+            V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, DIRECT: tl.constexpr):
+    """Store the normalised output of each row at O + o_rows; unless DIRECT, also its log2-LSE (-inf
+    for a row that saw no key, so that the merge weighs it 0)."""
+    offs_dv = tl.arange(0, BLOCK_DV)
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[None, :]
+    o_ptrs = O + o_rows[None, :] + offs_dv[:, None] * stride_od
+    o_mask = row_ok[None, :] & (offs_dv[:, None] < V_DIM)
+    if DIRECT:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
+    else:
+        tl.store(o_ptrs, out, mask=o_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(LSE + lse_rows, lse, mask=row_ok)
+
+
+@triton.jit
 def _decode_stage1(
     Q, K, V, BT, SEQ_LENS, O, LSE,
     stride_qb, stride_qh, stride_qd,
     stride_kp, stride_kh, stride_kt, stride_kd,
     stride_vp, stride_vh, stride_vt, stride_vd,
     stride_btb,
-    stride_ob, stride_oh, stride_os, stride_od,  # O: out [b, h, d] (stride_os unused) or partial [b, h, s, d]
+    stride_ob, stride_oh, stride_os, stride_od,  # O: out [b, h, d] (stride_os 0) or partial [b, h, s, d]
     stride_lb, stride_lh, stride_ls,
     sm_scale, softcap, window,
+    kv_skip,  # keys before this are left out (cascade: the shared prefix, attended separately)
     GROUP: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -71,87 +179,75 @@ def _decode_stage1(
     offs_g = hblk * BLOCK_H + tl.arange(0, BLOCK_H)  # index inside the KV head's group
     head_ok = offs_g < GROUP
     heads = kvh * GROUP + offs_g
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-
-    # Tiles are keys-major (scores [keys, heads], accumulator [v channels, heads]): both products then
-    # read their register-computed operand (q, p) as the B operand through shared memory. On Hopper,
-    # register-A wgmma is miscompiled by the ptxas that Triton bundles (triton-lang/triton#11781) and
-    # gave wrong attention; this layout never emits it.
-    q_ptrs = Q + b * stride_qb + heads[None, :] * stride_qh + offs_d[:, None] * stride_qd
-    q_t = tl.load(q_ptrs, mask=head_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
-    q_t = q_t.to(DOT_DTYPE)  # [BLOCK_D, BLOCK_H]
-    if BLOCK_DR > 0:
-        offs_dr = BLOCK_D + tl.arange(0, BLOCK_DR)
-        qr_ptrs = Q + b * stride_qb + heads[None, :] * stride_qh + offs_dr[:, None] * stride_qd
-        qr_t = tl.load(qr_ptrs, mask=head_ok[None, :], other=0.0).to(DOT_DTYPE)
 
     seq_len = tl.load(SEQ_LENS + b)
-    kv_start = 0
+    kv_start = kv_skip
     if HAS_WINDOW:
-        kv_start = tl.maximum(seq_len - window, 0)
+        kv_start = tl.maximum(seq_len - window, kv_start)
     span = seq_len - kv_start
     split_len = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = kv_start + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
 
-    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_DV, BLOCK_H], dtype=tl.float32)
-    qk_scale = sm_scale * 1.4426950408889634  # exp2 instead of exp
-    bt_row = BT + b * stride_btb
+    acc, m_i, l_i = _attend(
+        Q, b * stride_qb + heads * stride_qh, head_ok, K, V, BT + b * stride_btb, kvh, lo, hi,
+        stride_qd, stride_kp, stride_kh, stride_kt, stride_kd, stride_vp, stride_vh, stride_vt, stride_vd,
+        sm_scale, softcap,
+        HEAD_DIM, V_DIM, BLOCK_D, BLOCK_DR, BLOCK_DV, BLOCK_H, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, V_FROM_K,
+        DOT_DTYPE, DOT_PREC,
+    )
+    _finish(O, LSE, b * stride_ob + heads * stride_oh + split * stride_os,
+            b * stride_lb + heads * stride_lh + split * stride_ls, head_ok, acc, m_i, l_i, stride_od,
+            V_DIM, BLOCK_DV, DIRECT)
 
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = offs_n % PAGE_SIZE
-        k_row = K + page * stride_kp + kvh * stride_kh + slot * stride_kt  # [BLOCK_N] pointers
-        k = tl.load(
-            k_row[:, None] + offs_d[None, :] * stride_kd,
-            mask=n_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
-            other=0.0,
-        )
-        k = k.to(DOT_DTYPE)
-        qk = tl.dot(k, q_t, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_H]
-        if BLOCK_DR > 0:
-            kr = tl.load(k_row[:, None] + offs_dr[None, :] * stride_kd, mask=n_ok[:, None], other=0.0)
-            qk += tl.dot(kr.to(DOT_DTYPE), qr_t, input_precision=DOT_PREC)
-        if HAS_SOFTCAP:
-            qk = softcap_fn(qk * sm_scale, softcap) * 1.4426950408889634
-        else:
-            qk = qk * qk_scale
-        qk = tl.where(n_ok[:, None], qk, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(qk, 0))
-        p = tl.exp2(qk - m_new[None, :])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        if V_FROM_K:
-            # The values are the key's first V_DIM channels (MLA latent): reuse the loaded tile.
-            v = k
-        else:
-            v_row = V + page * stride_vp + kvh * stride_vh + slot * stride_vt
-            v = tl.load(
-                v_row[:, None] + offs_dv[None, :] * stride_vd,
-                mask=n_ok[:, None] & (offs_dv[None, :] < V_DIM),
-                other=0.0,
-            )
-        pv = tl.dot(tl.trans(v.to(DOT_DTYPE)), p.to(DOT_DTYPE), input_precision=DOT_PREC)
-        acc = acc * alpha[None, :] + pv  # [BLOCK_DV, BLOCK_H]
-        m_i = m_new
+@triton.jit
+def _cascade_shared(
+    Q, K, V, BT, O, LSE,
+    stride_qb, stride_qh, stride_qd,
+    stride_kp, stride_kh, stride_kt, stride_kd,
+    stride_vp, stride_vh, stride_vt, stride_vd,
+    stride_ob, stride_oh, stride_os, stride_od,  # O: the shared splits' slots of the partial [b, h, s, d]
+    stride_lb, stride_lh, stride_ls,
+    sm_scale, softcap, shared_len, batch,
+    GROUP: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    V_FROM_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    # Rows are (request, query head of this KV head's group) pairs, request-major: every row sees the
+    # same keys [0, shared_len) through request 0's pages, so one K/V tile serves BLOCK_M rows.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    row_ok = rows < batch * GROUP
+    b = rows // GROUP
+    heads = kvh * GROUP + rows % GROUP
 
-    has_keys = l_i > 0.0
-    out = acc / tl.where(has_keys, l_i, 1.0)[None, :]
-    o_mask = head_ok[None, :] & (offs_dv[:, None] < V_DIM)
-    if DIRECT:
-        o_ptrs = O + b * stride_ob + heads[None, :] * stride_oh + offs_dv[:, None] * stride_od
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
-    else:
-        o_ptrs = O + b * stride_ob + heads[None, :] * stride_oh + split * stride_os + offs_dv[:, None] * stride_od
-        tl.store(o_ptrs, out, mask=o_mask)
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(LSE + b * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=head_ok)
+    split_len = tl.cdiv(tl.cdiv(shared_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, shared_len)
+
+    acc, m_i, l_i = _attend(
+        Q, b * stride_qb + heads * stride_qh, row_ok, K, V, BT, kvh, lo, hi,
+        stride_qd, stride_kp, stride_kh, stride_kt, stride_kd, stride_vp, stride_vh, stride_vt, stride_vd,
+        sm_scale, softcap,
+        HEAD_DIM, V_DIM, BLOCK_D, BLOCK_DR, BLOCK_DV, BLOCK_M, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, V_FROM_K,
+        DOT_DTYPE, DOT_PREC,
+    )
+    _finish(O, LSE, b * stride_ob + heads * stride_oh + split * stride_os,
+            b * stride_lb + heads * stride_lh + split * stride_ls, row_ok, acc, m_i, l_i, stride_od,
+            V_DIM, BLOCK_DV, False)
 
 
 @triton.jit
@@ -214,6 +310,112 @@ def choose_num_kv_splits(
     return max(1, min(want, longest, MAX_KV_SPLITS))
 
 
+def choose_num_shared_splits(
+    *, batch: int, num_kv_heads: int, group: int, shared_len: int, num_sms: int, block_m: int,
+    max_splits: int = MAX_KV_SPLITS,
+) -> int:
+    """How many splits of the shared prefix make the cascade's shared pass fill ``num_sms``
+    multiprocessors: it runs ceil(batch * group / block_m) row blocks per KV head (host ints only)."""
+    row_blocks = -(-batch * group // block_m)
+    splits = choose_num_kv_splits(batch=row_blocks, num_kv_heads=num_kv_heads, group=1, block_h=1,
+                                  max_kv_len=shared_len, num_sms=num_sms)
+    return max(1, min(splits, max_splits))
+
+
+def cascade_launch_config(head_dim: int, v_head_dim: int, rows: int, dtype: torch.dtype) -> dict:
+    """Tiles of the cascade's shared pass. Its rows are (request, group head) pairs over the same keys,
+    as extend's are (token, group head) pairs: extend's measured tiles, with BLOCK_M no wider than the
+    rows (batch x group) there are. Not tuned for this kernel on a GPU yet."""
+    cfg = dict(extend_launch_config(head_dim, v_head_dim, dtype))
+    cfg["BLOCK_M"] = min(cfg["BLOCK_M"], max(MIN_TILE, next_pow2(rows)))
+    return cfg
+
+
+def _check(name: str, q, k_cache, v_cache, splits: int) -> None:
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, k_dim = k_cache.shape[1], k_cache.shape[3]
+    if k_dim != head_dim or v_cache.shape[:3] != k_cache.shape[:3]:
+        raise BackendError(
+            f"{name}: q {tuple(q.shape)}, k cache {tuple(k_cache.shape)} and v cache {tuple(v_cache.shape)} disagree",
+            fix="pass the layer's pool views and a query with the layer's head dim",
+        )
+    if num_heads % num_kv_heads:
+        raise BackendError(f"{name}: {num_heads} query heads is not a multiple of {num_kv_heads} KV heads",
+                           fix="check the layer's head counts")
+    if not 1 <= splits <= MAX_KV_SPLITS:
+        raise BackendError(f"{name}: {splits} KV splits outside 1..{MAX_KV_SPLITS}",
+                           fix="choose them with choose_num_kv_splits / choose_num_shared_splits")
+    check_kernel_dtypes(q, k_cache, v_cache)
+
+
+def _v_from_k(k_cache, v_cache) -> bool:
+    # MLA: values are the key's first channels. Reusing the key tile needs the value tile to be exactly
+    # the key's main tile, unpadded.
+    v_dim = v_cache.shape[-1]
+    return (
+        v_cache.data_ptr() == k_cache.data_ptr()
+        and v_cache.stride() == k_cache.stride()
+        and v_dim == head_dim_tiles(k_cache.shape[-1])[0] == value_tile(v_dim)
+    )
+
+
+def _split_scratch(q, v_dim, splits, partial, lse):
+    batch, num_heads = q.shape[:2]
+    if partial is None:
+        partial = torch.empty(batch, num_heads, splits, v_dim, dtype=torch.float32, device=q.device)
+    if lse is None:
+        lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+    if partial.shape != (batch, num_heads, splits, v_dim) or lse.shape != (batch, num_heads, splits):
+        raise BackendError("decode: split-K scratch has the wrong shape",
+                           fix=f"size it [batch, heads, {splits} splits, v_dim] and [batch, heads, {splits}]")
+    return partial, lse
+
+
+def _stage1(q, k_cache, v_cache, block_tables, seq_lens, dest, lse, *, direct, num_kv_splits, scale,
+            sliding_window, logit_softcap, kv_skip, launch_config):
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    v_dim = v_cache.shape[-1]
+    group = num_heads // num_kv_heads
+    bd, bdr = head_dim_tiles(head_dim)
+    cfg = dict(launch_config or decode_launch_config(head_dim, v_dim, group, k_cache.dtype))
+    block_h = cfg.pop("BLOCK_H")
+    head_blocks = -(-group // block_h)
+    if direct:  # stage 1 writes the output itself; no split slot, no lse
+        d_strides, l_strides = (dest.stride(0), dest.stride(1), 0, dest.stride(2)), (0, 0, 0)
+    else:
+        d_strides, l_strides = dest.stride(), lse.stride()
+    launch(
+        _decode_stage1,
+        lambda c: (batch, num_kv_heads * head_blocks, num_kv_splits),
+        (
+            q, k_cache, v_cache, block_tables, seq_lens, dest, lse,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
+            *d_strides, *l_strides,
+            float(scale), float(logit_softcap or 0.0), int(sliding_window or 0), int(kv_skip),
+        ),
+        dict(
+            GROUP=group, HEAD_BLOCKS=head_blocks, NUM_SPLITS=num_kv_splits,
+            HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=value_tile(v_dim), BLOCK_H=block_h,
+            PAGE_SIZE=page_size, HAS_SOFTCAP=bool(logit_softcap), HAS_WINDOW=bool(sliding_window),
+            V_FROM_K=_v_from_k(k_cache, v_cache), DIRECT=direct, **dot_args(k_cache),
+        ),
+        cfg,
+        tile_keys=("BLOCK_N",),
+    )
+
+
+def _stage2(partial, lse, out):
+    splits, v_dim = partial.shape[2:]
+    bdv = value_tile(v_dim)
+    _decode_stage2[out.shape[:2]](
+        partial, lse, out,
+        *partial.stride(), *lse.stride(), *out.stride(),
+        NUM_SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)), V_DIM=v_dim, BLOCK_DV=bdv,
+        num_warps=4 if bdv <= 256 else 8,
+    )
+
+
 def decode_attention(
     q: torch.Tensor,  # [batch, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_pages, num_kv_heads, page_size, head_dim]
@@ -231,77 +433,91 @@ def decode_attention(
     launch_config: dict | None = None,  # override decode_launch_config (benchmarks and tuning)
 ) -> torch.Tensor:  # [batch, num_heads, v_head_dim]
     """Attention of each request's one new token over its cached keys (all on q's device, no host sync)."""
-    batch, num_heads, head_dim = q.shape
-    num_pages, num_kv_heads, page_size, k_dim = k_cache.shape
-    v_dim = v_cache.shape[-1]
-    if k_dim != head_dim or v_cache.shape[:3] != k_cache.shape[:3]:
-        raise BackendError(
-            f"decode: q {tuple(q.shape)}, k cache {tuple(k_cache.shape)} and v cache {tuple(v_cache.shape)} disagree",
-            fix="pass the layer's pool views and a query with the layer's head dim",
-        )
-    if num_heads % num_kv_heads:
-        raise BackendError(f"decode: {num_heads} query heads is not a multiple of {num_kv_heads} KV heads",
-                           fix="check the layer's head counts")
-    if not 1 <= num_kv_splits <= MAX_KV_SPLITS:
-        raise BackendError(f"decode: num_kv_splits {num_kv_splits} outside 1..{MAX_KV_SPLITS}",
-                           fix="choose it with choose_num_kv_splits")
-    check_kernel_dtypes(q, k_cache, v_cache)
-    group = num_heads // num_kv_heads
-    bd, bdr = head_dim_tiles(head_dim)
-    bdv = value_tile(v_dim)
-    cfg = dict(launch_config or decode_launch_config(head_dim, v_dim, group, k_cache.dtype))
-    block_h = cfg.pop("BLOCK_H")
-    head_blocks = -(-group // block_h)
-    # MLA: values are the key's first channels. Reusing the key tile needs the value tile to be exactly
-    # the key's main tile, unpadded.
-    v_from_k = (
-        v_cache.data_ptr() == k_cache.data_ptr()
-        and v_cache.stride() == k_cache.stride()
-        and v_dim == bd == bdv
-    )
+    _check("decode", q, k_cache, v_cache, num_kv_splits)
+    batch, num_heads = q.shape[:2]
     if out is None:
-        out = torch.empty(batch, num_heads, v_dim, dtype=q.dtype, device=q.device)
+        out = torch.empty(batch, num_heads, v_cache.shape[-1], dtype=q.dtype, device=q.device)
     direct = num_kv_splits == 1
     if direct:
-        dest, lse_t = out, out  # lse is not written when DIRECT
-        d_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
-        l_strides = (0, 0, 0)
+        dest = lse = out  # lse is not written when DIRECT
     else:
-        if partial is None:
-            partial = torch.empty(batch, num_heads, num_kv_splits, v_dim, dtype=torch.float32, device=q.device)
-        if lse is None:
-            lse = torch.empty(batch, num_heads, num_kv_splits, dtype=torch.float32, device=q.device)
-        if partial.shape[:3] != (batch, num_heads, num_kv_splits) or lse.shape != (batch, num_heads, num_kv_splits):
-            raise BackendError("decode: split-K scratch has the wrong shape", fix="size it [batch, heads, splits, v_dim]")
-        dest, lse_t = partial, lse
-        d_strides = partial.stride()
-        l_strides = lse.stride()
+        dest, lse = _split_scratch(q, v_cache.shape[-1], num_kv_splits, partial, lse)
     if batch == 0:
         return out
+    _stage1(q, k_cache, v_cache, block_tables, seq_lens, dest, lse, direct=direct, num_kv_splits=num_kv_splits,
+            scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap, kv_skip=0,
+            launch_config=launch_config)
+    if not direct:
+        _stage2(dest, lse, out)
+    return out
+
+
+def cascade_decode_attention(
+    q: torch.Tensor,  # [batch, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_pages, num_kv_heads, page_size, head_dim]
+    v_cache: torch.Tensor,  # [num_pages, num_kv_heads, page_size, v_head_dim] (may be a view of k_cache)
+    block_tables: torch.Tensor,  # [batch, max_pages] int32; the first shared_len / page_size columns equal
+    seq_lens: torch.Tensor,  # [batch] int32: keys per request, including this step's token; each > shared_len
+    *,
+    shared_len: int,  # leading keys every request reads from the same pages (block_tables[0]), whole pages
+    scale: float,
+    logit_softcap: float | None = None,
+    num_kv_splits: int = 1,  # splits of each request's own keys [shared_len, seq_len)
+    num_shared_splits: int = 1,  # splits of the shared keys [0, shared_len)
+    out: torch.Tensor | None = None,  # [batch, num_heads, v_head_dim], q's dtype
+    partial: torch.Tensor | None = None,  # [batch, num_heads, num_kv_splits + num_shared_splits, v_head_dim] float32
+    lse: torch.Tensor | None = None,  # [batch, num_heads, num_kv_splits + num_shared_splits] float32
+    launch_config: dict | None = None,  # override cascade_launch_config for the shared pass
+) -> torch.Tensor:  # [batch, num_heads, v_head_dim]
+    """``decode_attention`` (no sliding window) for a batch whose requests share a prefix of pages, reading
+    the shared pages once per KV head and block of rows instead of once per request.
+
+    Stage 1 attends each request to its own keys after the prefix, into split slots [0, num_kv_splits);
+    the shared pass attends all (request, query head) rows of a KV head to the prefix together, into the
+    slots after them; stage 2 merges every slot by log-sum-exp. Precondition, not checked (it would
+    sync): every request has a key beyond the prefix (its new token), as ``metadata.shared_prefix_pages``
+    guarantees.
+    """
+    splits = num_kv_splits + num_shared_splits
+    _check("cascade decode", q, k_cache, v_cache, splits)
+    if num_kv_splits < 1 or num_shared_splits < 1:
+        raise BackendError("cascade decode: each part needs at least one split", fix="pass splits >= 1")
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    v_dim = v_cache.shape[-1]
+    if shared_len <= 0 or shared_len % page_size or shared_len // page_size > block_tables.shape[1]:
+        raise BackendError(
+            f"cascade decode: shared_len {shared_len} is not a positive number of whole pages of "
+            f"{page_size} within the block table ({block_tables.shape[1]} pages)",
+            fix="use metadata.shared_prefix_len, and decode_attention when it is 0",
+        )
+    if out is None:
+        out = torch.empty(batch, num_heads, v_dim, dtype=q.dtype, device=q.device)
+    partial, lse = _split_scratch(q, v_dim, splits, partial, lse)
+    if batch == 0:
+        return out
+    _stage1(q, k_cache, v_cache, block_tables, seq_lens, partial, lse, direct=False, num_kv_splits=num_kv_splits,
+            scale=scale, sliding_window=None, logit_softcap=logit_softcap, kv_skip=shared_len, launch_config=None)
+
+    group = num_heads // num_kv_heads
+    bd, bdr = head_dim_tiles(head_dim)
+    cfg = dict(launch_config or cascade_launch_config(head_dim, v_dim, batch * group, k_cache.dtype))
+    shared_out, shared_lse = partial[:, :, num_kv_splits:], lse[:, :, num_kv_splits:]
     launch(
-        _decode_stage1,
-        lambda c: (batch, num_kv_heads * head_blocks, num_kv_splits),
+        _cascade_shared,
+        lambda c: (-(-batch * group // c["BLOCK_M"]), num_kv_heads, num_shared_splits),
         (
-            q, k_cache, v_cache, block_tables, seq_lens, dest, lse_t,
-            *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
-            *d_strides, *l_strides,
-            float(scale), float(logit_softcap or 0.0), int(sliding_window or 0),
+            q, k_cache, v_cache, block_tables, shared_out, shared_lse,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *shared_out.stride(), *shared_lse.stride(),
+            float(scale), float(logit_softcap or 0.0), int(shared_len), batch,
         ),
         dict(
-            GROUP=group, HEAD_BLOCKS=head_blocks, NUM_SPLITS=num_kv_splits,
-            HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=bdv, BLOCK_H=block_h,
-            PAGE_SIZE=page_size, HAS_SOFTCAP=bool(logit_softcap), HAS_WINDOW=bool(sliding_window),
-            V_FROM_K=v_from_k, DIRECT=direct, **dot_args(k_cache),
+            GROUP=group, NUM_SPLITS=num_shared_splits, HEAD_DIM=head_dim, V_DIM=v_dim,
+            BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=value_tile(v_dim), PAGE_SIZE=page_size,
+            HAS_SOFTCAP=bool(logit_softcap), V_FROM_K=_v_from_k(k_cache, v_cache), **dot_args(k_cache),
         ),
         cfg,
-        tile_keys=("BLOCK_N",),
+        tile_keys=("BLOCK_M", "BLOCK_N"),
     )
-    if not direct:
-        _decode_stage2[(batch, num_heads)](
-            partial, lse, out,
-            *partial.stride(), *lse.stride(), *out.stride(),
-            NUM_SPLITS=num_kv_splits, BLOCK_S=max(2, 1 << (num_kv_splits - 1).bit_length()),
-            V_DIM=v_dim, BLOCK_DV=bdv,
-            num_warps=4 if bdv <= 256 else 8,
-        )
+    _stage2(partial, lse, out)
     return out

@@ -1,0 +1,187 @@
+"""Cascade decode (a prefix shared by the whole batch read once) against plain decode and the torch reference.
+
+As in test_triton_kernels.py: fresh random inputs per run (the seed is in each failure message), a pool
+filled with NaN except the tokens some request owns, outputs poisoned with NaN before the call. The
+shared prefix sits in the same pages at the start of every request's table; each request owns its
+pages after it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnzoo.attention.backends.torch_ref import TorchBackend, attention_reference
+from attnzoo.attention.kernels import decode as dec
+from attnzoo.attention.kernels.decode import cascade_decode_attention, choose_num_shared_splits, decode_attention
+from attnzoo.attention.kv_cache import KVPool, PageAllocator
+from attnzoo.attention.layer import Attention, ForwardContext
+from attnzoo.attention.metadata import build_metadata
+from attnzoo.errors import BackendError
+from test_triton_kernels import DEVICE, TOL, fresh_seed, rel_err
+
+
+class SharedPagedKV:
+    """``shared_len`` keys in pages every request's table starts with, then each request's own keys."""
+
+    def __init__(self, shared_len, suffix_lens, *, kv_heads, head_dim, v_dim, page_size, dtype, mla, gen):
+        ps = page_size
+        n_shared = shared_len // ps
+        own = [-(-n // ps) for n in suffix_lens]
+        num_pages = 1 + n_shared + sum(own) + 1  # page 0 (padding) and one page nobody owns
+        self.k_cache = torch.full((num_pages, kv_heads, ps, head_dim), float("nan"), dtype=dtype)
+        self.v_cache = (self.k_cache[..., :v_dim] if mla else
+                        torch.full((num_pages, kv_heads, ps, v_dim), float("nan"), dtype=dtype))
+        order = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+        shared_pages, order = order[:n_shared], order[n_shared:]
+        self.block_tables = torch.zeros(len(suffix_lens), n_shared + max(own) + 1, dtype=torch.int32)
+
+        def fill(pages, n):  # -> k, v of n new tokens written into pages
+            k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+            v = k[..., :v_dim] if mla else torch.randn(n, kv_heads, v_dim, generator=gen).to(dtype)
+            pos = torch.arange(n)
+            ids = torch.tensor(pages, dtype=torch.long)[pos // ps]
+            self.k_cache[ids, :, pos % ps] = k
+            if not mla:
+                self.v_cache[ids, :, pos % ps] = v
+            return k, v
+
+        k0, v0 = fill(shared_pages, shared_len)
+        self.k, self.v = [], []
+        for i, n in enumerate(suffix_lens):
+            mine, order = order[: own[i]], order[own[i]:]
+            self.block_tables[i, : n_shared + own[i]] = torch.tensor(shared_pages + mine, dtype=torch.int32)
+            k, v = fill(mine, n)
+            self.k.append(torch.cat([k0, k]).to(DEVICE))
+            self.v.append(torch.cat([v0, v]).to(DEVICE))
+        self.k_cache, self.block_tables = self.k_cache.to(DEVICE), self.block_tables.to(DEVICE)
+        self.v_cache = self.k_cache[..., :v_dim] if mla else self.v_cache.to(DEVICE)
+        self.seq_lens = torch.tensor([shared_len + n for n in suffix_lens], dtype=torch.int32, device=DEVICE)
+
+
+# name -> (shared_len, suffix_lens, heads, kv_heads, head_dim, v_dim, page_size, softcap, splits,
+#          shared_splits, dtype, mla, shared-pass launch config)
+# Suffix length 1: the request has only the page being written beyond the prefix.
+SMALL_TILES = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+CASES = {
+    "mha-d64-ps16": (32, [1, 17, 5], 4, 4, 64, 64, 16, None, 1, 1, torch.bfloat16, False, None),
+    "gqa4-d128-ps16-softcap-splits": (48, [1, 20, 16], 8, 2, 128, 128, 16, 30.0, 2, 3, torch.bfloat16, False, None),
+    "gqa4-d64-ps1-splits": (37, [1, 3], 8, 2, 64, 64, 1, None, 2, 3, torch.bfloat16, False, None),
+    # 5 requests x 4 heads = 20 rows: two row blocks of 16, one straddling requests
+    "gqa4-d64-rowblocks-fp16-softcap": (32, [1, 2, 9, 16, 4], 8, 2, 64, 64, 16, 20.0, 1, 2, torch.float16,
+                                        False, SMALL_TILES),
+    "gqa1-d40-v24-ps16": (16, [1, 30], 4, 4, 40, 24, 16, None, 2, 1, torch.bfloat16, False, None),
+    # MLA-like: values are a view of the keys' first 64 channels; 80 = 64 + 16 exercises BLOCK_DR
+    "mla-80-64-ps16": (32, [2, 10, 1], 16, 1, 80, 64, 16, None, 2, 2, torch.bfloat16, True, None),
+    "fp32-gqa4-d64-ps16": (32, [1, 7], 8, 2, 64, 64, 16, None, 1, 2, torch.float32, False, None),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_cascade_matches_plain_decode_and_reference(case):
+    shared_len, suffix, heads, kv_heads, d, dv, ps, cap, splits, shared_splits, dtype, mla, cfg = CASES[case]
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    kv = SharedPagedKV(shared_len, suffix, kv_heads=kv_heads, head_dim=d, v_dim=dv, page_size=ps, dtype=dtype,
+                       mla=mla, gen=gen)
+    batch = len(suffix)
+    q = torch.randn(batch, heads, d, generator=gen).to(dtype).to(DEVICE)
+    scale = 0.7 * d**-0.5
+    out = torch.full((batch, heads, dv), float("nan"), dtype=dtype, device=DEVICE)
+    cascade_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, shared_len=shared_len,
+                             scale=scale, logit_softcap=cap, num_kv_splits=splits, num_shared_splits=shared_splits,
+                             out=out, launch_config=cfg)
+    plain = decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale=scale,
+                             logit_softcap=cap, num_kv_splits=2)
+    assert not out.isnan().any(), f"NaN (seed {seed})"
+    assert rel_err(out, plain) <= TOL[dtype], f"cascade vs plain: {rel_err(out, plain):.2e} (seed {seed})"
+    for i in range(batch):
+        s = shared_len + suffix[i]
+        ref = attention_reference(q[i : i + 1], kv.k[i], kv.v[i], torch.tensor([s - 1]), scale=scale,
+                                  logit_softcap=cap)
+        err = rel_err(out[i : i + 1], ref)
+        assert err <= TOL[dtype], f"request {i} (len {s}): relative error {err:.2e} (seed {seed})"
+
+
+def test_cascade_rejects_what_it_cannot_run():
+    gen = torch.Generator().manual_seed(0)
+    kv = SharedPagedKV(32, [1, 2], kv_heads=2, head_dim=64, v_dim=64, page_size=16, dtype=torch.float32,
+                       mla=False, gen=gen)
+    q = torch.randn(2, 4, 64, device=DEVICE)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
+    for bad in (0, 8, 16 * 99):  # none, part of a page, beyond the table: decode_attention's job or a bug
+        with pytest.raises(BackendError, match="whole pages"):
+            cascade_decode_attention(*args, shared_len=bad, scale=1.0)
+    with pytest.raises(BackendError, match="splits"):
+        cascade_decode_attention(*args, shared_len=32, scale=1.0, num_kv_splits=40, num_shared_splits=40)
+    with pytest.raises(BackendError, match="scratch"):
+        cascade_decode_attention(*args, shared_len=32, scale=1.0, num_shared_splits=2,
+                                 partial=torch.empty(2, 4, 2, 64), lse=torch.empty(2, 4, 2))
+
+
+def test_shared_split_count_fills_the_gpu_within_limits():
+    # few rows: split the prefix; many rows: do not; never more than the merge can take with the suffix's
+    assert choose_num_shared_splits(batch=4, num_kv_heads=8, group=4, shared_len=4096, num_sms=132, block_m=64) > 1
+    assert choose_num_shared_splits(batch=256, num_kv_heads=8, group=4, shared_len=4096, num_sms=132,
+                                    block_m=16) == 1
+    assert choose_num_shared_splits(batch=2, num_kv_heads=1, group=1, shared_len=1 << 20, num_sms=132,
+                                    block_m=16, max_splits=5) == 5
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_backend_cascade_through_attention_layer(page_size, monkeypatch):
+    from attnzoo.attention.backends.triton import TritonBackend
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16
+    layers = [
+        Attention(0, 8, 2, 64, logit_softcap=25.0),
+        Attention(1, 4, 4, 40, v_head_dim=24, scale=0.3),
+        Attention(2, 16, 1, 48, v_head_dim=32, kind="mla"),  # latent 32 + rope 16
+        Attention(3, 8, 2, 64, sliding_window=12),  # a window: the plain path
+    ]
+    pools = [KVPool([layer.kv_cache_spec() for layer in layers], num_pages=96 // page_size + 8,
+                    page_size=page_size, dtype=dtype, device=DEVICE) for _ in range(2)]
+    pools[0].buffer.view(dtype).copy_(torch.randn(pools[0].buffer.view(dtype).shape, generator=gen))
+    pools[1].buffer.copy_(pools[0].buffer)
+    backends = [TorchBackend(pools[0]), TritonBackend(pools[1])]
+    assert TritonBackend.supports_cascade
+
+    alloc = PageAllocator(pools[0].num_pages)
+    shared = alloc.alloc(32 // page_size)
+    # request 2 shares one more page with request 0 than request 1 does: the step shares 32 tokens
+    tail0 = alloc.alloc(16 // page_size)
+    tables = [shared + tail0 + alloc.alloc(1), shared + alloc.alloc(1), shared + tail0 + alloc.alloc(2)]
+    prefix_lens = [32 + 16, 32, 32 + 16 + 1]
+    metas = [build_metadata(prefix_lens=prefix_lens, q_lens=[1, 1, 1], block_tables=tables, page_size=page_size,
+                            device=DEVICE, detect_shared_prefix=True) for _ in backends]
+    assert metas[1].shared_prefix_len == 32
+    for be, meta in zip(backends, metas):
+        be.prepare(meta)
+
+    calls = []
+    real = dec.cascade_decode_attention
+
+    def spy(*args, **kw):
+        calls.append(kw["shared_len"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(dec, "cascade_decode_attention", spy)
+    for layer in layers:
+        q = torch.randn(3, layer.num_heads, layer.head_dim, generator=gen).to(dtype).to(DEVICE)
+        k = torch.randn(3, layer.num_kv_heads, layer.head_dim, generator=gen).to(dtype).to(DEVICE)
+        v = None if layer.kind == "mla" else torch.randn(
+            3, layer.num_kv_heads, layer.v_head_dim, generator=gen).to(dtype).to(DEVICE)
+        ref, out = (layer(q, k, v, ForwardContext(meta, pool, be, be))
+                    for be, meta, pool in zip(backends, metas, pools))
+        assert not out.isnan().any(), f"layer {layer.layer_id}: NaN (seed {seed})"
+        err = rel_err(out, ref)
+        assert err <= 1e-2, f"layer {layer.layer_id}: rel err {err:.2e} (seed {seed})"
+    assert calls == [32, 32, 32], "layers without a window run cascade, the windowed one does not"
+
+    # A step prepared for a CUDA graph keeps the plain path: cascade steps are eager.
+    backends[1].init_graph_state(3, max(len(t) for t in tables))
+    backends[1].prepare_graph(metas[1], capturing=True)
+    q = torch.randn(3, 8, 64, generator=gen).to(dtype).to(DEVICE)
+    err = rel_err(backends[1].decode(layers[0], q, metas[1]), backends[0].decode(layers[0], q, metas[0]))
+    assert err <= 1e-2 and len(calls) == 3, f"rel err {err:.2e}, {len(calls)} cascade calls (seed {seed})"
