@@ -30,7 +30,7 @@ _workspaces: dict[tuple[str, str], torch.Tensor] = {}
 def load_flashinfer(backend_name: str) -> SimpleNamespace:
     """The FlashInfer entry points the adapters call, or a BackendError naming the extra."""
     try:
-        from flashinfer import decode, mla, prefill
+        from flashinfer import cascade, decode, mla, prefill
     except (ImportError, OSError, RuntimeError) as e:  # not installed, or a native dependency fails to load
         raise BackendError(
             f"the {backend_name!r} attention backend needs FlashInfer, which cannot be imported "
@@ -44,6 +44,7 @@ def load_flashinfer(backend_name: str) -> SimpleNamespace:
         trtllm_batch_context_with_kv_cache=prefill.trtllm_batch_context_with_kv_cache,
         BatchMLAPagedAttentionWrapper=mla.BatchMLAPagedAttentionWrapper,
         MLAPlanMetadata=mla.MLAPlanMetadata,
+        merge_state=cascade.merge_state,
         trtllm_batch_decode_with_kv_cache_mla=mla.trtllm_batch_decode_with_kv_cache_mla,
     )
 
