@@ -7,6 +7,11 @@ peak memory, the ratio to transformers (batched ``generate``, measured on a subs
 and the ratio to a roofline estimate of the same schedule (per step: weights + KV bytes read over the
 measured copy bandwidth, or FLOPs over the measured matmul rate, whichever is larger).
 
+Backends with a cascade path run twice (``--cascade both``): plain, every request reading its own copy
+of the shared few-shot prefix, and cascade, the prefix read once per decode step. Each run's roofline
+counts the KV bytes its own path must read (``roofline_fraction``); ``roofline_plain_s`` is the plain
+path's estimate for the same schedule, so cascade runs can be set against what plain reading allows.
+
     python benchmarks/e2e.py --out benchmarks/results/e2e_h100 [--backends triton,flashinfer] [--quick]
 """
 from __future__ import annotations
@@ -42,10 +47,12 @@ def device_limits() -> dict:
 
 
 def roofline_seconds(steps: list[dict], *, weight_bytes: int, params: int, kv_bytes_per_token: int,
-                     layers: int, q_heads: int, head_dim: int, limits: dict) -> float:
+                     layers: int, q_heads: int, head_dim: int, limits: dict, shared_once: bool = True) -> float:
+    """``shared_once``: a step's shared prefix (``shared_prefix_len``, cascade steps) is read once, not per request."""
     total = 0.0
     for s in steps:
-        bytes_moved = weight_bytes + s["kv_tokens"] * kv_bytes_per_token
+        kv_tokens = s["kv_tokens"] - (s["shared_prefix_len"] * (s["num_reqs"] - 1) if shared_once else 0)
+        bytes_moved = weight_bytes + kv_tokens * kv_bytes_per_token
         flops = 2 * params * s["new_tokens"] + 4 * layers * q_heads * head_dim * s["attn_pairs"]
         total += max(bytes_moved / limits["copy_bytes_per_s"], flops / limits["matmul_flops_per_s"])
     return total
@@ -77,15 +84,19 @@ def run_transformers(config, prompts, new_tokens, batch_size) -> dict:
             "output_tokens": out_tokens, "wall_s": wall, "output_tok_per_s": out_tokens / wall, "peak_mem_gib": peak / 2**30}
 
 
-def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits) -> dict:
+def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, cascade: bool | None) -> dict:
     import attnzoo
 
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     llm = attnzoo.load_model(config, load_format="random", backend=backend, dtype="bfloat16", device="cuda",
-                             max_running=max_running)
-    llm.generate([prompts[0]], max_new_tokens=4, ignore_eos=True)  # warm-up: kernels compile here
+                             max_running=max_running, cascade=cascade)
+    # Warm-up: kernels compile here, the cascade ones too (two requests sharing the prefix).
+    threshold, llm.engine.cascade_min_saved_tokens = llm.engine.cascade_min_saved_tokens, 1
+    llm.generate(prompts[:2], max_new_tokens=4, ignore_eos=True)
+    llm.engine.cascade_min_saved_tokens = threshold
+    llm.engine.graph_stats = dict.fromkeys(llm.engine.graph_stats, 0)
     llm.engine.step_log = []
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -96,19 +107,24 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits) -> di
     assert len(outs) == len(prompts) and all(len(o.token_ids) == new_tokens for o in outs)
     params = sum(p.numel() for p in llm.model.parameters())
     info = llm.info()
-    roof = roofline_seconds(
-        llm.engine.step_log, weight_bytes=params * 2, params=params, kv_bytes_per_token=info["kv_bytes_per_token"],
-        layers=config.num_hidden_layers, q_heads=config.num_attention_heads, head_dim=config.head_dim, limits=limits,
-    )
+    shape = dict(weight_bytes=params * 2, params=params, kv_bytes_per_token=info["kv_bytes_per_token"],
+                 layers=config.num_hidden_layers, q_heads=config.num_attention_heads, head_dim=config.head_dim,
+                 limits=limits)
+    roof = roofline_seconds(llm.engine.step_log, **shape)
+    roof_plain = roofline_seconds(llm.engine.step_log, shared_once=False, **shape)
     ttft = [o.time_to_first_token for o in outs]
     tpot = [(o.latency - o.time_to_first_token) / (len(o.token_ids) - 1) for o in outs]
     res = {
-        "backend": f"attnzoo prefill={info['prefill_backend']} decode={info['decode_backend']}",
+        "backend": f"attnzoo prefill={info['prefill_backend']} decode={info['decode_backend']}"
+                   + (" cascade" if llm.engine.cascade else ""),
+        "cascade": info["cascade"], "cascade_steps": llm.engine.graph_stats["cascade"],
+        "graph_steps": llm.engine.graph_stats["replayed"],
         "page_size": info["page_size"], "prompts": len(prompts), "output_tokens": n_out, "wall_s": wall,
         "output_tok_per_s": n_out / wall, "ttft_mean_s": statistics.mean(ttft), "ttft_p50_s": statistics.median(ttft),
         "tpot_mean_ms": 1e3 * statistics.mean(tpot), "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "steps": len(llm.engine.step_log), "max_running": max_running,
         "kv_cache_tokens": info["kv_cache_tokens"], "roofline_s": roof, "roofline_fraction": roof / wall,
+        "roofline_plain_s": roof_plain,
         "prefix_cache_pages": len(llm.engine.prefix_cache) if llm.engine.prefix_cache is not None else 0,
     }
     del llm
@@ -126,6 +142,10 @@ def main():
     ap.add_argument("--max-running", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=None, help="reduce depth (default: the full 32)")
     ap.add_argument("--quick", action="store_true", help="200 prompts, 64 HF prompts")
+    ap.add_argument("--cascade", choices=("both", "on", "off"), default="both",
+                    help="backends with a cascade path: run plain and cascade (both), or one of them")
+    ap.add_argument("--hf-baseline", default=None, metavar="JSON",
+                    help="reuse the transformers result of an earlier run (its JSON) instead of measuring it")
     args = ap.parse_args()
     from transformers import LlamaConfig
 
@@ -143,14 +163,24 @@ def main():
     print(f"device {torch.cuda.get_device_name()}: copy {limits['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 matmul {limits['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     results = []
-    hf = run_transformers(config, prompts[: args.hf_prompts], args.new_tokens, args.hf_batch)
+    if args.hf_baseline:
+        hf = next(r for r in json.loads(Path(args.hf_baseline).read_text())["results"] if r["backend"].startswith("transformers"))
+        hf["reused_from"] = args.hf_baseline
+    else:
+        hf = run_transformers(config, prompts[: args.hf_prompts], args.new_tokens, args.hf_batch)
     print(json.dumps(hf), flush=True)
     results.append(hf)
+    from attnzoo.attention.backends import get_backend_class
+
     for b in args.backends.split(","):
-        r = run_attnzoo(config, prompts, args.new_tokens, b, args.max_running, limits)
-        r["vs_transformers"] = r["output_tok_per_s"] / hf["output_tok_per_s"]
-        print(json.dumps(r), flush=True)
-        results.append(r)
+        modes = [None]
+        if get_backend_class(b).supports_cascade:
+            modes = {"both": [False, True], "on": [True], "off": [False]}[args.cascade]
+        for cascade in modes:
+            r = run_attnzoo(config, prompts, args.new_tokens, b, args.max_running, limits, cascade)
+            r["vs_transformers"] = r["output_tok_per_s"] / hf["output_tok_per_s"]
+            print(json.dumps(r), flush=True)
+            results.append(r)
 
     meta = {"device": torch.cuda.get_device_name(), **versions(), "model": "Llama-3.1-8B-shaped, random bf16 weights", "config": cfg,
             "workload": f"{len(prompts)} GSM8K 8-shot prompts ({len(data['prefix'])}-token shared prefix), "
@@ -159,11 +189,14 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 
-    print(f"\n{'engine':58s} {'tok/s':>9s} {'x HF':>6s} {'TTFT s':>7s} {'TPOT ms':>8s} {'peak GiB':>8s} {'roofline':>8s}")
+    print(f"\n{'engine':58s} {'tok/s':>9s} {'x HF':>6s} {'TTFT s':>7s} {'TPOT ms':>8s} {'peak GiB':>8s} "
+          f"{'roofline':>8s} {'plain roof':>10s}")
+    nan = float("nan")
     for r in results:
+        plain = r["roofline_plain_s"] / r["wall_s"] if "roofline_plain_s" in r else nan
         print(f"{r['backend'][:58]:58s} {r['output_tok_per_s']:9.0f} {r.get('vs_transformers', 1.0):6.2f} "
-              f"{r.get('ttft_mean_s', float('nan')):7.2f} {r.get('tpot_mean_ms', float('nan')):8.1f} "
-              f"{r['peak_mem_gib']:8.1f} {r.get('roofline_fraction', float('nan')):8.2f}")
+              f"{r.get('ttft_mean_s', nan):7.2f} {r.get('tpot_mean_ms', nan):8.1f} "
+              f"{r['peak_mem_gib']:8.1f} {r.get('roofline_fraction', nan):8.2f} {plain:10.2f}")
     try:
         import matplotlib
 

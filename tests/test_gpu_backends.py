@@ -123,9 +123,12 @@ def check(name, case, page_size, mode, batch, **backend_kw):
     backend = get_backend_class(name)(pool, **backend_kw)
     out = run_backend(backend, layer, meta, q)
     assert_close(out, reference(layer, pool, meta, q))
-    # A second step reuses the planned signature from prepare(); it must give the same answer.
+    # A second step re-plans the signature in prepare(); it must give the same answer. Not bitwise:
+    # FlashInfer's CUDA-core decode for head dim 512 at page size 1 differed by one bf16 rounding
+    # (2e-3 max) after a re-plan on an H200, while a stale or mismatched plan is off by O(1).
     out2 = run_backend(backend, layer, meta, q)
-    assert torch.equal(out, out2)
+    diff = ((out.float() - out2.float()).norm() / out.float().norm()).item()
+    assert diff <= 1e-3, f"a re-planned step differs from the first by {diff:.3e} (relative)"
 
 
 MODES = {"decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND}

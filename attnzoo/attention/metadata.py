@@ -10,9 +10,11 @@ Tokens of all requests are packed into one flat batch: request i owns rows
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -101,8 +103,7 @@ def build_metadata(
     indptr = [0]
     for q in q_lens:
         indptr.append(indptr[-1] + q)
-    width = max(len(bt) for bt in block_tables)
-    table = torch.tensor([bt + [0] * (width - len(bt)) for bt in block_tables], dtype=torch.int32)
+    table = _padded_table(block_tables)
 
     def dev(x, dtype):
         return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
@@ -125,6 +126,16 @@ def build_metadata(
         last_token_rows=dev([e - 1 for e in indptr[1:]], torch.int64),
         shared_prefix_len=shared,
     )
+
+
+def _padded_table(block_tables: list[list[int]]) -> torch.Tensor:
+    """[num_reqs, max_pages] int32, padded with page 0. Filled through one flat numpy pass: a nested
+    ``torch.tensor`` took 8 ms per step at 1024 requests x 72 pages, on the host, with the GPU idle."""
+    lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+    table = np.zeros((len(block_tables), int(lens.max())), dtype=np.int32)
+    table[np.arange(table.shape[1]) < lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(lens.sum()))
+    return torch.from_numpy(table)
 
 
 def shared_prefix_pages(block_tables: list[list[int]], seq_lens: list[int], page_size: int) -> int:
