@@ -27,11 +27,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight is not None:
-            xf = xf * (self.offset + self.weight.float())
-        return xf.to(x.dtype)
+        # torch's rms_norm is one fused kernel on CUDA; spelled out in elementwise ops, the norms were
+        # a third of a batch-1024 decode step's non-GEMM kernels.
+        w = None if self.weight is None else self.weight.float() + self.offset
+        return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
