@@ -168,3 +168,47 @@ def test_logits_evict_cached_prefix_pages_when_short(tiny_dir):
 def test_invalid_engine_settings_are_named(tiny_dir, kw):
     with pytest.raises(ModelLoadError, match=f"{next(iter(kw))} must be a positive integer"):
         attnzoo.load_model(tiny_dir, **kw)
+
+
+def test_shared_prefix_pages_of_a_decode_batch():
+    from attnzoo.attention.metadata import build_metadata, shared_prefix_pages
+
+    # Pages 1, 2 shared by all; request 1 diverges at its third page; the page being written never counts.
+    tables = [[1, 2, 3, 4], [1, 2, 5, 6], [1, 2, 3, 7]]
+    assert shared_prefix_pages(tables, [60, 60, 60], 16) == 2
+    assert shared_prefix_pages([[1, 2, 3, 4], [1, 2, 3, 9]], [60, 60], 16) == 3
+    assert shared_prefix_pages([[1, 2, 3, 4], [1, 2, 3, 9]], [60, 33], 16) == 2  # 33 tokens: page 3 is being written
+    assert shared_prefix_pages([[1, 2, 3]], [40], 16) == 0  # one request shares with nobody
+    assert shared_prefix_pages([[8, 2], [1, 2]], [30, 30], 16) == 0  # a shared page after a different one is not a prefix
+    meta = build_metadata(prefix_lens=[59, 59, 59], q_lens=[1, 1, 1], block_tables=tables, page_size=16,
+                          device="cpu", detect_shared_prefix=True)
+    assert meta.shared_prefix_len == 32
+    extend = build_metadata(prefix_lens=[40, 40], q_lens=[3, 1], block_tables=tables[:2], page_size=16,
+                            device="cpu", detect_shared_prefix=True)
+    assert extend.shared_prefix_len == 0  # cascade is a decode-step feature
+
+
+def test_cascade_is_explained_and_refused_where_it_cannot_run(tiny_dir):
+    llm = attnzoo.load_model(tiny_dir, backend="torch", dtype="float32")
+    assert llm.info()["cascade"].startswith("off: decode backend 'torch' has no cascade path")
+    with pytest.raises(attnzoo.errors.BackendError, match="cascade attention needs prefix caching") as e:
+        attnzoo.load_model(tiny_dir, backend="torch", dtype="float32", cascade=True)
+    assert "Fix:" in str(e.value)
+
+
+def test_cascade_decode_through_the_engine_matches_plain(tiny_dir):
+    """Triton (interpreter on CPU) with the shared prompt prefix read once per decode step: the torch
+    backend's greedy tokens, and the step log says which steps read a shared prefix."""
+    prefix = random_prompts(160, [20], seed=3)[0]
+    prompts = [prefix + p for p in random_prompts(160, [2, 5, 3], seed=4)]
+    ref = attnzoo.load_model(tiny_dir, backend="torch", dtype="float32", page_size=4)
+    tri = attnzoo.load_model(tiny_dir, backend="triton", dtype="float32", page_size=4)
+    assert tri.info()["cascade"].startswith("on")
+    tri.engine.cascade_min_saved_tokens = 1  # a tiny batch: cascade every step that shares a page
+    tri.engine.step_log = []
+    a = ref.generate(prompts, max_new_tokens=6, ignore_eos=True)
+    b = tri.generate(prompts, max_new_tokens=6, ignore_eos=True)
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    shared = [s["shared_prefix_len"] for s in tri.engine.step_log if s["new_tokens"] == s["num_reqs"]]
+    assert shared and all(n == 20 for n in shared)  # every decode step shares the 5 full pages of the prefix
+    assert tri.engine.graph_stats["cascade"] == len(shared)
