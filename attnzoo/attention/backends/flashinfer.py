@@ -228,6 +228,20 @@ class FlashInferBackend(AttentionBackend):
         step.planned[sig] = planned
         return planned
 
+    def _plan_options(self, sig: LayerSignature) -> dict:
+        """The plan arguments the prefill and decode wrappers take alike."""
+        dtype = self.pool.dtype
+        return dict(
+            pos_encoding_mode="NONE",  # RoPE is applied by the model before the cache store
+            sm_scale=sig.scale,
+            window_left=sig.window_left,
+            logits_soft_cap=sig.softcap or 0.0,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+            o_data_type=dtype,
+            non_blocking=True,
+        )
+
     def _plan_prefill(self, wrappers: dict, meta: BatchMetadata, sig: LayerSignature, qo_indptr: torch.Tensor,
                       idx: _PageIndex, *, causal: bool):
         wrapper = wrappers.get(sig)
@@ -237,7 +251,6 @@ class FlashInferBackend(AttentionBackend):
                 kv_layout="HND",
                 backend=self.prefill_kernel(sig.head_dim, sig.v_head_dim),
             )
-        dtype = self.pool.dtype
         wrapper.plan(
             qo_indptr=qo_indptr,
             paged_kv_indptr=idx.kv_indptr,
@@ -249,14 +262,7 @@ class FlashInferBackend(AttentionBackend):
             head_dim_vo=sig.v_head_dim,
             page_size=meta.page_size,
             causal=causal,  # causal is bottom-right aligned: new tokens follow their request's cached prefix
-            pos_encoding_mode="NONE",
-            sm_scale=sig.scale,
-            window_left=sig.window_left,
-            logits_soft_cap=sig.softcap or 0.0,
-            q_data_type=dtype,
-            kv_data_type=dtype,
-            o_data_type=dtype,
-            non_blocking=True,
+            **self._plan_options(sig),
         )
         return wrapper
 
@@ -269,7 +275,6 @@ class FlashInferBackend(AttentionBackend):
                 use_tensor_cores=sig.group >= TENSOR_CORE_DECODE_MIN_GROUP,
                 backend="fa2",
             )
-        dtype = self.pool.dtype
         wrapper.plan(
             indptr=idx.kv_indptr,
             indices=idx.kv_indices,
@@ -279,14 +284,7 @@ class FlashInferBackend(AttentionBackend):
             head_dim=sig.head_dim,
             page_size=meta.page_size,
             is_causal=False,  # one query per request: it sees its whole KV range
-            pos_encoding_mode="NONE",
-            sm_scale=sig.scale,
-            window_left=sig.window_left,
-            logits_soft_cap=sig.softcap or 0.0,
-            q_data_type=dtype,
-            kv_data_type=dtype,
-            o_data_type=dtype,
-            non_blocking=True,
+            **self._plan_options(sig),
         )
         return wrapper
 

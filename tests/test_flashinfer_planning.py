@@ -1,0 +1,93 @@
+"""The flashinfer backend's planning, on CPU with FlashInfer replaced by a recorder.
+
+The kernels themselves are checked on a GPU (test_gpu_backends.py); here we check what the backend asks
+them to do: which pages each wrapper is planned over, causal or not, and how a cascade step splits
+the shared prefix from each request's own pages. The page-index kernel runs in the Triton interpreter.
+"""
+from types import SimpleNamespace
+
+import torch
+
+from attnzoo.attention.backends import flashinfer as fi_backend
+from attnzoo.attention.kv_cache import KVPool
+from attnzoo.attention.layer import Attention
+from attnzoo.attention.metadata import build_metadata
+
+
+class RecordingWrapper:
+    """Stands in for a FlashInfer plan/run wrapper: records plans, returns zeros and a known LSE."""
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.plans = kwargs, []
+
+    def plan(self, **kwargs):
+        self.plans.append(kwargs)
+
+    def run(self, *, q, paged_kv_cache, return_lse=False):
+        out = torch.zeros_like(q)
+        return (out, torch.zeros(q.shape[:2])) if return_lse else out
+
+
+def merge_state(*, v_a, s_a, v_b, s_b):
+    return v_a + v_b, torch.logaddexp(s_a, s_b)
+
+
+def make_backend(monkeypatch, layer, num_pages, page_size):
+    fake = SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=RecordingWrapper,
+                           BatchDecodeWithPagedKVCacheWrapper=RecordingWrapper, merge_state=merge_state)
+    monkeypatch.setattr(fi_backend, "load_flashinfer", lambda name: fake)
+    monkeypatch.setattr(fi_backend, "compute_capability", lambda name, device: (9, 0))
+    pool = KVPool([layer.kv_cache_spec()], num_pages=num_pages, page_size=page_size, dtype=torch.bfloat16,
+                  device="cpu")
+    return fi_backend.FlashInferBackend(pool)
+
+
+def test_cascade_step_plans_shared_pages_once_and_the_rest_per_request(monkeypatch):
+    layer = Attention(0, 8, 2, 64)
+    tables = [[3, 4, 5, 9], [3, 4, 5, 10, 11], [3, 4, 5, 12]]  # pages 3, 4, 5 shared (16 tokens each)
+    seq = [50, 70, 49]
+    be = make_backend(monkeypatch, layer, 16, 16)
+    meta = build_metadata(prefix_lens=[s - 1 for s in seq], q_lens=[1, 1, 1], block_tables=tables, page_size=16,
+                          device="cpu", detect_shared_prefix=True)
+    assert meta.shared_prefix_len == 48
+    be.prepare(meta)
+    out = be.decode(layer, torch.randn(3, 8, 64, dtype=torch.bfloat16), meta)
+    assert out.shape == (3, 8, 64)
+
+    (shared_w, rest_w) = (next(iter(d.values())) for d in be._cascade_wrappers[fi_backend.LayerSignature.of(layer)])
+    shared = shared_w.plans[-1]
+    assert shared["qo_indptr"].tolist() == [0, 3]  # all three queries as one request
+    assert shared["causal"] is False
+    assert shared["paged_kv_indptr"].tolist() == [0, 3]
+    assert shared["paged_kv_indices"].tolist() == [3, 4, 5]
+    assert shared["paged_kv_last_page_len"].tolist() == [16]
+    rest = rest_w.plans[-1]
+    assert rest["indptr"].tolist() == [0, 1, 3, 4]  # request 1 owns two pages beyond the prefix
+    assert rest["indices"].tolist() == [9, 10, 11, 12]
+    assert rest["last_page_len"].tolist() == [2, 6, 1]
+    assert rest["is_causal"] is False and rest["sm_scale"] == layer.scale
+    assert not be._decode_wrappers  # the plain decode wrapper was not needed
+
+    # The same batch without a shared prefix plans one decode over every page of every request.
+    plain = build_metadata(prefix_lens=[s - 1 for s in seq], q_lens=[1, 1, 1], block_tables=tables,
+                           page_size=16, device="cpu")
+    be.prepare(plain)
+    be.decode(layer, torch.randn(3, 8, 64, dtype=torch.bfloat16), plain)
+    full = next(iter(be._decode_wrappers.values())).plans[-1]
+    assert full["indptr"].tolist() == [0, 4, 9, 13]
+    assert full["indices"].tolist() == [3, 4, 5, 9, 3, 4, 5, 10, 11, 3, 4, 5, 12]
+
+
+def test_sliding_window_layers_keep_the_plain_path(monkeypatch):
+    layer = Attention(0, 4, 4, 64, sliding_window=20)
+    tables = [[1, 2, 3], [1, 2, 4]]
+    be = make_backend(monkeypatch, layer, 8, 16)
+    meta = build_metadata(prefix_lens=[40, 35], q_lens=[1, 1], block_tables=tables, page_size=16, device="cpu",
+                          detect_shared_prefix=True)
+    assert meta.shared_prefix_len == 32
+    be.prepare(meta)
+    be.decode(layer, torch.randn(2, 4, 64, dtype=torch.bfloat16), meta)
+    assert not be._cascade_wrappers
+    plan = next(iter(be._decode_wrappers.values())).plans[-1]
+    # Only pages a query can see under the window: keys from position 41 - 20 + 1 = 22 (page 1) onwards.
+    assert plan["indices"].tolist() == [2, 3, 2, 4] and plan["window_left"] == 19
