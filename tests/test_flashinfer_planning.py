@@ -4,14 +4,17 @@ The kernels themselves are checked on a GPU (test_gpu_backends.py); here we chec
 them to do: which pages each wrapper is planned over, causal or not, and how a cascade step splits
 the shared prefix from each request's own pages. The page-index kernel runs in the Triton interpreter.
 """
+import sys
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from attnzoo.attention.backends import flashinfer as fi_backend
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.layer import Attention
 from attnzoo.attention.metadata import build_metadata
+from attnzoo.errors import BackendError
 
 
 class RecordingWrapper:
@@ -91,3 +94,36 @@ def test_sliding_window_layers_keep_the_plain_path(monkeypatch):
     plan = next(iter(be._decode_wrappers.values())).plans[-1]
     # Only pages a query can see under the window: keys from position 41 - 20 + 1 = 22 (page 1) onwards.
     assert plan["indices"].tolist() == [2, 3, 2, 4] and plan["window_left"] == 19
+
+
+@pytest.mark.parametrize("name,cc,page_size,columns", [("trtllm_mha", (9, 0), 16, 6), ("trtllm_mla", (10, 0), 32, 8)])
+def test_trtllm_graph_block_table_is_refilled_in_place(monkeypatch, name, cc, page_size, columns):
+    """CUDA-graph replays read one static block table: each step's rows land in the same buffer,
+    padded with page 0; trtllm_mla's columns are padded to a multiple of 128 tokens."""
+    from attnzoo.attention.backends import get_backend_class
+
+    module = sys.modules[get_backend_class(name).__module__]
+    fake = SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=RecordingWrapper,
+                           BatchDecodeWithPagedKVCacheWrapper=RecordingWrapper, merge_state=merge_state)
+    for mod in (module, fi_backend):
+        monkeypatch.setattr(mod, "load_flashinfer", lambda n: fake)
+        monkeypatch.setattr(mod, "compute_capability", lambda n, device: cc)
+    layer = Attention(0, 8, 1, 576, v_head_dim=512, kind="mla") if name == "trtllm_mla" else Attention(0, 8, 2, 64)
+    pool = KVPool([layer.kv_cache_spec()], num_pages=12, page_size=page_size, dtype=torch.bfloat16, device="cpu")
+    be = get_backend_class(name)(pool)
+    be.init_graph_state(max_batch_size=4, max_pages_per_req=6)
+    tables = [[3, 4], [5], [6, 7, 8]]
+    seq = [page_size + 1, 2, 2 * page_size + 3]
+    for step in range(2):
+        meta = build_metadata(prefix_lens=[s - 1 for s in seq], q_lens=[1] * 3, block_tables=tables,
+                              page_size=page_size, device="cpu")
+        be.prepare_graph(meta, capturing=step == 0)
+        state = meta.backend_state[be._state_key]
+        assert state.block_table.data_ptr() == be._graph.table.data_ptr()
+        assert state.block_table.shape == (3, columns)
+        assert state.block_table.tolist() == [row + [0] * (columns - len(row)) for row in tables]
+        assert state.max_seq_len == 6 * page_size
+        tables, seq = [[9], [10, 11], [3]], [2, page_size + 5, 4]  # the next step: other pages, same buffer
+    extend = build_metadata(prefix_lens=[0], q_lens=[3], block_tables=[[1]], page_size=page_size, device="cpu")
+    with pytest.raises(BackendError, match="captures decode steps only"):
+        be.prepare_graph(extend, capturing=False)

@@ -137,3 +137,26 @@ def window_page_start(seq_lens: list[int], q_lens: list[int], page_size: int, wi
     if not window:
         return None
     return [max(0, s - q - window + 1) // page_size for s, q in zip(seq_lens, q_lens)]
+
+
+class GraphBlockTable:
+    """The padded block table a captured decode step reads (the TRT-LLM kernels take one): allocated once
+    for the largest batch and context, refilled in place before each replay, so the graph's address holds."""
+
+    def __init__(self, backend_name: str, max_batch_size: int, max_pages_per_req: int, num_cols: int,
+                 page_size: int, device: torch.device):
+        self.backend_name = backend_name
+        self.table = torch.zeros(max_batch_size, num_cols, dtype=torch.int32, device=device)  # [max_batch, num_cols]
+        # The kernels are scheduled for the longest context any replay may see.
+        self.max_seq_len = max_pages_per_req * page_size
+
+    def fill(self, meta) -> torch.Tensor:
+        """This step's rows, written into the static table: [num_reqs, num_cols] int32, device."""
+        if not meta.is_decode:
+            raise BackendError(f"{self.backend_name} captures decode steps only", fix="run extend steps eagerly")
+        from attnzoo.attention.kernels import page_table  # Triton: imported when a graph is captured, not here
+
+        return page_table.create_block_table(
+            meta.block_tables, meta.seq_lens, meta.page_size, num_cols=self.table.shape[1],
+            pad_value=0, max_pages=-(-meta.max_seq_len // meta.page_size), out=self.table,
+        )

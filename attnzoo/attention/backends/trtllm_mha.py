@@ -22,6 +22,7 @@ import torch
 
 from attnzoo.attention.backends.base import AttentionBackend
 from attnzoo.attention.backends.fi_common import (
+    GraphBlockTable,
     LayerSignature,
     check_dtype,
     check_page_size,
@@ -73,8 +74,7 @@ class TrtllmMHABackend(AttentionBackend):
         # Off Blackwell the extend path is FlashInfer's prefill, run by a backend of our own.
         self._prefill = None if self._cc in TRTLLM_GEN_SMS else _flashinfer_backend(pool)
         self._state_key = f"{self.name}:{id(self)}"
-        self._graph_table: torch.Tensor | None = None
-        self._graph_max_seq_len: int | None = None
+        self._graph: GraphBlockTable | None = None
 
     # ---------------------------------------------------------------- kernel choice (reported)
 
@@ -119,21 +119,15 @@ class TrtllmMHABackend(AttentionBackend):
         meta.backend_state[self._state_key] = step
 
     def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
-        self._graph_table = torch.zeros(max_batch_size, max_pages_per_req, dtype=torch.int32, device=self.pool.device)
-        self._graph_max_seq_len = max_pages_per_req * self.pool.page_size
+        self._graph = GraphBlockTable(self.name, max_batch_size, max_pages_per_req,
+                                      num_cols=max_pages_per_req,
+                                      page_size=self.pool.page_size, device=self.pool.device)
 
     def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> None:
-        if self._graph_table is None:
+        if self._graph is None:
             raise BackendError("prepare_graph before init_graph_state", fix="call init_graph_state first")
-        if not meta.is_decode:
-            raise BackendError("trtllm_mha captures decode steps only", fix="run extend steps eagerly")
-        table = page_table.create_block_table(
-            meta.block_tables, meta.seq_lens, meta.page_size, num_cols=self._graph_table.shape[1],
-            pad_value=0, max_pages=-(-meta.max_seq_len // meta.page_size), out=self._graph_table,
-        )
-        meta.backend_state[self._state_key] = _Step(
-            block_table=table, max_seq_len=self._graph_max_seq_len, max_q_len=1,
-        )
+        table = self._graph.fill(meta)
+        meta.backend_state[self._state_key] = _Step(block_table=table, max_seq_len=self._graph.max_seq_len, max_q_len=1)
 
     def _step(self, meta: BatchMetadata) -> _Step:
         step = meta.backend_state.get(self._state_key)

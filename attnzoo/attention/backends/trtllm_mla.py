@@ -19,6 +19,7 @@ import torch
 
 from attnzoo.attention.backends.base import AttentionBackend
 from attnzoo.attention.backends.fi_common import (
+    GraphBlockTable,
     LayerSignature,
     check_dtype,
     check_page_size,
@@ -72,8 +73,7 @@ class TrtllmMLABackend(AttentionBackend):
                 fix="load the model with page_size=32 or 64",
             )
         self._state_key = f"{self.name}:{id(self)}"
-        self._graph_table: torch.Tensor | None = None
-        self._graph_max_seq_len: int | None = None
+        self._graph: GraphBlockTable | None = None
 
     def kernels_for(self, layer) -> dict[str, str]:
         return {"prefill": "none (decode-only backend)",
@@ -93,20 +93,15 @@ class TrtllmMLABackend(AttentionBackend):
         meta.backend_state[self._state_key] = _Step(block_table=table, max_seq_len=meta.max_seq_len)
 
     def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
-        cols = block_table_columns(max_pages_per_req, self.pool.page_size)
-        self._graph_table = torch.zeros(max_batch_size, cols, dtype=torch.int32, device=self.pool.device)
-        self._graph_max_seq_len = max_pages_per_req * self.pool.page_size
+        self._graph = GraphBlockTable(self.name, max_batch_size, max_pages_per_req,
+                                      num_cols=block_table_columns(max_pages_per_req, self.pool.page_size),
+                                      page_size=self.pool.page_size, device=self.pool.device)
 
     def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> None:
-        if self._graph_table is None:
+        if self._graph is None:
             raise BackendError("prepare_graph before init_graph_state", fix="call init_graph_state first")
-        if not meta.is_decode:
-            raise BackendError("trtllm_mla captures decode steps only", fix="run extend steps eagerly")
-        table = page_table.create_block_table(
-            meta.block_tables, meta.seq_lens, meta.page_size, num_cols=self._graph_table.shape[1],
-            pad_value=0, max_pages=-(-meta.max_seq_len // meta.page_size), out=self._graph_table,
-        )
-        meta.backend_state[self._state_key] = _Step(block_table=table, max_seq_len=self._graph_max_seq_len)
+        table = self._graph.fill(meta)
+        meta.backend_state[self._state_key] = _Step(block_table=table, max_seq_len=self._graph.max_seq_len)
 
     # ---------------------------------------------------------------- per layer
 
