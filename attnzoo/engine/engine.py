@@ -23,9 +23,8 @@ from attnzoo.attention.kv_cache import KVPool, PageAllocator
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.metadata import BatchMetadata, build_metadata
 from attnzoo.engine.prefix_cache import PrefixCache
-from attnzoo.errors import BackendError
 from attnzoo.engine.sampling import SamplingParams, sample
-from attnzoo.errors import KVCacheFullError, RequestError
+from attnzoo.errors import BackendError, KVCacheFullError, RequestError
 
 
 @dataclass
