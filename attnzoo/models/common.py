@@ -15,6 +15,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from attnzoo.attention.kv_cache import KVCacheSpec
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.errors import WeightError
+from attnzoo.layers.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPContext
 
 
 class RMSNorm(nn.Module):
@@ -74,11 +75,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU for Llama/DeepSeek, GeGLU (tanh gelu) for Gemma."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str = "silu"):
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu", *, bias: bool = False,
+                 tp: TPContext = SINGLE, reduce: bool = True):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate, bias=bias, tp=tp)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, bias=bias, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, tp=tp, reduce=reduce)
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,6 +137,8 @@ class CausalLM(nn.Module):
                     fix="check that config.json's architectures matches the weights",
                 )
             p = params[name]
+            if getattr(p, "tp_shard", None) is not None:  # tensor parallel: this rank's slice
+                tensor = p.tp_shard(tensor)
             if tuple(tensor.shape) != tuple(p.shape):
                 raise WeightError(
                     f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}",

@@ -23,6 +23,9 @@ from torch import nn
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.mla import MLAAttention
 from attnzoo.errors import ModelLoadError, WeightError
+from attnzoo.layers.parallel import (
+    SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
+)
 from attnzoo.models.common import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 
 
@@ -51,12 +54,9 @@ def mla_softmax_scale(config) -> float:
     return scale
 
 
-def _mlp(hidden: int, intermediate: int, bias: bool) -> GatedMLP:
-    mlp = GatedMLP(hidden, intermediate)
-    if bias:  # V2's mlp_bias (dense and shared-expert MLPs; routed experts never have biases)
-        for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-            lin.bias = nn.Parameter(torch.zeros(lin.out_features))
-    return mlp
+def _mlp(hidden: int, intermediate: int, bias: bool, tp: TPContext = SINGLE, reduce: bool = True) -> GatedMLP:
+    # bias: V2's mlp_bias (dense and shared-expert MLPs; routed experts never have biases)
+    return GatedMLP(hidden, intermediate, bias=bias, tp=tp, reduce=reduce)
 
 
 class DeepseekAttention(nn.Module):
@@ -66,10 +66,13 @@ class DeepseekAttention(nn.Module):
     ``index_head_dim`` reserves the indexer key cache beside the MLA entry.
     """
 
-    def __init__(self, config, layer_id: int, *, interleaved_rope: bool, index_head_dim: int = 0):
+    def __init__(self, config, layer_id: int, *, interleaved_rope: bool, index_head_dim: int = 0,
+                 tp: TPContext = SINGLE):
         super().__init__()
-        h = config.hidden_size
-        self.num_heads = config.num_attention_heads
+        h, heads = config.hidden_size, config.num_attention_heads
+        # Tensor parallel: heads split across ranks; the latent (q_a, kv_a) is computed and cached whole
+        # on every rank, since each rank's heads read all of it.
+        self.num_heads = tp.split(heads, "num_attention_heads")
         self.q_lora_rank = config.q_lora_rank
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_nope_head_dim = config.qk_nope_head_dim
@@ -79,18 +82,18 @@ class DeepseekAttention(nn.Module):
         self.interleaved_rope = interleaved_rope
         bias = bool(getattr(config, "attention_bias", False))
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, self.num_heads * self.qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(h, heads * self.qk_head_dim, bias=False, tp=tp)
         else:
             self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=bias)
             # The latent norms use RMSNorm's default eps in the reference, not config.rms_norm_eps.
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * self.qk_head_dim, bias=False, tp=tp)
         self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(
-            self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False, tp=tp
         )
-        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, h, bias=bias)
+        self.o_proj = RowParallelLinear(heads * self.v_head_dim, h, bias=bias, tp=tp)
         self.mla = MLAAttention(
             layer_id, self.num_heads, kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
             qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, scale=mla_softmax_scale(config),
@@ -195,15 +198,21 @@ class DeepseekRouter(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, config, scoring: str):
+    """Routed experts plus shared experts. Tensor parallel: expert parallel for the routed experts (each
+    rank holds E/tp whole experts, keyed by their global index), the shared experts split like a dense
+    MLP; both partial sums go through one all-reduce."""
+
+    def __init__(self, config, scoring: str, tp: TPContext = SINGLE):
         super().__init__()
+        self.tp = tp
         self.gate = DeepseekRouter(config, scoring)
-        self.experts = nn.ModuleList(
-            GatedMLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts)
+        first, local = tp.shard(config.n_routed_experts, "n_routed_experts")
+        self.experts = nn.ModuleDict(
+            {str(e): GatedMLP(config.hidden_size, config.moe_intermediate_size) for e in range(first, first + local)}
         )
         self.shared_experts = _mlp(
             config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
-            bool(getattr(config, "mlp_bias", False)),
+            bool(getattr(config, "mlp_bias", False)), tp, reduce=False,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
@@ -212,14 +221,16 @@ class DeepseekMoE(nn.Module):
             routed = self.routed_static(x, weights, ids)
         else:
             routed = self.routed_sparse(x, weights, ids)
-        return routed + self.shared_experts(x)
+        return self.tp.all_reduce(routed + self.shared_experts(x))
 
     def routed_sparse(self, x, weights, ids) -> torch.Tensor:
         """The chosen experts on the tokens that chose them; one host sync per layer (which experts)."""
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():
+            if str(e) not in self.experts:  # another rank's expert
+                continue
             tok, slot = torch.where(ids == e)
-            y = self.experts[e](x[tok]) * weights[tok, slot, None]
+            y = self.experts[str(e)](x[tok]) * weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 
@@ -227,22 +238,23 @@ class DeepseekMoE(nn.Module):
         """Every expert on every token, weighted by zero where not chosen: shapes and launches do not
         depend on the routing, so a captured CUDA graph replays it. It reads every expert's weights,
         as a decode batch of a large MoE mostly does anyway, and spends the extra FLOPs on small batches."""
-        dense = torch.zeros(x.shape[0], len(self.experts), dtype=weights.dtype, device=x.device)
+        dense = torch.zeros(x.shape[0], self.gate.num_experts, dtype=weights.dtype, device=x.device)
         dense.scatter_(1, ids, weights)  # [T, E]
         out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            out += (expert(x) * dense[:, e, None]).to(out.dtype)
+        for e, expert in self.experts.items():
+            out += (expert(x) * dense[:, int(e), None]).to(out.dtype)
         return out
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, *, scoring: str, interleaved_rope: bool, attention_cls=None):
+    def __init__(self, config, layer_id: int, *, scoring: str, interleaved_rope: bool, attention_cls=None,
+                 tp: TPContext = SINGLE):
         super().__init__()
-        self.self_attn = (attention_cls or DeepseekAttention)(config, layer_id, interleaved_rope=interleaved_rope)
+        self.self_attn = (attention_cls or DeepseekAttention)(config, layer_id, interleaved_rope=interleaved_rope, tp=tp)
         if layer_id >= config.first_k_dense_replace:
-            self.mlp = DeepseekMoE(config, scoring)
+            self.mlp = DeepseekMoE(config, scoring, tp)
         else:
-            self.mlp = _mlp(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)))
+            self.mlp = _mlp(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -252,12 +264,12 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, config, *, scoring: str, interleaved_rope: bool, attention_cls=None):
+    def __init__(self, config, *, scoring: str, interleaved_rope: bool, attention_cls=None, tp: TPContext = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(config, i, scoring=scoring, interleaved_rope=interleaved_rope,
-                                 attention_cls=attention_cls)
+                                 attention_cls=attention_cls, tp=tp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -267,13 +279,13 @@ class DeepseekV2ForCausalLM(CausalLM):
     scoring = "softmax"
     attention_cls = DeepseekAttention  # V3.2 swaps in its indexer-carrying subclass
 
-    def __init__(self, config):
+    def __init__(self, config, tp: TPContext = SINGLE):
         super().__init__()
         _check_config(config)
-        self.config = config
+        self.config, self.tp = config, tp
         self.model = DeepseekModel(config, scoring=self.scoring, interleaved_rope=self.interleaved_rope(config),
-                                   attention_cls=self.attention_cls)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                                   attention_cls=self.attention_cls, tp=tp)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp=tp)
         self.tied_lm_head = bool(getattr(config, "tie_word_embeddings", False))
         rope_type = config.rope_parameters.get("rope_type", "default")
         self.rotary = RotaryEmbedding(config, rope_type=rope_type, head_dim=config.qk_rope_head_dim)
@@ -302,6 +314,10 @@ class DeepseekV2ForCausalLM(CausalLM):
         # V3 checkpoints append the multi-token-prediction module as extra layers; generation skips it.
         if parts[:2] == ["model", "layers"] and int(parts[2]) >= self.config.num_hidden_layers:
             return None
+        if parts[3:5] == ["mlp", "experts"] and self.tp.world_size > 1:  # expert parallel: another rank's?
+            first, local = self.tp.shard(self.config.n_routed_experts, "n_routed_experts")
+            if not first <= int(parts[5]) < first + local:
+                return None
         return name
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.nsa import NSAAttention
 from attnzoo.errors import ModelLoadError
+from attnzoo.layers.parallel import SINGLE, TPContext
 from attnzoo.models.common import apply_rope
 from attnzoo.models.deepseek_v2 import DeepseekAttention, DeepseekV3ForCausalLM
 
@@ -56,8 +57,9 @@ class DeepseekV32Indexer(nn.Module):
 
 
 class DeepseekV32Attention(DeepseekAttention):
-    def __init__(self, config, layer_id: int, *, interleaved_rope: bool):
-        super().__init__(config, layer_id, interleaved_rope=interleaved_rope)
+    def __init__(self, config, layer_id: int, *, interleaved_rope: bool, tp: TPContext = SINGLE):
+        # Tensor parallel: the indexer is replicated (it scores tokens for all heads alike).
+        super().__init__(config, layer_id, interleaved_rope=interleaved_rope, tp=tp)
         self.indexer = DeepseekV32Indexer(config)
         self.mla = NSAAttention(
             layer_id, self.num_heads, kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
@@ -77,9 +79,9 @@ class DeepseekV32Attention(DeepseekAttention):
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     attention_cls = DeepseekV32Attention
 
-    def __init__(self, config):
+    def __init__(self, config, tp: TPContext = SINGLE):
         _check_config(config)
-        super().__init__(config)
+        super().__init__(config, tp)
 
     @staticmethod
     def interleaved_rope(config) -> bool:

@@ -23,6 +23,9 @@ from torch import nn
 
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.errors import ModelLoadError, RequestError
+from attnzoo.layers.parallel import (
+    SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding, mark_shard,
+)
 from attnzoo.models.common import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 
 log = logging.getLogger("attnzoo")
@@ -78,24 +81,27 @@ def _act(cfg) -> str:
 
 
 class Gemma4Attention(nn.Module):
-    def __init__(self, cfg, layer_id: int, kv_from: int | None):
+    def __init__(self, cfg, layer_id: int, kv_from: int | None, tp: TPContext = SINGLE):
         super().__init__()
-        h, bias = cfg.hidden_size, cfg.attention_bias
+        h, bias, heads = cfg.hidden_size, cfg.attention_bias, cfg.num_attention_heads
         self.full = cfg.layer_types[layer_id] == "full_attention"
         self.layer_type = cfg.layer_types[layer_id]
-        self.num_heads = cfg.num_attention_heads
-        self.head_dim, self.num_kv_heads = layer_attention_shape(cfg, layer_id)
+        self.head_dim, kv_heads = layer_attention_shape(cfg, layer_id)
+        d = self.head_dim
+        self.num_heads = tp.split(heads, "num_attention_heads")  # this rank's heads
+        first_kv, self.num_kv_heads = tp.kv_heads(kv_heads, heads)  # replicated when fewer than ranks
+        kv_rows = (first_kv * d, self.num_kv_heads * d)
         self.shared = kv_from is not None
         self.k_eq_v = bool(cfg.attention_k_eq_v) and self.full
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.q_proj = ColumnParallelLinear(h, heads * d, bias=bias, tp=tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         if not self.shared:
-            self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+            self.k_proj = ColumnParallelLinear(h, kv_heads * d, bias=bias, tp=tp, rows=kv_rows)
             if not self.k_eq_v:
-                self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+                self.v_proj = ColumnParallelLinear(h, kv_heads * d, bias=bias, tp=tp, rows=kv_rows)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.o_proj = RowParallelLinear(heads * d, h, bias=bias, tp=tp)
         self.attn = Attention(
             layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
             scale=1.0,  # q and k are RMS-normalised: no 1/sqrt(d)
@@ -136,13 +142,22 @@ class Gemma4Router(nn.Module):
 
 class TopKExperts(nn.Module):
     """Experts stored as stacked tensors (gate_up [E, 2I, H], down [E, H, I]); each token's output is the
-    routing-weighted sum of its top-k experts' gated MLPs."""
+    routing-weighted sum of its top-k experts' gated MLPs.
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, init_std: float = 0.02):
+    Tensor parallel: expert parallel. Each rank holds experts first..first+E/tp-1 whole, computes their
+    share of the sum, and one all-reduce adds the shares."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, init_std: float = 0.02, *,
+                 tp: TPContext = SINGLE):
         super().__init__()
+        self.tp, self.num_experts = tp, num_experts
+        self.first, local = tp.shard(num_experts, "num_experts")
         # Initialised (not torch.empty) so that load_format="random" models compute finite numbers.
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden).normal_(0, init_std))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate).normal_(0, init_std))
+        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * intermediate, hidden).normal_(0, init_std))
+        self.down_proj = nn.Parameter(torch.empty(local, hidden, intermediate).normal_(0, init_std))
+        if local != num_experts:
+            for p in (self.gate_up_proj, self.down_proj):
+                mark_shard(p, lambda full, a=self.first, n=local: full.narrow(0, a, n))
 
     def forward(self, x, weights, experts):  # x [T, H], weights float32 [T, k], experts int64 [T, k]
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -151,40 +166,43 @@ class TopKExperts(nn.Module):
         flat = experts.reshape(-1)
         order = flat.argsort()
         # One host sync per layer for the per-expert token counts (eager steps only).
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         # One float32 row per (token, slot), summed over the slots at the end: deterministic (no atomic
         # index_add) and accumulated in float32, as transformers' grouped experts do.
-        out = torch.empty(t * k, x.shape[1], dtype=torch.float32, device=x.device)
+        local = self.gate_up_proj.shape[0]
+        out = (torch.zeros if local < self.num_experts else torch.empty)(t * k, x.shape[1], dtype=torch.float32,
+                                                                           device=x.device)
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
             rows = order[start : start + n]
-            gate, up = F.linear(x[rows // k], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e])
-            out[rows] = y * weights.reshape(-1)[rows, None]
             start += n
-        return out.view(t, k, -1).sum(dim=1).to(x.dtype)
+            if n == 0 or not 0 <= e - self.first < local:  # another rank's expert
+                continue
+            gate, up = F.linear(x[rows // k], self.gate_up_proj[e - self.first]).chunk(2, dim=-1)
+            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e - self.first])
+            out[rows] = y * weights.reshape(-1)[rows, None]
+        return self.tp.all_reduce(out.view(t, k, -1).sum(dim=1).to(x.dtype))
 
     def _forward_static(self, x, weights, experts):
         """Every expert on every token, weighted by zero where not chosen: nothing depends on the
         routing, so a captured CUDA-graph decode step replays it (extra FLOPs on small batches)."""
-        dense = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=torch.float32, device=x.device)
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=torch.float32, device=x.device)
         dense.scatter_(1, experts, weights)  # [T, E]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in range(self.gate_up_proj.shape[0]):
+        for e in range(self.gate_up_proj.shape[0]):  # this rank's experts
             gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-            out += F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e]).float() * dense[:, e, None]
-        return out.to(x.dtype)
+            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e]).float()
+            out += y * dense[:, self.first + e, None]
+        return self.tp.all_reduce(out.to(x.dtype))
 
 
 class Gemma4DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_id: int, kv_from: int | None):
+    def __init__(self, cfg, layer_id: int, kv_from: int | None, tp: TPContext = SINGLE):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = Gemma4Attention(cfg, layer_id, kv_from)
+        self.self_attn = Gemma4Attention(cfg, layer_id, kv_from, tp)
         wide = 2 if cfg.use_double_wide_mlp and kv_from is not None else 1
-        self.mlp = GatedMLP(h, cfg.intermediate_size * wide, act=_act(cfg))
+        self.mlp = GatedMLP(h, cfg.intermediate_size * wide, act=_act(cfg), tp=tp)
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
             setattr(self, name, RMSNorm(h, eps))
@@ -193,7 +211,7 @@ class Gemma4DecoderLayer(nn.Module):
         self.moe = bool(cfg.enable_moe_block)
         if self.moe:
             self.router = Gemma4Router(cfg)
-            self.experts = TopKExperts(cfg.num_experts, h, cfg.moe_intermediate_size, cfg.initializer_range)
+            self.experts = TopKExperts(cfg.num_experts, h, cfg.moe_intermediate_size, cfg.initializer_range, tp=tp)
             self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
             self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
             self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)
@@ -218,16 +236,16 @@ class Gemma4DecoderLayer(nn.Module):
 
 
 class Gemma4Model(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TPContext = SINGLE):
         super().__init__()
         producers = kv_producers(cfg)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i, producers[i]) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp)
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i, producers[i], tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ple_dim = cfg.hidden_size_per_layer_input or 0
         if self.ple_dim:
             width = cfg.num_hidden_layers * self.ple_dim
-            self.embed_tokens_per_layer = nn.Embedding(cfg.vocab_size_per_layer_input, width)
+            self.embed_tokens_per_layer = VocabParallelEmbedding(cfg.vocab_size_per_layer_input, width, tp=tp)
             self.per_layer_model_projection = nn.Linear(cfg.hidden_size, width, bias=False)
             self.per_layer_projection_norm = RMSNorm(self.ple_dim, cfg.rms_norm_eps)
 
@@ -235,15 +253,15 @@ class Gemma4Model(nn.Module):
 class Gemma4ForCausalLM(CausalLM):
     """Serves both Gemma4ForCausalLM and Gemma4ForConditionalGeneration checkpoints (text path)."""
 
-    def __init__(self, config):
+    def __init__(self, config, tp: TPContext = SINGLE):
         super().__init__()
         cfg = config.get_text_config()
         if getattr(cfg, "use_bidirectional_attention", None) == "all":
             raise ModelLoadError("this Gemma 4 checkpoint uses bidirectional attention over all tokens",
                                  fix="use a causal (generative) Gemma 4 checkpoint")
         self.config, self.cfg = config, cfg
-        self.model = Gemma4Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = Gemma4Model(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp=tp)
         self.tied_lm_head = bool(getattr(config, "tie_word_embeddings", True))
         self.softcap = cfg.final_logit_softcapping
         # Scales as tensors of the model's dtype: rounded like the reference (sqrt(5376) -> 73.5 in bf16),

@@ -5,21 +5,25 @@ import torch
 from torch import nn
 
 from attnzoo.attention.layer import Attention, ForwardContext
+from attnzoo.layers.parallel import (
+    SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
+)
 from attnzoo.models.common import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_id: int):
+    def __init__(self, config, layer_id: int, tp: TPContext = SINGLE):
         super().__init__()
-        h = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or h // self.num_heads
+        h, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = d = getattr(config, "head_dim", None) or h // heads
+        self.num_heads = tp.split(heads, "num_attention_heads")  # this rank's heads
+        first_kv, self.num_kv_heads = tp.kv_heads(kv_heads, heads)
+        kv_rows = (first_kv * d, self.num_kv_heads * d)
         bias = getattr(config, "attention_bias", False)
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.q_proj = ColumnParallelLinear(h, heads * d, bias=bias, tp=tp)
+        self.k_proj = ColumnParallelLinear(h, kv_heads * d, bias=bias, tp=tp, rows=kv_rows)
+        self.v_proj = ColumnParallelLinear(h, kv_heads * d, bias=bias, tp=tp, rows=kv_rows)
+        self.o_proj = RowParallelLinear(heads * d, h, bias=bias, tp=tp)
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, x, cos, sin, ctx: ForwardContext):
@@ -31,10 +35,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int):
+    def __init__(self, config, layer_id: int, tp: TPContext = SINGLE):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.self_attn = LlamaAttention(config, layer_id, tp)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -44,19 +48,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPContext = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPContext = SINGLE):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, tp)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp=tp)
         self.tied_lm_head = bool(getattr(config, "tie_word_embeddings", False))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rope_type = config.rope_parameters.get("rope_type", "default")
