@@ -6,7 +6,7 @@ shared attention layer runs it), sliding windows, attention logit soft-capping, 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from attnzoo.errors import PolicyError
@@ -55,7 +55,9 @@ class ModelProfile:
         bits = [
             self.kind.upper(),
             f"head dims q/k {s(self.head_dims)} v {s(self.v_head_dims)}",
-            f"heads {self.num_heads or '?'} kv {s(self.num_kv_heads)}",
+            f"heads {self.num_heads or '?'} kv {s(self.num_kv_heads)}"
+            + (f" per rank (tensor parallel {self.extra['tensor_parallel_size']})"
+               if "tensor_parallel_size" in self.extra else ""),
             f"sliding window {'yes' if self.uses_sliding_window else 'no'}",
             f"attn soft-cap {'yes' if self.uses_softcap else 'no'}",
             f"dtype {self.dtype or '?'}",
@@ -161,6 +163,18 @@ def _mha_profile(cfg, arch: str, family: str, dtype: str | None) -> ModelProfile
         final_logit_softcap=_get(cfg, "final_logit_softcapping"),
         extra={"sliding_window": window} if uses_window else {},
     )
+
+
+def rank_local(profile: ModelProfile, tensor_parallel_size: int) -> ModelProfile:
+    """What one rank's attention runs at tensor parallel N: the query heads split N ways, the KV heads
+    too, or one per rank where there are fewer than N (each rank keeps a copy); MLA's latent head stays
+    whole. Backend choices that depend on head counts (XQA's group size, FlashInfer's kernels) follow."""
+    n = tensor_parallel_size
+    if n == 1:
+        return profile
+    kv = profile.num_kv_heads if profile.kind != "mha" else frozenset(max(1, k // n) for k in profile.num_kv_heads)
+    return replace(profile, num_heads=profile.num_heads // n if profile.num_heads else None, num_kv_heads=kv,
+                   extra={**profile.extra, "tensor_parallel_size": n})
 
 
 def _derived_head_dim(cfg, arch: str) -> int:

@@ -112,6 +112,7 @@ class Engine:
         self.step_log: list[dict] | None = None  # set to [] to record one summary per step (benchmarks)
         self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs()
         self.graph_stats = {"replayed": 0, "eager": 0, "cascade": 0}
+        self.tp = None  # TPGroup (attnzoo.engine.tensor_parallel): rank 0 publishes each step to the others
 
     def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
         from attnzoo.engine.cuda_graph import DecodeGraphs
@@ -202,13 +203,9 @@ class Engine:
         try:
             for start in range(0, len(token_ids), self.max_batch_tokens):
                 chunk = token_ids[start : start + self.max_batch_tokens]
-                meta = build_metadata(
-                    prefix_lens=[start], q_lens=[len(chunk)], block_tables=[pages],
-                    page_size=self.pool.page_size, device=self.device,
-                )
-                ids = torch.tensor(chunk, dtype=torch.int64, device=self.device)
-                hidden = self._forward(ids, meta)
-                rows.append(self.model.compute_logits(hidden).float())
+                step = {"prefix_lens": [start], "q_lens": [len(chunk)], "block_tables": [pages], "ids": chunk,
+                        "rows": None, "shared_prefix_len": 0, "graph": False}
+                rows.append(self.run_step(step)[0].float())
         finally:
             self.allocator.free(pages)
         return torch.cat(rows)
@@ -276,34 +273,56 @@ class Engine:
         return batch
 
     def _step(self, batch: "_Batch") -> torch.Tensor:
-        meta = build_metadata(
-            prefix_lens=[r.num_cached for r in batch.reqs],
-            q_lens=[len(c) for c in batch.chunks],
-            block_tables=[r.pages for r in batch.reqs],
-            page_size=self.pool.page_size,
-            device=self.device,
-            detect_shared_prefix=self.cascade,
-        )
-        if meta.shared_prefix_len * (meta.num_reqs - 1) < self.cascade_min_saved_tokens:
-            meta.shared_prefix_len = 0
-        batch.shared_prefix_len = meta.shared_prefix_len
-        ids = torch.tensor([t for c in batch.chunks for t in c], dtype=torch.int64, device=self.device)
-        sample_rows = torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)
-        with torch.inference_mode():
-            if self.graphs is not None and not meta.shared_prefix_len and self.graphs.fits(meta):
-                logits = self.graphs.replay(ids, meta)[sample_rows]  # decode: row i is request i
-                self.graph_stats["replayed"] += 1
-            else:
-                hidden = self._forward(ids, meta)
-                logits = self.model.compute_logits(hidden[meta.last_token_rows[sample_rows]])
-                self.graph_stats["eager"] += 1
-                self.graph_stats["cascade"] += bool(meta.shared_prefix_len)
+        step = {"prefix_lens": [r.num_cached for r in batch.reqs], "q_lens": [len(c) for c in batch.chunks],
+                "block_tables": [r.pages for r in batch.reqs], "ids": [t for c in batch.chunks for t in c],
+                "rows": batch.sample_rows}
+        logits, batch.shared_prefix_len = self.run_step(step)
         for req, chunk in zip(batch.reqs, batch.chunks):
             req.num_cached += len(chunk)
             if self.prefix_cache is not None and len(req.out) == 0:
                 written = min(req.num_cached, len(req.prompt)) // self.pool.page_size
                 self.prefix_cache.mark_ready(req.pages[:written])
         return logits
+
+    def run_step(self, step: dict) -> tuple[torch.Tensor, int]:
+        """One forward pass -> (logits of the last token of requests ``step["rows"]`` (None: of every
+        token), the shared prefix length cascade read). ``step`` holds plain lists: what rank 0 of a
+        tensor-parallel group sends the other ranks, which run the same pass with the choices it made
+        (graph replay or eager, cascade or not) rather than their own."""
+        decided = "graph" in step
+        meta = build_metadata(
+            prefix_lens=step["prefix_lens"], q_lens=step["q_lens"], block_tables=step["block_tables"],
+            page_size=self.pool.page_size, device=self.device, detect_shared_prefix=self.cascade and not decided,
+        )
+        if decided:
+            meta.shared_prefix_len = step["shared_prefix_len"]
+        elif meta.shared_prefix_len * (meta.num_reqs - 1) < self.cascade_min_saved_tokens:
+            meta.shared_prefix_len = 0
+        graph = step["graph"] if decided else (
+            self.graphs is not None and not meta.shared_prefix_len and self.graphs.fits(meta))
+        if self.tp is not None and self.tp.leader:
+            self.tp.publish(("step", {**step, "shared_prefix_len": meta.shared_prefix_len, "graph": graph}))
+        ids = torch.tensor(step["ids"], dtype=torch.int64, device=self.device)
+        rows = None if step["rows"] is None else torch.tensor(step["rows"], dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            if graph:
+                logits = self.graphs.replay(ids, meta)[rows]  # decode: row i is request i
+                self.graph_stats["replayed"] += 1
+            else:
+                hidden = self._forward(ids, meta)
+                logits = self.model.compute_logits(hidden if rows is None else hidden[meta.last_token_rows[rows]])
+                if rows is not None:
+                    self.graph_stats["eager"] += 1
+                    self.graph_stats["cascade"] += bool(meta.shared_prefix_len)
+        return logits, meta.shared_prefix_len
+
+    def follow(self) -> tuple[str, object]:
+        """Tensor-parallel ranks other than 0: run rank 0's steps until its next other message."""
+        while True:
+            kind, payload = self.tp.receive()
+            if kind != "step":
+                return kind, payload
+            self.run_step(payload)
 
     def _forward(self, ids: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         backend = self.decode_backend if meta.is_decode else self.prefill_backend

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any, Callable, Sequence
 
@@ -55,8 +56,20 @@ def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory,
     return max(2, kv_cache_memory // per_page)
 
 
+def _tensor_parallel_call(method):
+    """Tensor parallel: rank 0 runs the call and the other ranks follow it (attnzoo.engine.tensor_parallel)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self.tp is None:
+            return method(self, *args, **kwargs)
+        return self.tp.call(lambda: method(self, *args, **kwargs), self.engine)
+
+    return call
+
+
 class LLM:
-    def __init__(self, *, model, tokenizer, config, architecture, source, decision, pool, engine, dtype, device):
+    def __init__(self, *, model, tokenizer, config, architecture, source, decision, pool, engine, dtype, device, tp=None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -67,6 +80,7 @@ class LLM:
         self.engine = engine
         self.dtype = dtype
         self.device = device
+        self.tp = tp  # TPGroup when tensor parallel, else None
 
     # ------------------------------------------------------------------ inputs
 
@@ -101,6 +115,7 @@ class LLM:
 
     # ------------------------------------------------------------------ API
 
+    @_tensor_parallel_call
     def generate(
         self,
         prompts,
@@ -131,6 +146,7 @@ class LLM:
         ]
         return self.engine.generate(ids, params, return_logits=return_logits, on_finish=on_finish)
 
+    @_tensor_parallel_call
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Teacher-forced logits [len, vocab] float32 (on CPU)."""
         ids = self._encode(list(token_ids))
@@ -169,8 +185,15 @@ class LLM:
             "cuda_graph": None if self.engine.graphs is None else {
                 "batch_buckets": self.engine.graphs.buckets, "max_context": self.engine.graphs.max_context},
             "cascade": self._cascade_info(),
+            # > 1: kv_bytes_per_token and the KV capacity are per rank (each holds its own heads)
+            "tensor_parallel_size": 1 if self.tp is None else self.tp.ctx.world_size,
             "decision": self.decision.to_dict(),
         }
+
+    def close(self) -> None:
+        """Tensor parallel from one process: stop the ranks this model spawned (also done at exit)."""
+        if self.tp is not None:
+            self.tp.close()
 
 
 def load_model(
@@ -193,6 +216,7 @@ def load_model(
     cascade: bool | None = None,
     load_format: str = "auto",
     seed: int = 0,
+    tensor_parallel_size: int | None = None,
 ) -> LLM:
     """Load a checkpoint (local dir, hub id, .gguf file; None = embedded SmolLM2-135M-Instruct).
 
@@ -200,8 +224,30 @@ def load_model(
     full-size shapes without the weights); the tokenizer is still loaded when the checkpoint has one.
     ``cascade``: read a prefix shared by a whole decode batch once per step (None: wherever the decode
     backend supports it and prefix caching is on; ``info()["cascade"]`` says which).
+    ``tensor_parallel_size=N``: split the model over N GPUs (N CPU processes on CPU): this process is
+    rank 0 and starts the others. Under torchrun, every rank calls load_model (N defaults to WORLD_SIZE)
+    and the other ranks' generate/logits follow rank 0's (``attnzoo.engine.tensor_parallel``).
     """
+    from attnzoo.engine import tensor_parallel
+
+    kwargs = {k: v for k, v in locals().items() if k != "tensor_parallel"}
+    group = tensor_parallel.launch(tensor_parallel_size, device, kwargs)
+    try:
+        llm = _load_model(**kwargs, tp=group)
+    except BaseException:
+        if group is not None:
+            group.close(abort=True)
+        raise
+    if group is not None:
+        tensor_parallel.register_close(llm, group)
+    return llm
+
+
+def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype, device, page_size, policy_file,
+                kv_cache_tokens, kv_cache_memory, max_batch_tokens, max_running, prefix_caching, cuda_graph,
+                cuda_graph_max_context, cascade, load_format, seed, tensor_parallel_size, tp) -> LLM:
     from attnzoo.defaults import Overrides, resolve
+    from attnzoo.defaults.profile import profile_from_config, rank_local
 
     if load_format not in ("auto", "random"):
         raise ModelLoadError(f"unknown load_format {load_format!r}", fix="use 'auto' or 'random'")
@@ -210,7 +256,7 @@ def load_model(
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ModelLoadError(f"{name} must be a positive integer, got {value!r}",
                                  fix=f"pass {name}=N with N >= 1, or leave it unset for the default")
-    dev = _pick_device(device)
+    dev = _pick_device(device) if tp is None else tp.device
     dt = _pick_dtype(dtype, dev)
     if isinstance(name_or_path, PretrainedConfig):
         if load_format != "random":
@@ -225,14 +271,16 @@ def load_model(
         backend=backend, prefill_backend=prefill_backend, decode_backend=decode_backend,
         page_size=page_size, policy_file=policy_file, dtype=dt,
     )
-    decision = resolve(config, gpu=None if dev.type == "cuda" else "cpu", overrides=overrides, model_id=src.name if src else None)
+    # Tensor parallel: the backends run on one rank's heads, so the policy sees those shapes.
+    shapes = config if tp is None else rank_local(profile_from_config(config, architecture=arch), tp.ctx.world_size)
+    decision = resolve(shapes, gpu=None if dev.type == "cuda" else "cpu", overrides=overrides, model_id=src.name if src else None)
     log.info("attention policy for %s: %s", arch, decision.explain().splitlines()[0])
 
     # Seeded random init (load_format="random") without touching the caller's global RNG state.
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
         with torch.device(dev), _default_dtype(dt):  # build in place: no float32 copy of a large model
-            model = cls(config)
+            model = cls(config) if tp is None else cls(config, tp=tp.ctx)
     if load_format == "auto":
         model.load_weights(loader.iter_weights(src, config))
     else:
@@ -245,6 +293,8 @@ def load_model(
     specs = model.kv_cache_specs()
     ps = decision.page_size
     num_pages = _kv_pages(specs, ps, dt, dev, kv_cache_tokens, kv_cache_memory, context_len)
+    if tp is not None:  # rank 0 hands out the same page ids on every rank
+        num_pages = tp.min_int(num_pages)
     pool = KVPool(specs, num_pages=num_pages, page_size=ps, dtype=dt, device=dev)
     pre = get_backend_class(decision.prefill_backend)(pool)
     dec = pre if decision.decode_backend == decision.prefill_backend else get_backend_class(decision.decode_backend)(pool)
@@ -265,8 +315,9 @@ def load_model(
         engine.enable_cuda_graphs(max_batch=max_running, max_context=min(context_len, cuda_graph_max_context))
     if src is None:
         src = loader.CheckpointSource(f"random-weight {arch}", None)
+    engine.tp = tp
     return LLM(model=model, tokenizer=tokenizer, config=config, architecture=arch, source=src, decision=decision,
-               pool=pool, engine=engine, dtype=dt, device=dev)
+               pool=pool, engine=engine, dtype=dt, device=dev, tp=tp)
 
 
 @contextlib.contextmanager

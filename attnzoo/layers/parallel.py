@@ -50,8 +50,11 @@ class TPContext:
             return x
         import torch.distributed as dist
 
-        out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        # torch 2.13 renamed all_gather_into_tensor; both take [world * n, ...] outputs on gloo and NCCL.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        gather(out, x.contiguous(), group=self.group)
+        out = out.view(self.world_size, *x.shape)
         return out.movedim(0, -2).reshape(*x.shape[:-1], self.world_size * x.shape[-1])
 
     # ------------------------------------------------------------------ partitioning

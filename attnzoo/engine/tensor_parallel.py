@@ -1,0 +1,249 @@
+"""Tensor-parallel process groups: starting the ranks, and rank 0 driving the others step by step.
+
+Two routes lead to the same group of N processes (one per GPU with NCCL, or N CPU processes on gloo):
+
+- ``load_model(..., tensor_parallel_size=N)`` in one Python process: that process is rank 0 and spawns
+  ranks 1..N-1 (torch.multiprocessing), which build the same model and run rank 0's steps until it is
+  closed (``LLM.close()``, or at interpreter exit).
+- ``torchrun --nproc-per-node N script.py``: every process runs the script and calls ``load_model``
+  (``tensor_parallel_size`` defaults to WORLD_SIZE). On rank 0 the LLM works as usual; on the other
+  ranks every ``generate`` / ``logits`` call follows rank 0's matching call (its own arguments are
+  ignored) and returns rank 0's result, so one script runs unchanged on every rank.
+
+Rank 0 alone schedules and samples. Before each forward pass it broadcasts the step (token ids, prefix
+lengths, block tables, and its choices of graph replay and cascade) on a gloo group kept for this
+control traffic; the others build the same metadata, run the same forward pass (whose all-reduces
+meet rank 0's) and drop the logits. Each rank's KV pool holds its own heads at the page ids rank 0
+hands out, so the pools are sized alike: the smallest page count any rank can afford.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import weakref
+
+import torch
+
+from attnzoo.errors import AttnzooError, ModelLoadError
+from attnzoo.layers.parallel import TPContext
+
+# Ranks 1..N-1 wait on the control group while rank 0 is idle (a user between calls): a collective
+# timeout there would kill a healthy group.
+_CONTROL_TIMEOUT = datetime.timedelta(days=30)
+_SERVE_ENV = "ATTNZOO_TP_SERVE"  # set in spawned ranks: serve rank 0 until shutdown, return nothing
+
+
+def torchrun_world() -> tuple[int, int, int] | None:
+    """(rank, local rank, world size) from torchrun's environment, or None outside it."""
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return None
+    rank = int(os.environ["RANK"])
+    return rank, int(os.environ.get("LOCAL_RANK", rank)), int(os.environ["WORLD_SIZE"])
+
+
+class TPGroup:
+    """This process's place in a tensor-parallel group, and the control channel from rank 0."""
+
+    def __init__(self, ctx: TPContext, control, device: torch.device, *, spmd: bool, owns_group: bool):
+        self.ctx, self.control, self.device = ctx, control, device
+        self.spmd = spmd  # torchrun: the other ranks' calls return rank 0's results
+        self.owns_group = owns_group  # we initialised torch.distributed (spawn route): we tear it down
+        self.workers: list = []
+        self.closed = False
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def leader(self) -> bool:
+        return self.ctx.rank == 0
+
+    # ------------------------------------------------------------------ control channel
+
+    def publish(self, message) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([message], src=0, group=self.control)
+
+    def receive(self):
+        import torch.distributed as dist
+
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (KV pages each GPU can hold)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return int(t.item())
+
+    # ------------------------------------------------------------------ calls
+
+    def call(self, fn, engine):
+        """Run an API call on rank 0 (then tell the others it ended), or follow rank 0's on the others."""
+        if not self.leader:
+            kind, payload = engine.follow()
+            if kind != "end":
+                raise ModelLoadError("rank 0 closed the tensor-parallel group",
+                                     fix="call generate/logits on every rank in the same order, before rank 0 closes")
+            result, error = payload
+            if error is not None:
+                raise error
+            return result
+        try:
+            result = fn()
+        except BaseException as e:
+            self.publish(("end", (None, _portable(e) if self.spmd else None)))
+            raise
+        self.publish(("end", (result if self.spmd else None, None)))
+        return result
+
+    def serve(self, engine) -> None:
+        """Spawned ranks: run rank 0's steps until it shuts the group down."""
+        while engine.follow()[0] != "shutdown":
+            pass
+
+    def close(self, *, abort: bool = False) -> None:
+        """Rank 0 of a spawned group: stop the other ranks (``abort``: at once, the load failed) and tear
+        the process group down."""
+        if self.closed or not self.leader:
+            return
+        self.closed = True
+        if abort:
+            for p in self.workers:
+                p.terminate()
+        elif self.workers:
+            try:
+                self.publish(("shutdown", None))
+            except Exception:  # a rank already gone: nothing left to tell
+                pass
+            for p in self.workers:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.terminate()
+        if self.owns_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _portable(e: BaseException) -> BaseException:
+    """The exception itself if it pickles (to re-raise it on the other ranks), else its text."""
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:
+        return AttnzooError(f"rank 0 failed: {type(e).__name__}: {e}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_device(device, local_rank: int, world: int) -> torch.device:
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ModelLoadError(f"tensor parallelism runs on CUDA GPUs or the CPU, not {dev}", fix="pass device='cuda' or 'cpu'")
+    if dev.index is not None:
+        raise ModelLoadError(f"device {str(dev)!r} names one GPU, but each tensor-parallel rank takes its own",
+                             fix="pass device='cuda': rank r uses cuda:r (cuda:LOCAL_RANK under torchrun)")
+    if torch.cuda.device_count() < world and local_rank >= torch.cuda.device_count():
+        raise ModelLoadError(f"tensor_parallel_size {world} needs {world} GPUs, {torch.cuda.device_count()} are visible",
+                             fix="lower tensor_parallel_size, or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    return torch.device("cuda", local_rank)
+
+
+def launch(tensor_parallel_size: int | None, device, load_kwargs: dict) -> TPGroup | None:
+    """Join (torchrun, spawned rank) or start (one process, N > 1) a tensor-parallel group; None: one process."""
+    import torch.distributed as dist
+
+    world_env = torchrun_world()
+    if tensor_parallel_size is not None and (not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1):
+        raise ModelLoadError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}",
+                             fix="pass tensor_parallel_size=N with N >= 1")
+    if world_env is None:
+        n = tensor_parallel_size or 1
+        if n == 1:
+            return None
+        if dist.is_available() and dist.is_initialized():
+            raise ModelLoadError("torch.distributed is already initialised in this process (another tensor-parallel model?)",
+                                 fix="close the other model first (llm.close()), or launch with torchrun")
+        dev = _rank_device(device, 0, n)
+        port = _free_port()
+        ctx = torch.multiprocessing.get_context("spawn")
+        workers = []
+        for r in range(1, n):
+            p = ctx.Process(target=_spawned_rank, args=(r, n, port, load_kwargs), daemon=True)
+            p.start()
+            workers.append(p)
+        try:
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                    rank=0, world_size=n, timeout=datetime.timedelta(minutes=10))
+            group = _group(0, n, dev, spmd=False, owns_group=True)
+        except BaseException:
+            for p in workers:
+                p.terminate()
+            raise
+        group.workers = workers
+        return group
+
+    rank, local_rank, world = world_env
+    if tensor_parallel_size not in (None, world):
+        raise ModelLoadError(f"tensor_parallel_size={tensor_parallel_size} but torchrun started {world} processes",
+                             fix=f"pass tensor_parallel_size={world} (or leave it unset), or run torchrun --nproc-per-node "
+                                 f"{tensor_parallel_size}")
+    dev = _rank_device(device, local_rank, world)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    elif dist.get_world_size() != world:
+        raise ModelLoadError(f"torch.distributed's world has {dist.get_world_size()} ranks, WORLD_SIZE says {world}",
+                             fix="initialise the default process group over all ranks, or leave it to attnzoo")
+    return _group(rank, world, dev, spmd=os.environ.get(_SERVE_ENV) != "1", owns_group=owns)
+
+
+def _group(rank: int, world: int, dev: torch.device, *, spmd: bool, owns_group: bool) -> TPGroup:
+    import torch.distributed as dist
+
+    control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+    ctx = TPContext(rank=rank, world_size=world, group=dist.group.WORLD)
+    return TPGroup(ctx, control, dev, spmd=spmd, owns_group=owns_group)
+
+
+def _spawned_rank(rank: int, world: int, port: int, load_kwargs: dict) -> None:
+    """Rank ``rank`` of a group started by load_model in one process: the torchrun route, then serve."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), **{_SERVE_ENV: "1"})
+    device = load_kwargs.get("device")
+    if str(device).startswith("cpu") or (device is None and not torch.cuda.is_available()):
+        # CPU ranks share the machine's cores with rank 0.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    from attnzoo.engine.llm import load_model
+
+    llm = load_model(**load_kwargs)
+    try:
+        llm.tp.serve(llm.engine)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def register_close(llm, group: TPGroup) -> None:
+    """Stop a spawned group when its LLM is garbage-collected or the interpreter exits."""
+    if group.workers:
+        weakref.finalize(llm, group.close)
