@@ -18,6 +18,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, help="user policy file (TOML, same schema as the shipped table)")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: fp32 on CPU, bf16 on GPU)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="split the model over N GPUs (default: 1, or WORLD_SIZE under torchrun)")
 
 
 def _load(args):
@@ -26,6 +28,7 @@ def _load(args):
     return load_model(
         args.model, backend=args.backend, prefill_backend=args.prefill_backend, decode_backend=args.decode_backend,
         page_size=args.page_size, policy_file=args.policy, dtype=args.dtype, device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

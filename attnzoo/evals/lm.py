@@ -69,6 +69,7 @@ class AttnzooLM(TemplateLM):
         add_bos_token: bool | None = None,
         wave_size: int | None = None,
         kv_cache_tokens: int | None = None,
+        tensor_parallel_size: int | None = None,
         # lm-eval's CLI passes these to every model; the engine schedules its own batches.
         batch_size: Any = None,
         max_batch_size: Any = None,
@@ -80,7 +81,7 @@ class AttnzooLM(TemplateLM):
             raise EvalError(
                 f"unknown model argument(s) for the attnzoo model: {', '.join(sorted(unknown))}",
                 fix="use pretrained, backend, prefill_backend, decode_backend, page_size, policy_file, dtype, device, "
-                "max_gen_toks, max_length, add_bos_token, wave_size, kv_cache_tokens",
+                "max_gen_toks, max_length, add_bos_token, wave_size, kv_cache_tokens, tensor_parallel_size",
             )
         if wave_size is not None and int(wave_size) < 1:
             raise EvalError(f"wave_size must be at least 1, got {wave_size}", fix="pass wave_size=N with N >= 1")
@@ -91,6 +92,7 @@ class AttnzooLM(TemplateLM):
                 pretrained, backend=backend, prefill_backend=prefill_backend, decode_backend=decode_backend,
                 page_size=page_size, policy_file=policy_file, dtype=dtype, device=device,
                 kv_cache_tokens=kv_cache_tokens,
+                tensor_parallel_size=int(tensor_parallel_size) if tensor_parallel_size else None,
             )
         if llm.tokenizer is None:
             raise EvalError(f"{llm.source.name} has no tokenizer", fix="evaluate a checkpoint that ships tokenizer files")

@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default=None, metavar="FILE", help="user policy file (same schema as the shipped table)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="split the model over N GPUs (default: 1, or WORLD_SIZE under torchrun, where rank 0 reports)")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N questions")
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's, 5 for gsm8k)")
     p.add_argument("--apply-chat-template", action="store_true", help="format prompts with the tokenizer's chat template")
@@ -103,6 +105,9 @@ def _check_numbers(args) -> None:
     if args.backend and (args.prefill_backend or args.decode_backend):
         raise EvalError("--backend cannot be combined with --prefill-backend/--decode-backend",
                         fix="use --backend B for both phases, or --prefill-backend B1 --decode-backend B2")
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        raise EvalError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}",
+                        fix="pass a positive number")
     if args.compare_page_size is not None and args.compare_to is None:
         raise EvalError("--compare-page-size needs --compare-to", fix="add --compare-to BACKEND")
 
@@ -129,11 +134,19 @@ def _load_saved(path: Path) -> dict:
     return check_saved_report(data, str(path))
 
 
-def _resolve_policy(config, src, device, dtype, policy_file, b: Backends):
+def _tensor_parallel_size(args) -> int:
+    from attnzoo.engine.tensor_parallel import torchrun_world
+
+    world = torchrun_world()
+    return args.tensor_parallel_size or (world[2] if world else 1)
+
+
+def _resolve_policy(config, src, device, dtype, policy_file, b: Backends, tp: int = 1):
     """The Decision load_model would take, computed from the config alone (no weights read)."""
     import torch
 
     from attnzoo.defaults import Overrides, resolve
+    from attnzoo.defaults.profile import profile_from_config, rank_local
 
     try:
         dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -143,7 +156,8 @@ def _resolve_policy(config, src, device, dtype, policy_file, b: Backends):
         raise EvalError(f"--device {device} was asked for but no CUDA GPU is available", fix="pass --device cpu")
     ov = Overrides(backend=b.backend, prefill_backend=b.prefill_backend, decode_backend=b.decode_backend,
                    page_size=b.page_size, policy_file=policy_file, dtype=dtype)
-    return resolve(config, gpu=None if dev.type == "cuda" else "cpu", overrides=ov, model_id=src.name)
+    shapes = config if tp == 1 else rank_local(profile_from_config(config), tp)  # one rank's heads
+    return resolve(shapes, gpu=None if dev.type == "cuda" else "cpu", overrides=ov, model_id=src.name)
 
 
 # ------------------------------------------------------------------------------ one run
@@ -160,7 +174,8 @@ def _evaluate(args, data_files, b: Backends, label: str) -> dict:
 
     t_load = time.perf_counter()
     llm = load_model(args.model, backend=b.backend, prefill_backend=b.prefill_backend, decode_backend=b.decode_backend,
-                     page_size=b.page_size, policy_file=args.policy, dtype=args.dtype, device=args.device)
+                     page_size=b.page_size, policy_file=args.policy, dtype=args.dtype, device=args.device,
+                     tensor_parallel_size=args.tensor_parallel_size)
     load_s = time.perf_counter() - t_load
     lm = AttnzooLM(llm=llm, pretrained=args.model, wave_size=args.wave_size)
     # Fresh task objects per run: lm-eval stores each run's instances and responses on them.
@@ -189,6 +204,7 @@ def _evaluate(args, data_files, b: Backends, label: str) -> dict:
     }
     run = build_run(task_results=results["results"], samples=results.get("samples", {}), lm=lm, info=llm.info(),
                     decision=llm.decision, wall_s=wall, settings=settings, label=label)
+    llm.close()  # tensor parallel from one process: the next run starts its own ranks
     del lm, llm
     _free_memory()
     return run
@@ -220,9 +236,10 @@ def run(args) -> dict:
     other = Backends(compare_backend, None, None, args.compare_page_size) if compare_backend else None
     src = loader.resolve_source(args.model)
     config = loader.load_config(src)
-    _resolve_policy(config, src, args.device, args.dtype, args.policy, mine)
+    tp = _tensor_parallel_size(args)
+    _resolve_policy(config, src, args.device, args.dtype, args.policy, mine, tp)
     if other is not None:
-        _resolve_policy(config, src, args.device, args.dtype, args.policy, other)
+        _resolve_policy(config, src, args.device, args.dtype, args.policy, other, tp)
 
     if args.apply_chat_template:
         tok = loader.load_tokenizer(src)
@@ -245,9 +262,17 @@ def run(args) -> dict:
     elif saved is not None:
         report["comparison"] = compare_runs(report["run"], saved, alpha=args.alpha)
         report["comparison"]["b"]["label"] = f"saved report {saved_path}"
-    if out_path is not None:
+    if out_path is not None and _rank() == 0:
         out_path.write_text(json.dumps(report, indent=1, default=str))
     return report
+
+
+def _rank() -> int:
+    """torchrun rank (0 outside torchrun): only rank 0 writes and prints the report."""
+    from attnzoo.engine.tensor_parallel import torchrun_world
+
+    world = torchrun_world()
+    return world[0] if world else 0
 
 
 def _check_saved_matches(saved: dict, args, loaded) -> None:
@@ -276,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     except AttnzooError as e:
         print(f"run_eval: error: {e}", file=sys.stderr)
         return 2
+    if _rank() != 0:
+        return 0
     print(render(report, per_question_rows=args.per_question))
     if args.output:
         print(f"\nreport written to {args.output}")
