@@ -149,7 +149,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_device(device, local_rank: int, world: int) -> torch.device:
+def _rank_device(device, local_rank: int, gpus_needed: int) -> torch.device:
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cpu":
         return dev
@@ -158,8 +158,8 @@ def _rank_device(device, local_rank: int, world: int) -> torch.device:
     if dev.index is not None:
         raise ModelLoadError(f"device {str(dev)!r} names one GPU, but each tensor-parallel rank takes its own",
                              fix="pass device='cuda': rank r uses cuda:r (cuda:LOCAL_RANK under torchrun)")
-    if torch.cuda.device_count() < world and local_rank >= torch.cuda.device_count():
-        raise ModelLoadError(f"tensor_parallel_size {world} needs {world} GPUs, {torch.cuda.device_count()} are visible",
+    if torch.cuda.device_count() < gpus_needed:
+        raise ModelLoadError(f"tensor parallelism needs {gpus_needed} GPUs here, {torch.cuda.device_count()} are visible",
                              fix="lower tensor_parallel_size, or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
     return torch.device("cuda", local_rank)
 
@@ -203,7 +203,7 @@ def launch(tensor_parallel_size: int | None, device, load_kwargs: dict) -> TPGro
         raise ModelLoadError(f"tensor_parallel_size={tensor_parallel_size} but torchrun started {world} processes",
                              fix=f"pass tensor_parallel_size={world} (or leave it unset), or run torchrun --nproc-per-node "
                                  f"{tensor_parallel_size}")
-    dev = _rank_device(device, local_rank, world)
+    dev = _rank_device(device, local_rank, local_rank + 1)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     owns = not dist.is_initialized()

@@ -1,0 +1,142 @@
+"""End-to-end throughput at tensor parallel 1 and 2 on the GSM8K-shaped workload of ``e2e.py``.
+
+Workload: the GSM8K 8-shot prompts (pre-tokenised, 1313-token shared prefix), ``--new-tokens`` output
+tokens each with EOS ignored, random bf16 weights (``load_model(load_format="random")``). Each
+(shape, TP) pair loads the model with ``tensor_parallel_size=TP`` from this process (rank 0; the other
+ranks are spawned), warms up, runs the workload once and records output tokens/s, TTFT, TPOT, the KV
+capacity (tokens per rank: every rank holds the same token count for its own heads), KV bytes per token
+per rank, rank 0's peak memory and the CUDA-graph/eager step counts.
+
+Shapes: ``llama70b`` (Llama-3.1-70B: 80 layers, 64 heads / 8 KV heads; does not fit one GPU with a
+useful KV cache, so run it at TP 2) and ``gemma4-31b`` (google/gemma-4-31B-it's text model).
+
+    python benchmarks/tp_e2e.py --shape gemma4-31b --tp 1,2 --out benchmarks/results/tp_e2e_gemma4_31b_2xh200
+    python benchmarks/tp_e2e.py --shape llama70b --tp 2 --out benchmarks/results/tp_e2e_llama70b_2xh200
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from attention_triton import versions  # noqa: E402
+from gemma4 import GEMMA4_31B  # noqa: E402
+
+LLAMA_70B = dict(
+    vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+    num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+    rms_norm_eps=1e-5, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)
+
+
+def make_config(shape: str, layers: int | None):
+    if shape == "llama70b":
+        from transformers import LlamaConfig
+
+        cfg = LlamaConfig(**{**LLAMA_70B, **({"num_hidden_layers": layers} if layers else {})})
+        cfg.architectures = ["LlamaForCausalLM"]
+        return cfg, "Llama-3.1-70B-shaped"
+    from transformers import Gemma4TextConfig
+
+    n = layers or GEMMA4_31B["num_hidden_layers"]
+    # 5 sliding : 1 global, the last layer global (as transformers lays out gemma-4-31B).
+    types = ["full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention" for i in range(n)]
+    cfg = Gemma4TextConfig(**{**GEMMA4_31B, "num_hidden_layers": n}, layer_types=types,
+                           architectures=["Gemma4ForCausalLM"])
+    return cfg, "Gemma-4-31B-shaped (text model)"
+
+
+def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_running: int) -> dict:
+    import attnzoo
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    t_load = time.perf_counter()
+    llm = attnzoo.load_model(config, load_format="random", backend=backend, dtype="bfloat16", device="cuda",
+                             max_running=max_running, tensor_parallel_size=tp)
+    load_s = time.perf_counter() - t_load
+    try:
+        llm.generate(prompts[:2], max_new_tokens=4, ignore_eos=True)  # warm-up: kernels compile
+        llm.engine.graph_stats = dict.fromkeys(llm.engine.graph_stats, 0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        info = llm.info()
+        n_out = sum(len(o.token_ids) for o in outs)
+        ttft = [o.time_to_first_token for o in outs]
+        tpot = [(o.latency - o.time_to_first_token) / max(1, len(o.token_ids) - 1) for o in outs]
+        return {
+            "tensor_parallel_size": tp, "prefill_backend": info["prefill_backend"],
+            "decode_backend": info["decode_backend"], "page_size": info["page_size"], "cascade": info["cascade"],
+            "prompts": len(prompts), "output_tokens": n_out, "wall_s": wall, "output_tok_per_s": n_out / wall,
+            "ttft_mean_s": statistics.mean(ttft), "tpot_mean_ms": 1e3 * statistics.mean(tpot),
+            "kv_cache_tokens": info["kv_cache_tokens"], "kv_bytes_per_token_per_rank": info["kv_bytes_per_token"],
+            "rank0_peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "load_s": load_s,
+            "graph_steps": llm.engine.graph_stats["replayed"], "eager_steps": llm.engine.graph_stats["eager"],
+            "max_running": max_running, "decision_profile": info["decision"]["profile"],
+        }
+    finally:
+        llm.close()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=("llama70b", "gemma4-31b"), required=True)
+    ap.add_argument("--tp", default="1,2", help="tensor-parallel sizes to run, comma-separated")
+    ap.add_argument("--out", required=True, help="output path prefix: writes PREFIX.json")
+    ap.add_argument("--backend", default=None, help="attention backend (default: the policy's)")
+    ap.add_argument("--prompts", type=int, default=1319)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--max-running", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=None, help="reduce depth (a quick check of the setup)")
+    args = ap.parse_args()
+
+    config, label = make_config(args.shape, args.layers)
+    data = json.loads((Path(__file__).parent / "data" / "gsm8k_8shot_tokens.json").read_text())
+    prompts = [data["prefix"] + q for q in data["questions"]][: args.prompts]
+    results = []
+    for tp in (int(t) for t in args.tp.split(",")):
+        r = run(config, prompts, tp=tp, new_tokens=args.new_tokens, backend=args.backend, max_running=args.max_running)
+        print(json.dumps({k: v for k, v in r.items() if k != "decision_profile"}), flush=True)
+        results.append(r)
+    base = next((r for r in results if r["tensor_parallel_size"] == 1), None)
+    for r in results:
+        if base is not None:
+            r["speedup_vs_tp1"] = r["output_tok_per_s"] / base["output_tok_per_s"]
+            r["kv_capacity_vs_tp1"] = r["kv_cache_tokens"] / base["kv_cache_tokens"]
+
+    meta = {"device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}", **versions(),
+            "model": f"{label}, random bf16 weights", "config": config.to_dict(),
+            "workload": f"{len(prompts)} GSM8K 8-shot prompts ({len(data['prefix'])}-token shared prefix), "
+                        f"{args.new_tokens} output tokens each, EOS ignored"}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
+    print(f"\n{label}, {meta['device']}")
+    print(f"{'TP':>3s} {'decode':>12s} {'tok/s':>9s} {'x TP1':>6s} {'TTFT s':>7s} {'TPOT ms':>8s} {'KV tokens':>10s} "
+          f"{'peak GiB':>8s}")
+    for r in results:
+        print(f"{r['tensor_parallel_size']:3d} {r['decode_backend']:>12s} {r['output_tok_per_s']:9.0f} "
+              f"{r.get('speedup_vs_tp1', float('nan')):6.2f} {r['ttft_mean_s']:7.2f} {r['tpot_mean_ms']:8.1f} "
+              f"{r['kv_cache_tokens']:10d} {r['rank0_peak_mem_gib']:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
