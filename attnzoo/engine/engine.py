@@ -275,7 +275,7 @@ class Engine:
     def _step(self, batch: "_Batch") -> torch.Tensor:
         step = {"prefix_lens": [r.num_cached for r in batch.reqs], "q_lens": [len(c) for c in batch.chunks],
                 "block_tables": [r.pages for r in batch.reqs], "ids": [t for c in batch.chunks for t in c],
-                "rows": batch.sample_rows}
+                "rows": batch.sample_rows, "keys": [r.index for r in batch.reqs]}
         logits, batch.shared_prefix_len = self.run_step(step)
         for req, chunk in zip(batch.reqs, batch.chunks):
             req.num_cached += len(chunk)

@@ -52,6 +52,10 @@ class TPGroup:
         self.owns_group = owns_group  # we initialised torch.distributed (spawn route): we tear it down
         self.workers: list = []
         self.closed = False
+        # Block tables only grow during a call: steps carry each request's new pages (request key ->
+        # pages sent so far on rank 0, the tables rebuilt on the others), not 1024 x 100 page ids.
+        self._sent: dict[int, int] = {}
+        self._tables: dict[int, list[int]] = {}
 
     @property
     def rank(self) -> int:
@@ -66,14 +70,30 @@ class TPGroup:
     def publish(self, message) -> None:
         import torch.distributed as dist
 
-        dist.broadcast_object_list([message], src=0, group=self.control)
+        kind, payload = message
+        if kind == "step" and payload.get("keys") is not None:
+            new = []
+            for key, table in zip(payload["keys"], payload["block_tables"]):
+                new.append(table[self._sent.get(key, 0):])
+                self._sent[key] = len(table)
+            payload = {**payload, "block_tables": new}
+        elif kind != "step":
+            self._sent.clear()
+        dist.broadcast_object_list([(kind, payload)], src=0, group=self.control)
 
     def receive(self):
         import torch.distributed as dist
 
         box = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+        kind, payload = box[0]
+        if kind == "step" and payload.get("keys") is not None:
+            for key, pages in zip(payload["keys"], payload["block_tables"]):
+                self._tables.setdefault(key, []).extend(pages)
+            payload["block_tables"] = [self._tables[key] for key in payload["keys"]]
+        elif kind != "step":
+            self._tables.clear()
+        return kind, payload
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's ``value`` (KV pages each GPU can hold)."""
