@@ -66,8 +66,16 @@ def _check_same(ref: dict, got: dict, name: str) -> None:
     torch.testing.assert_close(got["scored"], ref["scored"], rtol=0, atol=1e-4, msg=lambda m: f"{name} logits(): {m}")
 
 
-def _load(path, **kw):
-    return attnzoo.load_model(path, backend="torch", device="cpu", page_size=4, kv_cache_tokens=256, **kw)
+def _options(device: str) -> dict:
+    """CPU: the torch reference backend, small pages. GPU: the policy's backends and CUDA graphs, in
+    float32 so that TP=2 is held to TP=1 within 1e-4."""
+    if device == "cpu":
+        return {"device": "cpu", "backend": "torch", "page_size": 4, "kv_cache_tokens": 256}
+    return {"device": "cuda", "dtype": "float32", "kv_cache_tokens": 4096, "max_running": 8}
+
+
+def _load(path, device: str = "cpu", **kw):
+    return attnzoo.load_model(path, **_options(device), **kw)
 
 
 # ---------------------------------------------------------------------------------------- no processes
@@ -138,12 +146,13 @@ def _torchrun_rank(rank: int, world: int, port: int, paths: dict, out_dir: str, 
 
     results = {}
     for name, path in paths.items():
-        kw = {"backend": "torch", "page_size": 4, "kv_cache_tokens": 256} if device == "cpu" else {"dtype": "float32"}
-        llm = attnzoo.load_model(path, device=device, **kw)
+        llm = _load(path, device)
         res = _run(llm)
         res["info"] = {k: res["info"][k] for k in ("tensor_parallel_size", "decode_backend", "cuda_graph")}
         res["graph_steps"] = llm.engine.graph_stats["replayed"]
+        res["routed_expert_weights"] = sum(p.numel() for n, p in llm.model.named_parameters() if ".experts." in n)
         results[name] = res
+        del llm
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -169,6 +178,10 @@ def test_torchrun_route_all_families(checkpoints, tmp_path):
         assert got["info"]["tensor_parallel_size"] == 2
         _check_same(ref, got, name)
         assert ranks[1][name]["tokens"] == got["tokens"]
+    # Expert parallel: each rank holds half of the routed experts.
+    for name in ("gemma4", "deepseek_v3"):
+        full = sum(p.numel() for n, p in _load(checkpoints[name]).model.named_parameters() if ".experts." in n)
+        assert ranks[0][name]["routed_expert_weights"] == ranks[1][name]["routed_expert_weights"] == full // 2
 
 
 # ---------------------------------------------------------------------------------------- GPU
@@ -177,12 +190,10 @@ def test_torchrun_route_all_families(checkpoints, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
 def test_gpu_torchrun_route_with_cuda_graphs(checkpoints, tmp_path):
-    """NCCL, the policy's GPU backends, decode through CUDA graphs with the all-reduces captured;
-    float32 so that TP=2 is held to TP=1 within 1e-4."""
+    """NCCL, the policy's GPU backends, decode through CUDA graphs with the all-reduces captured."""
     ranks = _torchrun(checkpoints, tmp_path, "cuda")
     for name, path in checkpoints.items():
-        single = attnzoo.load_model(path, device="cuda", dtype="float32")
-        ref = _run(single)
+        ref = _run(_load(path, "cuda"))
         got = ranks[0][name]
         assert got["info"]["decode_backend"] == ref["info"]["decode_backend"]
         if ref["info"]["cuda_graph"] is not None:
@@ -194,8 +205,8 @@ def test_gpu_torchrun_route_with_cuda_graphs(checkpoints, tmp_path):
 @pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
 def test_gpu_spawn_route(checkpoints):
     path = checkpoints["deepseek_v3"]
-    ref = _run(attnzoo.load_model(path, device="cuda", dtype="float32"))
-    llm = attnzoo.load_model(path, device="cuda", dtype="float32", tensor_parallel_size=2)
+    ref = _run(_load(path, "cuda"))
+    llm = _load(path, "cuda", tensor_parallel_size=2)
     try:
         _check_same(ref, _run(llm), "deepseek_v3")
     finally:
