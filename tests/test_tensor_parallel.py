@@ -82,8 +82,8 @@ def _load(path, device: str = "cpu", **kw):
 
 
 def test_kv_heads_split_or_replicated():
-    # 8 query heads: 4 KV heads split over 2 ranks; over 8 ranks each pair of ranks... each rank keeps
-    # the one KV head its query head reads (query head r reads KV head r // 2).
+    # 8 query heads: 4 KV heads split over 2 ranks; over 8 ranks each rank keeps a copy of the one KV
+    # head its query head reads (query head r reads KV head r // 2).
     assert [TPContext(rank=r, world_size=2).kv_heads(4, 8) for r in range(2)] == [(0, 2), (2, 2)]
     assert [TPContext(rank=r, world_size=8).kv_heads(4, 8)[0] for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     with pytest.raises(ModelLoadError, match="not divisible by tensor_parallel_size 3"):
