@@ -51,6 +51,9 @@ def main(argv=None) -> None:
     ap.add_argument("--vllm-attn-backend", default=None, help="bench_vllm.py --attn-backend (default: its own)")
     ap.add_argument("--vllm-args", default="", help="more bench_vllm.py arguments")
     ap.add_argument("--order", choices=("vllm-first", "attnzoo-first"), default="vllm-first")
+    ap.add_argument("--reuse-vllm", default=None, metavar="JSON",
+                    help="a bench_vllm.py result measured on this same machine earlier in the session (a long "
+                         "shape's two engines may not fit one device call): recorded as reused, not re-run")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -69,6 +72,9 @@ def main(argv=None) -> None:
     jobs = [("vllm", vllm_cmd, env_vllm), ("attnzoo", ours_cmd, env_ours)]
     if args.order == "attnzoo-first":
         jobs.reverse()
+    if args.reuse_vllm:
+        jobs = [j for j in jobs if j[0] != "vllm"]
+        Path(f"{out}_vllm.json").write_text(Path(args.reuse_vllm).read_text())
     for name, cmd, env in jobs:
         run(cmd, env, Path(f"{out}_{name}.log"))
 
@@ -82,6 +88,8 @@ def main(argv=None) -> None:
         vllm_row["kv_cache_tokens"] = peer["num_gpu_blocks"] * peer["block_size"]
     for r in rows:
         r["vs_vllm"] = r["output_tok_per_s"] / peer["output_tok_per_s"]
+    if args.reuse_vllm:
+        vllm_row["reused_from"] = args.reuse_vllm
     result = {"meta": {**ours["meta"], "peer": {k: v for k, v in peer.items() if k not in vllm_row}},
               "attnzoo": rows, "vllm": vllm_row}
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
