@@ -39,10 +39,11 @@ class BatchMetadata:
     q_lens_cpu: list[int]
     # Last row of each request in the flat batch: where the logits for sampling are taken.
     last_token_rows: torch.Tensor  # [num_reqs] int64, device
-    # DECODE steps only (0 otherwise): leading KV tokens, whole pages, that every request of the step
-    # reads from the very same pages (a shared few-shot prefix, shared by the prefix cache). Backends
-    # that support cascade attention read them once for the whole batch instead of once per request;
-    # the pages are ``block_tables[0, :shared_prefix_len // page_size]``. Host int.
+    # Leading KV tokens, whole pages, that every request of the step reads from the very same pages (a
+    # shared few-shot prefix, shared by the prefix cache), all cached before the step: every new token
+    # of the step comes after them and sees all of them. Backends that support cascade attention read
+    # them once for the whole batch instead of once per request; the pages are
+    # ``block_tables[0, :shared_prefix_len // page_size]``. Host int.
     shared_prefix_len: int = 0
     # Per-backend planned state (wrappers, indptr arrays, ...), filled by Backend.prepare().
     backend_state: dict[str, Any] = field(default_factory=dict)
@@ -82,7 +83,7 @@ def build_metadata(
 
     ``block_tables[i]`` must cover ``prefix_lens[i] + q_lens[i]`` tokens. ``mode`` defaults to DECODE
     when every request adds exactly one token on top of a non-empty prefix, else EXTEND.
-    ``detect_shared_prefix``: in DECODE mode, fill ``shared_prefix_len`` from the block tables.
+    ``detect_shared_prefix``: fill ``shared_prefix_len`` from the block tables.
     """
     if not (len(prefix_lens) == len(q_lens) == len(block_tables)) or not q_lens:
         raise ValueError("prefix_lens, q_lens and block_tables must be non-empty and equally long")
@@ -109,8 +110,8 @@ def build_metadata(
         return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
 
     shared = 0
-    if detect_shared_prefix and mode is ForwardMode.DECODE:
-        shared = shared_prefix_pages(block_tables, seq_lens, page_size) * page_size
+    if detect_shared_prefix:
+        shared = shared_prefix_pages(block_tables, prefix_lens, page_size) * page_size
 
     return BatchMetadata(
         mode=mode,
@@ -138,16 +139,16 @@ def _padded_table(block_tables: list[list[int]]) -> torch.Tensor:
     return torch.from_numpy(table)
 
 
-def shared_prefix_pages(block_tables: list[list[int]], seq_lens: list[int], page_size: int) -> int:
+def shared_prefix_pages(block_tables: list[list[int]], prefix_lens: list[int], page_size: int) -> int:
     """How many leading pages every request's table holds at the same ids (0 for a single request).
 
     Equal page ids at equal table positions hold the same tokens (the prefix cache shares only full,
     immutable pages), so attention over them is the same computation for every request. Only pages
-    wholly before each request's last token count: the page being written stays per request.
+    wholly within each request's cached prefix count: the pages being written stay per request.
     """
     if len(block_tables) < 2:
         return 0
-    n = min((s - 1) // page_size for s in seq_lens)
+    n = min(p // page_size for p in prefix_lens)
     first = block_tables[0]
     for bt in block_tables[1:]:
         if n == 0:
