@@ -191,6 +191,30 @@ def test_shared_prefix_pages_of_a_decode_batch():
     assert extend.shared_prefix_len == 16  # request 1 writes its second page in this step
 
 
+def test_metadata_of_a_mixed_step_from_lists_or_arrays():
+    """Positions, slots and the padded table, checked token by token; the engine's per-request int32
+    page arrays give the same metadata as lists."""
+    import numpy as np
+
+    from attnzoo.attention.metadata import build_metadata
+
+    tables = [[7, 3, 9], [4], [7, 3, 5, 6, 8]]
+    prefix, q_lens, ps = [9, 0, 33], [1, 3, 7], 8
+    metas = [build_metadata(prefix_lens=prefix, q_lens=q_lens, block_tables=t, page_size=ps, device="cpu",
+                            detect_shared_prefix=True)
+             for t in (tables, [np.asarray(t, dtype=np.int32) for t in tables])]
+    positions = [p for p0, q in zip(prefix, q_lens) for p in range(p0, p0 + q)]
+    slots = [bt[p // ps] * ps + p % ps for bt, p0, q in zip(tables, prefix, q_lens) for p in range(p0, p0 + q)]
+    for m in metas:
+        assert m.positions.tolist() == positions and m.slot_mapping.tolist() == slots
+        assert m.block_tables.tolist() == [[7, 3, 9, 0, 0], [4, 0, 0, 0, 0], [7, 3, 5, 6, 8]]
+        assert m.q_indptr.tolist() == [0, 1, 4, 11] and m.last_token_rows.tolist() == [0, 3, 10]
+        assert m.seq_lens_cpu == [10, 3, 40] and m.seq_lens.tolist() == [10, 3, 40]
+        assert m.shared_prefix_len == 0 and not m.is_decode  # request 1 shares nothing
+    with pytest.raises(ValueError, match="request 1: 1 pages of 8 cannot hold 9 tokens"):
+        build_metadata(prefix_lens=[9, 0], q_lens=[1, 9], block_tables=tables[:2], page_size=ps, device="cpu")
+
+
 def test_cascade_is_explained_and_refused_where_it_cannot_run(tiny_dir):
     llm = attnzoo.load_model(tiny_dir, backend="torch", dtype="float32")
     assert llm.info()["cascade"].startswith("off: decode backend 'torch' has no cascade path")

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from attnzoo.attention.kv_cache import KVPool, PageAllocator
@@ -60,6 +61,17 @@ class _Request:
     logits: list[torch.Tensor] = field(default_factory=list)
     first_token_at: float = 0.0
     finished_at: float = 0.0
+    _table: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32), repr=False)
+
+    def page_table(self) -> np.ndarray:
+        """``pages`` as int32 for the step's block table. Pages only grow while a request runs, so only
+        those added since the last step are converted, not every page every step."""
+        n = len(self._table)
+        if n < len(self.pages):
+            self._table = np.concatenate([self._table, np.asarray(self.pages[n:], dtype=np.int32)])
+        elif n > len(self.pages):
+            self._table = np.asarray(self.pages, dtype=np.int32)
+        return self._table
 
     @property
     def tokens(self) -> list[int]:
@@ -288,7 +300,7 @@ class Engine:
         meta = build_metadata(
             prefix_lens=[r.num_cached for r in batch.reqs],
             q_lens=[len(c) for c in batch.chunks],
-            block_tables=[r.pages for r in batch.reqs],
+            block_tables=[r.page_table() for r in batch.reqs],
             page_size=self.pool.page_size,
             device=self.device,
             detect_shared_prefix=self.cascade or self.cascade_extend,
