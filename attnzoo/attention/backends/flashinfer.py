@@ -155,10 +155,9 @@ class FlashInferBackend(AttentionBackend):
 
     def prepare(self, meta: BatchMetadata) -> None:
         check_page_size(self.name, meta.page_size, self.pool.page_size)
-        qo = [0]
-        for q in meta.q_lens_cpu:
-            qo.append(qo[-1] + q)
-        step = _Step(mode=meta.mode, qo_indptr=torch.tensor(qo, dtype=torch.int32),
+        qo = torch.zeros(meta.num_reqs + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(meta.q_lens_cpu, dtype=torch.int32), 0, dtype=torch.int32, out=qo[1:])
+        step = _Step(mode=meta.mode, qo_indptr=qo,
                      shared_pages=meta.shared_prefix_len // meta.page_size)
         meta.backend_state[self._state_key] = step
         for sig in self._known:
@@ -182,17 +181,17 @@ class FlashInferBackend(AttentionBackend):
             starts = [step.shared_pages] * meta.num_reqs
         else:
             starts = window_page_start(meta.seq_lens_cpu, meta.q_lens_cpu, ps, window)
-        indptr = [0]
-        for i, s in enumerate(meta.seq_lens_cpu):
-            indptr.append(indptr[-1] + -(-s // ps) - (starts[i] if starts else 0))
-        indptr_host = torch.tensor(indptr, dtype=torch.int32)
+        seq = torch.tensor(meta.seq_lens_cpu, dtype=torch.int32)  # host, whole-batch ops: no loop per request
+        pages = (seq + ps - 1) // ps - (torch.tensor(starts, dtype=torch.int32) if starts else 0)
+        indptr_host = torch.zeros(meta.num_reqs + 1, dtype=torch.int32)
+        torch.cumsum(pages, 0, dtype=torch.int32, out=indptr_host[1:])
         dev = self.pool.device
         kv_indices = page_table.create_kv_indices(
             meta.block_tables, meta.seq_lens, indptr_host.to(dev, non_blocking=True), ps,
-            num_indices=indptr[-1],
+            num_indices=int(indptr_host[-1]),
             page_start=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True) if starts else None,
         )
-        last = torch.tensor([(s - 1) % ps + 1 for s in meta.seq_lens_cpu], dtype=torch.int32)
+        last = (seq - 1) % ps + 1
         idx = _PageIndex(kv_indptr=indptr_host, kv_indices=kv_indices, last_page_len=last)
         step.indices[key] = idx
         return idx
