@@ -313,7 +313,8 @@ class Engine:
         sample_rows = torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
             if self.graphs is not None and not meta.shared_prefix_len and self.graphs.fits(meta):
-                logits = self.graphs.replay(ids, meta)[sample_rows]  # decode: row i is request i
+                hidden = self.graphs.replay(ids, meta)  # decode: row i is request i
+                logits = self.model.compute_logits(hidden[sample_rows])
                 self.graph_stats["replayed"] += 1
             else:
                 hidden = self._forward(ids, meta)
