@@ -145,8 +145,9 @@ def test_flashinfer(case, mode, page_size):
         check("flashinfer", case, page_size, MODES[mode], batch)
 
 
-def cascade_step(case, page_size, shared_pages, suffix_lens, seed=0):
-    """A decode step whose requests all start with the same ``shared_pages`` pages, then own pages."""
+def cascade_step(case, page_size, shared_pages, suffix_lens, seed=0, q_lens=None):
+    """A step whose requests all start with the same ``shared_pages`` pages, then own pages: decode, or
+    extend with ``q_lens`` new tokens at the end of each request's suffix."""
     layer = Attention(0, case["heads"], case["kv_heads"], case["head_dim"], logit_softcap=case.get("softcap"),
                       scale=case.get("scale"))
     seq = [shared_pages * page_size + n for n in suffix_lens]
@@ -159,9 +160,10 @@ def cascade_step(case, page_size, shared_pages, suffix_lens, seed=0):
     for n in own:
         tables.append(shared + order[at:at + n])
         at += n
-    meta = build_metadata(prefix_lens=[s - 1 for s in seq], q_lens=[1] * len(seq), block_tables=tables,
+    q_lens = q_lens or [1] * len(seq)
+    meta = build_metadata(prefix_lens=[s - n for s, n in zip(seq, q_lens)], q_lens=q_lens, block_tables=tables,
                           page_size=page_size, device=DEV, detect_shared_prefix=True)
-    q = torch.randn(len(seq), case["heads"], case["head_dim"], device=DEV, dtype=DTYPE,
+    q = torch.randn(sum(q_lens), case["heads"], case["head_dim"], device=DEV, dtype=DTYPE,
                     generator=torch.Generator(device=DEV).manual_seed(seed + 1))
     return layer, pool, meta, q
 
@@ -177,6 +179,23 @@ def test_flashinfer_cascade_decode(case, page_size):
     # suffix lengths: just the token being written, a page-size non-multiple, several pages
     layer, pool, meta, q = cascade_step(case, page_size, shared_pages, [1, 7, 40, 2, 65])
     assert meta.shared_prefix_len == shared_pages * page_size
+    backend = get_backend_class("flashinfer")(pool)
+    out = run_backend(backend, layer, meta, q)
+    assert_close(out, reference(layer, pool, meta, q))
+    meta.shared_prefix_len, meta.backend_state = 0, {}
+    plain = run_backend(backend, layer, meta, q)
+    assert ((out.float() - plain.float()).norm() / plain.float().norm()).item() < 5e-3
+
+
+@pytest.mark.parametrize("case", [c for c in MHA_CASES if not c.get("window")], ids=_case_id)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flashinfer_cascade_extend(case, page_size):
+    """An extend step after a shared cached prefix (decode rows beside prompt chunks, one starting right
+    after the prefix): the shared pages once for every query, each request's rest causal, merged."""
+    shared_pages = 96 // page_size
+    layer, pool, meta, q = cascade_step(case, page_size, shared_pages, [1, 7, 40, 2, 150, 65],
+                                        q_lens=[1, 7, 1, 2, 150, 30])
+    assert not meta.is_decode and meta.shared_prefix_len == shared_pages * page_size
     backend = get_backend_class("flashinfer")(pool)
     out = run_backend(backend, layer, meta, q)
     assert_close(out, reference(layer, pool, meta, q))

@@ -140,7 +140,8 @@ class LLM:
         e = self.engine
         if e.cascade:
             return (f"on: decode steps whose requests share >= 1 page read it once "
-                    f"(when shared tokens x (requests - 1) >= {e.cascade_min_saved_tokens}; such steps run eagerly)")
+                    f"(when shared tokens x (requests - 1) >= {e.cascade_min_saved_tokens}; such steps run eagerly)"
+                    + ("; extend steps too" if e.cascade_extend else ""))
         if e.prefix_cache is None:
             return "off: prefix caching is off"
         if not e.decode_backend.supports_cascade:
@@ -166,6 +167,7 @@ class LLM:
             "kv_layers_with_memory": sum(1 for i in range(len(specs)) if self.pool.owns_memory(i)),
             "kv_element_bytes": elt,
             "context_len": self.engine.context_len,
+            "max_running": self.engine.max_running,
             "cuda_graph": None if self.engine.graphs is None else {
                 "batch_buckets": self.engine.graphs.buckets, "max_context": self.engine.graphs.max_context},
             "cascade": self._cascade_info(),
@@ -186,7 +188,7 @@ def load_model(
     kv_cache_tokens: int | None = None,
     kv_cache_memory: int | None = None,
     max_batch_tokens: int | None = None,
-    max_running: int = 256,
+    max_running: int | None = None,
     prefix_caching: bool = True,
     cuda_graph: bool | None = None,
     cuda_graph_max_context: int = 8192,
@@ -198,6 +200,8 @@ def load_model(
 
     ``load_format="random"`` builds the model from its config with random weights (for benchmarks of
     full-size shapes without the weights); the tokenizer is still loaded when the checkpoint has one.
+    ``max_running``: the most requests decoding at once (None: as many as the KV pages and the token
+    budget allow, at most 4096; ``info()["max_running"]`` says how many).
     ``cascade``: read a prefix shared by a whole decode batch once per step (None: wherever the decode
     backend supports it and prefix caching is on; ``info()["cascade"]`` says which).
     """
@@ -262,7 +266,7 @@ def load_model(
                 f"CUDA graphs were asked for, but the decode backend {dec.name!r} on {dev} does not support them",
                 fix="pass cuda_graph=False, or a decode backend that supports graphs on a GPU",
             )
-        engine.enable_cuda_graphs(max_batch=max_running, max_context=min(context_len, cuda_graph_max_context))
+        engine.enable_cuda_graphs(max_batch=engine.max_running, max_context=min(context_len, cuda_graph_max_context))
     if src is None:
         src = loader.CheckpointSource(f"random-weight {arch}", None)
     return LLM(model=model, tokenizer=tokenizer, config=config, architecture=arch, source=src, decision=decision,
