@@ -29,7 +29,6 @@ kernels also run on CPU under ``TRITON_INTERPRET=1`` for tests.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -167,129 +166,10 @@ def padded_slots(num_assignments: int, num_local: int, block_m: int) -> int:
     return _cdiv(worst, block_m) * block_m
 
 
-@functools.lru_cache(maxsize=None)
-def _kernels() -> dict:
-    """The Triton kernels, defined on first use: importing this module must not import triton (CPU
-    model files import it, and the interpreter must be chosen before triton is first imported)."""
-    import triton
-    import triton.language as tl
+def _kernels():
+    from attnzoo.layers import moe_kernels  # imports triton: on first use only
 
-    @triton.jit
-    def count_kernel(ids_ptr, counts_ptr, n, expert_start, num_local, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        e = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32) - expert_start
-        ok = (offs < n) & (e >= 0) & (e < num_local)
-        tl.atomic_add(counts_ptr + e, tl.full([BLOCK], 1, tl.int32), mask=ok)
-
-    @triton.jit
-    def align_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, total_ptr, n, expert_start, num_local,
-                     BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
-        # One program per local expert: its padded run starts after the padded runs of experts < e; its
-        # assignments are written there in flat order (deterministic), then sentinel rows (n) pad it.
-        e = tl.program_id(0)
-        offs_e = tl.arange(0, E_POW2)
-        cnt = tl.load(counts_ptr + offs_e, mask=offs_e < num_local, other=0)
-        padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        start = tl.sum(tl.where(offs_e < e, padded, 0))
-        my_cnt = tl.sum(tl.where(offs_e == e, cnt, 0))
-        my_padded = tl.sum(tl.where(offs_e == e, padded, 0))
-        if e == 0:
-            tl.store(total_ptr, tl.sum(padded))
-        seen = start
-        for c in range(0, n, CHUNK):
-            offs = c + tl.arange(0, CHUNK)
-            ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32) - expert_start
-            hit = (ids == e) & (offs < n)
-            rank = tl.cumsum(hit.to(tl.int32), 0) - 1
-            tl.store(sorted_ptr + seen + rank, offs.to(tl.int32), mask=hit)
-            seen += tl.sum(hit.to(tl.int32))
-        pad = tl.arange(0, BLOCK_M)
-        tl.store(sorted_ptr + start + my_cnt + pad, tl.full([BLOCK_M], 0, tl.int32) + n,
-                 mask=pad < my_padded - my_cnt)
-        first_block = start // BLOCK_M
-        for b in range(0, my_padded // BLOCK_M, CHUNK):
-            offs_b = b + tl.arange(0, CHUNK)
-            tl.store(expert_ids_ptr + first_block + offs_b, tl.full([CHUNK], 0, tl.int32) + e,
-                     mask=offs_b < my_padded // BLOCK_M)
-
-    @triton.jit
-    def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr,
-                    sorted_ptr, expert_ids_ptr, total_ptr,
-                    N, K, num_valid, num_m_blocks, split_n,
-                    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-                    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-                    ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
-                    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        # C[row] = A[row // ROWS_PER_A] @ B[expert(block)]^T for the rows of one padded M block; rows are
-        # flat (token, slot) indices, A is x (ROWS_PER_A = k) or the intermediate (ROWS_PER_A = 1).
-        pid = tl.program_id(0)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        in_group = GROUP_M * num_pid_n
-        first_m = (pid // in_group) * GROUP_M
-        size_m = min(num_m_blocks - first_m, GROUP_M)
-        pid_m = first_m + (pid % in_group) % size_m
-        pid_n = (pid % in_group) // size_m
-        if pid_m * BLOCK_M >= tl.load(total_ptr):
-            return
-        rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        row_ok = rows < num_valid
-        a_rows = (rows // ROWS_PER_A).to(tl.int64)
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
-        if FP8:
-            a_s_ptrs = a_scale_ptr + a_rows * stride_asm
-            s_rows = tl.where(offs_n < split_n, offs_n // GROUP_N,
-                              (split_n + GROUP_N - 1) // GROUP_N + (offs_n - split_n) // GROUP_N)
-            b_s_ptrs = b_scale_ptr + expert * stride_bse + s_rows * stride_bsn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if FP8:
-                a_s = tl.load(a_s_ptrs + (k0 // GROUP_K) * stride_ask, mask=row_ok, other=0.0)
-                b_s = tl.load(b_s_ptrs + (k0 // GROUP_K) * stride_bsk, mask=n_ok, other=0.0)
-                acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-            elif IEEE:
-                acc += tl.dot(a, b, input_precision="ieee")
-            else:
-                acc += tl.dot(a, b)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-        if MUL_WEIGHT:
-            acc = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
-        c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
-    def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
-                   ACT: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr):
-        # y = act(x[:, :width]) * x[:, width:] (ACT 1 silu, 2 gelu-tanh), in float32; with QUANT, FP8 with
-        # one scale per BLOCK (= the quantization group) channels.
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < width
-        gate = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * stride_x + width + offs, mask=ok, other=0.0).to(tl.float32)
-        if ACT == 1:
-            v = gate * tl.sigmoid(gate) * up
-        else:
-            z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-            v = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * z) - 1.0)) * up
-        if QUANT:
-            scale = tl.maximum(tl.max(tl.abs(v)), 1e-10) / 448.0
-            q = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
-            tl.store(y_ptr + row * stride_y + offs, q.to(y_ptr.dtype.element_ty), mask=ok)
-            tl.store(s_ptr + row * stride_s + tl.program_id(1), scale)
-        else:
-            tl.store(y_ptr + row * stride_y + offs, v.to(y_ptr.dtype.element_ty), mask=ok)
-
-    return {"count": count_kernel, "align": align_kernel, "gemm": gemm_kernel, "act": act_kernel}
+    return moe_kernels
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_local: int, expert_start: int = 0):
@@ -311,9 +191,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_local: int, e
     expert_ids = torch.empty(slots // block_m, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
     count_block = 1024
-    k["count"][(_cdiv(n, count_block),)](ids, counts, n, expert_start, num_local, BLOCK=count_block)
+    k.count_kernel[(_cdiv(n, count_block),)](ids, counts, n, expert_start, num_local, BLOCK=count_block)
     e_pow2 = 1 << max(0, (num_local - 1).bit_length())
-    k["align"][(num_local,)](ids, counts, sorted_ids, expert_ids, total, n, expert_start, num_local,
+    k.align_kernel[(num_local,)](ids, counts, sorted_ids, expert_ids, total, n, expert_start, num_local,
                              BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=256)
     return sorted_ids, expert_ids, total
 
@@ -326,7 +206,7 @@ def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *
     num_m_blocks = expert_ids.numel()
     grid = (num_m_blocks * _cdiv(n_out, cfg.block_n),)
     dummy = out  # never read when the matching flag is off
-    _kernels()["gemm"][grid](
+    _kernels().gemm_kernel[grid](
         a, w, out, a_scale if fp8 else dummy, w_scale if fp8 else dummy, weights if weights is not None else dummy,
         sorted_ids, expert_ids, total,
         n_out, k_in, num_valid, num_m_blocks, split_n,
@@ -334,6 +214,7 @@ def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *
         a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
         w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
         ROWS_PER_A=rows_per_a, MUL_WEIGHT=weights is not None, FP8=fp8, IEEE=a.dtype == torch.float32,
+        F32_OPERANDS=a.device.type != "cuda",
         GROUP_N=block[0], GROUP_K=block[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -346,8 +227,8 @@ def _act_and_mul(gate_up: torch.Tensor, act: str, quant: bool, dtype):
     block = QUANT_GROUP if quant else 1024
     y = torch.empty(m, inter, dtype=FP8 if quant else dtype, device=gate_up.device)
     s = torch.empty(m, _cdiv(inter, QUANT_GROUP), dtype=torch.float32, device=gate_up.device) if quant else y
-    _kernels()["act"][(m, _cdiv(inter, block))](
-        gate_up, y, s, inter, gate_up.stride(0), y.stride(0), s.stride(0),
+    _kernels().act_kernel[(m, _cdiv(inter, block))](
+        gate_up, y.view(torch.uint8) if quant else y, s, inter, gate_up.stride(0), y.stride(0), s.stride(0),
         ACT=1 if act == "silu" else 2, QUANT=quant, BLOCK=block,
     )
     return y, (s if quant else None)
@@ -448,15 +329,14 @@ class FusedMoE(nn.Module):
         return self.num_local, _cdiv(self.hidden, bn), _cdiv(self.intermediate, bk)
 
     def _apply(self, fn, recurse=True):
-        # model.to(dtype) must neither widen the FP8 weights nor round their float32 multipliers.
+        # model.to(dtype) must neither widen the FP8 weights nor round their float32 multipliers: what a
+        # conversion changed the dtype of is put back from the original (moved to the new device).
+        kept = {n: getattr(self, n).data for n in ("w13", "w2", "w13_scale_inv", "w2_scale_inv")} if self.quant else {}
         super()._apply(fn, recurse)
-        if self.quant == "fp8":
-            for name in ("w13", "w2"):
-                w, s = getattr(self, name), getattr(self, name + "_scale_inv")
-                if w.dtype != FP8:
-                    w.data = w.data.to(FP8)
-                if s.dtype != torch.float32:
-                    s.data = s.data.float()
+        for name, before in kept.items():
+            p = getattr(self, name)
+            if p.dtype != before.dtype:
+                p.data = before.to(p.device)
         return self
 
     def extra_repr(self) -> str:
