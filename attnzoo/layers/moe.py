@@ -96,7 +96,8 @@ def moe_reference(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expe
 
     One float32 row per (token, slot), summed over the slots at the end: deterministic (no atomic
     index_add) and accumulated in float32. FP8 weights are dequantized per expert; with
-    ``quantize_activations`` the GEMM inputs are rounded as the w8a8 kernel rounds them (for tests).
+    ``quantize_activations`` (FP8 weights only) the GEMM inputs are rounded as the w8a8 kernel rounds
+    them, for tests of the kernel.
     One host sync (the per-expert counts): this is the eager/CPU oracle, never captured.
     """
     t, k = topk_ids.shape
@@ -106,6 +107,9 @@ def moe_reference(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expe
     order = local.argsort(stable=True)
     counts = torch.bincount(local, minlength=num_local + 1).tolist()
     flat_w = topk_weights.reshape(-1).float()
+    # FP8 weights dequantized to the model dtype: the same model with dequantized weights. The w8a8
+    # emulation computes in float32 on the quantized values, as the kernel's float32 accumulator does.
+    wdt = torch.float32 if quantize_activations else x.dtype
     out = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for e, n in enumerate(counts[:num_local]):
@@ -115,12 +119,15 @@ def moe_reference(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expe
         start += n
         a, b = w13[e], w2[e]
         if w13_scale_inv is not None:
-            a = dequantize_block_fp8(a, w13_scale_inv[e], split=inter, block=block).to(x.dtype)
-            b = dequantize_block_fp8(b, w2_scale_inv[e], split=b.shape[0], block=block).to(x.dtype)
+            a = dequantize_block_fp8(a, w13_scale_inv[e], split=inter, block=block).to(wdt)
+            b = dequantize_block_fp8(b, w2_scale_inv[e], split=b.shape[0], block=block).to(wdt)
         h = x[rows // k]
         if quantize_activations:
-            h = _fake_quant_fp8(h)
-        gate, up = F.linear(h, a).chunk(2, dim=-1)
+            h = _fake_quant_fp8(h.float())
+        gate_up = F.linear(h, a)
+        if quantize_activations:
+            gate_up = gate_up.to(x.dtype).float()  # the kernel stores it in the model dtype
+        gate, up = gate_up.chunk(2, dim=-1)
         h = _act(gate, act) * up
         if quantize_activations:
             h = _fake_quant_fp8(h)
