@@ -1,0 +1,196 @@
+"""FP8 block-quantized checkpoints (DeepSeek-V3's official layout) on CPU: loading equals the dequantized
+model, the activation quantization and block GEMM kernels (Triton interpreter) equal the torch reference,
+and quantization configs we cannot run are clear errors."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+import attnzoo
+from attnzoo.errors import ModelLoadError, WeightError
+from attnzoo.layers.fp8 import (
+    FP8, Fp8Format, Fp8Linear, act_quant, act_quant_reference, dequantize, quantize_weight, w8a8_block_matmul,
+    w8a8_block_matmul_reference,
+)
+from helpers import random_prompts
+
+VOCAB = 160
+QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+# Dims that are not multiples of 128, so blocks at the edges are partial: hidden 200 (K of q_a / kv_a / MLPs,
+# N of o_proj and down_proj), intermediate 300, q_lora 136.
+TINY_V3 = dict(vocab_size=VOCAB, hidden_size=200, intermediate_size=300, moe_intermediate_size=72, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+               n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=136, kv_lora_rank=64, qk_nope_head_dim=32,
+               qk_rope_head_dim=16, v_head_dim=32, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+               max_position_embeddings=256)
+# What DeepSeek stores in FP8: every linear layer but the router and lm_head.
+FP8_LEAVES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _write(path, tensors, config, quant=None):
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {**config.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
+    if quant is not None:
+        cfg["quantization_config"] = quant
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, path / "model.safetensors")
+    return path
+
+
+@pytest.fixture(scope="module")
+def v3_fp8(tmp_path_factory):
+    """(FP8 checkpoint dir, the same weights dequantized to float32) of a tiny DeepSeek-V3."""
+    torch.manual_seed(0)
+    hf = DeepseekV3ForCausalLM(DeepseekV3Config(**TINY_V3)).eval()
+    g = torch.Generator().manual_seed(1)
+    # A residual stream led by the embeddings (as trained models' is, unlike a 0.02-std init) keeps the
+    # logits well conditioned, so FP8's ~3% per-GEMM error cannot flip greedy choices wholesale.
+    hf.model.embed_tokens.weight.data.normal_(0, 1, generator=g)
+    for layer in hf.model.layers:  # decisive routing, as in test_deepseek
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            gate.weight.data = torch.randn(gate.weight.shape, generator=g) * 0.5
+    root = tmp_path_factory.mktemp("v3fp8")
+    hf.save_pretrained(root / "hf")  # the checkpoint naming (one tensor per expert), which state_dict() is not
+    fp8, ref = {}, {}
+    for name, t in load_file(root / "hf" / "model.safetensors").items():
+        if name.endswith(".weight") and name.split(".")[-2] in FP8_LEAVES:
+            w8, s = quantize_weight(t)
+            fp8[name], fp8[name + "_scale_inv"] = w8, s
+            ref[name] = dequantize(w8, s)
+        else:
+            fp8[name] = ref[name] = t
+    return _write(root / "fp8", fp8, hf.config, QUANT), _write(root / "ref", ref, hf.config)
+
+
+def test_fp8_checkpoint_loads_and_equals_the_dequantized_model(v3_fp8):
+    fp8_dir, ref_dir = v3_fp8
+    ref = attnzoo.load_model(ref_dir, backend="torch", device="cpu")
+    llm = attnzoo.load_model(fp8_dir, backend="torch", device="cpu")
+    assert not any(isinstance(m, Fp8Linear) for m in llm.model.modules())  # CPU: dequantized at load
+    for prompt in random_prompts(VOCAB, [7, 19]):
+        diff = (llm.logits(prompt) - ref.logits(prompt)).abs().max().item()
+        assert diff <= 1e-3, diff
+    info = llm.info()
+    assert info["weights"]["format"] == "fp8 block 128x128, e4m3 (checkpoint)"
+    assert info["weights"]["gemm"] == "dequantized to float32 at load: cpu (the reference path)"
+    assert "weights format: fp8 block 128x128, e4m3" in llm.decision.explain()
+    assert ref.info()["weights"] == {"format": "float32", "gemm": "torch linear (float32)"}
+
+
+def test_fp8_layers_keep_the_checkpoint_format(v3_fp8):
+    """fp8_weights='fp8': the stored layers stay FP8 (float32 emulation of the w8a8 GEMM on CPU), kv_b_proj
+    is dequantized (absorbed MLA reads it as a matrix), and greedy tokens equal the dequantized model's."""
+    fp8_dir, ref_dir = v3_fp8
+    llm = attnzoo.load_model(fp8_dir, backend="torch", device="cpu", fp8_weights="fp8")
+    ref = attnzoo.load_model(ref_dir, backend="torch", device="cpu")
+    layer = llm.model.model.layers[1]
+    attn = layer.self_attn
+    for lin in (attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.o_proj, layer.mlp.shared_experts.down_proj,
+                layer.mlp.experts[3].up_proj, llm.model.model.layers[0].mlp.gate_proj):
+        assert isinstance(lin, Fp8Linear) and lin.weight.dtype == FP8 and lin.weight_scale_inv.dtype == torch.float32
+    assert attn.q_a_proj.weight_scale_inv.shape == (2, 2) and attn.o_proj.weight_scale_inv.shape == (2, 1)
+    assert type(attn.kv_b_proj) is torch.nn.Linear
+    assert torch.equal(attn.kv_b_proj.weight, ref.model.model.layers[1].self_attn.kv_b_proj.weight)
+    assert type(llm.model.lm_head) is torch.nn.Linear
+    w = llm.info()["weights"]
+    assert w["gemm"] == "torch emulation (float32, cpu): 26 layers"  # 4 + 4 attention, 3 dense, 3 shared, 4 x 3 experts
+    assert w["dequantized_at_load"] == "2 layers (kv_b_proj) to float32: the model reads the weight of kv_b_proj as a matrix"
+    prompts = random_prompts(VOCAB, [5, 12], seed=3)
+    got = llm.generate(prompts, max_new_tokens=8, ignore_eos=True)
+    want = ref.generate(prompts, max_new_tokens=8, ignore_eos=True)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    # Activation quantization is the only difference: small, but not zero.
+    a, b = llm.logits(prompts[0]), ref.logits(prompts[0])
+    assert 0 < (a - b).abs().max().item() <= 0.05 * b.abs().max().item()
+
+
+def test_random_weight_fp8_model_and_dtype_moves():
+    cfg = DeepseekV3Config(**TINY_V3, quantization_config=QUANT, architectures=["DeepseekV3ForCausalLM"])
+    llm = attnzoo.load_model(cfg, load_format="random", backend="torch", device="cpu", fp8_weights="fp8")
+    lin = llm.model.model.layers[0].self_attn.q_a_proj
+    assert isinstance(lin, Fp8Linear) and lin.weight.float().abs().max() == 448
+    assert llm.info()["weights"]["format"] == "fp8 block 128x128, e4m3 (random weights)"
+    lin.to(torch.bfloat16)  # model.to(dtype) must not turn codes or factors into bf16 numbers
+    assert lin.weight.dtype == FP8 and lin.weight_scale_inv.dtype == torch.float32
+    assert len(llm.generate([[5, 6, 7]], max_new_tokens=3, ignore_eos=True)[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("m,k", [(3, 300), (17, 128), (1, 72)])
+def test_act_quant_kernel_equals_reference(m, k):
+    x = torch.randn(m, k) * torch.rand(m, 1) * 10
+    x[0, :5] = 0
+    for ue8m0 in (False, True):
+        want, ws = act_quant_reference(x, ue8m0=ue8m0)
+        got, gs = act_quant(x, ue8m0=ue8m0)
+        assert torch.equal(gs, ws) and gs.shape == (m, -(-k // 128))
+        if ue8m0:
+            assert torch.equal(gs, torch.exp2(torch.log2(gs).round()))
+        # The interpreter drops the carry when rounding up crosses a power of two (124.3 -> 64, not 128);
+        # GPUs convert exactly (tests/test_fp8_gpu.py checks equality there).
+        g, w = got.float(), want.float()
+        assert torch.all((g == w) | (2 * g == w))
+        assert (g == w).float().mean() > 0.9
+    assert (want.float() * ws.repeat_interleave(128, 1)[:, :k] - x).abs().max() <= 0.07 * x.abs().max()
+
+
+@pytest.mark.parametrize("m,n,k,split_k", [(5, 200, 300, 1), (33, 136, 256, 3), (1, 64, 72, None)])
+def test_block_gemm_kernel_equals_reference(m, n, k, split_k):
+    x = torch.randn(m, k)
+    w = torch.randn(n, k) * 0.1
+    w8, ws = quantize_weight(w)
+    x8, xs = act_quant_reference(x)
+    want = w8a8_block_matmul_reference(x8, xs, w8, ws)
+    got = w8a8_block_matmul(x8, xs, w8, ws, out_dtype=torch.float32, split_k=split_k)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    # ... and the quantized product is the float product within FP8's resolution.
+    assert (want - x @ w.t()).abs().max() <= 0.08 * (x @ w.t()).abs().max()
+
+
+def test_quantize_dequantize_partial_blocks():
+    w = torch.randn(130, 260)
+    w8, s = quantize_weight(w)
+    assert w8.dtype == FP8 and s.shape == (2, 3)
+    assert (dequantize(w8, s) - w).abs().max() <= w.abs().max() / 16
+    with pytest.raises(WeightError, match=r"scale_inv has shape \(2, 2\)"):
+        dequantize(w8, s[:, :2])
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"quant_method": "gptq"}, "quant_method"), ({"fmt": "e5m2"}, "fmt"), ({"weight_block_size": [64, 64]}, "weight_block_size"),
+    ({"weight_block_size": None}, "weight_block_size"), ({"activation_scheme": "static"}, "activation_scheme"),
+    ({"scale_fmt": "e8m0x"}, "scale_fmt"),
+])
+def test_unsupported_quantization_configs_are_clear_errors(change, field):
+    cfg = DeepseekV3Config(**TINY_V3, quantization_config={**QUANT, **change})
+    with pytest.raises(WeightError, match=f"quantization_config.{field}") as e:
+        Fp8Format.from_config(cfg)
+    assert "weight_block_size" in e.value.fix
+
+
+def test_bad_fp8_checkpoints_are_clear_errors(tmp_path, v3_fp8):
+    fp8_dir, ref_dir = v3_fp8
+    cfg = json.loads((fp8_dir / "config.json").read_text())
+    tensors = load_file(fp8_dir / "model.safetensors")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**cfg, "quantization_config": {**QUANT, "weight_block_size": [128, 64]}}))
+    save_file(tensors, bad / "model.safetensors")
+    with pytest.raises(WeightError, match="weight_block_size"):
+        attnzoo.load_model(bad, backend="torch", device="cpu")
+    # Scales without a quantization_config.
+    (bad / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "quantization_config"}))
+    with pytest.raises(WeightError, match="no quantization_config"):
+        attnzoo.load_model(bad, backend="torch", device="cpu")
+    # An FP8 weight without its factors.
+    (bad / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v for k, v in tensors.items() if k != "model.layers.0.self_attn.o_proj.weight_scale_inv"},
+              bad / "model.safetensors")
+    with pytest.raises(WeightError, match="o_proj.weight has no weight_scale_inv"):
+        attnzoo.load_model(bad, backend="torch", device="cpu")
+    with pytest.raises(ModelLoadError, match="not FP8 block-quantized"):
+        attnzoo.load_model(ref_dir, backend="torch", device="cpu", fp8_weights="fp8")
+    with pytest.raises(ModelLoadError, match="fp8_weights"):
+        attnzoo.load_model(ref_dir, backend="torch", device="cpu", fp8_weights="int8")
