@@ -194,3 +194,89 @@ def test_bad_fp8_checkpoints_are_clear_errors(tmp_path, v3_fp8):
         attnzoo.load_model(ref_dir, backend="torch", device="cpu", fp8_weights="fp8")
     with pytest.raises(ModelLoadError, match="fp8_weights"):
         attnzoo.load_model(ref_dir, backend="torch", device="cpu", fp8_weights="int8")
+
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# DeepSeek-V3 linear shapes (N, K): q_a, q_b, kv_a, o, a routed expert's down; and one with partial blocks.
+V3_SHAPES = [(1536, 7168), (24576, 1536), (576, 7168), (7168, 16384), (7168, 2048), (200, 300)]
+
+
+def _needs_fp8_gpu():
+    from attnzoo.layers.fp8 import fp8_gemm_supported
+
+    if not fp8_gemm_supported(torch.device("cuda")):
+        pytest.skip("this GPU has no FP8 tensor cores (SM89+)")
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("m,k", [(1, 7168), (512, 1536), (37, 300)])
+def test_act_quant_on_gpu_equals_reference_exactly(m, k, ue8m0):
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+    want, ws = act_quant_reference(x, ue8m0=ue8m0)
+    for column_major in (False, True):
+        got, gs = act_quant(x, ue8m0=ue8m0, column_major_scales=column_major)
+        assert torch.equal(gs, ws) and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n,k", V3_SHAPES)
+def test_fp8_linear_equals_dequantized_bf16_linear(n, k):
+    """Every GEMM path this GPU has (Triton always; torch._scaled_mm blockwise on SM90 where N, K are
+    multiples of 128) equals the float32 reference of the same quantized operands, and the bf16 linear of
+    the dequantized weight within FP8 activation rounding."""
+    _needs_fp8_gpu()
+    from attnzoo.layers import fp8
+
+    dev = torch.device("cuda")
+    w8, ws = quantize_weight(torch.randn(n, k, device=dev) * 0.02)
+    lin = Fp8Linear(k, n, device=dev)
+    lin.weight.data.copy_(w8)
+    lin.weight_scale_inv.data.copy_(ws)
+    chosen = lin.prepare(torch.bfloat16)
+    paths = {fp8.GEMM_TRITON, chosen}
+    w_bf16 = dequantize(w8, ws, dtype=torch.bfloat16)
+    for m in (1, 64, 512):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        x8, xs = act_quant_reference(x)
+        ref = w8a8_block_matmul_reference(x8, xs, w8, ws)
+        for path in paths:
+            lin.prepare(torch.bfloat16)
+            lin.gemm = path
+            y = lin(x)
+            assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+            assert _rel(y, ref) <= 1e-2, (path, m)
+            assert _rel(y, torch.nn.functional.linear(x, w_bf16)) <= 0.05, (path, m)
+    for split_k in (1, 4):  # the split-K reduction the decode batches use
+        y = w8a8_block_matmul(x8, xs, w8, ws, out_dtype=torch.float32, split_k=split_k)
+        assert _rel(y, ref) <= 1e-5
+
+
+@pytest.mark.gpu
+@gpu
+def test_tiny_fp8_v3_greedy_equals_dequantized_bf16(v3_fp8):
+    """FP8 GEMMs in the whole model (CUDA graphs on for decode) give the greedy tokens of the same
+    checkpoint dequantized to bf16 at load."""
+    _needs_fp8_gpu()
+    fp8_dir, _ = v3_fp8
+    llm = attnzoo.load_model(fp8_dir, backend="triton", device="cuda", kv_cache_tokens=4096)
+    ref = attnzoo.load_model(fp8_dir, backend="triton", device="cuda", kv_cache_tokens=4096, fp8_weights="dequantize")
+    w = llm.info()["weights"]
+    assert "triton w8a8 block fp8" in w["gemm"] and "dequantized_at_load" in w
+    assert ref.info()["weights"]["gemm"] == "dequantized to bfloat16 at load: fp8_weights='dequantize'"
+    assert sum(isinstance(m, Fp8Linear) for m in llm.model.modules()) == 26
+    assert not any(p.dtype == torch.bfloat16 and p.dim() == 2 and n.endswith("o_proj.weight")
+                   for n, p in llm.model.named_parameters())
+    prompts = random_prompts(VOCAB, [5, 12, 30, 64], seed=3)
+    got = llm.generate(prompts, max_new_tokens=16, ignore_eos=True)
+    want = ref.generate(prompts, max_new_tokens=16, ignore_eos=True)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
