@@ -89,14 +89,20 @@ def test_fp8_layers_keep_the_checkpoint_format(v3_fp8):
     layer = llm.model.model.layers[1]
     attn = layer.self_attn
     for lin in (attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.o_proj, layer.mlp.shared_experts.down_proj,
-                layer.mlp.experts[3].up_proj, llm.model.model.layers[0].mlp.gate_proj):
+                llm.model.model.layers[0].mlp.gate_proj):
         assert isinstance(lin, Fp8Linear) and lin.weight.dtype == FP8 and lin.weight_scale_inv.dtype == torch.float32
+    experts = layer.mlp.experts  # the stacked (fused) MoE holds the checkpoint's FP8 experts as stored
+    assert experts.quant == "fp8" and experts.w13.dtype == FP8 and experts.w2_scale_inv.shape == (4, 2, 1)
+    want = load_file(fp8_dir / "model.safetensors")
+    assert torch.equal(experts.w13[2, :72].view(torch.uint8),
+                       want["model.layers.1.mlp.experts.2.gate_proj.weight"].view(torch.uint8))
     assert attn.q_a_proj.weight_scale_inv.shape == (2, 2) and attn.o_proj.weight_scale_inv.shape == (2, 1)
     assert type(attn.kv_b_proj) is torch.nn.Linear
     assert torch.equal(attn.kv_b_proj.weight, ref.model.model.layers[1].self_attn.kv_b_proj.weight)
     assert type(llm.model.lm_head) is torch.nn.Linear
     w = llm.info()["weights"]
-    assert w["gemm"] == "torch emulation (float32, cpu): 26 layers"  # 4 + 4 attention, 3 dense, 3 shared, 4 x 3 experts
+    # 4 + 4 attention, 3 dense MLP, 3 shared expert; one stacked MoE
+    assert w["gemm"] == "torch emulation (float32, cpu): 14 layers; MoE reference (float32, cpu): 1 layers"
     assert w["dequantized_at_load"] == "2 layers (kv_b_proj) to float32: the model reads the weight of kv_b_proj as a matrix"
     prompts = random_prompts(VOCAB, [5, 12], seed=3)
     got = llm.generate(prompts, max_new_tokens=8, ignore_eos=True)
@@ -273,7 +279,8 @@ def test_tiny_fp8_v3_greedy_equals_dequantized_bf16(v3_fp8):
     w = llm.info()["weights"]
     assert "triton w8a8 block fp8" in w["gemm"] and "dequantized_at_load" in w
     assert ref.info()["weights"]["gemm"] == "dequantized to bfloat16 at load: fp8_weights='dequantize'"
-    assert sum(isinstance(m, Fp8Linear) for m in llm.model.modules()) == 26
+    assert sum(isinstance(m, Fp8Linear) for m in llm.model.modules()) == 14
+    assert "fused MoE, triton w8a8 block fp8: 1 layers" in w["gemm"] and llm.model.model.layers[1].mlp.experts.quant == "fp8"
     assert not any(p.dtype == torch.bfloat16 and p.dim() == 2 and n.endswith("o_proj.weight")
                    for n, p in llm.model.named_parameters())
     prompts = random_prompts(VOCAB, [5, 12, 30, 64], seed=3)

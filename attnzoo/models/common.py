@@ -125,10 +125,17 @@ class CausalLM(nn.Module):
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
+        # Modules whose parameters are not named like the checkpoint's tensors (stacked MoE experts)
+        # map their tensors themselves.
+        loaders = {n + ".": m for n, m in self.named_modules() if hasattr(m, "load_checkpoint_tensor")}
         seen: set[str] = set()
         for ckpt_name, tensor in tensors:
             name = self.checkpoint_name(ckpt_name)
             if name is None:
+                continue
+            owner = next((p for p in loaders if name.startswith(p)), None)
+            if owner is not None:
+                loaders[owner].load_checkpoint_tensor(name[len(owner):], tensor, full_name=ckpt_name)
                 continue
             if name not in params:
                 if name.endswith("rotary_emb.inv_freq"):
@@ -146,6 +153,8 @@ class CausalLM(nn.Module):
             with torch.no_grad():
                 p.copy_(tensor.to(p.dtype))
             seen.add(name)
+        for prefix, module in loaders.items():
+            seen.update(prefix + n for n in module.loaded_parameters())
         missing = [n for n in params if n not in seen and not self._may_be_missing(n)]
         if missing:
             raise WeightError(

@@ -23,6 +23,7 @@ from torch import nn
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.mla import MLAAttention
 from attnzoo.errors import ModelLoadError
+from attnzoo.layers.moe import FusedMoE
 from attnzoo.models.common import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 
 
@@ -198,9 +199,8 @@ class DeepseekMoE(nn.Module):
     def __init__(self, config, scoring: str):
         super().__init__()
         self.gate = DeepseekRouter(config, scoring)
-        self.experts = nn.ModuleList(
-            GatedMLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts)
-        )
+        self.experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, "silu",
+                                init_std=getattr(config, "initializer_range", 0.02))
         self.shared_experts = _mlp(
             config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
             bool(getattr(config, "mlp_bias", False)),
@@ -208,31 +208,7 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         weights, ids = self.gate(x)  # [T, k] float32, [T, k]
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            routed = self.routed_static(x, weights, ids)
-        else:
-            routed = self.routed_sparse(x, weights, ids)
-        return routed + self.shared_experts(x)
-
-    def routed_sparse(self, x, weights, ids) -> torch.Tensor:
-        """The chosen experts on the tokens that chose them; one host sync per layer (which experts)."""
-        out = torch.zeros_like(x)
-        for e in torch.unique(ids).tolist():
-            tok, slot = torch.where(ids == e)
-            y = self.experts[e](x[tok]) * weights[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
-
-    def routed_static(self, x, weights, ids) -> torch.Tensor:
-        """Every expert on every token, weighted by zero where not chosen: shapes and launches do not
-        depend on the routing, so a captured CUDA graph replays it. It reads every expert's weights,
-        as a decode batch of a large MoE mostly does anyway, and spends the extra FLOPs on small batches."""
-        dense = torch.zeros(x.shape[0], len(self.experts), dtype=weights.dtype, device=x.device)
-        dense.scatter_(1, ids, weights)  # [T, E]
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            out += (expert(x) * dense[:, e, None]).to(out.dtype)
-        return out
+        return self.experts(x, weights, ids) + self.shared_experts(x)
 
 
 class DeepseekDecoderLayer(nn.Module):

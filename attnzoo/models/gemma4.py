@@ -23,6 +23,7 @@ from torch import nn
 
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.errors import ModelLoadError, RequestError
+from attnzoo.layers.moe import FusedMoE
 from attnzoo.models.common import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 
 log = logging.getLogger("attnzoo")
@@ -134,50 +135,6 @@ class Gemma4Router(nn.Module):
         return w * self.per_expert_scale[idx], idx
 
 
-class TopKExperts(nn.Module):
-    """Experts stored as stacked tensors (gate_up [E, 2I, H], down [E, H, I]); each token's output is the
-    routing-weighted sum of its top-k experts' gated MLPs."""
-
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, init_std: float = 0.02):
-        super().__init__()
-        # Initialised (not torch.empty) so that load_format="random" models compute finite numbers.
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden).normal_(0, init_std))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate).normal_(0, init_std))
-
-    def forward(self, x, weights, experts):  # x [T, H], weights float32 [T, k], experts int64 [T, k]
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self._forward_static(x, weights, experts)
-        t, k = experts.shape
-        flat = experts.reshape(-1)
-        order = flat.argsort()
-        # One host sync per layer for the per-expert token counts (eager steps only).
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        # One float32 row per (token, slot), summed over the slots at the end: deterministic (no atomic
-        # index_add) and accumulated in float32, as transformers' grouped experts do.
-        out = torch.empty(t * k, x.shape[1], dtype=torch.float32, device=x.device)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = order[start : start + n]
-            gate, up = F.linear(x[rows // k], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e])
-            out[rows] = y * weights.reshape(-1)[rows, None]
-            start += n
-        return out.view(t, k, -1).sum(dim=1).to(x.dtype)
-
-    def _forward_static(self, x, weights, experts):
-        """Every expert on every token, weighted by zero where not chosen: nothing depends on the
-        routing, so a captured CUDA-graph decode step replays it (extra FLOPs on small batches)."""
-        dense = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=torch.float32, device=x.device)
-        dense.scatter_(1, experts, weights)  # [T, E]
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in range(self.gate_up_proj.shape[0]):
-            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-            out += F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e]).float() * dense[:, e, None]
-        return out.to(x.dtype)
-
-
 class Gemma4DecoderLayer(nn.Module):
     def __init__(self, cfg, layer_id: int, kv_from: int | None):
         super().__init__()
@@ -193,7 +150,8 @@ class Gemma4DecoderLayer(nn.Module):
         self.moe = bool(cfg.enable_moe_block)
         if self.moe:
             self.router = Gemma4Router(cfg)
-            self.experts = TopKExperts(cfg.num_experts, h, cfg.moe_intermediate_size, cfg.initializer_range)
+            self.experts = FusedMoE(cfg.num_experts, h, cfg.moe_intermediate_size, _act(cfg),
+                                    init_std=cfg.initializer_range)
             self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
             self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
             self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)

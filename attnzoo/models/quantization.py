@@ -20,6 +20,7 @@ from torch import nn
 
 from attnzoo.errors import ModelLoadError, WeightError
 from attnzoo.layers.fp8 import FP8, Fp8Format, Fp8Linear, dequantize, fp8_gemm_supported
+from attnzoo.layers.moe import FusedMoE
 
 FP8_MODES = ("auto", "fp8", "dequantize")
 _SCALE = ".weight_scale_inv"
@@ -86,6 +87,7 @@ class Fp8Plan(WeightPlan):
         self.dequantized: Counter = Counter()  # leaf name -> layers dequantized at load
         self.gemms: Counter = Counter()
         self.fp8_modules: set[str] = set()
+        self.fp8_moes: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ build
 
@@ -94,12 +96,21 @@ class Fp8Plan(WeightPlan):
             return False  # float32 layers (e.g. V3.2's indexer weights_proj) are never FP8 in checkpoints
         return leaf != "lm_head" if self.scaled is None else leaf in self.leaves
 
+    def _fp8_moe(self, moe: FusedMoE) -> FusedMoE:
+        return FusedMoE(moe.num_experts, moe.hidden, moe.intermediate, moe.act, quant="fp8",
+                        experts=range(moe.expert_start, moe.expert_start + moe.num_local),
+                        block=(self.fmt.block_n, self.fmt.block_k))
+
     def build(self, cls, config) -> nn.Module:
-        """Build the model with FP8 layers in place: each nn.Linear to be FP8 is replaced the moment it is
-        registered, so at most one layer's bf16 weight exists at a time."""
+        """Build the model with FP8 layers in place: each nn.Linear (or stacked MoE) to be FP8 is replaced
+        the moment it is registered, so at most one layer's bf16 weights exist at a time."""
+        experts = self.keep and (self.scaled is None or any(".experts." in s for s in self.scaled))
+
         def swap(parent, name, sub):
             if type(sub) is nn.Linear and self._wants_fp8(name, sub):
                 return Fp8Linear.from_linear(sub, self.fmt, quantize=self.scaled is None)
+            if experts and isinstance(sub, FusedMoE) and sub.quant is None:
+                return self._fp8_moe(sub)
             return None
 
         handle = nn.modules.module.register_module_module_registration_hook(swap)
@@ -110,6 +121,7 @@ class Fp8Plan(WeightPlan):
         if self.scaled is not None:
             self._reconcile(model)
         self.fp8_modules = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+        self.fp8_moes = tuple(n + "." for n, m in model.named_modules() if isinstance(m, FusedMoE) and m.quant)
         return model
 
     def _target(self, model, ckpt_module: str) -> str | None:
@@ -124,6 +136,14 @@ class Fp8Plan(WeightPlan):
             if t is not None and self.keep and t.rsplit(".", 1)[-1] not in self.matrix_weights:
                 want.add(t)
         for name, mod in list(model.named_modules()):
+            if isinstance(mod, FusedMoE):
+                fp8 = self.keep and any(t.startswith(name + ".") for t in want)
+                if fp8 != (mod.quant == "fp8"):
+                    parent, _, leaf = name.rpartition(".")
+                    setattr(model.get_submodule(parent), leaf, self._fp8_moe(mod) if fp8 else FusedMoE(
+                        mod.num_experts, mod.hidden, mod.intermediate, mod.act,
+                        experts=range(mod.expert_start, mod.expert_start + mod.num_local)))
+                continue
             is_fp8 = isinstance(mod, Fp8Linear)
             if is_fp8 == (name in want) or not (is_fp8 or type(mod) is nn.Linear):
                 continue
@@ -140,7 +160,11 @@ class Fp8Plan(WeightPlan):
     def tensors(self, model, stream):
         """The checkpoint's tensors, with the FP8 weights of layers that are not Fp8Linear dequantized
         (weight and factors may arrive in either order, from different shards)."""
-        kept = {s for s in self.scaled if self._target(model, s) in self.fp8_modules}
+        kept = set()
+        for s in self.scaled:
+            t = self._target(model, s)
+            if t is not None and (t in self.fp8_modules or t.startswith(self.fp8_moes)):
+                kept.add(s)
         weights: dict[str, torch.Tensor] = {}
         scales: dict[str, torch.Tensor] = {}
         for name, t in stream:
@@ -174,6 +198,9 @@ class Fp8Plan(WeightPlan):
         for mod in model.modules():
             if isinstance(mod, Fp8Linear):
                 self.gemms[mod.prepare(self.dtype)] += 1
+            elif isinstance(mod, FusedMoE) and mod.quant == "fp8":
+                on_gpu = mod.w13.is_cuda
+                self.gemms["fused MoE, triton w8a8 block fp8" if on_gpu else "MoE reference (float32, cpu)"] += 1
 
     def describe(self) -> dict:
         out = {"format": self.fmt.describe() + (" (checkpoint)" if self.scaled is not None else " (random weights)")}
