@@ -111,6 +111,8 @@ class Decision:
     block_table_multiple: int = 1  # block-table column count must be a multiple of this
     kv_layouts: dict[str, str] = field(default_factory=dict)  # phase -> KV layout its backend reads
     policy_files: list[str] = field(default_factory=list)
+    # Weight format and linear-layer GEMM path, filled in by load_model once the weights are planned.
+    weights: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -130,6 +132,7 @@ class Decision:
             "kv_layouts": dict(self.kv_layouts),
             "profile": self.profile.to_dict(),
             "policy_files": list(self.policy_files),
+            "weights": dict(self.weights),
             "candidates": [c.to_dict() for c in self.candidates],
         }
 
@@ -155,6 +158,8 @@ class Decision:
         for phase in PHASES:
             if phase in self.kernels:
                 out.append(f"  {phase} kernel: {self.kernels[phase]}")
+        for key, text in self.weights.items():
+            out.append(f"  weights {key.replace('_', ' ')}: {text}")
         if self.planned:
             out.append(f"  planned: {self.planned}")
         if self.adjustments:

@@ -14,6 +14,7 @@ from attnzoo.engine.engine import Completion, Engine
 from attnzoo.engine.sampling import SamplingParams
 from attnzoo.errors import BackendError, ModelLoadError, RequestError
 from attnzoo.models import loader
+from attnzoo.models.quantization import plan_weights
 from attnzoo.models.registry import model_class
 
 log = logging.getLogger("attnzoo")
@@ -171,6 +172,7 @@ class LLM:
             "cuda_graph": None if self.engine.graphs is None else {
                 "batch_buckets": self.engine.graphs.buckets, "max_context": self.engine.graphs.max_context},
             "cascade": self._cascade_info(),
+            "weights": dict(self.decision.weights),
             "decision": self.decision.to_dict(),
         }
 
@@ -194,6 +196,7 @@ def load_model(
     cuda_graph_max_context: int = 8192,
     cascade: bool | None = None,
     load_format: str = "auto",
+    fp8_weights: str = "auto",
     seed: int = 0,
 ) -> LLM:
     """Load a checkpoint (local dir, hub id, .gguf file; None = embedded SmolLM2-135M-Instruct).
@@ -204,6 +207,10 @@ def load_model(
     budget allow, at most 4096; ``info()["max_running"]`` says how many).
     ``cascade``: read a prefix shared by a whole decode batch once per step (None: wherever the decode
     backend supports it and prefix caching is on; ``info()["cascade"]`` says which).
+    ``fp8_weights`` (FP8 block-quantized checkpoints): "auto" keeps the stored FP8 layers and runs FP8
+    GEMMs on GPUs with FP8 tensor cores, and dequantizes to ``dtype`` at load elsewhere (CPU: the reference
+    path); "fp8" insists on FP8 layers (on CPU they run a float32 emulation); "dequantize" always
+    dequantizes. ``info()["weights"]`` states the format and the GEMM path.
     """
     from attnzoo.defaults import Overrides, resolve
 
@@ -231,16 +238,20 @@ def load_model(
     )
     decision = resolve(config, gpu=None if dev.type == "cuda" else "cpu", overrides=overrides, model_id=src.name if src else None)
     log.info("attention policy for %s: %s", arch, decision.explain().splitlines()[0])
+    weights = plan_weights(config, cls, device=dev, dtype=dt, mode=fp8_weights,
+                           checkpoint_names=loader.checkpoint_tensor_names(src) if load_format == "auto" else None)
 
     # Seeded random init (load_format="random") without touching the caller's global RNG state.
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
         with torch.device(dev), _default_dtype(dt):  # build in place: no float32 copy of a large model
-            model = cls(config)
+            model = weights.build(cls, config)
     if load_format == "auto":
-        model.load_weights(loader.iter_weights(src, config))
+        model.load_weights(weights.tensors(model, loader.iter_weights(src, config)))
     else:
         model.after_weights_loaded()
+    weights.finish(model)
+    decision.weights = weights.describe()
     model.eval()
     tokenizer = loader.load_tokenizer(src) if src else None
 

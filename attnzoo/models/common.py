@@ -96,6 +96,9 @@ class CausalLM(nn.Module):
 
     # Checkpoint tensors that are allowed to be absent (e.g. tied lm_head) or present but unused.
     tied_lm_head: bool = False
+    # Names of nn.Linear layers whose weight the model reads as a matrix instead of calling the layer
+    # (quantized checkpoints dequantize these at load).
+    matrix_weights: tuple[str, ...] = ()
 
     def attention_layers(self) -> list[Attention]:
         return sorted((m for m in self.modules() if isinstance(m, Attention)), key=lambda a: a.layer_id)

@@ -22,7 +22,7 @@ from torch import nn
 
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.mla import MLAAttention
-from attnzoo.errors import ModelLoadError, WeightError
+from attnzoo.errors import ModelLoadError
 from attnzoo.layers.moe import FusedMoE
 from attnzoo.models.common import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 
@@ -242,6 +242,7 @@ class DeepseekModel(nn.Module):
 class DeepseekV2ForCausalLM(CausalLM):
     scoring = "softmax"
     attention_cls = DeepseekAttention  # V3.2 swaps in its indexer-carrying subclass
+    matrix_weights = ("kv_b_proj",)  # absorbed MLA folds it into the query and the output
 
     def __init__(self, config):
         super().__init__()
@@ -269,11 +270,6 @@ class DeepseekV2ForCausalLM(CausalLM):
         return self.lm_head(hidden).float()
 
     def checkpoint_name(self, name: str) -> str | None:
-        if name.endswith("weight_scale_inv"):
-            raise WeightError(
-                f"checkpoint tensor {name!r} belongs to an FP8 block-quantized checkpoint, which attnzoo does not load",
-                fix="use a bf16 checkpoint (e.g. convert with DeepSeek's fp8_cast_bf16.py)",
-            )
         parts = name.split(".")
         # V3 checkpoints append the multi-token-prediction module as extra layers; generation skips it.
         if parts[:2] == ["model", "layers"] and int(parts[2]) >= self.config.num_hidden_layers:
