@@ -283,8 +283,8 @@ def resolve(
             num_kv_heads=profile.num_kv_heads,
         )
         caps = CAPABILITIES.get(name)
-        if page_bound and explicit_page is not None and caps is not None and not caps.page_size_ok(explicit_page):
-            chk.violations.append(f"page size {explicit_page} unsupported (supports {caps.page_sizes_text()})")
+        if page_bound and explicit_page is not None and caps is not None and not caps.page_size_ok(explicit_page, cls):
+            chk.violations.append(f"page size {explicit_page} unsupported (supports {caps.page_sizes_text(cls)})")
         return chk
 
     checks: dict[str, Check] = {}
@@ -321,7 +321,7 @@ def resolve(
                 fix=_valid_fix(phase, profile, cls, check),
             )
 
-    page, page_adj = _settle_page_size(values, sources)
+    page, page_adj = _settle_page_size(values, sources, cls)
     if page_adj:
         adjustments.append(page_adj)
         sources["page_size"] = Source("fallback", f"adjusted from {sources['page_size'].detail}",
@@ -349,7 +349,7 @@ def resolve(
     if dtype is None:
         notes.append("run dtype not given: backend dtypes not checked")
 
-    candidates = _candidates(values, first_choice, fallback, page, check)
+    candidates = _candidates(values, first_choice, fallback, page, check, cls)
     return Decision(
         prefill_backend=values["prefill_backend"], decode_backend=values["decode_backend"], page_size=page,
         gpu=cls, architecture=arch, sources=sources, candidates=candidates, adjustments=adjustments,
@@ -478,15 +478,16 @@ def _check_page_size_value(page, src: Source) -> None:
                           fix="pass e.g. page_size=16")
 
 
-def _settle_page_size(values: dict[str, Any], sources: dict[str, Source]) -> tuple[int, str | None]:
+def _settle_page_size(values: dict[str, Any], sources: dict[str, Source], gpu: str) -> tuple[int, str | None]:
     page, src = values["page_size"], sources["page_size"]
     allowed = set(range(1, MAX_PAGE_SIZE + 1))
     needs = []
     for phase in PHASES:
         caps = CAPABILITIES[values[f"{phase}_backend"]]
-        if caps.page_sizes is not None:
-            allowed &= caps.page_sizes
-            needs.append(f"{phase} backend {caps.name} needs {caps.page_sizes_text()}")
+        sizes = caps.page_sizes_on(gpu)
+        if sizes is not None:
+            allowed &= sizes
+            needs.append(f"{phase} backend {caps.name} needs {caps.page_sizes_text(gpu)}")
     if page in allowed:
         return page, None
     if not allowed:
@@ -528,7 +529,7 @@ def _explicit_backend_error(name, phase, src: Source, chk: Check, profile, gpu, 
     return BackendError(f"{what}: {'; '.join(chk.violations)}", fix=_valid_fix(phase, profile, gpu, check))
 
 
-def _candidates(values, first_choice, fallback, page: int, check) -> list[Candidate]:
+def _candidates(values, first_choice, fallback, page: int, check, gpu: str) -> list[Candidate]:
     out: list[Candidate] = []
     for phase in PHASES:
         chosen = values[f"{phase}_backend"]
@@ -541,8 +542,8 @@ def _candidates(values, first_choice, fallback, page: int, check) -> list[Candid
             chk = check(name, phase)
             caps = CAPABILITIES.get(name)
             notes = []
-            if caps is not None and not caps.page_size_ok(page):
-                notes.append(f"needs page size {caps.page_sizes_text()}; this decision uses {page}")
+            if caps is not None and not caps.page_size_ok(page, gpu):
+                notes.append(f"needs page size {caps.page_sizes_text(gpu)}; this decision uses {page}")
             if chk.kernel is not None and chk.kernel.runs_as:
                 notes.append(f"{phase} runs the {chk.kernel.runs_as} backend's kernel here ({chk.kernel.note})")
             out.append(Candidate(name, phase, chk.ok, chk.reasons, chosen=name == chosen,
