@@ -456,6 +456,7 @@ def check_backend(
     registered: frozenset[str] | set[str] = frozenset(),
     num_heads: int | None = None,
     num_kv_heads: frozenset[int] = frozenset(),
+    assume_installed: frozenset[str] = frozenset(),
 ) -> Check:
     """Check everything but the page size (the policy may still adjust that) for one phase."""
     chk = Check(name, phase)
@@ -474,7 +475,9 @@ def check_backend(
         bad.append(
             f"not implemented yet in this build (registered backends: {', '.join(sorted(registered)) or 'none'})"
         )
-    if caps.module is None or module_available(caps.module):
+    if caps.module is not None and caps.module in assume_installed:
+        good.append(f"package {caps.module!r} assumed installed (hypothetical)")
+    elif caps.module is None or module_available(caps.module):
         good.append(f"package {caps.module!r} importable" if caps.module else "needs no extra package")
     else:
         fix = f'pip install "attnzoo[{caps.extra}]"' if caps.extra else f"install {caps.module}"
