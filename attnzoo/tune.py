@@ -184,6 +184,10 @@ def tune(model: str, *, device=None, dtype=None, backends: list[str] | None = No
     runnable: dict[tuple[str, str], int] = {}  # (backend, phase) -> page size
     skipped: list[dict] = []
     for name in backends or backend_names():
+        if name == "torch" and not backends and dev.type == "cuda":
+            skipped.append({"backend": name, "phase": "both", "why": "the reference backend: not timed on a GPU "
+                            "unless --backends names it"})
+            continue
         for phase in PHASES:
             if not CAPABILITIES[name].kernels(phase):
                 continue
