@@ -34,6 +34,7 @@ CC = torch.cuda.get_device_capability()
 SM90 = CC == (9, 0)
 BLACKWELL = CC in ((10, 0), (10, 3))
 XQA_OR_TRTLLM_GEN = CC in ((9, 0), (10, 0), (10, 3), (12, 0), (12, 1))
+TRTLLM_MLA_GPU = BLACKWELL or CC in ((12, 0), (12, 1))  # trtllm-gen MLA, or XQA-MLA on SM120/SM121
 DTYPE = torch.bfloat16
 DEV = "cuda"
 REL_TOL = 1e-2
@@ -285,8 +286,24 @@ def test_trtllm_mha_rejects_softcap_and_bad_page_size():
     with pytest.raises(BackendError, match="soft-capping"):
         be.decode(layer, q, meta)
     _, pool8, _, _ = make_step(page_size=8, prefix_lens=[5], q_lens=[1], mode=ForwardMode.DECODE, **case)
-    with pytest.raises(BackendError, match="page size 16, 32 or 64"):
+    with pytest.raises(BackendError, match="needs page size 16, 32, 64"):
         get_backend_class("trtllm_mha")(pool8)
+
+
+@pytest.mark.skipif(not SM90, reason="FlashInfer's FA3 kernels run on SM90 only")
+@pytest.mark.parametrize("kv_heads", [2, 8])
+def test_flashinfer_fa3_decode_variant(kv_heads):
+    for batch in DECODE_BATCHES:
+        check("flashinfer", dict(id="fa3-decode", heads=8, kv_heads=kv_heads, head_dim=128), 16,
+              ForwardMode.DECODE, batch, decode_variant="fa3")
+
+
+@pytest.mark.skipif(not XQA_OR_TRTLLM_GEN or BLACKWELL, reason="XQA (SM90/SM120) builds page 128")
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_trtllm_mha_xqa_page_128(mode):
+    batches = DECODE_BATCHES if mode == "decode" else EXTEND_BATCHES
+    for batch in batches:
+        check("trtllm_mha", dict(id="xqa-p128", heads=16, kv_heads=4, head_dim=128), 128, MODES[mode], batch)
 
 
 def _graph_replay(name, case, page_size, batch=4):
@@ -372,26 +389,30 @@ def test_flashinfer_mla_reads_the_pool_in_place():
     assert view.data_ptr() == pool.k(0).data_ptr() and view.is_contiguous()
 
 
-@pytest.mark.skipif(not BLACKWELL, reason="trtllm_mla (trtllm-gen MLA decode) runs on SM100/SM103 only")
+@pytest.mark.skipif(not TRTLLM_MLA_GPU, reason="trtllm_mla runs on SM100/SM103 (trtllm-gen) and SM120/SM121 (XQA-MLA)")
 @pytest.mark.parametrize("heads", [16, 128])
-@pytest.mark.parametrize("page_size", [32, 64])
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128])
 def test_trtllm_mla_decode(heads, page_size):
+    if BLACKWELL and page_size not in (32, 64):
+        pytest.skip("trtllm-gen MLA decode takes page 32 or 64")
+    if not BLACKWELL and heads != 128:
+        pytest.skip("XQA-MLA runs 128 query heads only")
     for batch in DECODE_BATCHES:
         check("trtllm_mla", mla_case(heads), page_size, ForwardMode.DECODE, batch)
 
 
-@pytest.mark.skipif(not BLACKWELL, reason="trtllm_mla (trtllm-gen MLA decode) runs on SM100/SM103 only")
+@pytest.mark.skipif(not TRTLLM_MLA_GPU, reason="trtllm_mla runs on SM100/SM103 (trtllm-gen) and SM120/SM121 (XQA-MLA)")
 def test_trtllm_mla_cuda_graph_replay():
-    case = mla_case(16)
+    case = mla_case(16 if BLACKWELL else 128)
     _graph_replay("trtllm_mla", {k: v for k, v in case.items() if k != "id"}, 64)
 
 
-@pytest.mark.skipif(BLACKWELL, reason="checks the refusal on GPUs other than SM100/SM103")
+@pytest.mark.skipif(TRTLLM_MLA_GPU, reason="checks the refusal on GPUs other than SM100/SM103/SM120/SM121")
 def test_trtllm_mla_refuses_other_gpus():
     from attnzoo.errors import BackendError
 
     _, pool, _, _ = make_step(page_size=64, prefix_lens=[3], q_lens=[1], mode=ForwardMode.DECODE, **mla_case(16))
-    with pytest.raises(BackendError, match="SM100/SM103 only"):
+    with pytest.raises(BackendError, match=r"SM100/SM103 \(trtllm-gen\) and SM120/SM121 \(XQA-MLA\)"):
         get_backend_class("trtllm_mla")(pool)
 
 

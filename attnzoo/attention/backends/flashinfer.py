@@ -7,7 +7,9 @@ Kernels (HND pages read in place, bf16/fp16, head dims 64/128/256/512, sliding w
   when q/k and v head dims are equal and at most 256 (FA3 prefill does not build for head dim 512);
   everywhere else, and for head dim 512, the FA2 kernels. ``prefill_kernel`` says which.
 * decode: ``BatchDecodeWithPagedKVCacheWrapper`` (FA2). It uses the tensor-core kernels when a KV head
-  serves >= 4 query heads (the rule SGLang applies; the CUDA-core kernel wins for small groups), and
+  serves >= 4 query heads (the rule SGLang applies; the CUDA-core kernel wins for small groups). FlashInfer
+  0.7.2 has no FA3 decode kernel of its own: its decode wrapper with ``backend="fa3"`` runs the FA3 paged
+  prefill kernel at one query per request, which ``decode_variant="fa3"`` selects for measurements; and
   layers whose v head dim differs from q/k run their one-token step through the prefill wrapper,
   since the decode wrapper needs them equal.
 
@@ -96,9 +98,11 @@ class FlashInferBackend(AttentionBackend):
     supports_cascade = True
     supports_cascade_extend = True
 
-    def __init__(self, pool: KVPool, *, prefill_variant: str | None = None):
+    def __init__(self, pool: KVPool, *, prefill_variant: str | None = None, decode_variant: str = "fa2"):
         """``prefill_variant``: None picks per layer (FA3 on SM90 where it builds, else FA2); "fa2" or
-        "fa3" forces one (for measurements; "fa3" needs SM90 and head dims <= 256)."""
+        "fa3" forces one (for measurements; "fa3" needs SM90 and head dims <= 256). ``decode_variant``:
+        "fa2" (the default, measured), or "fa3" (the FA3 paged kernel at one query per request; SM90,
+        equal head dims <= 256; for measurements against the field's FA3 decode)."""
         super().__init__(pool)
         # The package first: without it nothing else matters, and the error names the extra.
         self._fi = load_flashinfer(self.name)
@@ -111,7 +115,15 @@ class FlashInferBackend(AttentionBackend):
                 f"FlashInfer's FA3 prefill runs on SM90 only; this GPU is {sm_name(self._cc)}",
                 fix="use prefill_variant='fa2' or None",
             )
+        if decode_variant not in ("fa2", "fa3"):
+            raise BackendError(f"unknown FlashInfer decode variant {decode_variant!r}", fix="use 'fa2' or 'fa3'")
+        if decode_variant == "fa3" and self._cc[0] != 9:
+            raise BackendError(
+                f"FlashInfer's FA3 kernels run on SM90 only; this GPU is {sm_name(self._cc)}",
+                fix="use decode_variant='fa2'",
+            )
         self._prefill_variant = prefill_variant
+        self._decode_variant = decode_variant
         self._prefill_wrappers: dict[LayerSignature, object] = {}
         self._decode_wrappers: dict[LayerSignature, object] = {}
         self._cascade_wrappers: dict[LayerSignature, tuple[object, object]] = {}
@@ -139,6 +151,11 @@ class FlashInferBackend(AttentionBackend):
     def decode_kernel(self, num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int) -> str:
         if head_dim != v_head_dim:
             return f"{self.prefill_kernel(head_dim, v_head_dim)} prefill (q/k and v head dims differ)"
+        if self._decode_variant == "fa3":
+            if head_dim not in FA3_HEAD_DIMS:
+                raise BackendError(f"FlashInfer's FA3 kernels do not build for head dim {head_dim}",
+                                   fix="use decode_variant='fa2'")
+            return "fa3 paged kernel at one query per request (decode_variant='fa3')"
         if num_heads // num_kv_heads >= TENSOR_CORE_DECODE_MIN_GROUP:
             return "fa2 decode (tensor cores)"
         return "fa2 decode (CUDA cores)"
@@ -283,11 +300,14 @@ class FlashInferBackend(AttentionBackend):
     def _plan_decode(self, wrappers: dict, meta: BatchMetadata, sig: LayerSignature, idx: _PageIndex):
         wrapper = wrappers.get(sig)
         if wrapper is None:
+            self.decode_kernel(sig.num_heads, sig.num_kv_heads, sig.head_dim, sig.v_head_dim)  # checks fa3 dims
+            fa3 = self._decode_variant == "fa3"
             wrapper = wrappers[sig] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 float_workspace_buffer=workspace(self.pool.device, "wrappers"),
                 kv_layout="HND",
-                use_tensor_cores=sig.group >= TENSOR_CORE_DECODE_MIN_GROUP,
-                backend="fa2",
+                # FlashInfer's FA3 decode is its tensor-core (prefill-kernel) path.
+                use_tensor_cores=fa3 or sig.group >= TENSOR_CORE_DECODE_MIN_GROUP,
+                backend=self._decode_variant,
             )
         wrapper.plan(
             indptr=idx.kv_indptr,
