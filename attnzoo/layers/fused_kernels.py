@@ -107,9 +107,11 @@ def _act_and_mul_kernel(X, OUT, stride_x, stride_o, I: tl.constexpr, BLOCK: tl.c
     g = g.to(tl.float32)
     if ACT == 0:
         a = g / (1.0 + tl.exp(-g))
-    else:  # tanh via exp (no tanh in every Triton's language); saturates correctly at +-inf
+    else:  # tanh through exp (not every Triton has tl.tanh), of -2|y| so that nothing overflows
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+        e = tl.exp(-2.0 * tl.abs(inner))
+        th = (1.0 - e) / (1.0 + e)
+        a = 0.5 * g * (1.0 + tl.where(inner < 0, -th, th))
     # Rounded after the activation as in torch's act(gate) * up, then after the product.
     a = a.to(dtype).to(tl.float32)
     tl.store(OUT + t * stride_o + cols, (a * u.to(tl.float32)).to(dtype), mask=mask)
