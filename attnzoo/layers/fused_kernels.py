@@ -71,9 +71,9 @@ def rms_norm(x, weight, eps, offset, *, residual=None, x_weight=None, x_eps=0.0,
     """x [..., N] (rows of stride-1 channels; [T, H, N] views allowed) -> normed, and the new residual
     x + residual when ``residual`` is given (x first normalised by ``x_weight`` when ``x_norm``)."""
     n = x.shape[-1]
-    if x.stride(-1) != 1 or x.dim() > 3:
+    if x.stride(-1) != 1:
         x = x.contiguous()
-    x3 = x.view(-1, 1, n) if x.dim() < 3 else x
+    x3 = x if x.dim() == 3 and residual is None else x.reshape(-1, 1, n)
     out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
     outer, inner = x3.shape[0], x3.shape[1]
     res = res_out = out
@@ -84,6 +84,8 @@ def rms_norm(x, weight, eps, offset, *, residual=None, x_weight=None, x_eps=0.0,
         res_out = torch.empty(res.shape, dtype=x.dtype, device=x.device)
     block = max(16, next_pow2(n))
     rows = max(1, min(_TILE // block, next_pow2(outer * inner)))
+    if outer * inner == 0:
+        return out.view(x.shape) if residual is None else (out.view(x.shape), res_out.view(residual.shape))
     _rms_norm_kernel[(triton.cdiv(outer * inner, rows),)](
         x3, res, out if x_weight is None else x_weight, out if weight is None else weight, out, res_out,
         outer * inner, inner,
@@ -182,7 +184,8 @@ def rope(q, k, cos, sin, *, interleaved: bool):
         q = q.contiguous()
     if k is not None and k.stride(-1) != 1:
         k = k.contiguous()
-    cos, sin = cos.contiguous(), sin.contiguous()
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
     half = cos.shape[-1] // 2
     kh = 0 if k is None else k.shape[1]
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused.rms_norm(x, self)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None, *, x_norm: "RMSNorm | None" = None):
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None, *, x_norm: RMSNorm | None = None):
         """-> (this norm of s, s) with s = residual + x_norm(x), in one kernel on a GPU. residual None
         (the first layer): s is x_norm(x), or x itself. x_norm is a post-norm of x (Gemma)."""
         return fused.add_rms_norm(x, residual, self, x_norm=x_norm)
