@@ -144,9 +144,10 @@ def test_model_fused_equals_reference(tmp_path, name):
 # ----------------------------------------------------------------------------------------------
 # GPU: realistic shapes, bf16 models
 
-def assert_bf16_matches(got, ref, min_equal=0.99):
-    """Same rounding points as the reference: at most one bf16 unit apart, nearly all bits equal."""
-    torch.testing.assert_close(got, ref, rtol=2**-7, atol=1e-3)
+def assert_bf16_matches(got, ref, min_equal=0.999):
+    """Same rounding points as the reference: nearly all bits equal, the rest a bf16 unit or so apart
+    (float32 reduction order and exp differ; a unit of a summand can be large next to a small sum)."""
+    torch.testing.assert_close(got, ref, rtol=2**-7, atol=2**-6 * ref.float().std().item())
     assert (got == ref).float().mean().item() >= min_equal
 
 

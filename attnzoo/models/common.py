@@ -68,7 +68,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
-    """Rotate-half RoPE on x [num_tokens, heads, dim] with cos/sin [num_tokens, rotary_dim <= dim]."""
+    """RoPE on x [num_tokens, heads, dim] with cos/sin [num_tokens, rotary_dim <= dim]: rotate-half, or
+    interleaved pairs written de-interleaved (fused.rope_ref); channels past rotary_dim pass through."""
     return fused.rope(x, None, cos, sin, interleaved=interleaved)[0]
 
 
