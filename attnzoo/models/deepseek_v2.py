@@ -27,18 +27,6 @@ from attnzoo.layers.moe import FusedMoE
 from attnzoo.models.common import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 
 
-def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on pairs (x0, x1), (x2, x3), ... of x [T, heads, rope] with cos/sin [T, rope] (cat(f, f)).
-
-    The output is de-interleaved (all first members, then all second members). q and k get the same
-    permutation, so their dot products, all attention ever uses, are those of DeepSeek's pair layout.
-    """
-    half = x.shape[-1] // 2
-    c, s = cos[:, None, :half], sin[:, None, :half]
-    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-
 def mla_softmax_scale(config) -> float:
     """1/sqrt(qk_head_dim), times mscale^2 when YaRN gives ``mscale_all_dim`` (as the reference does)."""
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
@@ -55,7 +43,7 @@ def mla_softmax_scale(config) -> float:
 def _mlp(hidden: int, intermediate: int, bias: bool) -> GatedMLP:
     mlp = GatedMLP(hidden, intermediate)
     if bias:  # V2's mlp_bias (dense and shared-expert MLPs; routed experts never have biases)
-        for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        for lin in (mlp.gate_up_proj, mlp.down_proj):
             lin.bias = nn.Parameter(torch.zeros(lin.out_features))
     return mlp
 
@@ -99,7 +87,8 @@ class DeepseekAttention(nn.Module):
         )
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return apply_rope_interleaved(x, cos, sin) if self.interleaved_rope else apply_rope(x, cos, sin)
+        # Interleaved: pairs (x0, x1), (x2, x3), ... rotated, written de-interleaved (the same for q and k).
+        return apply_rope(x, cos, sin, interleaved=self.interleaved_rope)
 
     def project_q(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x [T, hidden] -> q_nope [T, H, nope], roped q_pe [T, H, rope], q low-rank residual [T, q_lora] or None."""
@@ -222,9 +211,11 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, ctx):
+        """As LlamaDecoderLayer: -> this layer's output and the stream before it."""
+        x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, cos, sin, ctx), residual)
+        return self.mlp(x), residual
 
 
 class DeepseekModel(nn.Module):
@@ -260,11 +251,11 @@ class DeepseekV2ForCausalLM(CausalLM):
         return True  # V2 rotates interleaved pairs (its complex-number form)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

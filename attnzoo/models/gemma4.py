@@ -24,7 +24,7 @@ from torch import nn
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.errors import ModelLoadError, RequestError
 from attnzoo.layers.moe import FusedMoE
-from attnzoo.models.common import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from attnzoo.models.common import CausalLM, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope, apply_rope_qk
 
 log = logging.getLogger("attnzoo")
 
@@ -88,12 +88,15 @@ class Gemma4Attention(nn.Module):
         self.head_dim, self.num_kv_heads = layer_attention_shape(cfg, layer_id)
         self.shared = kv_from is not None
         self.k_eq_v = bool(cfg.attention_k_eq_v) and self.full
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        # One GEMM for q, k and v, as far as the layer has them (no k/v on KV-sharing layers, k == v).
+        parts = {"q_proj": self.num_heads * self.head_dim}
+        if not self.shared:
+            parts["k_proj"] = self.num_kv_heads * self.head_dim
+            if not self.k_eq_v:
+                parts["v_proj"] = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(h, parts, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         if not self.shared:
-            self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-            if not self.k_eq_v:
-                self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
@@ -106,13 +109,14 @@ class Gemma4Attention(nn.Module):
 
     def forward(self, x, cos, sin, ctx: ForwardContext):  # x [num_tokens, hidden]
         t = x.shape[0]
-        q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), cos, sin)
-        k = v = None
-        if not self.shared:
-            k_raw = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-            v_raw = k_raw if self.k_eq_v else self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-            k = apply_rope(self.k_norm(k_raw), cos, sin)
-            v = self.v_norm(v_raw)
+        qkv = self.qkv_proj.split(self.qkv_proj(x))
+        q = self.q_norm(qkv[0].view(t, self.num_heads, self.head_dim))
+        if self.shared:
+            return self.o_proj(self.attn(apply_rope(q, cos, sin), None, None, ctx))
+        k_raw = qkv[1].view(t, self.num_kv_heads, self.head_dim)
+        v_raw = k_raw if self.k_eq_v else qkv[2].view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope_qk(q, self.k_norm(k_raw), cos, sin)
+        v = self.v_norm(v_raw)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
@@ -162,8 +166,10 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = RMSNorm(h, eps)
 
     def forward(self, x, cos, sin, ple, ctx):  # x [T, hidden], ple [T, ple_dim] or None
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, ctx))
-        h = self.mlp(self.pre_feedforward_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        # x + post_attention_layernorm(h), and its pre-feed-forward norm, in one kernel on a GPU.
+        normed, x = self.pre_feedforward_layernorm.add_and_norm(h, x, x_norm=self.post_attention_layernorm)
+        h = self.mlp(normed)
         if self.moe:
             w, idx = self.router(x)  # routed on the MLP's input residual, not its output
             moe = self.experts(self.pre_feedforward_layernorm_2(x), w, idx)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from attnzoo.attention.layer import Attention, ForwardContext
-from attnzoo.models.common import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from attnzoo.models.common import CausalLM, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope_qk
 
 
 class LlamaAttention(nn.Module):
@@ -16,17 +16,17 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or h // self.num_heads
         bias = getattr(config, "attention_bias", False)
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(h, {"q_proj": q, "k_proj": kv, "v_proj": kv}, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, x, cos, sin, ctx: ForwardContext):
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q, k = apply_rope_qk(q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                             cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
@@ -38,9 +38,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, ctx):
+        """x: the previous layer's output; residual: the stream before it (None in the first layer).
+        -> this layer's output and the stream before it: each add is fused with the norm after it."""
+        x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, cos, sin, ctx), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -63,11 +66,11 @@ class LlamaForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(config, rope_type=rope_type, head_dim=head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
