@@ -1,4 +1,4 @@
-"""The ``attnzoo`` command line: ``generate``, ``info`` and ``policy`` (show / explain)."""
+"""The ``attnzoo`` command line: ``generate``, ``info``, ``policy`` (show / explain) and ``tune``."""
 from __future__ import annotations
 
 import argparse
@@ -76,8 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=_info)
 
     from attnzoo.defaults.cli import add_subparser
+    from attnzoo.tune import add_subparser as add_tune
 
     add_subparser(sub)
+    add_tune(sub)
     return parser
 
 

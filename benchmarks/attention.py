@@ -3,7 +3,8 @@
     PYTHONPATH=. python benchmarks/attention.py [--quick] [--output-dir DIR] [--backends LABEL,...]
 
 Backends (by label; each needs its package and a GPU it runs on, else it is reported and skipped):
-torch (reference; small sizes only), triton, flashinfer (FA2 decode), flashinfer-fa2 / flashinfer-fa3
+torch (reference; small sizes only), triton, flashinfer (FA2 decode), flashinfer-fa3-decode (FlashInfer's FA3
+kernel at one query per request, SM90), flashinfer-fa2 / flashinfer-fa3
 (paged prefill; FA3 on SM90 for head dims <= 256), trtllm_mha (XQA decode on SM90/SM120, trtllm-gen on
 SM100/SM103; its prefill off Blackwell *is* the flashinfer prefill and is not timed twice),
 flashinfer_mla-fa2 / flashinfer_mla-fa3, trtllm_mla (SM100/SM103). Shapes: Llama-3.1-8B (32/8 heads,
@@ -58,10 +59,12 @@ class Variant:
             return f"{self.label} does not run {shape.kind.upper()} attention"
         if self.label.endswith("-fa3") and cc != (9, 0):
             return "FA3 runs on SM90 only"
-        if self.label == "flashinfer-fa3" and shape.head_dim > 256:
-            return "FlashInfer's FA3 prefill does not build for head dim 512"
-        if self.label == "trtllm_mla" and cc not in ((10, 0), (10, 3)):
-            return "trtllm_mla runs on SM100/SM103 only"
+        if self.label in ("flashinfer-fa3", "flashinfer-fa3-decode") and shape.head_dim > 256:
+            return "FlashInfer's FA3 kernels do not build for head dim 512"
+        if self.label.endswith("-fa3-decode") and cc != (9, 0):
+            return "FA3 runs on SM90 only"
+        if self.label == "trtllm_mla" and cc not in ((10, 0), (10, 3), (12, 0), (12, 1)):
+            return "trtllm_mla runs on SM100/SM103 (trtllm-gen) and SM120/SM121 (XQA-MLA) only"
         return None
 
     def make(self, pool):
@@ -72,6 +75,8 @@ VARIANTS = [
     Variant("torch", "torch", kinds=("mha", "mla")),
     Variant("triton", "triton", kinds=("mha", "mla")),
     Variant("flashinfer", "flashinfer", modes=("decode",)),
+    # FlashInfer's FA3 paged kernel at one query per request: the measurable stand-in for the field's FA3 decode.
+    Variant("flashinfer-fa3-decode", "flashinfer", (("decode_variant", "fa3"),), modes=("decode",)),
     Variant("flashinfer-fa2", "flashinfer", (("prefill_variant", "fa2"),), modes=("extend",)),
     Variant("flashinfer-fa3", "flashinfer", (("prefill_variant", "fa3"),), modes=("extend",)),
     Variant("trtllm_mha", "trtllm_mha"),

@@ -1,18 +1,23 @@
 """End-to-end throughput on the GSM8K-shaped workload: attnzoo's engine per backend vs transformers.
 
 Workload: 1319 prompts = an 8-shot prefix + each GSM8K test question (pre-tokenised by
-make_gsm8k_tokens.py), 256 output tokens each with EOS ignored, on a Llama-3.1-8B-shaped model with
-random bf16 weights on one GPU. Reports output tokens/s, time to first token, time per output token,
-peak memory, the ratio to transformers (batched ``generate``, measured on a subset in the same run),
-and the ratio to a roofline estimate of the same schedule (per step: weights + KV bytes read over the
-measured copy bandwidth, or FLOPs over the measured matmul rate, whichever is larger).
+make_gsm8k_tokens.py), 256 output tokens each with EOS ignored, on a full-size model shape
+(``--shape``: Llama-3.1-8B by default, Gemma-4-31B text, DeepSeek-V2-Lite, ...) with random bf16 weights
+on one GPU. Reports output tokens/s, time to first token, time per output token, peak memory, KV
+capacity, the ratio to transformers (batched ``generate`` on a subset in the same run; Llama only) and
+the ratio to a roofline estimate of the same schedule (per step: weights + KV bytes read over the
+measured copy bandwidth, or FLOPs over the measured matmul rate, whichever is larger). MoE weights count
+only the experts a step can touch (expected distinct experts for its tokens), sliding-window layers only
+the window each request can see. Backend "default" is the policy's choice for the shape on this GPU.
 
 Backends with a cascade path run twice (``--cascade both``): plain, every request reading its own copy
 of the shared few-shot prefix, and cascade, the prefix read once per decode step. Each run's roofline
 counts the KV bytes its own path must read (``roofline_fraction``); ``roofline_plain_s`` is the plain
 path's estimate for the same schedule, so cascade runs can be set against what plain reading allows.
 
-    python benchmarks/e2e.py --out benchmarks/results/e2e_h100 [--backends triton,flashinfer] [--quick]
+    python benchmarks/e2e.py --out benchmarks/results/e2e_h100 [--shape llama8b] [--backends default,triton] [--quick]
+
+The vLLM peer on the same workload and shapes, in the same run: benchmarks/peer_vllm.py.
 """
 from __future__ import annotations
 
@@ -39,6 +44,65 @@ LLAMA_8B = dict(
     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 )
+LLAMA_70B = dict(LLAMA_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                 num_attention_heads=64, num_key_value_heads=8)
+# google/gemma-4-31B-it's text model (as benchmarks/gemma4.py): 60 layers, every 6th global (d512, 4 KV
+# heads, values from the key projection), the rest sliding (d256, 16 KV heads, window 1024).
+GEMMA4_31B = dict(
+    vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
+    num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4, attention_k_eq_v=True,
+    sliding_window=1024, final_logit_softcapping=30.0, hidden_size_per_layer_input=0, max_position_embeddings=262144,
+    rms_norm_eps=1e-6, tie_word_embeddings=True,
+)
+# deepseek-ai/DeepSeek-V2-Lite (16B): MLA rank 512, 64 routed experts top-6, 2 shared, layer 0 dense.
+DSV2_LITE = dict(
+    vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+    num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+    first_k_dense_replace=1, topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0,
+    n_group=1, topk_group=1, max_position_embeddings=163840, rope_theta=10000.0,
+    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+)
+# deepseek-ai/DeepSeek-V3 (671B): 61 layers (3 dense), 256 routed experts top-8 in 8 groups, MLA. Use --layers.
+DSV3 = dict(
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+    num_attention_heads=128, num_key_value_heads=128, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1,
+    first_k_dense_replace=3, n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5,
+    max_position_embeddings=163840, rope_theta=10000.0,
+    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+)
+
+
+def make_config(shape: str, layers: int | None):
+    """A transformers config (architectures set) for a named full-size shape, optionally fewer layers."""
+    import transformers
+
+    if shape in ("llama8b", "llama70b"):
+        fields = dict(LLAMA_8B if shape == "llama8b" else LLAMA_70B)
+        if layers:
+            fields["num_hidden_layers"] = layers
+        config, arch = transformers.LlamaConfig(**fields), "LlamaForCausalLM"
+    elif shape == "gemma4-31b":
+        n = layers or GEMMA4_31B["num_hidden_layers"]
+        fields = dict(GEMMA4_31B, num_hidden_layers=n, layer_types=[
+            "full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention" for i in range(n)])
+        config, arch = transformers.Gemma4TextConfig(**fields), "Gemma4ForCausalLM"
+    elif shape in ("dsv2lite", "dsv3"):
+        fields = dict(DSV2_LITE if shape == "dsv2lite" else DSV3)
+        if layers:
+            fields["num_hidden_layers"] = layers
+        cls = transformers.DeepseekV2Config if shape == "dsv2lite" else transformers.DeepseekV3Config
+        config, arch = cls(**fields), ("DeepseekV2ForCausalLM" if shape == "dsv2lite" else "DeepseekV3ForCausalLM")
+    else:
+        raise SystemExit(f"unknown shape {shape!r}")
+    config.architectures = [arch]
+    return config, fields
+
+
+SHAPE_NAMES = ("llama8b", "llama70b", "gemma4-31b", "dsv2lite", "dsv3")
 
 
 def device_limits() -> dict:
@@ -46,23 +110,66 @@ def device_limits() -> dict:
     return {"copy_bytes_per_s": copy_bandwidth("cuda") * 1e9, "matmul_flops_per_s": matmul_tflops("cuda") * 1e12}
 
 
-def roofline_seconds(steps: list[dict], *, weight_bytes: int, params: int, kv_bytes_per_token: int,
-                     layers: int, q_heads: int, head_dim: int, limits: dict, shared_once: bool = True) -> float:
-    """``shared_once``: a step's shared prefix (``shared_prefix_len``, cascade steps) is read once, not per request."""
+def model_profile(llm) -> dict:
+    """What the roofline needs from a loaded model: dense and per-expert weight bytes, attention layers."""
+    from attnzoo.attention.layer import Attention
+
+    size = {"dense_bytes": 0, "expert_bytes": 0, "dense_params": 0, "expert_params": 0}
+    for name, p in llm.model.named_parameters():
+        part = "expert" if ".experts." in name else "dense"
+        size[f"{part}_bytes"] += p.numel() * p.element_size()
+        if not name.endswith("scale_inv"):
+            size[f"{part}_params"] += p.numel()
+    cfg = getattr(llm.config, "text_config", None) or llm.config
+    num_experts = getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_experts", None) or 0
+    top_k = getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "top_k_experts", None) or 0
+    layers = []
+    for a in llm.model.attention_layers():
+        elt = llm.pool.dtype.itemsize
+        spec = a.kv_cache_spec()
+        kv = 0 if spec.shared_from is not None else spec.values_per_token() * elt
+        layers.append({"window": a.sliding_window, "kv_bytes": kv,
+                       "flops_per_pair": 2 * a.num_heads * (a.head_dim + a.v_head_dim)})
+    return {**size, "num_experts": num_experts if size["expert_params"] else 0, "top_k": top_k, "layers": layers}
+
+
+def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: bool = True) -> float:
+    """Per step: max(bytes moved / copy bandwidth, FLOPs / matmul rate), summed.
+
+    Bytes: dense weights, the experts the step's tokens can touch (expected distinct experts of
+    ``tokens x top_k`` uniform picks), and the KV each layer reads (sliding layers: at most the window per
+    request, from the step's mean context). ``shared_once``: a cascade step reads its shared prefix once.
+    FLOPs: 2 x active weights per token (dense + top_k experts) + attention over the step's token pairs.
+    """
+    E, k = prof["num_experts"], prof["top_k"]
+    per_expert = prof["expert_bytes"] / max(E, 1)
+    active_params = prof["dense_params"] + (prof["expert_params"] / E * k if E else 0)
     total = 0.0
     for s in steps:
-        kv_tokens = s["kv_tokens"] - (s["shared_prefix_len"] * (s["num_reqs"] - 1) if shared_once else 0)
-        bytes_moved = weight_bytes + kv_tokens * kv_bytes_per_token
-        flops = 2 * params * s["new_tokens"] + 4 * layers * q_heads * head_dim * s["attn_pairs"]
-        total += max(bytes_moved / limits["copy_bytes_per_s"], flops / limits["matmul_flops_per_s"])
+        n = s["new_tokens"]
+        touched = E * (1 - (1 - k / E) ** n) if E else 0
+        weight_bytes = prof["dense_bytes"] + per_expert * touched
+        mean_ctx = s["kv_tokens"] / max(s["num_reqs"], 1)
+        saved = s["shared_prefix_len"] * (s["num_reqs"] - 1) if shared_once else 0
+        kv_bytes = 0.0
+        attn_flops = 0.0
+        for layer in prof["layers"]:
+            if layer["window"]:
+                kv_bytes += layer["kv_bytes"] * s["num_reqs"] * min(mean_ctx, layer["window"])
+                attn_flops += layer["flops_per_pair"] * n * min(mean_ctx, layer["window"])
+            else:
+                kv_bytes += layer["kv_bytes"] * (s["kv_tokens"] - saved)
+                attn_flops += layer["flops_per_pair"] * s["attn_pairs"]
+        flops = 2 * active_params * n + attn_flops
+        total += max((weight_bytes + kv_bytes) / limits["copy_bytes_per_s"], flops / limits["matmul_flops_per_s"])
     return total
 
 
 def run_transformers(config, prompts, new_tokens, batch_size) -> dict:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     torch.cuda.reset_peak_memory_stats()
     out_tokens, t0 = 0, time.perf_counter()
     for i in range(0, len(prompts), batch_size):
@@ -84,14 +191,19 @@ def run_transformers(config, prompts, new_tokens, batch_size) -> dict:
             "output_tokens": out_tokens, "wall_s": wall, "output_tok_per_s": out_tokens / wall, "peak_mem_gib": peak / 2**30}
 
 
-def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, cascade: bool | None) -> dict:
+def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, cascade: bool | None,
+                extra: dict | None = None) -> dict:
+    """One engine run of the workload. backend "default": the policy's choice; max_running None: the engine's."""
     import attnzoo
 
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    llm = attnzoo.load_model(config, load_format="random", backend=backend, dtype="bfloat16", device="cuda",
-                             max_running=max_running, cascade=cascade)
+    kwargs = dict(extra or {})
+    if max_running is not None:
+        kwargs["max_running"] = max_running
+    llm = attnzoo.load_model(config, load_format="random", backend=None if backend == "default" else backend,
+                             dtype="bfloat16", device="cuda", cascade=cascade, **kwargs)
     # Warm-up: kernels compile here, the cascade ones too (two requests sharing the prefix).
     threshold, llm.engine.cascade_min_saved_tokens = llm.engine.cascade_min_saved_tokens, 1
     llm.generate(prompts[:2], max_new_tokens=4, ignore_eos=True)
@@ -105,98 +217,114 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
     wall = time.perf_counter() - t0
     n_out = sum(len(o.token_ids) for o in outs)
     assert len(outs) == len(prompts) and all(len(o.token_ids) == new_tokens for o in outs)
-    params = sum(p.numel() for p in llm.model.parameters())
     info = llm.info()
-    shape = dict(weight_bytes=params * 2, params=params, kv_bytes_per_token=info["kv_bytes_per_token"],
-                 layers=config.num_hidden_layers, q_heads=config.num_attention_heads, head_dim=config.head_dim,
-                 limits=limits)
-    roof = roofline_seconds(llm.engine.step_log, **shape)
-    roof_plain = roofline_seconds(llm.engine.step_log, shared_once=False, **shape)
+    prof = model_profile(llm)
+    roof = roofline_seconds(llm.engine.step_log, prof, limits)
+    roof_plain = roofline_seconds(llm.engine.step_log, prof, limits, shared_once=False)
     ttft = [o.time_to_first_token for o in outs]
     tpot = [(o.latency - o.time_to_first_token) / (len(o.token_ids) - 1) for o in outs]
+    steps = llm.engine.step_log
     res = {
+        "engine": "attnzoo",
         "backend": f"attnzoo prefill={info['prefill_backend']} decode={info['decode_backend']}"
                    + (" cascade" if llm.engine.cascade else ""),
+        "backend_arg": backend, "decision": info["decision"].get("reason") if isinstance(info.get("decision"), dict) else None,
         "cascade": info["cascade"], "cascade_steps": llm.engine.graph_stats["cascade"],
         "graph_steps": llm.engine.graph_stats["replayed"],
         "page_size": info["page_size"], "prompts": len(prompts), "output_tokens": n_out, "wall_s": wall,
         "output_tok_per_s": n_out / wall, "ttft_mean_s": statistics.mean(ttft), "ttft_p50_s": statistics.median(ttft),
         "tpot_mean_ms": 1e3 * statistics.mean(tpot), "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "steps": len(llm.engine.step_log), "max_running": max_running,
-        "kv_cache_tokens": info["kv_cache_tokens"], "roofline_s": roof, "roofline_fraction": roof / wall,
-        "roofline_plain_s": roof_plain,
+        "steps": len(steps), "decode_steps": sum(1 for st in steps if st["new_tokens"] == st["num_reqs"]),
+        "max_running": llm.engine.max_running, "max_batch_seen": max(st["num_reqs"] for st in steps),
+        "kv_cache_tokens": info["kv_cache_tokens"], "kv_bytes_per_token": info["kv_bytes_per_token"],
+        "roofline_s": roof, "roofline_fraction": roof / wall, "roofline_plain_s": roof_plain,
+        "weights_gib": (prof["dense_bytes"] + prof["expert_bytes"]) / 2**30,
         "prefix_cache_pages": len(llm.engine.prefix_cache) if llm.engine.prefix_cache is not None else 0,
     }
+    for key in ("weight_format", "kv_cache_dtype", "tensor_parallel_size"):
+        if key in info:
+            res[key] = info[key]
     del llm
     return res
 
 
-def main():
+def print_table(results: list[dict]) -> None:
+    print(f"\n{'engine':58s} {'tok/s':>9s} {'x HF':>6s} {'TTFT s':>7s} {'TPOT ms':>8s} {'peak GiB':>8s} "
+          f"{'KV tok':>9s} {'roofline':>8s} {'plain roof':>10s}")
+    nan = float("nan")
+    for r in results:
+        plain = r["roofline_plain_s"] / r["wall_s"] if "roofline_plain_s" in r else nan
+        print(f"{r['backend'][:58]:58s} {r['output_tok_per_s']:9.0f} {r.get('vs_transformers', nan):6.2f} "
+              f"{r.get('ttft_mean_s', nan):7.2f} {r.get('tpot_mean_ms', nan):8.1f} "
+              f"{r.get('peak_mem_gib', nan):8.1f} {r.get('kv_cache_tokens', 0):9d} "
+              f"{r.get('roofline_fraction', nan):8.2f} {plain:10.2f}")
+
+
+def load_prompts(n: int | None) -> tuple[list[list[int]], dict]:
+    data = json.loads((Path(__file__).parent / "data" / "gsm8k_8shot_tokens.json").read_text())
+    return [data["prefix"] + q for q in data["questions"]][:n], data
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output path prefix: writes PREFIX.json and PREFIX.png")
-    ap.add_argument("--backends", default="triton")
+    ap.add_argument("--shape", choices=SHAPE_NAMES, default="llama8b")
+    ap.add_argument("--backends", default="default", help="comma-separated; 'default' = the policy's choice")
     ap.add_argument("--prompts", type=int, default=1319)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--hf-prompts", type=int, default=256, help="prompts for the transformers baseline")
+    ap.add_argument("--hf-prompts", type=int, default=256, help="prompts for the transformers baseline (0: none)")
     ap.add_argument("--hf-batch", type=int, default=128)
-    ap.add_argument("--max-running", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=None, help="reduce depth (default: the full 32)")
+    ap.add_argument("--max-running", type=int, default=None, help="default: the engine's (sized from the KV cache)")
+    ap.add_argument("--layers", type=int, default=None, help="reduce depth (default: the shape's full depth)")
     ap.add_argument("--quick", action="store_true", help="200 prompts, 64 HF prompts")
-    ap.add_argument("--cascade", choices=("both", "on", "off"), default="both",
-                    help="backends with a cascade path: run plain and cascade (both), or one of them")
+    ap.add_argument("--cascade", choices=("both", "on", "off", "auto"), default="auto",
+                    help="backends with a cascade path: the engine's choice (auto), plain and cascade (both), or one")
     ap.add_argument("--hf-baseline", default=None, metavar="JSON",
                     help="reuse the transformers result of an earlier run (its JSON) instead of measuring it")
-    args = ap.parse_args()
-    from transformers import LlamaConfig
-
-    cfg = dict(LLAMA_8B)
-    if args.layers:
-        cfg["num_hidden_layers"] = args.layers
-    config = LlamaConfig(**cfg)
-    config.architectures = ["LlamaForCausalLM"]
+    ap.add_argument("--load-kwargs", default="{}", help="extra load_model keywords as JSON, e.g. '{\"page_size\": 64}'")
+    args = ap.parse_args(argv)
+    config, cfg = make_config(args.shape, args.layers)
     if args.quick:
-        args.prompts, args.hf_prompts = 200, 64
-    data = json.loads((Path(__file__).parent / "data" / "gsm8k_8shot_tokens.json").read_text())
-    prompts = [data["prefix"] + q for q in data["questions"]][: args.prompts]
+        args.prompts, args.hf_prompts = 200, min(args.hf_prompts, 64)
+    prompts, data = load_prompts(args.prompts)
 
     limits = device_limits()
     print(f"device {torch.cuda.get_device_name()}: copy {limits['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 matmul {limits['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     results = []
+    hf = None
     if args.hf_baseline:
         hf = next(r for r in json.loads(Path(args.hf_baseline).read_text())["results"] if r["backend"].startswith("transformers"))
         hf["reused_from"] = args.hf_baseline
-    else:
+    elif args.hf_prompts:
         hf = run_transformers(config, prompts[: args.hf_prompts], args.new_tokens, args.hf_batch)
-    print(json.dumps(hf), flush=True)
-    results.append(hf)
+    if hf is not None:
+        print(json.dumps(hf), flush=True)
+        results.append(hf)
     from attnzoo.attention.backends import get_backend_class
 
+    extra = json.loads(args.load_kwargs)
     for b in args.backends.split(","):
         modes = [None]
-        if get_backend_class(b).supports_cascade:
-            modes = {"both": [False, True], "on": [True], "off": [False]}[args.cascade]
+        if b != "default" and get_backend_class(b).supports_cascade:
+            modes = {"both": [False, True], "on": [True], "off": [False], "auto": [None]}[args.cascade]
+        elif b == "default" and args.cascade != "auto":
+            modes = {"both": [False, None], "on": [None], "off": [False]}[args.cascade]
         for cascade in modes:
-            r = run_attnzoo(config, prompts, args.new_tokens, b, args.max_running, limits, cascade)
-            r["vs_transformers"] = r["output_tok_per_s"] / hf["output_tok_per_s"]
+            r = run_attnzoo(config, prompts, args.new_tokens, b, args.max_running, limits, cascade, extra)
+            if hf is not None:
+                r["vs_transformers"] = r["output_tok_per_s"] / hf["output_tok_per_s"]
             print(json.dumps(r), flush=True)
             results.append(r)
 
-    meta = {"device": torch.cuda.get_device_name(), **versions(), "model": "Llama-3.1-8B-shaped, random bf16 weights", "config": cfg,
+    meta = {"device": torch.cuda.get_device_name(), **versions(), "shape": args.shape,
+            "model": f"{args.shape}-shaped, random bf16 weights", "config": cfg,
             "workload": f"{len(prompts)} GSM8K 8-shot prompts ({len(data['prefix'])}-token shared prefix), "
                         f"{args.new_tokens} output tokens each, EOS ignored", "limits": limits}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-
-    print(f"\n{'engine':58s} {'tok/s':>9s} {'x HF':>6s} {'TTFT s':>7s} {'TPOT ms':>8s} {'peak GiB':>8s} "
-          f"{'roofline':>8s} {'plain roof':>10s}")
-    nan = float("nan")
-    for r in results:
-        plain = r["roofline_plain_s"] / r["wall_s"] if "roofline_plain_s" in r else nan
-        print(f"{r['backend'][:58]:58s} {r['output_tok_per_s']:9.0f} {r.get('vs_transformers', 1.0):6.2f} "
-              f"{r.get('ttft_mean_s', nan):7.2f} {r.get('tpot_mean_ms', nan):8.1f} "
-              f"{r['peak_mem_gib']:8.1f} {r.get('roofline_fraction', nan):8.2f} {plain:10.2f}")
+    print_table(results)
     try:
         import matplotlib
 
@@ -206,11 +334,12 @@ def main():
         fig, ax = plt.subplots(figsize=(8, 3.5))
         ax.barh([r["backend"][:40] for r in results], [r["output_tok_per_s"] for r in results])
         ax.set_xlabel("output tokens/s")
-        ax.set_title(f"GSM8K-shaped workload, Llama-3.1-8B shape, {meta['device']}")
+        ax.set_title(f"GSM8K-shaped workload, {args.shape} shape, {meta['device']}")
         fig.tight_layout()
         fig.savefig(out.with_suffix(".png"), dpi=120)
     except ImportError:
         print("matplotlib not installed: no PNG chart")
+    return results
 
 
 if __name__ == "__main__":

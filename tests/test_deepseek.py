@@ -14,7 +14,7 @@ from attnzoo.attention.mla import (
     MLAAttention, gather_context, mla_absorbed, mla_expanded, prefill_form, ragged_attention_reference, split_kv_b,
 )
 from attnzoo.errors import BackendError, ModelLoadError, WeightError
-from attnzoo.models.common import GatedMLP
+from attnzoo.layers.moe import FusedMoE, fused_moe
 from attnzoo.models.deepseek_v2 import DeepseekV3ForCausalLM as DeepseekV3ForCausalLM_ours
 from helpers import assert_matches_hf, random_prompts, save_checkpoint
 
@@ -77,11 +77,17 @@ MODELS = {
 
 
 def _count_expert_calls(llm) -> dict[str, int]:
+    """Per (layer, expert), how many tokens were routed to it."""
     counts = {}
     for name, mod in llm.model.named_modules():
-        if ".experts." in name and isinstance(mod, GatedMLP):
-            counts[name] = 0
-            mod.register_forward_hook(lambda m, i, o, n=name: counts.__setitem__(n, counts[n] + 1))
+        if isinstance(mod, FusedMoE):
+            for e in range(mod.num_experts):
+                counts[f"{name}.{e}"] = 0
+
+            def record(m, args, n=name):
+                for e in args[2].flatten().tolist():
+                    counts[f"{n}.{e}"] += 1
+            mod.register_forward_pre_hook(record)
     return counts
 
 
@@ -108,14 +114,16 @@ def test_triton_matches_transformers(tmp_path):
     assert_matches_hf(llm, hf, random_prompts(VOCAB, [7, 21]), steps=32)
 
 
-def test_static_moe_dispatch_equals_sparse():
-    """The routing-independent dispatch (used under CUDA-graph capture) computes the same sum."""
+def test_fused_moe_equals_per_expert_reference():
+    """The fused path (CUDA eager and CUDA graphs; the Triton interpreter here) computes the reference's sum."""
     moe = DeepseekV3ForCausalLM_ours(tiny_v3(num_hidden_layers=2).config).model.layers[1].mlp
     torch.nn.init.normal_(moe.gate.weight, std=0.5)
+    torch.nn.init.normal_(moe.experts.w13, std=0.2)
     x = torch.randn(9, 64)
     weights, ids = moe.gate(x)
-    torch.testing.assert_close(moe.routed_static(x, weights, ids), moe.routed_sparse(x, weights, ids),
-                               rtol=1e-6, atol=1e-6)
+    e = moe.experts
+    torch.testing.assert_close(fused_moe(x, e.w13, e.w2, weights, ids, act="silu"), e(x, weights, ids),
+                               rtol=1e-5, atol=1e-6)
 
 
 class ExpandedTorch(TorchBackend):

@@ -177,7 +177,7 @@ def test_shared_prefix_pages_of_a_decode_batch():
     tables = [[1, 2, 3, 4], [1, 2, 5, 6], [1, 2, 3, 7]]
     assert shared_prefix_pages(tables, [60, 60, 60], 16) == 2
     assert shared_prefix_pages([[1, 2, 3, 4], [1, 2, 3, 9]], [60, 60], 16) == 3
-    assert shared_prefix_pages([[1, 2, 3, 4], [1, 2, 3, 9]], [60, 33], 16) == 2  # 33 tokens: page 3 is being written
+    assert shared_prefix_pages([[1, 2, 3, 4], [1, 2, 3, 9]], [60, 33], 16) == 2  # 33 cached: page 3 is being written
     assert shared_prefix_pages([[1, 2, 3]], [40], 16) == 0  # one request shares with nobody
     assert shared_prefix_pages([[8, 2], [1, 2]], [30, 30], 16) == 0  # a shared page after a different one is not a prefix
     meta = build_metadata(prefix_lens=[59, 59, 59], q_lens=[1, 1, 1], block_tables=tables, page_size=16,
@@ -185,7 +185,34 @@ def test_shared_prefix_pages_of_a_decode_batch():
     assert meta.shared_prefix_len == 32
     extend = build_metadata(prefix_lens=[40, 40], q_lens=[3, 1], block_tables=tables[:2], page_size=16,
                             device="cpu", detect_shared_prefix=True)
-    assert extend.shared_prefix_len == 0  # cascade is a decode-step feature
+    assert extend.shared_prefix_len == 32  # new tokens after two shared cached pages
+    extend = build_metadata(prefix_lens=[40, 20], q_lens=[3, 30], block_tables=tables[:2], page_size=16,
+                            device="cpu", detect_shared_prefix=True)
+    assert extend.shared_prefix_len == 16  # request 1 writes its second page in this step
+
+
+def test_metadata_of_a_mixed_step_from_lists_or_arrays():
+    """Positions, slots and the padded table, checked token by token; the engine's per-request int32
+    page arrays give the same metadata as lists."""
+    import numpy as np
+
+    from attnzoo.attention.metadata import build_metadata
+
+    tables = [[7, 3, 9], [4], [7, 3, 5, 6, 8]]
+    prefix, q_lens, ps = [9, 0, 33], [1, 3, 7], 8
+    metas = [build_metadata(prefix_lens=prefix, q_lens=q_lens, block_tables=t, page_size=ps, device="cpu",
+                            detect_shared_prefix=True)
+             for t in (tables, [np.asarray(t, dtype=np.int32) for t in tables])]
+    positions = [p for p0, q in zip(prefix, q_lens) for p in range(p0, p0 + q)]
+    slots = [bt[p // ps] * ps + p % ps for bt, p0, q in zip(tables, prefix, q_lens) for p in range(p0, p0 + q)]
+    for m in metas:
+        assert m.positions.tolist() == positions and m.slot_mapping.tolist() == slots
+        assert m.block_tables.tolist() == [[7, 3, 9, 0, 0], [4, 0, 0, 0, 0], [7, 3, 5, 6, 8]]
+        assert m.q_indptr.tolist() == [0, 1, 4, 11] and m.last_token_rows.tolist() == [0, 3, 10]
+        assert m.seq_lens_cpu == [10, 3, 40] and m.seq_lens.tolist() == [10, 3, 40]
+        assert m.shared_prefix_len == 0 and not m.is_decode  # request 1 shares nothing
+    with pytest.raises(ValueError, match="request 1: 1 pages of 8 cannot hold 9 tokens"):
+        build_metadata(prefix_lens=[9, 0], q_lens=[1, 9], block_tables=tables[:2], page_size=ps, device="cpu")
 
 
 def test_cascade_is_explained_and_refused_where_it_cannot_run(tiny_dir):
@@ -212,3 +239,63 @@ def test_cascade_decode_through_the_engine_matches_plain(tiny_dir):
     shared = [s["shared_prefix_len"] for s in tri.engine.step_log if s["new_tokens"] == s["num_reqs"]]
     assert shared and all(n == 20 for n in shared)  # every decode step shares the 5 full pages of the prefix
     assert tri.engine.graph_stats["cascade"] == len(shared)
+
+
+def test_cascade_extend_through_the_engine_matches_plain(tiny_dir):
+    """Extend steps after a cached prefix (prompt chunks beside decode rows): a prefill backend that reads
+    the step's shared pages once, for all its queries and without a causal mask, then each request's own
+    pages causally, merged by log-sum-exp, gives the plain torch backend's tokens and logits. A shared
+    page the engine reported wrongly (one some query may not see yet) would change them."""
+    from attnzoo.attention.backends.torch_ref import TorchBackend, gather_kv
+
+    def partial(q, k, v, visible, scale):  # -> out [q, H, dv], lse [q, H]
+        group = q.shape[1] // k.shape[1]
+        s = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(group, 1)) * scale
+        s = s.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        o = torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]), v.float().repeat_interleave(group, 1))
+        return o, lse.transpose(0, 1)
+
+    class CascadeExtend(TorchBackend):
+        supports_cascade_extend = True
+        cascade_steps = 0
+
+        def extend(self, layer, q, meta):
+            n = meta.shared_prefix_len
+            if not n:
+                return super().extend(layer, q, meta)
+            CascadeExtend.cascade_steps += layer.layer_id == 0
+            kc, vc, ps = self.pool.k(layer.layer_id), self.pool.v(layer.layer_id), meta.page_size
+            shared = meta.block_tables[0, : n // ps]
+            everyone = torch.ones(1, q.shape[0], n, dtype=torch.bool)  # no mask: all queries follow the prefix
+            o_a, s_a = partial(q, gather_kv(kc, shared, n), gather_kv(vc, shared, n), everyone, layer.scale)
+            outs, lses, start = [], [], 0
+            for i, (seq, ql) in enumerate(zip(meta.seq_lens_cpu, meta.q_lens_cpu)):
+                pages = meta.block_tables[i, : -(-seq // ps)]
+                k, v = gather_kv(kc, pages, seq)[n:], gather_kv(vc, pages, seq)[n:]
+                visible = torch.arange(n, seq)[None, :] <= torch.arange(seq - ql, seq)[:, None]
+                o, s = partial(q[start : start + ql], k, v, visible[None], layer.scale)
+                outs.append(o), lses.append(s)
+                start += ql
+            o_b, s_b = torch.cat(outs), torch.cat(lses)
+            s = torch.logaddexp(s_a, s_b)[..., None]
+            return (o_a * torch.exp(s_a[..., None] - s) + o_b * torch.exp(s_b[..., None] - s)).to(q.dtype)
+
+    prefix = random_prompts(160, [21], seed=11)[0]
+    prompts = [prefix + p for p in random_prompts(160, [9, 2, 14, 5, 1], seed=12)]
+    # A small token budget: the tails arrive in chunks, beside decode rows of requests already done.
+    ref = attnzoo.load_model(tiny_dir, backend="torch", dtype="float32", page_size=4, max_batch_tokens=10)
+    llm = attnzoo.load_model(tiny_dir, backend="torch", dtype="float32", page_size=4, max_batch_tokens=10)
+    assert not llm.engine.cascade_extend  # the torch backend has no cascade path
+    e = llm.engine
+    e.prefill_backend, e.cascade_extend, e.cascade_min_saved_tokens = CascadeExtend(llm.pool), True, 1
+    e.step_log = []
+    a = ref.generate(prompts, max_new_tokens=5, ignore_eos=True, return_logits=True)
+    b = llm.generate(prompts, max_new_tokens=5, ignore_eos=True, return_logits=True)
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    for x, y in zip(a, b):
+        assert (x.logits - y.logits).abs().max().item() < 1e-4
+    extend = [s for s in e.step_log if s["new_tokens"] != s["num_reqs"]]
+    mixed = [s for s in extend if s["shared_prefix_len"]]
+    assert len(mixed) == CascadeExtend.cascade_steps >= 2 and all(s["shared_prefix_len"] == 20 for s in mixed)
+    assert extend[0]["shared_prefix_len"] == 0  # the step that computes the prefix shares nothing yet

@@ -127,3 +127,42 @@ def test_trtllm_graph_block_table_is_refilled_in_place(monkeypatch, name, cc, pa
     extend = build_metadata(prefix_lens=[0], q_lens=[3], block_tables=[[1]], page_size=page_size, device="cpu")
     with pytest.raises(BackendError, match="captures decode steps only"):
         be.prepare_graph(extend, capturing=False)
+
+
+def test_cascade_extend_plans_shared_pages_once_and_the_rest_causal(monkeypatch):
+    """An extend step after a cached prefix (a decode row and two prompt chunks): every query over the
+    shared pages as one non-causal request, each request's own pages causal through FA2, merged."""
+    layer = Attention(0, 8, 2, 64)
+    tables = [[3, 4, 5, 9], [3, 4, 5, 10, 11], [3, 4, 5, 12]]  # pages 3, 4, 5 shared (16 tokens each)
+    prefix, q_lens = [60, 48, 48], [1, 20, 5]
+    be = make_backend(monkeypatch, layer, 16, 16)
+    meta = build_metadata(prefix_lens=prefix, q_lens=q_lens, block_tables=tables, page_size=16, device="cpu",
+                          detect_shared_prefix=True)
+    assert not meta.is_decode and meta.shared_prefix_len == 48
+    be.prepare(meta)
+    out = be.extend(layer, torch.randn(26, 8, 64, dtype=torch.bfloat16), meta)
+    assert out.shape == (26, 8, 64)
+
+    sig = fi_backend.LayerSignature.of(layer)
+    shared_w = be._cascade_wrappers[sig][0][sig]
+    shared = shared_w.plans[-1]
+    assert shared["qo_indptr"].tolist() == [0, 26] and shared["causal"] is False  # all 26 rows follow the prefix
+    assert shared["paged_kv_indptr"].tolist() == [0, 3] and shared["paged_kv_indices"].tolist() == [3, 4, 5]
+    assert shared_w.kwargs["backend"] == "fa3"
+    rest_w = be._cascade_extend_rest[sig]
+    rest = rest_w.plans[-1]
+    assert rest_w.kwargs["backend"] == "fa2"
+    assert rest["qo_indptr"].tolist() == [0, 1, 21, 26] and rest["causal"] is True
+    assert rest["paged_kv_indptr"].tolist() == [0, 1, 3, 4]
+    assert rest["paged_kv_indices"].tolist() == [9, 10, 11, 12]
+    assert rest["paged_kv_last_page_len"].tolist() == [13, 4, 5]  # 61, 68 and 53 tokens
+    assert not be._prefill_wrappers  # the plain prefill wrapper was not needed
+
+    # A request still before the end of the shared pages (here: computing them) leaves the step plain.
+    first = build_metadata(prefix_lens=[0, 48], q_lens=[50, 5], block_tables=tables[1:], page_size=16,
+                           device="cpu", detect_shared_prefix=True)
+    assert first.shared_prefix_len == 0
+    be.prepare(first)
+    be.extend(layer, torch.randn(55, 8, 64, dtype=torch.bfloat16), first)
+    plain = next(iter(be._prefill_wrappers.values())).plans[-1]
+    assert plain["paged_kv_indptr"].tolist() == [0, 4, 8] and plain["causal"] is True

@@ -159,15 +159,17 @@ def test_triton_backend_matches_transformers(checkpoints):
     assert_matches_hf(llm, hf, random_prompts(VOCAB, [13], seed=9), steps=12)
 
 
-def test_moe_static_path_for_cuda_graphs_equals_routed_path():
-    # Under CUDA-graph capture the experts run densely with zero weights where not chosen.
-    from attnzoo.models.gemma4 import TopKExperts
+def test_moe_fused_path_equals_per_expert_reference():
+    # CUDA (eager and CUDA graphs) runs the fused kernels: here through the Triton interpreter.
+    from attnzoo.layers.moe import FusedMoE, MoEConfig, fused_moe
 
     torch.manual_seed(0)
-    moe = TopKExperts(num_experts=6, hidden=16, intermediate=8, init_std=0.3)
+    moe = FusedMoE(num_experts=6, hidden=16, intermediate=8, act="gelu_tanh", init_std=0.3)
     x = torch.randn(9, 16)
     experts = torch.stack([torch.randperm(6)[:2] for _ in range(9)])  # [T, k], distinct per token
     weights = torch.rand(9, 2)
-    routed = moe(x, weights, experts)
-    assert torch.allclose(moe._forward_static(x, weights, experts), routed, atol=1e-6)
-    assert not torch.allclose(moe._forward_static(x, weights, experts.flip(1)), routed, atol=1e-3)
+    routed = moe(x, weights, experts)  # the per-expert reference on CPU
+    fused = fused_moe(x, moe.w13, moe.w2, weights, experts, act="gelu_tanh", config=MoEConfig(16, 16, 16))
+    torch.testing.assert_close(fused, routed, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(fused_moe(x, moe.w13, moe.w2, weights, experts.flip(1), act="gelu_tanh"), routed,
+                              atol=1e-3)

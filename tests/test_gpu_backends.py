@@ -34,6 +34,7 @@ CC = torch.cuda.get_device_capability()
 SM90 = CC == (9, 0)
 BLACKWELL = CC in ((10, 0), (10, 3))
 XQA_OR_TRTLLM_GEN = CC in ((9, 0), (10, 0), (10, 3), (12, 0), (12, 1))
+TRTLLM_MLA_GPU = BLACKWELL or CC in ((12, 0), (12, 1))  # trtllm-gen MLA, or XQA-MLA on SM120/SM121
 DTYPE = torch.bfloat16
 DEV = "cuda"
 REL_TOL = 1e-2
@@ -145,8 +146,9 @@ def test_flashinfer(case, mode, page_size):
         check("flashinfer", case, page_size, MODES[mode], batch)
 
 
-def cascade_step(case, page_size, shared_pages, suffix_lens, seed=0):
-    """A decode step whose requests all start with the same ``shared_pages`` pages, then own pages."""
+def cascade_step(case, page_size, shared_pages, suffix_lens, seed=0, q_lens=None):
+    """A step whose requests all start with the same ``shared_pages`` pages, then own pages: decode, or
+    extend with ``q_lens`` new tokens at the end of each request's suffix."""
     layer = Attention(0, case["heads"], case["kv_heads"], case["head_dim"], logit_softcap=case.get("softcap"),
                       scale=case.get("scale"))
     seq = [shared_pages * page_size + n for n in suffix_lens]
@@ -159,9 +161,10 @@ def cascade_step(case, page_size, shared_pages, suffix_lens, seed=0):
     for n in own:
         tables.append(shared + order[at:at + n])
         at += n
-    meta = build_metadata(prefix_lens=[s - 1 for s in seq], q_lens=[1] * len(seq), block_tables=tables,
+    q_lens = q_lens or [1] * len(seq)
+    meta = build_metadata(prefix_lens=[s - n for s, n in zip(seq, q_lens)], q_lens=q_lens, block_tables=tables,
                           page_size=page_size, device=DEV, detect_shared_prefix=True)
-    q = torch.randn(len(seq), case["heads"], case["head_dim"], device=DEV, dtype=DTYPE,
+    q = torch.randn(sum(q_lens), case["heads"], case["head_dim"], device=DEV, dtype=DTYPE,
                     generator=torch.Generator(device=DEV).manual_seed(seed + 1))
     return layer, pool, meta, q
 
@@ -177,6 +180,23 @@ def test_flashinfer_cascade_decode(case, page_size):
     # suffix lengths: just the token being written, a page-size non-multiple, several pages
     layer, pool, meta, q = cascade_step(case, page_size, shared_pages, [1, 7, 40, 2, 65])
     assert meta.shared_prefix_len == shared_pages * page_size
+    backend = get_backend_class("flashinfer")(pool)
+    out = run_backend(backend, layer, meta, q)
+    assert_close(out, reference(layer, pool, meta, q))
+    meta.shared_prefix_len, meta.backend_state = 0, {}
+    plain = run_backend(backend, layer, meta, q)
+    assert ((out.float() - plain.float()).norm() / plain.float().norm()).item() < 5e-3
+
+
+@pytest.mark.parametrize("case", [c for c in MHA_CASES if not c.get("window")], ids=_case_id)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flashinfer_cascade_extend(case, page_size):
+    """An extend step after a shared cached prefix (decode rows beside prompt chunks, one starting right
+    after the prefix): the shared pages once for every query, each request's rest causal, merged."""
+    shared_pages = 96 // page_size
+    layer, pool, meta, q = cascade_step(case, page_size, shared_pages, [1, 7, 40, 2, 150, 65],
+                                        q_lens=[1, 7, 1, 2, 150, 30])
+    assert not meta.is_decode and meta.shared_prefix_len == shared_pages * page_size
     backend = get_backend_class("flashinfer")(pool)
     out = run_backend(backend, layer, meta, q)
     assert_close(out, reference(layer, pool, meta, q))
@@ -266,8 +286,24 @@ def test_trtllm_mha_rejects_softcap_and_bad_page_size():
     with pytest.raises(BackendError, match="soft-capping"):
         be.decode(layer, q, meta)
     _, pool8, _, _ = make_step(page_size=8, prefix_lens=[5], q_lens=[1], mode=ForwardMode.DECODE, **case)
-    with pytest.raises(BackendError, match="page size 16, 32 or 64"):
+    with pytest.raises(BackendError, match="needs page size 16, 32, 64"):
         get_backend_class("trtllm_mha")(pool8)
+
+
+@pytest.mark.skipif(not SM90, reason="FlashInfer's FA3 kernels run on SM90 only")
+@pytest.mark.parametrize("kv_heads", [2, 8])
+def test_flashinfer_fa3_decode_variant(kv_heads):
+    for batch in DECODE_BATCHES:
+        check("flashinfer", dict(id="fa3-decode", heads=8, kv_heads=kv_heads, head_dim=128), 16,
+              ForwardMode.DECODE, batch, decode_variant="fa3")
+
+
+@pytest.mark.skipif(not XQA_OR_TRTLLM_GEN or BLACKWELL, reason="XQA (SM90/SM120) builds page 128")
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_trtllm_mha_xqa_page_128(mode):
+    batches = DECODE_BATCHES if mode == "decode" else EXTEND_BATCHES
+    for batch in batches:
+        check("trtllm_mha", dict(id="xqa-p128", heads=16, kv_heads=4, head_dim=128), 128, MODES[mode], batch)
 
 
 def _graph_replay(name, case, page_size, batch=4):
@@ -353,26 +389,30 @@ def test_flashinfer_mla_reads_the_pool_in_place():
     assert view.data_ptr() == pool.k(0).data_ptr() and view.is_contiguous()
 
 
-@pytest.mark.skipif(not BLACKWELL, reason="trtllm_mla (trtllm-gen MLA decode) runs on SM100/SM103 only")
+@pytest.mark.skipif(not TRTLLM_MLA_GPU, reason="trtllm_mla runs on SM100/SM103 (trtllm-gen) and SM120/SM121 (XQA-MLA)")
 @pytest.mark.parametrize("heads", [16, 128])
-@pytest.mark.parametrize("page_size", [32, 64])
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128])
 def test_trtllm_mla_decode(heads, page_size):
+    if BLACKWELL and page_size not in (32, 64):
+        pytest.skip("trtllm-gen MLA decode takes page 32 or 64")
+    if not BLACKWELL and heads != 128:
+        pytest.skip("XQA-MLA runs 128 query heads only")
     for batch in DECODE_BATCHES:
         check("trtllm_mla", mla_case(heads), page_size, ForwardMode.DECODE, batch)
 
 
-@pytest.mark.skipif(not BLACKWELL, reason="trtllm_mla (trtllm-gen MLA decode) runs on SM100/SM103 only")
+@pytest.mark.skipif(not TRTLLM_MLA_GPU, reason="trtllm_mla runs on SM100/SM103 (trtllm-gen) and SM120/SM121 (XQA-MLA)")
 def test_trtllm_mla_cuda_graph_replay():
-    case = mla_case(16)
+    case = mla_case(16 if BLACKWELL else 128)
     _graph_replay("trtllm_mla", {k: v for k, v in case.items() if k != "id"}, 64)
 
 
-@pytest.mark.skipif(BLACKWELL, reason="checks the refusal on GPUs other than SM100/SM103")
+@pytest.mark.skipif(TRTLLM_MLA_GPU, reason="checks the refusal on GPUs other than SM100/SM103/SM120/SM121")
 def test_trtllm_mla_refuses_other_gpus():
     from attnzoo.errors import BackendError
 
     _, pool, _, _ = make_step(page_size=64, prefix_lens=[3], q_lens=[1], mode=ForwardMode.DECODE, **mla_case(16))
-    with pytest.raises(BackendError, match="SM100/SM103 only"):
+    with pytest.raises(BackendError, match=r"SM100/SM103 \(trtllm-gen\) and SM120/SM121 \(XQA-MLA\)"):
         get_backend_class("trtllm_mla")(pool)
 
 

@@ -49,8 +49,12 @@ def test_cascade_decode_matches_plain_decode(tiny_dir, backend, dtype):
     for cascade in (False, True):
         llm = attnzoo.load_model(tiny_dir, backend=backend, dtype=dtype, page_size=16, cascade=cascade)
         llm.engine.cascade_min_saved_tokens = 1  # a tiny batch: cascade every step that shares a page
+        llm.engine.step_log = []
         runs.append((llm.generate(prompts, max_new_tokens=12, ignore_eos=True, return_logits=True),
                      llm.engine.graph_stats))
+        # flashinfer: the step with the tails beside the first request's decode row reads the prefix once
+        extend_shared = [s["shared_prefix_len"] for s in llm.engine.step_log if s["new_tokens"] != s["num_reqs"]]
+        assert any(extend_shared) == (cascade and backend == "flashinfer"), extend_shared
     (plain, plain_stats), (casc, casc_stats) = runs
     assert plain_stats["cascade"] == 0 and casc_stats["cascade"] > 0
     assert [x.token_ids for x in plain] == [x.token_ids for x in casc]

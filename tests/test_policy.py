@@ -116,7 +116,7 @@ def test_shipped_table_is_complete_and_follows_the_field_on_blackwell():
         assert set(fam.entry.gpus) == set(GPUS), fam.name  # every GPU has a family default row
         for gpu, row in fam.entry.gpus.items():
             assert row.prefill and row.decode and row.page_size and row.reason, row.where
-            if row.measured_in:
+            if row.measured_in and row.measured_in != "unmeasured":
                 assert row.measured_in.startswith("benchmarks/results/")
                 assert (Path(__file__).parents[1] / row.measured_in).is_file(), row.measured_in
     cells = {(c["architecture"], c["gpu"]): c for c in table_cells()}
@@ -399,7 +399,7 @@ def test_reject_missing_package(monkeypatch, flashinfer_missing):
 def test_reject_gpu(monkeypatch, flashinfer_installed):
     _reject(BackendError, r"decode does not run on sm80 \(runs on: sm90, sm100, sm103, sm120\)",
             gpu="sm80", decode_backend="trtllm_mha")
-    _reject(BackendError, r"does not run on sm90 \(runs on: sm100, sm103\)",
+    _reject(BackendError, r"does not run on sm90 \(runs on: sm100, sm103, sm120\)",
             model="DeepseekV3ForCausalLM", decode_backend="trtllm_mla")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     _reject(BackendError, "needs TRITON_INTERPRET=1", gpu="cpu", backend="triton")
@@ -615,7 +615,8 @@ def test_cli_show_and_backends(capsys, tmp_path):
     assert policy_main(["policy", "backends", "--json"]) == 0
     data = {d["name"]: d for d in json.loads(capsys.readouterr().out)}
     assert set(data) == set(CAPABILITIES) and data["torch"]["registered"]
-    assert data["trtllm_mla"]["page_sizes"] == "{32, 64}" and data["trtllm_mla"]["prefill"] == []
+    assert data["trtllm_mla"]["page_sizes"] == "{32, 64} (trtllm-gen MLA decode); {16, 32, 64, 128} (XQA-MLA decode)"
+    assert data["trtllm_mla"]["prefill"] == [] and data["trtllm_mla"]["decode"][1]["num_heads"] == [128]
 
 
 def test_attnzoo_entry_point_mounts_policy(capsys):

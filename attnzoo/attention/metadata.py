@@ -39,10 +39,11 @@ class BatchMetadata:
     q_lens_cpu: list[int]
     # Last row of each request in the flat batch: where the logits for sampling are taken.
     last_token_rows: torch.Tensor  # [num_reqs] int64, device
-    # DECODE steps only (0 otherwise): leading KV tokens, whole pages, that every request of the step
-    # reads from the very same pages (a shared few-shot prefix, shared by the prefix cache). Backends
-    # that support cascade attention read them once for the whole batch instead of once per request;
-    # the pages are ``block_tables[0, :shared_prefix_len // page_size]``. Host int.
+    # Leading KV tokens, whole pages, that every request of the step reads from the very same pages (a
+    # shared few-shot prefix, shared by the prefix cache), all cached before the step: every new token
+    # of the step comes after them and sees all of them. Backends that support cascade attention read
+    # them once for the whole batch instead of once per request; the pages are
+    # ``block_tables[0, :shared_prefix_len // page_size]``. Host int.
     shared_prefix_len: int = 0
     # Per-backend planned state (wrappers, indptr arrays, ...), filled by Backend.prepare().
     backend_state: dict[str, Any] = field(default_factory=dict)
@@ -82,35 +83,36 @@ def build_metadata(
 
     ``block_tables[i]`` must cover ``prefix_lens[i] + q_lens[i]`` tokens. ``mode`` defaults to DECODE
     when every request adds exactly one token on top of a non-empty prefix, else EXTEND.
-    ``detect_shared_prefix``: in DECODE mode, fill ``shared_prefix_len`` from the block tables.
+    ``detect_shared_prefix``: fill ``shared_prefix_len`` from the block tables.
     """
     if not (len(prefix_lens) == len(q_lens) == len(block_tables)) or not q_lens:
         raise ValueError("prefix_lens, q_lens and block_tables must be non-empty and equally long")
-    seq_lens = [p + q for p, q in zip(prefix_lens, q_lens)]
-    for i, (s, bt) in enumerate(zip(seq_lens, block_tables)):
-        if len(bt) * page_size < s:
-            raise ValueError(f"request {i}: {len(bt)} pages of {page_size} cannot hold {s} tokens")
+    # numpy over the whole batch: per-token Python loops cost milliseconds per step at 1000+ requests,
+    # on the host, with the GPU idle.
+    p_arr, q_arr = np.asarray(prefix_lens, dtype=np.int64), np.asarray(q_lens, dtype=np.int64)
+    seq_arr = p_arr + q_arr
+    seq_lens = seq_arr.tolist()
+    table, lens = _padded_table(block_tables)
+    short = np.flatnonzero(lens * page_size < seq_arr)
+    if short.size:
+        i = int(short[0])
+        raise ValueError(f"request {i}: {lens[i]} pages of {page_size} cannot hold {seq_lens[i]} tokens")
     if mode is None:
-        decode = all(q == 1 for q in q_lens) and all(p > 0 for p in prefix_lens)
+        decode = bool((q_arr == 1).all() and (p_arr > 0).all())
         mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
 
-    positions: list[int] = []
-    slots: list[int] = []
-    for p, q, bt in zip(prefix_lens, q_lens, block_tables):
-        for pos in range(p, p + q):
-            positions.append(pos)
-            slots.append(bt[pos // page_size] * page_size + pos % page_size)
-    indptr = [0]
-    for q in q_lens:
-        indptr.append(indptr[-1] + q)
-    table = _padded_table(block_tables)
+    indptr = np.zeros(len(q_lens) + 1, dtype=np.int64)
+    np.cumsum(q_arr, out=indptr[1:])
+    req = np.repeat(np.arange(len(q_lens)), q_arr)  # the request of each new token
+    positions = np.arange(int(indptr[-1])) + (p_arr - indptr[:-1])[req]
+    slots = table[req, positions // page_size].astype(np.int64) * page_size + positions % page_size
 
     def dev(x, dtype):
-        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+        return torch.as_tensor(x, dtype=dtype).to(device, non_blocking=True)
 
     shared = 0
-    if detect_shared_prefix and mode is ForwardMode.DECODE:
-        shared = shared_prefix_pages(block_tables, seq_lens, page_size) * page_size
+    if detect_shared_prefix:
+        shared = shared_prefix_pages(block_tables, p_arr, page_size, table=table) * page_size
 
     return BatchMetadata(
         mode=mode,
@@ -118,40 +120,44 @@ def build_metadata(
         positions=dev(positions, torch.int64),
         slot_mapping=dev(slots, torch.int64),
         q_indptr=dev(indptr, torch.int32),
-        seq_lens=dev(seq_lens, torch.int32),
-        prefix_lens=dev(prefix_lens, torch.int32),
-        block_tables=table.to(device, non_blocking=True),
+        seq_lens=dev(seq_arr, torch.int32),
+        prefix_lens=dev(p_arr, torch.int32),
+        block_tables=torch.from_numpy(table).to(device, non_blocking=True),
         seq_lens_cpu=seq_lens,
         q_lens_cpu=list(q_lens),
-        last_token_rows=dev([e - 1 for e in indptr[1:]], torch.int64),
+        last_token_rows=dev(indptr[1:] - 1, torch.int64),
         shared_prefix_len=shared,
     )
 
 
-def _padded_table(block_tables: list[list[int]]) -> torch.Tensor:
-    """[num_reqs, max_pages] int32, padded with page 0. Filled through one flat numpy pass: a nested
-    ``torch.tensor`` took 8 ms per step at 1024 requests x 72 pages, on the host, with the GPU idle."""
+def _padded_table(block_tables) -> tuple[np.ndarray, np.ndarray]:
+    """([num_reqs, max_pages] int32 padded with page 0, [num_reqs] lengths). Filled through one flat
+    numpy pass: a nested ``torch.tensor`` took 8 ms per step at 1024 requests x 72 pages. Tables given
+    as int32 arrays (the engine keeps one per request) are concatenated without touching Python ints."""
     lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
     table = np.zeros((len(block_tables), int(lens.max())), dtype=np.int32)
-    table[np.arange(table.shape[1]) < lens[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(lens.sum()))
-    return torch.from_numpy(table)
+    if isinstance(block_tables[0], np.ndarray):
+        flat = np.concatenate(block_tables)
+    else:
+        flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(lens.sum()))
+    table[np.arange(table.shape[1]) < lens[:, None]] = flat
+    return table, lens
 
 
-def shared_prefix_pages(block_tables: list[list[int]], seq_lens: list[int], page_size: int) -> int:
+def shared_prefix_pages(block_tables, prefix_lens: list[int], page_size: int, table: np.ndarray | None = None) -> int:
     """How many leading pages every request's table holds at the same ids (0 for a single request).
 
     Equal page ids at equal table positions hold the same tokens (the prefix cache shares only full,
     immutable pages), so attention over them is the same computation for every request. Only pages
-    wholly before each request's last token count: the page being written stays per request.
+    wholly within each request's cached prefix count: the pages being written stay per request.
+    ``table``: the padded table of ``block_tables``, where the caller has it.
     """
     if len(block_tables) < 2:
         return 0
-    n = min((s - 1) // page_size for s in seq_lens)
-    first = block_tables[0]
-    for bt in block_tables[1:]:
-        if n == 0:
-            break
-        if bt[:n] != first[:n]:  # the common case (all equal) costs one C-speed comparison per request
-            n = next(j for j in range(n) if bt[j] != first[j])
-    return n
+    n = int(np.min(prefix_lens)) // page_size
+    if n == 0:
+        return 0
+    if table is None:
+        table = _padded_table(block_tables)[0]
+    same = (table[1:, :n] == table[0, :n]).all(axis=0)  # within every request's table: n <= its length
+    return n if same.all() else int(np.argmin(same))

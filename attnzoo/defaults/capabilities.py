@@ -41,6 +41,10 @@ class Kernel:
     requires_env: tuple[str, str] | None = None
     # (head dim d, group g): layers with head dim above d need at most g query heads per KV head (XQA).
     max_group_above: tuple[int, int] | None = None
+    # KV page sizes this kernel takes; None: what the backend's page_sizes say.
+    page_sizes: frozenset[int] | None = None
+    # Query-head counts it runs; None: any the backend allows (XQA-MLA builds for 128 heads only).
+    num_heads: frozenset[int] | None = None
     note: str = ""
 
     def env_ok(self) -> bool:
@@ -106,13 +110,33 @@ class BackendCapabilities:
             return 1
         return max(1, self.block_table_pad_tokens // page_size)
 
-    def page_size_ok(self, page_size: int) -> bool:
-        if self.page_sizes is None:
-            return 1 <= page_size <= MAX_PAGE_SIZE
-        return page_size in self.page_sizes
+    def page_sizes_on(self, gpu: str | None) -> frozenset[int] | None:
+        """Page sizes the backend takes on ``gpu`` (None: any). One pool serves both phases: a phase takes
+        the union of its kernels' sets there, the backend the intersection over its phases."""
+        here = {p: [k for k in self.kernels(p) if gpu in k.gpus] for p in self.phases()} if gpu else {}
+        if not any(here.values()):
+            return self.page_sizes
+        out: frozenset[int] | None = None
+        for kernels in here.values():
+            sets = [k.page_sizes if k.page_sizes is not None else self.page_sizes for k in kernels]
+            if not sets or any(s is None for s in sets):
+                continue  # this phase does not run here, or one of its kernels takes any page size
+            phase_set = frozenset().union(*sets)
+            out = phase_set if out is None else out & phase_set
+        return out
 
-    def page_sizes_text(self) -> str:
-        return f"1..{MAX_PAGE_SIZE}" if self.page_sizes is None else _fmt(self.page_sizes)
+    def page_size_ok(self, page_size: int, gpu: str | None = None) -> bool:
+        allowed = self.page_sizes_on(gpu)
+        if allowed is None:
+            return 1 <= page_size <= MAX_PAGE_SIZE
+        return page_size in allowed
+
+    def page_sizes_text(self, gpu: str | None = None) -> str:
+        allowed = self.page_sizes_on(gpu)
+        if gpu is None and any(k.page_sizes for p in self.phases() for k in self.kernels(p)):
+            per = [f"{_fmt(k.page_sizes)} ({k.name})" for p in self.phases() for k in self.kernels(p) if k.page_sizes]
+            return "; ".join(dict.fromkeys(per))
+        return f"1..{MAX_PAGE_SIZE}" if allowed is None else _fmt(allowed)
 
     def head_dims_text(self) -> str:
         if self.mla_multiples is not None:
@@ -133,6 +157,10 @@ class BackendCapabilities:
                 d["runs_as"] = k.runs_as
             if k.requires_env:
                 d["requires_env"] = f"{k.requires_env[0]}={k.requires_env[1]}"
+            if k.page_sizes:
+                d["page_sizes"] = sorted(k.page_sizes)
+            if k.num_heads:
+                d["num_heads"] = sorted(k.num_heads)
             if k.note:
                 d["note"] = k.note
             return d
@@ -199,7 +227,8 @@ _NSA_TRITON = (
     Kernel("triton indexer + sparse MLA (interpreter)", frozenset({"cpu"}), requires_env=("TRITON_INTERPRET", "1"),
            note="CPU runs the Triton interpreter: for tests only, very slow"),
 )
-_MLA_DS = frozenset({(576, 512)})  # DeepSeek absorbed MLA: kv_lora_rank 512 + rope 64, values 512
+_MLA_DS = frozenset({(576, 512)})
+_TRTLLM_GEN_PAGES = frozenset({16, 32, 64})  # DeepSeek absorbed MLA: kv_lora_rank 512 + rope 64, values 512
 _ANY_CUDA = frozenset(CUDA_GPUS)
 
 CAPABILITIES: dict[str, BackendCapabilities] = {
@@ -269,30 +298,37 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
             description="TRT-LLM attention through FlashInfer: trtllm-gen on SM100/SM103, XQA decode on SM90/SM120",
             kinds=frozenset({"mha"}),
             prefill=(
-                Kernel("trtllm-gen context (trtllm_batch_context_with_kv_cache)", _gpus("sm100", "sm103")),
+                Kernel("trtllm-gen context (trtllm_batch_context_with_kv_cache)", _gpus("sm100", "sm103"),
+                       page_sizes=_TRTLLM_GEN_PAGES),
                 Kernel("FlashInfer FA3 prefill", _gpus("sm90"), excluded_head_dims=frozenset({512}),
                        runs_as="flashinfer", note="trtllm-gen context kernels are SM100/SM103 only"),
                 Kernel("FlashInfer FA2 prefill", _gpus("sm90", "sm120"), runs_as="flashinfer",
                        note="trtllm-gen context kernels are SM100/SM103 only"),
             ),
             decode=(
-                Kernel("trtllm-gen decode (trtllm_batch_decode_with_kv_cache)", _gpus("sm100", "sm103")),
+                Kernel("trtllm-gen decode (trtllm_batch_decode_with_kv_cache)", _gpus("sm100", "sm103"),
+                       page_sizes=_TRTLLM_GEN_PAGES),
+                # FlashInfer 0.7.2 jit/xqa.py builds XQA for 16, 32, 64 and 128 tokens per page.
                 Kernel("XQA decode (trtllm_batch_decode_with_kv_cache)", _gpus("sm90", "sm120"),
-                       max_group_above=(256, 16)),
+                       max_group_above=(256, 16), page_sizes=frozenset({16, 32, 64, 128})),
             ),
             head_dims=frozenset({64, 128, 256, 512}),
             v_head_dims=frozenset({64, 128, 256, 512}),
-            page_sizes=frozenset({16, 32, 64}),
             same_qk_v_head_dim=True,
             dtypes=_HALF,
             kv_dtypes=_HALF | {"fp8_e4m3"},
             sliding_window=True,
             logit_softcap=False,  # the trtllm kernels take no soft-cap argument
-            attention_sinks=False,  # the kernels take sinks; our adapter does not pass them yet
+            # trtllm-gen and XQA take per-head sinks (`sinks=`), but the shared Attention layer carries no
+            # sink parameter and no model here (Llama, Gemma 4, DeepSeek) has one, and the torch oracle does
+            # not implement them: a pass-through could not be tested, so sinks stay undeclared.
+            attention_sinks=False,
             module="flashinfer",
             extra="flashinfer",
             cuda_graph=True,
-            notes=("MHA/GQA models only",),
+            notes=("MHA/GQA models only",
+                   "trtllm-gen also has page-128 kernels for GQA (SGLang 0.5.23 allows page 128 for trtllm_mha); "
+                   "not declared on SM100/SM103: unverified here"),
         ),
         BackendCapabilities(
             name="flashinfer_mla",
@@ -315,12 +351,16 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
         ),
         BackendCapabilities(
             name="trtllm_mla",
-            description="TRT-LLM MLA decode through FlashInfer (trtllm_batch_decode_with_kv_cache_mla)",
+            description="TRT-LLM MLA decode through FlashInfer (trtllm_batch_decode_with_kv_cache_mla): "
+                        "trtllm-gen on SM100/SM103, XQA-MLA on SM120",
             kinds=frozenset({"mla"}),  # dense decode; the V3.2 sparse decode is planned
             prefill=(),
-            decode=(Kernel("trtllm-gen MLA decode", _gpus("sm100", "sm103")),),
+            decode=(
+                Kernel("trtllm-gen MLA decode", _gpus("sm100", "sm103"), page_sizes=frozenset({32, 64})),
+                Kernel("XQA-MLA decode", _gpus("sm120"), page_sizes=frozenset({16, 32, 64, 128}),
+                       num_heads=frozenset({128}), note="XQA-MLA builds for 128 query heads only"),
+            ),
             mla_dims=_MLA_DS,
-            page_sizes=frozenset({32, 64}),
             excluded_num_heads=(65, 127),
             dtypes=frozenset({"bfloat16"}),  # FlashInfer allocates and checks a bfloat16 output
             kv_dtypes=frozenset({"bfloat16"}),
@@ -331,6 +371,11 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
             notes=(
                 "decode only: pair it with an MLA prefill backend",
                 "block table column count padded to a multiple of 128/page_size",
+                # Kernel capabilities we do not use, and why (FlashInfer 0.7.2 mla/_core.py):
+                "unused: the kernel also takes MLA dims 320/256 (latent 256 + rope 64) and 512/512 (latent 512, "
+                "no rope), and fp8 KV (trtllm-gen; XQA-MLA fp8 q and KV); attnzoo's MLA models (DeepSeek-V2/V3) "
+                "are 576/512 and the pool holds model-dtype (bf16) entries, so only that is declared",
+                "unused: sinks (trtllm-gen MLA only; XQA-MLA refuses them): no model here has them",
             ),
         ),
         BackendCapabilities(
@@ -411,6 +456,7 @@ def check_backend(
     registered: frozenset[str] | set[str] = frozenset(),
     num_heads: int | None = None,
     num_kv_heads: frozenset[int] = frozenset(),
+    assume_installed: frozenset[str] = frozenset(),
 ) -> Check:
     """Check everything but the page size (the policy may still adjust that) for one phase."""
     chk = Check(name, phase)
@@ -429,7 +475,9 @@ def check_backend(
         bad.append(
             f"not implemented yet in this build (registered backends: {', '.join(sorted(registered)) or 'none'})"
         )
-    if caps.module is None or module_available(caps.module):
+    if caps.module is not None and caps.module in assume_installed:
+        good.append(f"package {caps.module!r} assumed installed (hypothetical)")
+    elif caps.module is None or module_available(caps.module):
         good.append(f"package {caps.module!r} importable" if caps.module else "needs no extra package")
     else:
         fix = f'pip install "attnzoo[{caps.extra}]"' if caps.extra else f"install {caps.module}"
@@ -457,12 +505,17 @@ def check_backend(
                 bad.append(f"{phase} on {gpu} needs {var}={val} in the environment ({on_gpu[0].note})")
             else:
                 fitting = [k for k in runnable if not (head_dims & k.excluded_head_dims)]
+                heads_bad = [k for k in fitting if k.num_heads and num_heads is not None and num_heads not in k.num_heads]
+                fitting = [k for k in fitting if k not in heads_bad]
                 # The profile does not pair head dims with KV head counts: assume the largest group.
                 group = num_heads // min(num_kv_heads) if num_heads and num_kv_heads else None
                 too_grouped = [k for k in fitting if k.max_group_above and group is not None
                                and max(head_dims) > k.max_group_above[0] and group > k.max_group_above[1]]
                 fitting = [k for k in fitting if k not in too_grouped]
-                if not fitting and too_grouped:
+                if not fitting and heads_bad:
+                    k = heads_bad[0]
+                    bad.append(f"{k.name} on {gpu} runs {_fmt(k.num_heads)} query heads; this model has {num_heads}")
+                elif not fitting and too_grouped:
                     d, g = too_grouped[0].max_group_above  # type: ignore[misc]
                     bad.append(f"{too_grouped[0].name} on {gpu} serves head dims above {d} with at most {g} "
                                f"query heads per KV head; this model has head dim {max(head_dims)} and up to {group}")

@@ -16,6 +16,9 @@ from pathlib import Path
 
 from attnzoo.errors import AttnzooError, PolicyError
 
+# The packages optional backends need (pip extras); --assume-installed pretends they import.
+OPTIONAL_PACKAGES = ("flashinfer", "triton")
+
 
 def add_subparser(subparsers) -> argparse.ArgumentParser:
     """Add ``policy`` (with show / explain / backends) to an argparse subparsers object."""
@@ -40,6 +43,11 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
     ex.add_argument("--page-size", type=int, default=None)
     ex.add_argument("--dtype", default=None, help="the dtype the model will run in (checked against the backends)")
     ex.add_argument("--arch", default=None, help="the architecture, when the model's config.json is not at hand")
+    ex.add_argument("--assume-installed", nargs="?", const=",".join(OPTIONAL_PACKAGES), default=None,
+                    metavar="PKG[,PKG]",
+                    help="answer for a machine that has these packages (default: all optional ones: "
+                         f"{', '.join(OPTIONAL_PACKAGES)}); with --gpu, what would run THERE. The answer is "
+                         "labelled hypothetical")
     ex.add_argument("--json", action="store_true", help="print the Decision as JSON")
     ex.set_defaults(func=run)
 
@@ -66,14 +74,18 @@ def _show(args) -> int:
     if args.json:
         print(json.dumps({"cells": cells, "model_patterns": patterns}, indent=2))
         return 0
-    head = ("architecture", "gpu", "prefill", "decode", "page", "planned / reason")
+    head = ("architecture", "gpu", "prefill", "decode", "page", "vs field", "planned / reason")
     rows = []
     for c in cells:
         note = f"planned: {c['planned']}" if c["planned"] else (c["reason"] or "")
-        rows.append((c["architecture"], c["gpu"], c["prefill_backend"], c["decode_backend"], str(c["page_size"]), note))
-    widths = [max(len(r[i]) for r in rows + [head]) for i in range(5)]
+        f = c["field"]
+        vs = "-" if f is None else "agrees" if f["agrees"] else (
+            "differs, unmeasured" if f["justified_by"] == "unmeasured" else "differs, measured")
+        rows.append((c["architecture"], c["gpu"], c["prefill_backend"], c["decode_backend"], str(c["page_size"]),
+                     vs, note))
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(6)]
     for r in [head, *rows]:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths)) + "  " + r[5])
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)) + "  " + r[6])
     if patterns:
         print("\nmodel-id patterns (applied by `explain` and load_model when the model id matches):")
         for p in patterns:
@@ -86,11 +98,16 @@ def _explain(args) -> int:
     from attnzoo.defaults.resolve import Overrides, resolve
 
     model, model_id = load_model_arg(args.model, args.arch)
+    assume = tuple(p for p in (args.assume_installed or "").split(",") if p)
+    unknown = [p for p in assume if p not in OPTIONAL_PACKAGES]
+    if unknown:
+        raise PolicyError(f"--assume-installed: unknown package(s) {', '.join(unknown)}",
+                          fix=f"use some of: {', '.join(OPTIONAL_PACKAGES)}")
     decision = resolve(
         model, gpu=args.gpu,
         overrides=Overrides(backend=args.backend, prefill_backend=args.prefill_backend,
                             decode_backend=args.decode_backend, page_size=args.page_size,
-                            policy_file=args.policy, dtype=args.dtype),
+                            policy_file=args.policy, dtype=args.dtype, assume_installed=assume),
         model_id=model_id,
     )
     print(json.dumps(decision.to_dict(), indent=2) if args.json else decision.explain())

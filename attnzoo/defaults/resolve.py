@@ -28,7 +28,7 @@ from attnzoo.defaults.capabilities import (
     kv_layout_notes,
 )
 from attnzoo.defaults.profile import ModelProfile, architecture_of, profile_from_config, profile_from_table
-from attnzoo.defaults.table import SHIPPED_POLICY, Match, PolicyTable, load_table
+from attnzoo.defaults.table import SHIPPED_POLICY, UNMEASURED, Match, PolicyTable, load_table
 from attnzoo.errors import BackendError, PolicyError
 
 POLICY_ENV = "ATTNZOO_POLICY"
@@ -49,6 +49,9 @@ class Overrides:
     # The dtype the model will run in ("bfloat16", torch.bfloat16, ...); checked against each backend's
     # dtypes. None: not checked (the config's dtype is only what the checkpoint was saved in).
     dtype: Any = None
+    # Python packages to treat as installed ("flashinfer", "triton"): answers what would run on a machine
+    # that has them (`policy explain --assume-installed`). The Decision is then labelled hypothetical.
+    assume_installed: tuple[str, ...] = ()
 
 
 @dataclass
@@ -111,6 +114,13 @@ class Decision:
     block_table_multiple: int = 1  # block-table column count must be a multiple of this
     kv_layouts: dict[str, str] = field(default_factory=dict)  # phase -> KV layout its backend reads
     policy_files: list[str] = field(default_factory=list)
+    # Weight format and linear-layer GEMM path, filled in by load_model once the weights are planned.
+    weights: dict[str, str] = field(default_factory=dict)
+    # The field's choice for this cell (SGLang, vLLM), whether the table row agrees, and what justifies
+    # a difference (a measurement file, or "unmeasured"); see field_summary().
+    field_choice: dict[str, Any] | None = None
+    # Packages assumed installed (`policy explain --assume-installed`): the answer is hypothetical.
+    assumed_installed: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -130,6 +140,11 @@ class Decision:
             "kv_layouts": dict(self.kv_layouts),
             "profile": self.profile.to_dict(),
             "policy_files": list(self.policy_files),
+            "weights": dict(self.weights),
+            "field": self.field_choice,
+            "hypothetical": {"assumed_installed": list(self.assumed_installed),
+                             "note": "packages assumed installed, not checked on this machine"}
+            if self.assumed_installed else None,
             "candidates": [c.to_dict() for c in self.candidates],
         }
 
@@ -142,6 +157,9 @@ class Decision:
             f"page size {self.page_size}",
             f"  model: {self.profile.describe()}",
         ]
+        if self.assumed_installed:
+            out.insert(0, f"HYPOTHETICAL: assumes {', '.join(self.assumed_installed)} installed "
+                          f"(not checked on this machine); what would run there:")
         shown: set[str] = set()
         for key, label in (("prefill_backend", "prefill backend"), ("decode_backend", "decode backend"),
                            ("page_size", "page size")):
@@ -155,6 +173,19 @@ class Decision:
         for phase in PHASES:
             if phase in self.kernels:
                 out.append(f"  {phase} kernel: {self.kernels[phase]}")
+        for key, text in self.weights.items():
+            out.append(f"  weights {key.replace('_', ' ')}: {text}")
+        f = self.field_choice
+        if f:
+            out.append(f"  field: SGLang {f['sglang']}; vLLM {f['vllm']}" + (f" (read: {f['read']})" if f.get("read") else ""))
+            if f["agrees"]:
+                out.append("  attnzoo's table row agrees with the field")
+            else:
+                why = f["justified_by"]
+                out.append("  attnzoo's table row differs from the field: "
+                           + ("unmeasured" if why == UNMEASURED else f"measured in {why}"))
+            if f.get("note"):
+                out.append(f"  field note: {f['note']}")
         if self.planned:
             out.append(f"  planned: {self.planned}")
         if self.adjustments:
@@ -268,10 +299,12 @@ def resolve(
         else:
             values[key], sources[key] = _walk(matches, key, arch, fam, cls, shipped)
     planned = next((m.row.planned for _, _, m in matches if m.row.planned), None)
+    field_choice = field_summary(matches)
 
     _check_page_size_value(values["page_size"], sources["page_size"])
     registered = frozenset(backend_names())
     dtype = _dtype_name(ov.dtype)
+    assume = frozenset(ov.assume_installed)
     fallback = shipped.families[fam].fallback
     explicit_page = values["page_size"] if sources["page_size"].explicit else None
 
@@ -280,11 +313,11 @@ def resolve(
             name, phase, gpu=cls, kind=profile.kind, head_dims=profile.head_dims, v_head_dims=profile.v_head_dims,
             uses_sliding_window=profile.uses_sliding_window, uses_softcap=profile.uses_softcap,
             uses_sinks=profile.uses_sinks, dtype=dtype, registered=registered, num_heads=profile.num_heads,
-            num_kv_heads=profile.num_kv_heads,
+            num_kv_heads=profile.num_kv_heads, assume_installed=assume,
         )
         caps = CAPABILITIES.get(name)
-        if page_bound and explicit_page is not None and caps is not None and not caps.page_size_ok(explicit_page):
-            chk.violations.append(f"page size {explicit_page} unsupported (supports {caps.page_sizes_text()})")
+        if page_bound and explicit_page is not None and caps is not None and not caps.page_size_ok(explicit_page, cls):
+            chk.violations.append(f"page size {explicit_page} unsupported (supports {caps.page_sizes_text(cls)})")
         return chk
 
     checks: dict[str, Check] = {}
@@ -321,7 +354,7 @@ def resolve(
                 fix=_valid_fix(phase, profile, cls, check),
             )
 
-    page, page_adj = _settle_page_size(values, sources)
+    page, page_adj = _settle_page_size(values, sources, cls)
     if page_adj:
         adjustments.append(page_adj)
         sources["page_size"] = Source("fallback", f"adjusted from {sources['page_size'].detail}",
@@ -349,14 +382,27 @@ def resolve(
     if dtype is None:
         notes.append("run dtype not given: backend dtypes not checked")
 
-    candidates = _candidates(values, first_choice, fallback, page, check)
+    candidates = _candidates(values, first_choice, fallback, page, check, cls)
     return Decision(
         prefill_backend=values["prefill_backend"], decode_backend=values["decode_backend"], page_size=page,
         gpu=cls, architecture=arch, sources=sources, candidates=candidates, adjustments=adjustments,
         planned=planned, profile=profile, model_id=model_id, device_gpu=device_gpu, kernels=kernels, notes=notes,
         block_table_multiple=multiple, kv_layouts=layouts,
         policy_files=[str(p) for p in (shipped.path, user.path if user else None) if p],
+        field_choice=field_choice, assumed_installed=sorted(assume),
     )
+
+
+def field_summary(matches) -> dict[str, Any] | None:
+    """The most specific row's `field`, with whether it differs and what justifies a difference."""
+    f = next((m.row.field for _, _, m in matches if m.row.field), None)
+    if f is None:
+        return None
+    measured = next((m.row.measured_in for _, _, m in matches if m.row.measured_in), None)
+    out = dict(f, differs=not f["agrees"])
+    if not f["agrees"]:
+        out["justified_by"] = measured or UNMEASURED
+    return out
 
 
 def _walk(matches, key: str, arch: str, fam: str, gpu: str, shipped: PolicyTable) -> tuple[Any, Source]:
@@ -395,6 +441,7 @@ def table_cells(gpu: str | None = None, policy_file: str | os.PathLike | None = 
                 cell["reason"] = next((m.row.reason for _, _, m in matches if m.row.reason), None)
                 cell["planned"] = next((m.row.planned for _, _, m in matches if m.row.planned), None)
                 cell["measured_in"] = next((m.row.measured_in for _, _, m in matches if m.row.measured_in), None)
+                cell["field"] = field_summary(matches)
                 cells.append(cell)
     return cells
 
@@ -478,15 +525,16 @@ def _check_page_size_value(page, src: Source) -> None:
                           fix="pass e.g. page_size=16")
 
 
-def _settle_page_size(values: dict[str, Any], sources: dict[str, Source]) -> tuple[int, str | None]:
+def _settle_page_size(values: dict[str, Any], sources: dict[str, Source], gpu: str) -> tuple[int, str | None]:
     page, src = values["page_size"], sources["page_size"]
     allowed = set(range(1, MAX_PAGE_SIZE + 1))
     needs = []
     for phase in PHASES:
         caps = CAPABILITIES[values[f"{phase}_backend"]]
-        if caps.page_sizes is not None:
-            allowed &= caps.page_sizes
-            needs.append(f"{phase} backend {caps.name} needs {caps.page_sizes_text()}")
+        sizes = caps.page_sizes_on(gpu)
+        if sizes is not None:
+            allowed &= sizes
+            needs.append(f"{phase} backend {caps.name} needs {caps.page_sizes_text(gpu)}")
     if page in allowed:
         return page, None
     if not allowed:
@@ -528,7 +576,7 @@ def _explicit_backend_error(name, phase, src: Source, chk: Check, profile, gpu, 
     return BackendError(f"{what}: {'; '.join(chk.violations)}", fix=_valid_fix(phase, profile, gpu, check))
 
 
-def _candidates(values, first_choice, fallback, page: int, check) -> list[Candidate]:
+def _candidates(values, first_choice, fallback, page: int, check, gpu: str) -> list[Candidate]:
     out: list[Candidate] = []
     for phase in PHASES:
         chosen = values[f"{phase}_backend"]
@@ -541,8 +589,8 @@ def _candidates(values, first_choice, fallback, page: int, check) -> list[Candid
             chk = check(name, phase)
             caps = CAPABILITIES.get(name)
             notes = []
-            if caps is not None and not caps.page_size_ok(page):
-                notes.append(f"needs page size {caps.page_sizes_text()}; this decision uses {page}")
+            if caps is not None and not caps.page_size_ok(page, gpu):
+                notes.append(f"needs page size {caps.page_sizes_text(gpu)}; this decision uses {page}")
             if chk.kernel is not None and chk.kernel.runs_as:
                 notes.append(f"{phase} runs the {chk.kernel.runs_as} backend's kernel here ({chk.kernel.note})")
             out.append(Candidate(name, phase, chk.ok, chk.reasons, chosen=name == chosen,

@@ -14,9 +14,13 @@ One schema serves the shipped table (``policy.toml``) and user policy files (``-
     page_size = 16
     reason = "why"
     planned = "what replaces it once implemented"
-    measured_in = "benchmarks/results/<file>"
+    measured_in = "benchmarks/results/<file>"   # or "unmeasured": the row differs from the field untested
+    field = { sglang = "fa3", vllm = "FLASH_ATTN (FA3)", agrees = false, note = "..." }
+                                         # the field's choice for this cell (engines' own names); `read`
+                                         # (what was read, versions) defaults to the file's `field_read`
     [family.<name>.arch.<Architecture>]  # per-architecture entry: same row fields, its own gpu rows
     [models."<model id glob>"]            # per-model-id entry (user files), e.g. "google/gemma-4-*"
+    [measured]                           # numbers behind the file (written by `attnzoo tune`); not read by resolve
 
 Within one file the most specific row wins, field by field: model-id pattern > architecture entry >
 family default, and within each a GPU row > the entry's all-GPU fields.
@@ -39,7 +43,9 @@ from attnzoo.errors import PolicyError
 SHIPPED_POLICY = Path(__file__).with_name("policy.toml")
 SCHEMA_VERSION = 1
 
-ROW_KEYS = ("backend", "prefill", "decode", "page_size", "reason", "planned", "measured_in")
+ROW_KEYS = ("backend", "prefill", "decode", "page_size", "reason", "planned", "measured_in", "field")
+FIELD_KEYS = ("sglang", "vllm", "agrees", "read", "note")
+UNMEASURED = "unmeasured"
 PROFILE_KEYS = (
     "kind", "head_dims", "v_head_dims", "num_heads", "num_kv_heads",
     "sliding_window", "softcap", "dtype", "example",
@@ -65,6 +71,7 @@ class Row:
     reason: str | None = None
     planned: str | None = None
     measured_in: str | None = None
+    field: dict[str, Any] | None = None  # the field's choice: FIELD_KEYS
 
     def get(self, name: str):
         return getattr(self, name)
@@ -177,6 +184,7 @@ class _Parser:
     def __init__(self, path: Path, text: str, shipped: bool):
         self.path = path
         self.shipped = shipped
+        self.field_read: str | None = None
         self.lines = _key_lines(text)
 
     # -- errors
@@ -195,10 +203,14 @@ class _Parser:
 
     # -- structure
     def parse(self, data: dict) -> PolicyTable:
-        allowed_top = {"schema", "family", "models"}
+        allowed_top = {"schema", "family", "models", "field_read", "measured"}
         for k in data:
             if k not in allowed_top:
                 raise self.unknown((k,), allowed_top)
+        self.field_read = data.get("field_read")
+        if self.field_read is not None and not isinstance(self.field_read, str):
+            raise self.fail(("field_read",), "expected a string", 'write field_read = "what was read, versions"')
+        self.table(data.get("measured", {}), ("measured",))
         schema = data.get("schema", SCHEMA_VERSION)
         if schema != SCHEMA_VERSION:
             raise self.fail(("schema",), f"schema version {schema!r} is not supported",
@@ -300,7 +312,23 @@ class _Parser:
         return Row(
             where=_dotted(kp), line=self.line_of(kp), prefill=prefill, decode=decode, page_size=page,
             reason=body.get("reason"), planned=body.get("planned"), measured_in=body.get("measured_in"),
+            field=self.field(body["field"], kp + ("field",)) if "field" in body else None,
         )
+
+    def field(self, value, kp: tuple[str, ...]) -> dict[str, Any]:
+        body = dict(self.table(value, kp))
+        for k, v in body.items():
+            if k not in FIELD_KEYS:
+                raise self.unknown(kp + (k,), FIELD_KEYS)
+            if not isinstance(v, bool if k == "agrees" else str):
+                raise self.fail(kp + (k,), f"invalid value {v!r}",
+                                "agrees = true/false; sglang, vllm, read, note are strings")
+        for k in ("sglang", "vllm", "agrees"):
+            if k not in body:
+                raise self.fail(kp, f"missing {k!r}", 'write field = { sglang = "...", vllm = "...", agrees = false }')
+        if "read" not in body and self.field_read:
+            body["read"] = self.field_read
+        return body
 
     def backend_name(self, value, kp: tuple[str, ...]) -> str:
         if not isinstance(value, str) or value not in CAPABILITIES:

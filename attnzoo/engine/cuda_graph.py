@@ -3,11 +3,13 @@
 A decode step's host work (Python per layer, kernel launches) costs more than its GPU work at small
 batches. Captured once per bucket, a step becomes: copy this step's metadata into static buffers, replay.
 Rows past the real batch are padding: they point at page 0 (never handed out), so their KV writes land
-where nobody reads, and their logits are dropped.
+where nobody reads, and their hidden states are dropped. The graph ends at the final hidden states: the
+LM head runs eagerly on the sampled rows (one launch), so no bucket keeps a [bucket, vocab] float32
+output alive in the graph pool (2.6 GB over the buckets up to 1024 at a 128k vocabulary).
 
-The graphs are sized for contexts up to ``max_context`` tokens; a decode step with a longer request,
-or more requests than the largest bucket, runs eagerly (``DecodeGraphs.fits`` decides, and the engine
-counts those steps in ``Engine.graph_stats``).
+The graphs are sized for contexts up to ``max_context`` tokens and batches up to ``max_batch`` (the
+engine's max_running, always a bucket); a decode step with a longer request runs eagerly
+(``DecodeGraphs.fits`` decides, and the engine counts those steps in ``Engine.graph_stats``).
 """
 from __future__ import annotations
 
@@ -16,14 +18,15 @@ import torch
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.metadata import BatchMetadata, ForwardMode
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024,
+                   1280, 1536, 2048, 2560, 3072, 4096)
 
 
 class DecodeGraphs:
     def __init__(self, model, pool, backend, *, max_batch: int, max_context: int, buckets=DEFAULT_BUCKETS):
         self.model, self.pool, self.backend = model, pool, backend
         dev, ps = pool.device, pool.page_size
-        self.buckets = sorted(b for b in buckets if b <= max_batch) or [max_batch]
+        self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
         self.max_batch = self.buckets[-1]
         self.max_pages = -(-max_context // ps)
         self.max_context = self.max_pages * ps
@@ -38,7 +41,7 @@ class DecodeGraphs:
         self.q_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)  # [max_batch + 1]
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)  # [max_batch]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # bucket -> static output [bucket, vocab]
+        self.hidden: dict[int, torch.Tensor] = {}  # bucket -> static output [bucket, hidden]
         self.metas: dict[int, BatchMetadata] = {}  # bucket -> metadata over the static buffers
         backend.init_graph_state(self.max_batch, self.max_pages)
         self._capture_all()
@@ -55,8 +58,7 @@ class DecodeGraphs:
     def _run(self, meta: BatchMetadata) -> torch.Tensor:
         bs = meta.num_reqs
         ctx = ForwardContext(meta, self.pool, self.backend, self.backend)
-        hidden = self.model(self.ids[:bs], self.positions[:bs], ctx)
-        return self.model.compute_logits(hidden)
+        return self.model(self.ids[:bs], self.positions[:bs], ctx)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -73,7 +75,7 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[bs] = self._run(meta)
+                self.hidden[bs] = self._run(meta)
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
@@ -81,7 +83,7 @@ class DecodeGraphs:
         return meta.is_decode and meta.num_reqs <= self.max_batch and meta.max_seq_len <= self.max_context
 
     def replay(self, ids: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-        """Logits [num_reqs, vocab] for a decode step that ``fits``."""
+        """Final hidden states [num_reqs, hidden] for a decode step that ``fits``."""
         n = meta.num_reqs
         bs = next(b for b in self.buckets if b >= n)
         width = meta.block_tables.shape[1]
@@ -100,4 +102,4 @@ class DecodeGraphs:
         self.block_tables[n:bs].zero_()
         self.backend.prepare_graph(self.metas[bs], capturing=False)  # refill the backend's static state
         self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        return self.hidden[bs][:n]

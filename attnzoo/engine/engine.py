@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from attnzoo.attention.kv_cache import KVPool, PageAllocator
@@ -25,6 +26,10 @@ from attnzoo.attention.metadata import BatchMetadata, build_metadata
 from attnzoo.engine.prefix_cache import PrefixCache
 from attnzoo.engine.sampling import SamplingParams, sample
 from attnzoo.errors import BackendError, KVCacheFullError, RequestError
+
+# max_running=None: admission is bounded by the KV pages each request reserves, the token budget (a
+# decode step must hold every running request) and this cap, which bounds per-step host work.
+MAX_RUNNING_CAP = 4096
 
 
 @dataclass
@@ -56,6 +61,17 @@ class _Request:
     logits: list[torch.Tensor] = field(default_factory=list)
     first_token_at: float = 0.0
     finished_at: float = 0.0
+    _table: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32), repr=False)
+
+    def page_table(self) -> np.ndarray:
+        """``pages`` as int32 for the step's block table. Pages only grow while a request runs, so only
+        those added since the last step are converted, not every page every step."""
+        n = len(self._table)
+        if n < len(self.pages):
+            self._table = np.concatenate([self._table, np.asarray(self.pages[n:], dtype=np.int32)])
+        elif n > len(self.pages):
+            self._table = np.asarray(self.pages, dtype=np.int32)
+        return self._table
 
     @property
     def tokens(self) -> list[int]:
@@ -78,7 +94,7 @@ class Engine:
         eos_token_ids: set[int] = frozenset(),
         context_len: int,
         max_batch_tokens: int = 4096,
-        max_running: int = 256,
+        max_running: int | None = None,
         prefix_caching: bool = True,
         cascade: bool | None = None,
         cascade_min_saved_tokens: int = 32768,
@@ -92,6 +108,8 @@ class Engine:
         self.eos = set(eos_token_ids)
         self.context_len = context_len
         self.max_batch_tokens = max_batch_tokens
+        if max_running is None:
+            max_running = min(MAX_RUNNING_CAP, max_batch_tokens, self.allocator.capacity)
         self.max_running = max_running
         self.device = pool.device
         self.prefix_cache = PrefixCache(self.allocator, pool.page_size) if prefix_caching else None
@@ -108,6 +126,9 @@ class Engine:
                 fix="pass cascade=None (automatic) or False, or use decode backend 'flashinfer' or 'triton'",
             )
         self.cascade = can if cascade is None else cascade
+        # Extend steps too (prompt chunks after a cached few-shot prefix, beside decode rows), where the
+        # prefill backend can: there every request re-reads the prefix, however few queries it brings.
+        self.cascade_extend = cascade is not False and prefix_caching and prefill_backend.supports_cascade_extend
         self.cascade_min_saved_tokens = cascade_min_saved_tokens
         self.step_log: list[dict] | None = None  # set to [] to record one summary per step (benchmarks)
         self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs()
@@ -274,7 +295,7 @@ class Engine:
 
     def _step(self, batch: "_Batch") -> torch.Tensor:
         step = {"prefix_lens": [r.num_cached for r in batch.reqs], "q_lens": [len(c) for c in batch.chunks],
-                "block_tables": [r.pages for r in batch.reqs], "ids": [t for c in batch.chunks for t in c],
+                "block_tables": [r.page_table() for r in batch.reqs], "ids": [t for c in batch.chunks for t in c],
                 "rows": batch.sample_rows, "keys": [r.index for r in batch.reqs]}
         logits, batch.shared_prefix_len = self.run_step(step)
         for req, chunk in zip(batch.reqs, batch.chunks):
@@ -292,12 +313,15 @@ class Engine:
         decided = "graph" in step
         meta = build_metadata(
             prefix_lens=step["prefix_lens"], q_lens=step["q_lens"], block_tables=step["block_tables"],
-            page_size=self.pool.page_size, device=self.device, detect_shared_prefix=self.cascade and not decided,
+            page_size=self.pool.page_size, device=self.device,
+            detect_shared_prefix=(self.cascade or self.cascade_extend) and not decided,
         )
         if decided:
             meta.shared_prefix_len = step["shared_prefix_len"]
-        elif meta.shared_prefix_len * (meta.num_reqs - 1) < self.cascade_min_saved_tokens:
-            meta.shared_prefix_len = 0
+        else:
+            on = self.cascade if meta.is_decode else self.cascade_extend
+            if not on or meta.shared_prefix_len * (meta.num_reqs - 1) < self.cascade_min_saved_tokens:
+                meta.shared_prefix_len = 0
         graph = step["graph"] if decided else (
             self.graphs is not None and not meta.shared_prefix_len and self.graphs.fits(meta))
         if self.tp is not None and self.tp.leader:
@@ -306,7 +330,8 @@ class Engine:
         rows = None if step["rows"] is None else torch.tensor(step["rows"], dtype=torch.int64, device=self.device)
         with torch.inference_mode():
             if graph:
-                logits = self.graphs.replay(ids, meta)[rows]  # decode: row i is request i
+                hidden = self.graphs.replay(ids, meta)  # decode: row i is request i
+                logits = self.model.compute_logits(hidden[rows])
                 self.graph_stats["replayed"] += 1
             else:
                 hidden = self._forward(ids, meta)

@@ -15,6 +15,7 @@ from attnzoo.engine.engine import Completion, Engine
 from attnzoo.engine.sampling import SamplingParams
 from attnzoo.errors import BackendError, ModelLoadError, RequestError
 from attnzoo.models import loader
+from attnzoo.models.quantization import plan_weights
 from attnzoo.models.registry import model_class
 
 log = logging.getLogger("attnzoo")
@@ -156,7 +157,8 @@ class LLM:
         e = self.engine
         if e.cascade:
             return (f"on: decode steps whose requests share >= 1 page read it once "
-                    f"(when shared tokens x (requests - 1) >= {e.cascade_min_saved_tokens}; such steps run eagerly)")
+                    f"(when shared tokens x (requests - 1) >= {e.cascade_min_saved_tokens}; such steps run eagerly)"
+                    + ("; extend steps too" if e.cascade_extend else ""))
         if e.prefix_cache is None:
             return "off: prefix caching is off"
         if not e.decode_backend.supports_cascade:
@@ -182,11 +184,13 @@ class LLM:
             "kv_layers_with_memory": sum(1 for i in range(len(specs)) if self.pool.owns_memory(i)),
             "kv_element_bytes": elt,
             "context_len": self.engine.context_len,
+            "max_running": self.engine.max_running,
             "cuda_graph": None if self.engine.graphs is None else {
                 "batch_buckets": self.engine.graphs.buckets, "max_context": self.engine.graphs.max_context},
             "cascade": self._cascade_info(),
             # > 1: kv_bytes_per_token and the KV capacity are per rank (each holds its own heads)
             "tensor_parallel_size": 1 if self.tp is None else self.tp.ctx.world_size,
+            "weights": dict(self.decision.weights),
             "decision": self.decision.to_dict(),
         }
 
@@ -209,12 +213,13 @@ def load_model(
     kv_cache_tokens: int | None = None,
     kv_cache_memory: int | None = None,
     max_batch_tokens: int | None = None,
-    max_running: int = 256,
+    max_running: int | None = None,
     prefix_caching: bool = True,
     cuda_graph: bool | None = None,
     cuda_graph_max_context: int = 8192,
     cascade: bool | None = None,
     load_format: str = "auto",
+    fp8_weights: str = "auto",
     seed: int = 0,
     tensor_parallel_size: int | None = None,
 ) -> LLM:
@@ -222,11 +227,18 @@ def load_model(
 
     ``load_format="random"`` builds the model from its config with random weights (for benchmarks of
     full-size shapes without the weights); the tokenizer is still loaded when the checkpoint has one.
+    ``max_running``: the most requests decoding at once (None: as many as the KV pages and the token
+    budget allow, at most 4096; ``info()["max_running"]`` says how many).
     ``cascade``: read a prefix shared by a whole decode batch once per step (None: wherever the decode
     backend supports it and prefix caching is on; ``info()["cascade"]`` says which).
     ``tensor_parallel_size=N``: split the model over N GPUs (N CPU processes on CPU): this process is
     rank 0 and starts the others. Under torchrun, every rank calls load_model (N defaults to WORLD_SIZE)
     and the other ranks' generate/logits follow rank 0's (``attnzoo.engine.tensor_parallel``).
+    ``fp8_weights`` (FP8 block-quantized checkpoints): "auto" keeps the stored FP8 layers and runs FP8
+    GEMMs on GPUs with FP8 tensor cores, and dequantizes to ``dtype`` at load elsewhere (CPU: the reference
+    path); "fp8" insists on FP8 layers (on CPU they run a float32 emulation); "dequantize" always
+    dequantizes. ``info()["weights"]`` states the format and the GEMM path. Under tensor parallelism the
+    sharded layers are dequantized at load; the routed experts (whole experts per rank) stay FP8.
     """
     from attnzoo.engine import tensor_parallel
 
@@ -245,7 +257,7 @@ def load_model(
 
 def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype, device, page_size, policy_file,
                 kv_cache_tokens, kv_cache_memory, max_batch_tokens, max_running, prefix_caching, cuda_graph,
-                cuda_graph_max_context, cascade, load_format, seed, tensor_parallel_size, tp) -> LLM:
+                cuda_graph_max_context, cascade, load_format, fp8_weights, seed, tensor_parallel_size, tp) -> LLM:
     from attnzoo.defaults import Overrides, resolve
     from attnzoo.defaults.profile import profile_from_config, rank_local
 
@@ -275,16 +287,20 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
     shapes = config if tp is None else rank_local(profile_from_config(config, architecture=arch), tp.ctx.world_size)
     decision = resolve(shapes, gpu=None if dev.type == "cuda" else "cpu", overrides=overrides, model_id=src.name if src else None)
     log.info("attention policy for %s: %s", arch, decision.explain().splitlines()[0])
+    weights = plan_weights(config, cls, device=dev, dtype=dt, mode=fp8_weights,
+                           checkpoint_names=loader.checkpoint_tensor_names(src) if load_format == "auto" else None)
 
     # Seeded random init (load_format="random") without touching the caller's global RNG state.
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
         with torch.device(dev), _default_dtype(dt):  # build in place: no float32 copy of a large model
-            model = cls(config) if tp is None else cls(config, tp=tp.ctx)
+            model = weights.build(cls if tp is None else functools.partial(cls, tp=tp.ctx), config)
     if load_format == "auto":
-        model.load_weights(loader.iter_weights(src, config))
+        model.load_weights(weights.tensors(model, loader.iter_weights(src, config)))
     else:
         model.after_weights_loaded()
+    weights.finish(model)
+    decision.weights = weights.describe()
     model.eval()
     tokenizer = loader.load_tokenizer(src) if src else None
 
@@ -312,7 +328,7 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
                 f"CUDA graphs were asked for, but the decode backend {dec.name!r} on {dev} does not support them",
                 fix="pass cuda_graph=False, or a decode backend that supports graphs on a GPU",
             )
-        engine.enable_cuda_graphs(max_batch=max_running, max_context=min(context_len, cuda_graph_max_context))
+        engine.enable_cuda_graphs(max_batch=engine.max_running, max_context=min(context_len, cuda_graph_max_context))
     if src is None:
         src = loader.CheckpointSource(f"random-weight {arch}", None)
     engine.tp = tp

@@ -24,6 +24,7 @@ import pickle
 import socket
 import weakref
 
+import numpy as np
 import torch
 
 from attnzoo.errors import AttnzooError, ModelLoadError
@@ -33,6 +34,7 @@ from attnzoo.layers.parallel import TPContext
 # timeout there would kill a healthy group.
 _CONTROL_TIMEOUT = datetime.timedelta(days=30)
 _SERVE_ENV = "ATTNZOO_TP_SERVE"  # set in spawned ranks: serve rank 0 until shutdown, return nothing
+_NO_PAGES = np.zeros(0, dtype=np.int32)
 
 
 def torchrun_world() -> tuple[int, int, int] | None:
@@ -55,7 +57,7 @@ class TPGroup:
         # Block tables only grow during a call: steps carry each request's new pages (request key ->
         # pages sent so far on rank 0, the tables rebuilt on the others), not 1024 x 100 page ids.
         self._sent: dict[int, int] = {}
-        self._tables: dict[int, list[int]] = {}
+        self._tables: dict[int, np.ndarray] = {}
 
     @property
     def rank(self) -> int:
@@ -73,8 +75,8 @@ class TPGroup:
         kind, payload = message
         if kind == "step" and payload.get("keys") is not None:
             new = []
-            for key, table in zip(payload["keys"], payload["block_tables"]):
-                new.append(table[self._sent.get(key, 0):])
+            for key, table in zip(payload["keys"], payload["block_tables"]):  # int32 arrays (Request.page_table)
+                new.append(table[self._sent.get(key, 0):].tolist())
                 self._sent[key] = len(table)
             payload = {**payload, "block_tables": new}
         elif kind != "step":
@@ -89,7 +91,9 @@ class TPGroup:
         kind, payload = box[0]
         if kind == "step" and payload.get("keys") is not None:
             for key, pages in zip(payload["keys"], payload["block_tables"]):
-                self._tables.setdefault(key, []).extend(pages)
+                if pages or key not in self._tables:
+                    old = self._tables.get(key, _NO_PAGES)
+                    self._tables[key] = np.concatenate([old, np.asarray(pages, dtype=np.int32)])
             payload["block_tables"] = [self._tables[key] for key in payload["keys"]]
         elif kind != "step":
             self._tables.clear()

@@ -94,7 +94,7 @@ class TPContext:
 SINGLE = TPContext()
 
 
-def _narrow(dim: int, start: int, size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def narrow(dim: int, start: int, size: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda full: full.narrow(dim, start, size)
 
 
@@ -129,9 +129,9 @@ class ColumnParallelLinear(nn.Linear):
         start, size = rows if rows is not None else tp.shard(out_features, "output features")
         super().__init__(in_features, size, bias=bias)
         if (start, size) != (0, out_features):
-            mark_shard(self.weight, _narrow(0, start, size))
+            mark_shard(self.weight, narrow(0, start, size))
             if bias:
-                mark_shard(self.bias, _narrow(0, start, size))
+                mark_shard(self.bias, narrow(0, start, size))
 
 
 class RowParallelLinear(nn.Linear):
@@ -147,7 +147,7 @@ class RowParallelLinear(nn.Linear):
         super().__init__(size, out_features, bias=bias)
         self.tp, self.reduce = tp, reduce
         if size != in_features:
-            mark_shard(self.weight, _narrow(1, start, size))
+            mark_shard(self.weight, narrow(1, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)

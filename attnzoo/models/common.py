@@ -1,21 +1,23 @@
 """Building blocks shared by the model files: norms, rotary embeddings, MLPs, and the model base class.
 
 Model parameters are named like the Hugging Face checkpoints they load (``model.layers.0.self_attn.
-q_proj.weight``), so loading is a name-for-name copy with shape checks and no per-model mapping tables.
+o_proj.weight``), so loading is a name-for-name copy with shape checks and no per-model mapping tables.
+The one exception is ``MergedLinear``: projections of the same input stacked into one GEMM (q/k/v,
+gate/up), each checkpoint tensor loaded into its rows under its own name.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from attnzoo.attention.kv_cache import KVCacheSpec
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.errors import WeightError
-from attnzoo.layers.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPContext
+from attnzoo.layers import fused
+from attnzoo.layers.parallel import SINGLE, RowParallelLinear, TPContext, narrow
 
 
 class RMSNorm(nn.Module):
@@ -28,10 +30,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch's rms_norm is one fused kernel on CUDA; spelled out in elementwise ops, the norms were
-        # a third of a batch-1024 decode step's non-GEMM kernels.
-        w = None if self.weight is None else self.weight.float() + self.offset
-        return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(x.dtype)
+        return fused.rms_norm(x, self)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None, *, x_norm: RMSNorm | None = None):
+        """-> (this norm of s, s) with s = residual + x_norm(x), in one kernel on a GPU. residual None
+        (the first layer): s is x_norm(x), or x itself. x_norm is a post-norm of x (Gemma)."""
+        return fused.add_rms_norm(x, residual, self, x_norm=x_norm)
 
 
 class RotaryEmbedding(nn.Module):
@@ -64,12 +68,45 @@ class RotaryEmbedding(nn.Module):
         return emb.cos() * self.scaling, emb.sin() * self.scaling
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on x [num_tokens, heads, rotary_dim] with cos/sin [num_tokens, rotary_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return (x.float() * c + rotated.float() * s).to(x.dtype)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
+    """RoPE on x [num_tokens, heads, dim] with cos/sin [num_tokens, rotary_dim <= dim]: rotate-half, or
+    interleaved pairs written de-interleaved (fused.rope_ref); channels past rotary_dim pass through."""
+    return fused.rope(x, None, cos, sin, interleaved=interleaved)[0]
+
+
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """apply_rope on q and k, one kernel on a GPU."""
+    return fused.rope(q, k, cos, sin)
+
+
+class MergedLinear(nn.Linear):
+    """Several projections of the same input as one GEMM, stacked along the output: ``parts`` maps each
+    checkpoint module name (a sibling of this one: "q_proj") to its output rows, in order. Checkpoint
+    tensors keep their names; ``CausalLM.load_weights`` copies ``<parent>.q_proj.weight`` into its rows.
+
+    Under tensor parallelism every part is column-parallel on its own: this rank keeps rows
+    first..first+count of each part (``shards``: part -> (first, count), an even split unless given;
+    replicated KV heads pass their own), stacked in part order, and the loader cuts each checkpoint
+    tensor to those rows before copying it in."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False, *, tp: TPContext = SINGLE,
+                 shards: dict[str, tuple[int, int]] | None = None):
+        shards = {name: (shards or {}).get(name) or tp.shard(n, f"{name} output features")
+                  for name, n in parts.items()}
+        super().__init__(in_features, sum(count for _, count in shards.values()), bias=bias)
+        self.parts = {name: count for name, (_, count) in shards.items()}  # this rank's rows of each part
+        self.cuts = {name: None if shards[name] == (0, n) else narrow(0, *shards[name]) for name, n in parts.items()}
+
+    def part_rows(self) -> dict[str, slice]:
+        rows, start = {}, 0
+        for name, n in self.parts.items():
+            rows[name] = slice(start, start + n)
+            start += n
+        return rows
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This projection's output [..., sum(parts)] -> one view per part."""
+        return y.split(list(self.parts.values()), dim=-1)
 
 
 class GatedMLP(nn.Module):
@@ -78,15 +115,13 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str = "silu", *, bias: bool = False,
                  tp: TPContext = SINGLE, reduce: bool = True):
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden, intermediate, bias=bias, tp=tp)
-        self.up_proj = ColumnParallelLinear(hidden, intermediate, bias=bias, tp=tp)
+        self.gate_up_proj = MergedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias=bias,
+                                         tp=tp)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, tp=tp, reduce=reduce)
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = self.gate_proj(x)
-        g = F.silu(g) if self.act == "silu" else F.gelu(g, approximate="tanh")
-        return self.down_proj(g * self.up_proj(x))
+        return self.down_proj(fused.act_and_mul(self.gate_up_proj(x), self.act))
 
 
 class CausalLM(nn.Module):
@@ -98,6 +133,9 @@ class CausalLM(nn.Module):
 
     # Checkpoint tensors that are allowed to be absent (e.g. tied lm_head) or present but unused.
     tied_lm_head: bool = False
+    # Names of nn.Linear layers whose weight the model reads as a matrix instead of calling the layer
+    # (quantized checkpoints dequantize these at load).
+    matrix_weights: tuple[str, ...] = ()
 
     def attention_layers(self) -> list[Attention]:
         return sorted((m for m in self.modules() if isinstance(m, Attention)), key=lambda a: a.layer_id)
@@ -122,23 +160,50 @@ class CausalLM(nn.Module):
         """Map a checkpoint tensor name to our parameter name; None skips the tensor."""
         return name
 
+    def merged_parts(self) -> dict[str, tuple[str, slice, Callable | None]]:
+        """Checkpoint-side name of each MergedLinear part's tensor -> (our parameter, its rows, the cut
+        of the full tensor to this rank's rows or None)."""
+        out = {}
+        for mod_name, mod in self.named_modules():
+            if isinstance(mod, MergedLinear):
+                parent = mod_name.rpartition(".")[0]
+                for pname, _ in mod.named_parameters(recurse=False):
+                    for part, rows in mod.part_rows().items():
+                        out[f"{parent}.{part}.{pname}".lstrip(".")] = (f"{mod_name}.{pname}", rows, mod.cuts[part])
+        return out
+
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
+        # Modules whose parameters are not named like the checkpoint's tensors (stacked MoE experts)
+        # map their tensors themselves.
+        loaders = {n + ".": m for n, m in self.named_modules() if hasattr(m, "load_checkpoint_tensor")}
+        parts = self.merged_parts()
+        merged = {p for p, _, _ in parts.values()}
+        expected = [n for n in params if n not in merged] + list(parts)
         seen: set[str] = set()
         for ckpt_name, tensor in tensors:
             name = self.checkpoint_name(ckpt_name)
             if name is None:
                 continue
-            if name not in params:
+            owner = next((p for p in loaders if name.startswith(p)), None)
+            if owner is not None:
+                loaders[owner].load_checkpoint_tensor(name[len(owner):], tensor, full_name=ckpt_name)
+                continue
+            if name in parts:
+                pname, rows, cut = parts[name]
+                p = params[pname][rows]
+            elif name in params:
+                # Sharded parameters say how to cut this rank's part of the full tensor.
+                p, cut = params[name], getattr(params[name], "tp_shard", None)
+            else:
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
                 raise WeightError(
                     f"checkpoint tensor {ckpt_name!r} has no matching parameter in {type(self).__name__}",
                     fix="check that config.json's architectures matches the weights",
                 )
-            p = params[name]
-            if getattr(p, "tp_shard", None) is not None:  # tensor parallel: this rank's slice
-                tensor = p.tp_shard(tensor)
+            if cut is not None:  # tensor parallel: this rank's slice of the full tensor
+                tensor = cut(tensor)
             if tuple(tensor.shape) != tuple(p.shape):
                 raise WeightError(
                     f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}",
@@ -147,7 +212,9 @@ class CausalLM(nn.Module):
             with torch.no_grad():
                 p.copy_(tensor.to(p.dtype))
             seen.add(name)
-        missing = [n for n in params if n not in seen and not self._may_be_missing(n)]
+        for prefix, module in loaders.items():
+            seen.update(prefix + n for n in module.loaded_parameters())
+        missing = [n for n in expected if n not in seen and not self._may_be_missing(n)]
         if missing:
             raise WeightError(
                 f"checkpoint is missing {len(missing)} weight(s), first: {missing[0]!r}",

@@ -22,23 +22,12 @@ from torch import nn
 
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.mla import MLAAttention
-from attnzoo.errors import ModelLoadError, WeightError
+from attnzoo.errors import ModelLoadError
+from attnzoo.layers.moe import FusedMoE
 from attnzoo.layers.parallel import (
     SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
 )
 from attnzoo.models.common import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
-
-
-def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on pairs (x0, x1), (x2, x3), ... of x [T, heads, rope] with cos/sin [T, rope] (cat(f, f)).
-
-    The output is de-interleaved (all first members, then all second members). q and k get the same
-    permutation, so their dot products, all attention ever uses, are those of DeepSeek's pair layout.
-    """
-    half = x.shape[-1] // 2
-    c, s = cos[:, None, :half], sin[:, None, :half]
-    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
 def mla_softmax_scale(config) -> float:
@@ -101,7 +90,8 @@ class DeepseekAttention(nn.Module):
         )
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return apply_rope_interleaved(x, cos, sin) if self.interleaved_rope else apply_rope(x, cos, sin)
+        # Interleaved: pairs (x0, x1), (x2, x3), ... rotated, written de-interleaved (the same for q and k).
+        return apply_rope(x, cos, sin, interleaved=self.interleaved_rope)
 
     def project_q(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x [T, hidden] -> q_nope [T, H, nope], roped q_pe [T, H, rope], q low-rank residual [T, q_lora] or None."""
@@ -199,7 +189,7 @@ class DeepseekRouter(nn.Module):
 
 class DeepseekMoE(nn.Module):
     """Routed experts plus shared experts. Tensor parallel: expert parallel for the routed experts (each
-    rank holds E/tp whole experts, keyed by their global index), the shared experts split like a dense
+    rank holds a contiguous range of E/tp whole experts), the shared experts split like a dense
     MLP; both partial sums go through one all-reduce."""
 
     def __init__(self, config, scoring: str, tp: TPContext = SINGLE):
@@ -207,9 +197,8 @@ class DeepseekMoE(nn.Module):
         self.tp = tp
         self.gate = DeepseekRouter(config, scoring)
         first, local = tp.shard(config.n_routed_experts, "n_routed_experts")
-        self.experts = nn.ModuleDict(
-            {str(e): GatedMLP(config.hidden_size, config.moe_intermediate_size) for e in range(first, first + local)}
-        )
+        self.experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, "silu",
+                                experts=range(first, first + local), init_std=getattr(config, "initializer_range", 0.02))
         self.shared_experts = _mlp(
             config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
             bool(getattr(config, "mlp_bias", False)), tp, reduce=False,
@@ -217,33 +206,7 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         weights, ids = self.gate(x)  # [T, k] float32, [T, k]
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            routed = self.routed_static(x, weights, ids)
-        else:
-            routed = self.routed_sparse(x, weights, ids)
-        return self.tp.all_reduce(routed + self.shared_experts(x))
-
-    def routed_sparse(self, x, weights, ids) -> torch.Tensor:
-        """The chosen experts on the tokens that chose them; one host sync per layer (which experts)."""
-        out = torch.zeros_like(x)
-        for e in torch.unique(ids).tolist():
-            if str(e) not in self.experts:  # another rank's expert
-                continue
-            tok, slot = torch.where(ids == e)
-            y = self.experts[str(e)](x[tok]) * weights[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
-
-    def routed_static(self, x, weights, ids) -> torch.Tensor:
-        """Every expert on every token, weighted by zero where not chosen: shapes and launches do not
-        depend on the routing, so a captured CUDA graph replays it. It reads every expert's weights,
-        as a decode batch of a large MoE mostly does anyway, and spends the extra FLOPs on small batches."""
-        dense = torch.zeros(x.shape[0], self.gate.num_experts, dtype=weights.dtype, device=x.device)
-        dense.scatter_(1, ids, weights)  # [T, E]
-        out = torch.zeros_like(x)
-        for e, expert in self.experts.items():
-            out += (expert(x) * dense[:, int(e), None]).to(out.dtype)
-        return out
+        return self.tp.all_reduce(self.experts(x, weights, ids) + self.shared_experts(x))
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -258,9 +221,11 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, ctx):
+        """As LlamaDecoderLayer: -> this layer's output and the stream before it."""
+        x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, cos, sin, ctx), residual)
+        return self.mlp(x), residual
 
 
 class DeepseekModel(nn.Module):
@@ -278,6 +243,7 @@ class DeepseekModel(nn.Module):
 class DeepseekV2ForCausalLM(CausalLM):
     scoring = "softmax"
     attention_cls = DeepseekAttention  # V3.2 swaps in its indexer-carrying subclass
+    matrix_weights = ("kv_b_proj",)  # absorbed MLA folds it into the query and the output
 
     def __init__(self, config, tp: TPContext = SINGLE):
         super().__init__()
@@ -295,26 +261,22 @@ class DeepseekV2ForCausalLM(CausalLM):
         return True  # V2 rotates interleaved pairs (its complex-number form)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
     def checkpoint_name(self, name: str) -> str | None:
-        if name.endswith("weight_scale_inv"):
-            raise WeightError(
-                f"checkpoint tensor {name!r} belongs to an FP8 block-quantized checkpoint, which attnzoo does not load",
-                fix="use a bf16 checkpoint (e.g. convert with DeepSeek's fp8_cast_bf16.py)",
-            )
         parts = name.split(".")
         # V3 checkpoints append the multi-token-prediction module as extra layers; generation skips it.
         if parts[:2] == ["model", "layers"] and int(parts[2]) >= self.config.num_hidden_layers:
             return None
-        if parts[3:5] == ["mlp", "experts"] and self.tp.world_size > 1:  # expert parallel: another rank's?
+        # Expert parallel: another rank's expert is dropped here, before an FP8 plan would dequantize it.
+        if parts[3:5] == ["mlp", "experts"] and self.tp.world_size > 1:
             first, local = self.tp.shard(self.config.n_routed_experts, "n_routed_experts")
             if not first <= int(parts[5]) < first + local:
                 return None

@@ -44,8 +44,7 @@ class DeepseekV32Indexer(nn.Module):
         return self
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r = self.rope_dim
-        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+        return apply_rope(x, cos[:, : self.rope_dim], sin[:, : self.rope_dim])  # the rest passes through
 
     def forward(self, x, q_resid, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> q [T, Hi, D] and k [T, D], roped; weights [T, Hi] float32."""

@@ -23,10 +23,9 @@ from torch import nn
 
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.errors import ModelLoadError, RequestError
-from attnzoo.layers.parallel import (
-    SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding, mark_shard,
-)
-from attnzoo.models.common import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from attnzoo.layers.moe import FusedMoE
+from attnzoo.layers.parallel import SINGLE, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding
+from attnzoo.models.common import CausalLM, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope, apply_rope_qk
 
 log = logging.getLogger("attnzoo")
 
@@ -93,12 +92,15 @@ class Gemma4Attention(nn.Module):
         kv_rows = (first_kv * d, self.num_kv_heads * d)
         self.shared = kv_from is not None
         self.k_eq_v = bool(cfg.attention_k_eq_v) and self.full
-        self.q_proj = ColumnParallelLinear(h, heads * d, bias=bias, tp=tp)
+        # One GEMM for q, k and v, as far as the layer has them (no k/v on KV-sharing layers, k == v).
+        parts = {"q_proj": heads * d}
+        if not self.shared:
+            parts["k_proj"] = kv_heads * d
+            if not self.k_eq_v:
+                parts["v_proj"] = kv_heads * d
+        self.qkv_proj = MergedLinear(h, parts, bias=bias, tp=tp, shards={"k_proj": kv_rows, "v_proj": kv_rows})
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         if not self.shared:
-            self.k_proj = ColumnParallelLinear(h, kv_heads * d, bias=bias, tp=tp, rows=kv_rows)
-            if not self.k_eq_v:
-                self.v_proj = ColumnParallelLinear(h, kv_heads * d, bias=bias, tp=tp, rows=kv_rows)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
         self.o_proj = RowParallelLinear(heads * d, h, bias=bias, tp=tp)
@@ -111,13 +113,14 @@ class Gemma4Attention(nn.Module):
 
     def forward(self, x, cos, sin, ctx: ForwardContext):  # x [num_tokens, hidden]
         t = x.shape[0]
-        q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), cos, sin)
-        k = v = None
-        if not self.shared:
-            k_raw = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-            v_raw = k_raw if self.k_eq_v else self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-            k = apply_rope(self.k_norm(k_raw), cos, sin)
-            v = self.v_norm(v_raw)
+        qkv = self.qkv_proj.split(self.qkv_proj(x))
+        q = self.q_norm(qkv[0].view(t, self.num_heads, self.head_dim))
+        if self.shared:
+            return self.o_proj(self.attn(apply_rope(q, cos, sin), None, None, ctx))
+        k_raw = qkv[1].view(t, self.num_kv_heads, self.head_dim)
+        v_raw = k_raw if self.k_eq_v else qkv[2].view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope_qk(q, self.k_norm(k_raw), cos, sin)
+        v = self.v_norm(v_raw)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
@@ -140,69 +143,15 @@ class Gemma4Router(nn.Module):
         return w * self.per_expert_scale[idx], idx
 
 
-class TopKExperts(nn.Module):
-    """Experts stored as stacked tensors (gate_up [E, 2I, H], down [E, H, I]); each token's output is the
-    routing-weighted sum of its top-k experts' gated MLPs.
-
-    Tensor parallel: expert parallel. Each rank holds experts first..first+E/tp-1 whole, computes their
-    share of the sum, and one all-reduce adds the shares."""
-
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, init_std: float = 0.02, *,
-                 tp: TPContext = SINGLE):
-        super().__init__()
-        self.tp, self.num_experts = tp, num_experts
-        self.first, local = tp.shard(num_experts, "num_experts")
-        # Initialised (not torch.empty) so that load_format="random" models compute finite numbers.
-        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * intermediate, hidden).normal_(0, init_std))
-        self.down_proj = nn.Parameter(torch.empty(local, hidden, intermediate).normal_(0, init_std))
-        if local != num_experts:
-            for p in (self.gate_up_proj, self.down_proj):
-                mark_shard(p, lambda full, a=self.first, n=local: full.narrow(0, a, n))
-
-    def forward(self, x, weights, experts):  # x [T, H], weights float32 [T, k], experts int64 [T, k]
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self._forward_static(x, weights, experts)
-        t, k = experts.shape
-        flat = experts.reshape(-1)
-        order = flat.argsort()
-        # One host sync per layer for the per-expert token counts (eager steps only).
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        # One float32 row per (token, slot), summed over the slots at the end: deterministic (no atomic
-        # index_add) and accumulated in float32, as transformers' grouped experts do.
-        local = self.gate_up_proj.shape[0]
-        out = (torch.zeros if local < self.num_experts else torch.empty)(t * k, x.shape[1], dtype=torch.float32,
-                                                                           device=x.device)
-        start = 0
-        for e, n in enumerate(counts):
-            rows = order[start : start + n]
-            start += n
-            if n == 0 or not 0 <= e - self.first < local:  # another rank's expert
-                continue
-            gate, up = F.linear(x[rows // k], self.gate_up_proj[e - self.first]).chunk(2, dim=-1)
-            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e - self.first])
-            out[rows] = y * weights.reshape(-1)[rows, None]
-        return self.tp.all_reduce(out.view(t, k, -1).sum(dim=1).to(x.dtype))
-
-    def _forward_static(self, x, weights, experts):
-        """Every expert on every token, weighted by zero where not chosen: nothing depends on the
-        routing, so a captured CUDA-graph decode step replays it (extra FLOPs on small batches)."""
-        dense = torch.zeros(x.shape[0], self.num_experts, dtype=torch.float32, device=x.device)
-        dense.scatter_(1, experts, weights)  # [T, E]
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in range(self.gate_up_proj.shape[0]):  # this rank's experts
-            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e]).float()
-            out += y * dense[:, self.first + e, None]
-        return self.tp.all_reduce(out.to(x.dtype))
-
-
 class Gemma4DecoderLayer(nn.Module):
     def __init__(self, cfg, layer_id: int, kv_from: int | None, tp: TPContext = SINGLE):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = Gemma4Attention(cfg, layer_id, kv_from, tp)
         wide = 2 if cfg.use_double_wide_mlp and kv_from is not None else 1
-        self.mlp = GatedMLP(h, cfg.intermediate_size * wide, act=_act(cfg), tp=tp)
+        # With experts, the dense MLP's partial sum is reduced together with theirs (forward).
+        self.mlp = GatedMLP(h, cfg.intermediate_size * wide, act=_act(cfg), tp=tp, reduce=not cfg.enable_moe_block)
+        self.tp = tp
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
             setattr(self, name, RMSNorm(h, eps))
@@ -211,7 +160,9 @@ class Gemma4DecoderLayer(nn.Module):
         self.moe = bool(cfg.enable_moe_block)
         if self.moe:
             self.router = Gemma4Router(cfg)
-            self.experts = TopKExperts(cfg.num_experts, h, cfg.moe_intermediate_size, cfg.initializer_range, tp=tp)
+            first, local = tp.shard(cfg.num_experts, "num_experts")  # expert parallel: whole experts per rank
+            self.experts = FusedMoE(cfg.num_experts, h, cfg.moe_intermediate_size, _act(cfg),
+                                    experts=range(first, first + local), init_std=cfg.initializer_range)
             self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
             self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
             self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)
@@ -222,11 +173,15 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = RMSNorm(h, eps)
 
     def forward(self, x, cos, sin, ple, ctx):  # x [T, hidden], ple [T, ple_dim] or None
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, ctx))
-        h = self.mlp(self.pre_feedforward_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        # x + post_attention_layernorm(h), and its pre-feed-forward norm, in one kernel on a GPU.
+        normed, x = self.pre_feedforward_layernorm.add_and_norm(h, x, x_norm=self.post_attention_layernorm)
+        h = self.mlp(normed)
         if self.moe:
             w, idx = self.router(x)  # routed on the MLP's input residual, not its output
             moe = self.experts(self.pre_feedforward_layernorm_2(x), w, idx)
+            if self.tp.world_size > 1:  # one all-reduce for both partial sums; their norms come after it
+                h, moe = self.tp.all_reduce(torch.stack((h, moe))).unbind(0)
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe)
         x = x + self.post_feedforward_layernorm(h)
         if self.ple:

@@ -5,10 +5,8 @@ import torch
 from torch import nn
 
 from attnzoo.attention.layer import Attention, ForwardContext
-from attnzoo.layers.parallel import (
-    SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
-)
-from attnzoo.models.common import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from attnzoo.layers.parallel import SINGLE, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding
+from attnzoo.models.common import CausalLM, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope_qk
 
 
 class LlamaAttention(nn.Module):
@@ -20,17 +18,17 @@ class LlamaAttention(nn.Module):
         first_kv, self.num_kv_heads = tp.kv_heads(kv_heads, heads)
         kv_rows = (first_kv * d, self.num_kv_heads * d)
         bias = getattr(config, "attention_bias", False)
-        self.q_proj = ColumnParallelLinear(h, heads * d, bias=bias, tp=tp)
-        self.k_proj = ColumnParallelLinear(h, kv_heads * d, bias=bias, tp=tp, rows=kv_rows)
-        self.v_proj = ColumnParallelLinear(h, kv_heads * d, bias=bias, tp=tp, rows=kv_rows)
+        self.qkv_proj = MergedLinear(h, {"q_proj": heads * d, "k_proj": kv_heads * d, "v_proj": kv_heads * d},
+                                     bias=bias, tp=tp, shards={"k_proj": kv_rows, "v_proj": kv_rows})
         self.o_proj = RowParallelLinear(heads * d, h, bias=bias, tp=tp)
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, x, cos, sin, ctx: ForwardContext):
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q, k = apply_rope_qk(q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                             cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
@@ -42,9 +40,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, ctx):
+        """x: the previous layer's output; residual: the stream before it (None in the first layer).
+        -> this layer's output and the stream before it: each add is fused with the norm after it."""
+        x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, cos, sin, ctx), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -67,11 +68,11 @@ class LlamaForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(config, rope_type=rope_type, head_dim=head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -130,9 +130,7 @@ def architecture_of(config) -> str:
 # Weights
 
 
-def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
+def _safetensors_files(directory: Path) -> list[str]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -143,7 +141,13 @@ def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(f.name for f in directory.glob("*.safetensors"))
     if not files:
         raise WeightError(f"no .safetensors files in {directory}", fix="point to a checkpoint saved with safetensors")
-    for f in files:
+    return files
+
+
+def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in _safetensors_files(directory):
         with safe_open(directory / f, framework="pt") as fh:
             for key in fh.keys():
                 yield key, fh.get_tensor(key)
@@ -199,6 +203,19 @@ def iter_gguf(path: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
         elif parts[0] == "blk" and base == "attn_k":
             w = _unpermute_rope(w, config.num_key_value_heads)
         yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # copy: GGUF data is a read-only memmap
+
+
+def checkpoint_tensor_names(src: CheckpointSource) -> list[str]:
+    """Every tensor name of a safetensors checkpoint, from the shard headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    if src.gguf_file:
+        return []
+    names: list[str] = []
+    for f in _safetensors_files(src.directory):
+        with safe_open(src.directory / f, framework="pt") as fh:
+            names += list(fh.keys())
+    return names
 
 
 def iter_weights(src: CheckpointSource, config) -> Iterator[tuple[str, torch.Tensor]]:

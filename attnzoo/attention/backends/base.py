@@ -10,7 +10,8 @@ batch) and ``prepare_graph(meta, capturing)`` (refill those buffers in place for
 
 Cascade attention: a backend that reads a prefix shared by every request of a DECODE step once for the
 whole batch (``meta.shared_prefix_len``) sets ``supports_cascade = True``; others ignore the field and
-read every request's pages as usual, which gives the same result.
+read every request's pages as usual, which gives the same result. ``supports_cascade_extend``: the
+same for EXTEND steps (every new token of the step comes after the shared pages).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     supports_cuda_graph: ClassVar[bool] = False
     supports_cascade: ClassVar[bool] = False
+    supports_cascade_extend: ClassVar[bool] = False
 
     def __init__(self, pool: KVPool):
         self.pool = pool

@@ -7,7 +7,9 @@ Kernels (HND pages read in place, bf16/fp16, head dims 64/128/256/512, sliding w
   when q/k and v head dims are equal and at most 256 (FA3 prefill does not build for head dim 512);
   everywhere else, and for head dim 512, the FA2 kernels. ``prefill_kernel`` says which.
 * decode: ``BatchDecodeWithPagedKVCacheWrapper`` (FA2). It uses the tensor-core kernels when a KV head
-  serves >= 4 query heads (the rule SGLang applies; the CUDA-core kernel wins for small groups), and
+  serves >= 4 query heads (the rule SGLang applies; the CUDA-core kernel wins for small groups). FlashInfer
+  0.7.2 has no FA3 decode kernel of its own: its decode wrapper with ``backend="fa3"`` runs the FA3 paged
+  prefill kernel at one query per request, which ``decode_variant="fa3"`` selects for measurements; and
   layers whose v head dim differs from q/k run their one-token step through the prefill wrapper,
   since the decode wrapper needs them equal.
 
@@ -16,6 +18,13 @@ few-shot prefix): the shared pages are read once for the whole batch by the pref
 step's queries as one non-causal request over them; each request's remaining pages go through the
 decode wrapper; ``merge_state`` combines the two partial results by their log-sum-exp. Layers with a
 sliding window, or whose decode runs through the prefill wrapper, keep the plain path.
+
+Cascade extend (an EXTEND step whose requests share leading cached pages: prompt chunks after a cached
+few-shot prefix, beside decode rows): the same split, with the rest through the prefill wrapper, causal.
+Every new token of the step comes after the shared pages and sees all of them, so the shared part is
+non-causal. Without it each request re-reads the whole prefix through a 128-row query tile, which a
+decode row (one query) fills to 1/128. The rest runs FA2, which packs a KV head's query heads into one
+tile and sizes tiles to the rows (16 for a decode row): the rest is short KV ranges and few rows.
 
 Planning: ``prepare(meta)`` builds the page indices once per step (one set per sliding-window size:
 pages wholly outside the window are skipped) and plans one wrapper per distinct layer signature
@@ -64,17 +73,17 @@ class _PageIndex:
 class _Step:
     mode: ForwardMode
     qo_indptr: torch.Tensor  # [num_reqs + 1] int32, host
-    shared_pages: int = 0  # cascade decode: leading pages every request shares (0: no cascade)
+    shared_pages: int = 0  # cascade: leading pages every request shares (0: no cascade)
     indices: dict[int | None, _PageIndex] = field(default_factory=dict)
     planned: dict[LayerSignature, object] = field(default_factory=dict)  # signature -> planned wrapper
 
 
 @dataclass
 class _CascadeRun:
-    """A planned cascade decode: the shared prefix once for all queries, the rest per request."""
+    """A planned cascade step: the shared prefix once for all queries, the rest per request."""
 
     shared: object  # BatchPrefillWithPagedKVCacheWrapper planned over the shared pages
-    rest: object  # BatchDecodeWithPagedKVCacheWrapper planned over each request's other pages
+    rest: object  # decode (DECODE) or causal prefill (EXTEND) wrapper over each request's other pages
     merge_state: object
 
     def run(self, *, q: torch.Tensor, paged_kv_cache) -> torch.Tensor:
@@ -87,10 +96,13 @@ class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graph = False
     supports_cascade = True
+    supports_cascade_extend = True
 
-    def __init__(self, pool: KVPool, *, prefill_variant: str | None = None):
+    def __init__(self, pool: KVPool, *, prefill_variant: str | None = None, decode_variant: str = "fa2"):
         """``prefill_variant``: None picks per layer (FA3 on SM90 where it builds, else FA2); "fa2" or
-        "fa3" forces one (for measurements; "fa3" needs SM90 and head dims <= 256)."""
+        "fa3" forces one (for measurements; "fa3" needs SM90 and head dims <= 256). ``decode_variant``:
+        "fa2" (the default, measured), or "fa3" (the FA3 paged kernel at one query per request; SM90,
+        equal head dims <= 256; for measurements against the field's FA3 decode)."""
         super().__init__(pool)
         # The package first: without it nothing else matters, and the error names the extra.
         self._fi = load_flashinfer(self.name)
@@ -103,10 +115,19 @@ class FlashInferBackend(AttentionBackend):
                 f"FlashInfer's FA3 prefill runs on SM90 only; this GPU is {sm_name(self._cc)}",
                 fix="use prefill_variant='fa2' or None",
             )
+        if decode_variant not in ("fa2", "fa3"):
+            raise BackendError(f"unknown FlashInfer decode variant {decode_variant!r}", fix="use 'fa2' or 'fa3'")
+        if decode_variant == "fa3" and self._cc[0] != 9:
+            raise BackendError(
+                f"FlashInfer's FA3 kernels run on SM90 only; this GPU is {sm_name(self._cc)}",
+                fix="use decode_variant='fa2'",
+            )
         self._prefill_variant = prefill_variant
+        self._decode_variant = decode_variant
         self._prefill_wrappers: dict[LayerSignature, object] = {}
         self._decode_wrappers: dict[LayerSignature, object] = {}
         self._cascade_wrappers: dict[LayerSignature, tuple[object, object]] = {}
+        self._cascade_extend_rest: dict[LayerSignature, object] = {}  # the rest's prefill wrappers
         self._known: dict[LayerSignature, None] = {}  # insertion-ordered set of signatures seen
         self._state_key = f"{self.name}:{id(self)}"
 
@@ -130,6 +151,11 @@ class FlashInferBackend(AttentionBackend):
     def decode_kernel(self, num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int) -> str:
         if head_dim != v_head_dim:
             return f"{self.prefill_kernel(head_dim, v_head_dim)} prefill (q/k and v head dims differ)"
+        if self._decode_variant == "fa3":
+            if head_dim not in FA3_HEAD_DIMS:
+                raise BackendError(f"FlashInfer's FA3 kernels do not build for head dim {head_dim}",
+                                   fix="use decode_variant='fa2'")
+            return "fa3 paged kernel at one query per request (decode_variant='fa3')"
         if num_heads // num_kv_heads >= TENSOR_CORE_DECODE_MIN_GROUP:
             return "fa2 decode (tensor cores)"
         return "fa2 decode (CUDA cores)"
@@ -146,11 +172,10 @@ class FlashInferBackend(AttentionBackend):
 
     def prepare(self, meta: BatchMetadata) -> None:
         check_page_size(self.name, meta.page_size, self.pool.page_size)
-        qo = [0]
-        for q in meta.q_lens_cpu:
-            qo.append(qo[-1] + q)
-        step = _Step(mode=meta.mode, qo_indptr=torch.tensor(qo, dtype=torch.int32),
-                     shared_pages=meta.shared_prefix_len // meta.page_size if meta.is_decode else 0)
+        qo = torch.zeros(meta.num_reqs + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(meta.q_lens_cpu, dtype=torch.int32), 0, dtype=torch.int32, out=qo[1:])
+        step = _Step(mode=meta.mode, qo_indptr=qo,
+                     shared_pages=meta.shared_prefix_len // meta.page_size)
         meta.backend_state[self._state_key] = step
         for sig in self._known:
             self._plan(meta, step, sig)
@@ -173,17 +198,17 @@ class FlashInferBackend(AttentionBackend):
             starts = [step.shared_pages] * meta.num_reqs
         else:
             starts = window_page_start(meta.seq_lens_cpu, meta.q_lens_cpu, ps, window)
-        indptr = [0]
-        for i, s in enumerate(meta.seq_lens_cpu):
-            indptr.append(indptr[-1] + -(-s // ps) - (starts[i] if starts else 0))
-        indptr_host = torch.tensor(indptr, dtype=torch.int32)
+        seq = torch.tensor(meta.seq_lens_cpu, dtype=torch.int32)  # host, whole-batch ops: no loop per request
+        pages = (seq + ps - 1) // ps - (torch.tensor(starts, dtype=torch.int32) if starts else 0)
+        indptr_host = torch.zeros(meta.num_reqs + 1, dtype=torch.int32)
+        torch.cumsum(pages, 0, dtype=torch.int32, out=indptr_host[1:])
         dev = self.pool.device
         kv_indices = page_table.create_kv_indices(
             meta.block_tables, meta.seq_lens, indptr_host.to(dev, non_blocking=True), ps,
-            num_indices=indptr[-1],
+            num_indices=int(indptr_host[-1]),
             page_start=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True) if starts else None,
         )
-        last = torch.tensor([(s - 1) % ps + 1 for s in meta.seq_lens_cpu], dtype=torch.int32)
+        last = (seq - 1) % ps + 1
         idx = _PageIndex(kv_indptr=indptr_host, kv_indices=kv_indices, last_page_len=last)
         step.indices[key] = idx
         return idx
@@ -206,10 +231,8 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan(self, meta: BatchMetadata, step: _Step, sig: LayerSignature, layer=None):
         self._check_layer(sig, layer)
-        if self._uses_prefill_wrapper(step.mode, sig):
-            planned = self._plan_prefill(self._prefill_wrappers, meta, sig, step.qo_indptr,
-                                         self._page_index(meta, step, sig.window), causal=True)
-        elif step.shared_pages and sig.window is None:
+        extend = step.mode is ForwardMode.EXTEND
+        if step.shared_pages and sig.window is None and (extend or not self._uses_prefill_wrapper(step.mode, sig)):
             shared_wrappers, rest_wrappers = self._cascade_wrappers.setdefault(sig, ({}, {}))
             ps = meta.page_size
             shared = _PageIndex(
@@ -217,12 +240,20 @@ class FlashInferBackend(AttentionBackend):
                 kv_indices=meta.block_tables[0, : step.shared_pages],
                 last_page_len=torch.tensor([ps], dtype=torch.int32),
             )
-            everyone = torch.tensor([0, meta.num_reqs], dtype=torch.int32)  # every query sees every shared key
+            everyone = step.qo_indptr[[0, -1]]  # every query sees every shared key
+            rest_idx = self._page_index(meta, step, None, skip_shared=True)
+            if extend:
+                rest = self._plan_prefill(self._cascade_extend_rest, meta, sig, step.qo_indptr, rest_idx, causal=True,
+                                          kernel=None if self._prefill_variant else "fa2")
+            else:
+                rest = self._plan_decode(rest_wrappers, meta, sig, rest_idx)
             planned = _CascadeRun(
                 shared=self._plan_prefill(shared_wrappers, meta, sig, everyone, shared, causal=False),
-                rest=self._plan_decode(rest_wrappers, meta, sig, self._page_index(meta, step, None, skip_shared=True)),
-                merge_state=self._fi.merge_state,
+                rest=rest, merge_state=self._fi.merge_state,
             )
+        elif self._uses_prefill_wrapper(step.mode, sig):
+            planned = self._plan_prefill(self._prefill_wrappers, meta, sig, step.qo_indptr,
+                                         self._page_index(meta, step, sig.window), causal=True)
         else:
             planned = self._plan_decode(self._decode_wrappers, meta, sig, self._page_index(meta, step, sig.window))
         step.planned[sig] = planned
@@ -243,13 +274,13 @@ class FlashInferBackend(AttentionBackend):
         )
 
     def _plan_prefill(self, wrappers: dict, meta: BatchMetadata, sig: LayerSignature, qo_indptr: torch.Tensor,
-                      idx: _PageIndex, *, causal: bool):
+                      idx: _PageIndex, *, causal: bool, kernel: str | None = None):
         wrapper = wrappers.get(sig)
         if wrapper is None:
             wrapper = wrappers[sig] = self._fi.BatchPrefillWithPagedKVCacheWrapper(
                 float_workspace_buffer=workspace(self.pool.device, "wrappers"),
                 kv_layout="HND",
-                backend=self.prefill_kernel(sig.head_dim, sig.v_head_dim),
+                backend=kernel or self.prefill_kernel(sig.head_dim, sig.v_head_dim),
             )
         wrapper.plan(
             qo_indptr=qo_indptr,
@@ -269,11 +300,14 @@ class FlashInferBackend(AttentionBackend):
     def _plan_decode(self, wrappers: dict, meta: BatchMetadata, sig: LayerSignature, idx: _PageIndex):
         wrapper = wrappers.get(sig)
         if wrapper is None:
+            self.decode_kernel(sig.num_heads, sig.num_kv_heads, sig.head_dim, sig.v_head_dim)  # checks fa3 dims
+            fa3 = self._decode_variant == "fa3"
             wrapper = wrappers[sig] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 float_workspace_buffer=workspace(self.pool.device, "wrappers"),
                 kv_layout="HND",
-                use_tensor_cores=sig.group >= TENSOR_CORE_DECODE_MIN_GROUP,
-                backend="fa2",
+                # FlashInfer's FA3 decode is its tensor-core (prefill-kernel) path.
+                use_tensor_cores=fa3 or sig.group >= TENSOR_CORE_DECODE_MIN_GROUP,
+                backend=self._decode_variant,
             )
         wrapper.plan(
             indptr=idx.kv_indptr,

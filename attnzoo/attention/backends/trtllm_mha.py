@@ -2,8 +2,8 @@
 
 decode: ``flashinfer.decode.trtllm_batch_decode_with_kv_cache`` over the HND pool with a 2-D block
   table built by the shared page-table kernel. The kernel family depends on the GPU: trtllm-gen on
-  SM100/SM103, XQA on SM90/SM120 (``decode_kernel``). Page size 16, 32 or 64; sliding windows; no
-  logit soft-capping (the kernels take no soft-cap argument).
+  SM100/SM103, XQA on SM90/SM120 (``decode_kernel``). Page size 16, 32 or 64 (XQA also 128); sliding
+  windows; no logit soft-capping (the kernels take no soft-cap argument).
 extend (prefill): split by GPU, explicitly (``extend_runs_as``):
   - SM100/SM103: ``flashinfer.prefill.trtllm_batch_context_with_kv_cache`` (trtllm-gen context kernels);
   - elsewhere there is no TRT-LLM context kernel, so extend runs the ``flashinfer`` backend's paged
@@ -36,7 +36,8 @@ from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.errors import BackendError
 
-PAGE_SIZES = (16, 32, 64)
+PAGE_SIZES = (16, 32, 64)  # trtllm-gen
+XQA_PAGE_SIZES = (16, 32, 64, 128)  # FlashInfer 0.7.2 jit/xqa.py
 TRTLLM_GEN_SMS = ((10, 0), (10, 3))  # SM100 (B200/GB200), SM103 (B300/GB300)
 XQA_SMS = ((9, 0), (12, 0), (12, 1))
 HEAD_DIMS = (64, 128, 256, 512)
@@ -66,10 +67,12 @@ class TrtllmMHABackend(AttentionBackend):
                 f"trtllm_mha decode runs on SM90/SM120 (XQA) and SM100/SM103 (trtllm-gen); this GPU is {sm_name(self._cc)}",
                 fix="choose backend='flashinfer' or 'triton'",
             )
-        if pool.page_size not in PAGE_SIZES:
+        pages = PAGE_SIZES if self._cc in TRTLLM_GEN_SMS else XQA_PAGE_SIZES
+        if pool.page_size not in pages:
+            sizes = ", ".join(map(str, pages))
             raise BackendError(
-                f"trtllm_mha needs page size 16, 32 or 64; the KV pool has {pool.page_size}",
-                fix="load the model with page_size=16, 32 or 64",
+                f"trtllm_mha on {sm_name(self._cc)} needs page size {sizes}; the KV pool has {pool.page_size}",
+                fix=f"load the model with page_size one of {sizes}",
             )
         # Off Blackwell the extend path is FlashInfer's prefill, run by a backend of our own.
         self._prefill = None if self._cc in TRTLLM_GEN_SMS else _flashinfer_backend(pool)

@@ -1,12 +1,15 @@
-"""The ``trtllm_mla`` backend: TRT-LLM's MLA decode kernels (trtllm-gen, SM100/SM103) through FlashInfer.
+"""The ``trtllm_mla`` backend: TRT-LLM's MLA decode kernels through FlashInfer: trtllm-gen on SM100/SM103,
+XQA-MLA on SM120/SM121 (128 query heads only).
 
 Decode only: ``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla`` over our MLA pool entry
 ``pool.k(layer)`` = [num_pages, 1, page_size, kv_lora_rank + rope] (the kernel's own 4-D layout, read in
 place), with the absorbed query [num_reqs, 1, heads, 576] and output [num_reqs, heads, kv_lora_rank].
-Page size 32 or 64; the block table comes from the shared page-table kernel with its column count
+Page size 32 or 64 (XQA-MLA: 16, 32, 64 or 128); the block table comes from the shared page-table kernel with its column count
 padded to a multiple of 128 / page_size (pad entries point at the reserved page 0). bfloat16 only:
-FlashInfer allocates and checks a bfloat16 output. Extend has no TRT-LLM MLA kernel here: pair this
-backend with an MLA prefill backend (``prefill_backend='flashinfer_mla'``, ``'triton'`` or ``'torch'``).
+FlashInfer allocates and checks a bfloat16 output. Extend has no TRT-LLM MLA kernel here (the field's
+trtllm_mla prefills with ``trtllm_ragged_attention_deepseek`` over non-absorbed K/V, which the absorbed
+MLA layer does not form): pair this backend with an MLA prefill backend (``prefill_backend='flashinfer_mla'``,
+``'triton'`` or ``'torch'``).
 
 CUDA graphs (decode): the block table lives in a static buffer sized by ``init_graph_state`` and is
 refilled in place by ``prepare_graph``; sequence lengths are read from ``meta.seq_lens`` on the device.
@@ -33,8 +36,11 @@ from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.errors import BackendError
 
-PAGE_SIZES = (32, 64)
-SUPPORTED_SMS = ((10, 0), (10, 3))
+PAGE_SIZES = (32, 64)  # trtllm-gen
+XQA_PAGE_SIZES = (16, 32, 64, 128)  # FlashInfer 0.7.2 jit/xqa.py gen_xqa_module_mla
+TRTLLM_GEN_SMS = ((10, 0), (10, 3))
+XQA_SMS = ((12, 0), (12, 1))
+XQA_NUM_HEADS = 128  # XQA-MLA builds for a head group of 128 only
 BLOCK_TABLE_PAD_TOKENS = 128  # the kernel wants columns * page_size to be a multiple of 128
 # DeepSeek's non-absorbed q/k nope width. The kernel computes in the absorbed space and does not use
 # it; FlashInfer only keys its tuning cache on it, and our layer (absorbed) does not carry it.
@@ -61,23 +67,30 @@ class TrtllmMLABackend(AttentionBackend):
         # The package first: without it nothing else matters, and the error names the extra.
         self._fi = load_flashinfer(self.name)
         self._cc = compute_capability(self.name, pool.device)
-        if self._cc not in SUPPORTED_SMS:
+        if self._cc not in TRTLLM_GEN_SMS + XQA_SMS:
             raise BackendError(
-                f"trtllm_mla (trtllm-gen MLA decode) runs on SM100/SM103 only; this GPU is {sm_name(self._cc)}",
+                f"trtllm_mla runs on SM100/SM103 (trtllm-gen) and SM120/SM121 (XQA-MLA); this GPU is "
+                f"{sm_name(self._cc)}",
                 fix="choose backend='flashinfer_mla' or 'triton'",
             )
         check_dtype(self.name, pool.dtype, allowed=(torch.bfloat16,))
-        if pool.page_size not in PAGE_SIZES:
+        pages = PAGE_SIZES if self._cc in TRTLLM_GEN_SMS else XQA_PAGE_SIZES
+        if pool.page_size not in pages:
+            sizes = ", ".join(map(str, pages))
             raise BackendError(
-                f"trtllm_mla needs page size 32 or 64; the KV pool has {pool.page_size}",
-                fix="load the model with page_size=32 or 64",
+                f"trtllm_mla on {sm_name(self._cc)} needs page size {sizes}; the KV pool has {pool.page_size}",
+                fix=f"load the model with page_size one of {sizes}",
             )
         self._state_key = f"{self.name}:{id(self)}"
         self._graph: GraphBlockTable | None = None
 
+    def decode_kernel(self) -> str:
+        """FlashInfer's name for the kernel family that decodes on this GPU."""
+        return "trtllm-gen" if self._cc in TRTLLM_GEN_SMS else "xqa"
+
     def kernels_for(self, layer) -> dict[str, str]:
         return {"prefill": "none (decode-only backend)",
-                "decode": "trtllm-gen MLA decode (trtllm_batch_decode_with_kv_cache_mla)"}
+                "decode": f"{self.decode_kernel()} MLA decode (trtllm_batch_decode_with_kv_cache_mla)"}
 
     # ---------------------------------------------------------------- per step
 
@@ -132,6 +145,12 @@ class TrtllmMLABackend(AttentionBackend):
                 f"trtllm-gen MLA decode does not run {sig.num_heads} query heads (64 < heads < 128)",
                 fix="choose backend='flashinfer_mla' or 'triton'",
             )
+        if self.decode_kernel() == "xqa" and sig.num_heads != XQA_NUM_HEADS:
+            raise BackendError(
+                f"XQA-MLA ({sm_name(self._cc)}) runs {XQA_NUM_HEADS} query heads only; layer {layer.layer_id} has "
+                f"{sig.num_heads}",
+                fix="choose backend='triton' on this GPU",
+            )
         step = meta.backend_state.get(self._state_key)
         if step is None:
             self.prepare(meta)
@@ -148,6 +167,6 @@ class TrtllmMLABackend(AttentionBackend):
             max_seq_len=step.max_seq_len,
             bmm1_scale=sig.scale,  # the full softmax scale (bf16 q and cache: no quantisation scales)
             bmm2_scale=1.0,
-            backend="trtllm-gen",
+            backend=self.decode_kernel(),
         )
         return out.squeeze(1)  # [num_reqs, heads, latent]

@@ -1,0 +1,157 @@
+"""Fused elementwise ops of the model files, each one kernel on a GPU where torch spends several:
+
+* ``rms_norm``: x / rms(x) * (offset + weight) in float32 (per-head [T, H, D] views too);
+* ``add_rms_norm``: the residual add and the next norm, optionally with Gemma's post-norm of x first;
+* ``act_and_mul``: silu(gate) * up or gelu_tanh(gate) * up from one [T, 2I] gate_up projection;
+* ``rope``: rotate-half or interleaved-pair RoPE of q and k in one launch (partial RoPE too).
+
+The torch functions here are the reference: they run on CPU tensors and are the oracle the Triton
+kernels (``fused_kernels``, used for CUDA tensors) are tested against. ``use("torch")`` runs the
+reference on a GPU (for unfused-vs-fused checks), ``use("triton")`` the kernels on a CPU under
+``TRITON_INTERPRET=1``.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Iterator, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from attnzoo.errors import BackendError
+
+IMPLS = ("torch", "triton")
+_forced: str | None = None
+
+
+class NormParams(Protocol):
+    """What the ops read from a norm module (``models.common.RMSNorm``): weight None means no scale."""
+
+    weight: torch.Tensor | None
+    eps: float
+    offset: float
+
+
+@contextlib.contextmanager
+def use(impl: str) -> Iterator[None]:
+    """Run every op in the block with ``impl`` ("torch" or "triton") whatever the device."""
+    global _forced
+    if impl not in IMPLS:
+        raise BackendError(f"unknown fused-op implementation {impl!r}", fix=f"use one of {IMPLS}")
+    previous, _forced = _forced, impl
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    try:
+        from attnzoo.layers import fused_kernels
+    except ImportError:
+        return None
+    return fused_kernels
+
+
+def _triton(x: torch.Tensor):
+    """The kernel module when ``x`` should take the Triton path, else None."""
+    if _forced is None:
+        return _kernels() if x.is_cuda else None  # no triton installed: the torch ops still run
+    if _forced == "torch":
+        return None
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise BackendError("the fused Triton ops run on a CPU only under Triton's interpreter",
+                           fix="set TRITON_INTERPRET=1 before triton is imported, or use fused.use('torch')")
+    kernels = _kernels()
+    if kernels is None:
+        raise BackendError("fused.use('triton') was asked for but triton is not installed",
+                           fix="pip install 'attnzoo[triton]'")
+    return kernels
+
+
+# ----------------------------------------------------------------------------------------------
+# torch references
+
+
+def rms_norm_ref(x: torch.Tensor, norm: NormParams) -> torch.Tensor:
+    w = None if norm.weight is None else norm.weight.float() + norm.offset
+    return F.rms_norm(x.float(), (x.shape[-1],), w, norm.eps).to(x.dtype)
+
+
+def add_rms_norm_ref(x, residual, norm: NormParams, x_norm: NormParams | None = None):
+    if x_norm is not None:
+        x = rms_norm_ref(x, x_norm)
+    s = x if residual is None else residual + x
+    return rms_norm_ref(s, norm), s
+
+
+def act_and_mul_ref(x: torch.Tensor, act: str) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """x [T, heads, D] with cos/sin [T, R] (cat(f, f), R <= D): RoPE on the first R channels.
+
+    Interleaved RoPE rotates pairs (x0, x1), (x2, x3), ... and writes them de-interleaved (all first
+    members, then all second members): q and k get the same permutation, so their dot products, all
+    attention ever uses, are those of the pair layout.
+    """
+    r = cos.shape[-1]
+    half = r // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    if interleaved:
+        x1, x2 = x[..., 0:r:2].float(), x[..., 1:r:2].float()
+    else:
+        x1, x2 = x[..., :half].float(), x[..., half:r].float()
+    out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+    return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# the ops
+
+
+def rms_norm(x: torch.Tensor, norm: NormParams) -> torch.Tensor:
+    """x [..., N] -> x / rms(x) * (offset + weight), computed in float32, in x's dtype."""
+    k = _triton(x)
+    if k is None:
+        return rms_norm_ref(x, norm)
+    return k.rms_norm(x, norm.weight, norm.eps, norm.offset)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, norm: NormParams, *, x_norm: NormParams | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (norm(s), s) with s = residual + x_norm(x) (x itself without ``x_norm``; residual None: no add)."""
+    k = _triton(x)
+    if k is None:
+        return add_rms_norm_ref(x, residual, norm, x_norm)
+    if residual is None:
+        s = x if x_norm is None else k.rms_norm(x, x_norm.weight, x_norm.eps, x_norm.offset)
+        return k.rms_norm(s, norm.weight, norm.eps, norm.offset), s
+    if x_norm is None:
+        return k.rms_norm(x, norm.weight, norm.eps, norm.offset, residual=residual)
+    return k.rms_norm(x, norm.weight, norm.eps, norm.offset, residual=residual, x_norm=True,
+                      x_weight=x_norm.weight, x_eps=x_norm.eps, x_offset=x_norm.offset)
+
+
+def act_and_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """x [..., 2I] (gate then up) -> act(gate) * up [..., I]; act "silu" or "gelu_tanh"."""
+    if act not in ("silu", "gelu_tanh"):
+        raise BackendError(f"unknown gated activation {act!r}", fix="use 'silu' or 'gelu_tanh'")
+    k = _triton(x)
+    return act_and_mul_ref(x, act) if k is None else k.act_and_mul(x, act)
+
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q [T, Hq, D] and k [T, Hk, D] (or None) roped with cos/sin [T, R] float32 (R <= D)."""
+    kern = _triton(q)
+    if kern is None:
+        return rope_ref(q, cos, sin, interleaved), None if k is None else rope_ref(k, cos, sin, interleaved)
+    return kern.rope(q, k, cos, sin, interleaved=interleaved)

@@ -1,0 +1,205 @@
+"""Triton kernels behind ``attnzoo.layers.fused`` (which holds their torch references and picks one).
+
+Each kernel rounds to the input dtype where the torch reference does (after an activation, after a
+residual add, after a post-norm), so a fused model follows the reference's rounding points and differs
+only in float32 reduction order. Importing this module imports triton; on a CPU the kernels run only
+under Triton's interpreter (``TRITON_INTERPRET=1`` before triton is first imported).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnzoo.attention.kernels.common import next_pow2
+
+# Elements one program keeps in registers: rows of a norm or heads of a RoPE tile are packed up to it.
+_TILE = 2048
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+@triton.jit
+def _rms(x, w, eps, offset, N: tl.constexpr, HAS_W: tl.constexpr):
+    """x [R, BLOCK] float32 (zero past N) -> x / rms(x) * (w + offset), float32."""
+    inv = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    y = x * inv[:, None]
+    if HAS_W:
+        y = y * (w[None, :] + offset)
+    return y
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X, RES, XW, W, OUT, RES_OUT,
+    num_rows, inner,  # rows are (outer, inner) pairs: [T, H, N] views of per-head norms, inner 1 otherwise
+    stride_xo, stride_xi, stride_oo, stride_oi, stride_r, stride_ro,
+    eps, offset, x_eps, x_offset,
+    N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_RES: tl.constexpr, X_NORM: tl.constexpr, HAS_XW: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows < num_rows)[:, None] & (cols < N)[None, :]
+    outer = (rows // inner).to(tl.int64)
+    sub = (rows % inner).to(tl.int64)
+    x = tl.load(X + (outer * stride_xo + sub * stride_xi)[:, None] + cols[None, :], mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    if X_NORM:  # a post-norm on x before the residual add (Gemma): rounded as its own op would be
+        xw = tl.zeros([BLOCK], tl.float32)
+        if HAS_XW:
+            xw = tl.load(XW + cols, mask=cols < N, other=0.0).to(tl.float32)
+        x = _rms(x, xw, x_eps, x_offset, N, HAS_XW).to(dtype).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(RES + (outer * stride_r)[:, None] + cols[None, :], mask=mask, other=0.0)
+        s = (x + r.to(tl.float32)).to(dtype)
+        tl.store(RES_OUT + (outer * stride_ro)[:, None] + cols[None, :], s, mask=mask)
+        x = s.to(tl.float32)
+    w = tl.zeros([BLOCK], tl.float32)
+    if HAS_W:
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    y = _rms(x, w, eps, offset, N, HAS_W)
+    tl.store(OUT + (outer * stride_oo + sub * stride_oi)[:, None] + cols[None, :], y.to(dtype), mask=mask)
+
+
+def rms_norm(x, weight, eps, offset, *, residual=None, x_weight=None, x_eps=0.0, x_offset=0.0, x_norm=False):
+    """x [..., N] (rows of stride-1 channels; [T, H, N] views allowed) -> normed, and the new residual
+    x + residual when ``residual`` is given (x first normalised by ``x_weight`` when ``x_norm``)."""
+    n = x.shape[-1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    x3 = x if x.dim() == 3 and residual is None else x.reshape(-1, 1, n)
+    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    outer, inner = x3.shape[0], x3.shape[1]
+    res = res_out = out
+    if residual is not None:
+        res = residual.reshape(-1, n)
+        if res.stride(-1) != 1:
+            res = res.contiguous()
+        res_out = torch.empty(res.shape, dtype=x.dtype, device=x.device)
+    block = max(16, next_pow2(n))
+    rows = max(1, min(_TILE // block, next_pow2(outer * inner)))
+    if outer * inner == 0:
+        return out.view(x.shape) if residual is None else (out.view(x.shape), res_out.view(residual.shape))
+    _rms_norm_kernel[(triton.cdiv(outer * inner, rows),)](
+        x3, res, out if x_weight is None else x_weight, out if weight is None else weight, out, res_out,
+        outer * inner, inner,
+        x3.stride(0), x3.stride(1), out.stride(0), out.stride(1), res.stride(0), res_out.stride(0),
+        float(eps), float(offset), float(x_eps), float(x_offset),
+        N=n, BLOCK=block, ROWS=rows, HAS_W=weight is not None, HAS_RES=residual is not None,
+        X_NORM=x_norm, HAS_XW=x_weight is not None, num_warps=_warps(block * rows),
+    )
+    out = out.view(x.shape)
+    return out if residual is None else (out, res_out.view(residual.shape))
+
+
+@triton.jit
+def _act_and_mul_kernel(X, OUT, stride_x, stride_o, I: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(X + t * stride_x + cols, mask=mask, other=0.0)
+    u = tl.load(X + t * stride_x + I + cols, mask=mask, other=0.0)
+    dtype = g.dtype
+    g = g.to(tl.float32)
+    if ACT == 0:
+        a = g / (1.0 + tl.exp(-g))
+    else:  # tanh through exp (not every Triton has tl.tanh), of -2|y| so that nothing overflows
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        e = tl.exp(-2.0 * tl.abs(inner))
+        th = (1.0 - e) / (1.0 + e)
+        a = 0.5 * g * (1.0 + tl.where(inner < 0, -th, th))
+    # Rounded after the activation as in torch's act(gate) * up, then after the product.
+    a = a.to(dtype).to(tl.float32)
+    tl.store(OUT + t * stride_o + cols, (a * u.to(tl.float32)).to(dtype), mask=mask)
+
+
+def act_and_mul(x, act: str):
+    """x [T, 2I] (gate then up) -> act(gate) * up [T, I]."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    x2 = x.reshape(-1, x.shape[-1])
+    i = x.shape[-1] // 2
+    out = torch.empty(x2.shape[0], i, dtype=x.dtype, device=x.device)
+    block = min(1024, max(16, next_pow2(i)))
+    if x2.shape[0]:
+        _act_and_mul_kernel[(x2.shape[0], triton.cdiv(i, block))](
+            x2, out, x2.stride(0), out.stride(0), I=i, BLOCK=block, ACT=ACTIVATIONS[act], num_warps=4,
+        )
+    return out.view(*x.shape[:-1], i)
+
+
+@triton.jit
+def _rope_tile(X, OUT, COS, SIN, t, h0, stride_t, stride_h, stride_ct,
+               HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+               PASS_PAD: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
+    heads = h0 + tl.arange(0, BLOCK_H)
+    i = tl.arange(0, HALF_PAD)
+    mask = (heads < HEADS)[:, None] & (i < HALF)[None, :]
+    c = tl.load(COS + t * stride_ct + i, mask=i < HALF, other=0.0)[None, :]
+    s = tl.load(SIN + t * stride_ct + i, mask=i < HALF, other=0.0)[None, :]
+    row = X + t * stride_t + heads[:, None] * stride_h
+    if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...; the output is de-interleaved like the reference's
+        x1 = tl.load(row + 2 * i[None, :], mask=mask, other=0.0)
+        x2 = tl.load(row + 2 * i[None, :] + 1, mask=mask, other=0.0)
+    else:
+        x1 = tl.load(row + i[None, :], mask=mask, other=0.0)
+        x2 = tl.load(row + HALF + i[None, :], mask=mask, other=0.0)
+    dtype = x1.dtype
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    dst = OUT + (t * HEADS + heads[:, None]) * D
+    tl.store(dst + i[None, :], (a * c - b * s).to(dtype), mask=mask)
+    tl.store(dst + HALF + i[None, :], (b * c + a * s).to(dtype), mask=mask)
+    if PASS_PAD > 0:  # channels past the rotary dim pass through (partial RoPE)
+        j = 2 * HALF + tl.arange(0, PASS_PAD)
+        pmask = (heads < HEADS)[:, None] & (j < D)[None, :]
+        tl.store(dst + j[None, :], tl.load(row + j[None, :], mask=pmask), mask=pmask)
+
+
+@triton.jit
+def _rope_kernel(Q, K, QO, KO, COS, SIN, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
+                 QH: tl.constexpr, KH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                 HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                 INTERLEAVED: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    q_blocks = tl.cdiv(QH, BLOCK_H)
+    if blk < q_blocks:
+        _rope_tile(Q, QO, COS, SIN, t, blk * BLOCK_H, stride_qt, stride_qh, stride_ct,
+                   QH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED)
+    else:
+        _rope_tile(K, KO, COS, SIN, t, (blk - q_blocks) * BLOCK_H, stride_kt, stride_kh, stride_ct,
+                   KH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED)
+
+
+def rope(q, k, cos, sin, *, interleaved: bool):
+    """q [T, Hq, D], k [T, Hk, D] or None, cos/sin [T, R] (R <= D, cat(f, f)) -> new contiguous q, k."""
+    t, qh, d = q.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k is not None and k.stride(-1) != 1:
+        k = k.contiguous()
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    half = cos.shape[-1] // 2
+    kh = 0 if k is None else k.shape[1]
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ko = None if k is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    half_pad = max(16, next_pow2(half))
+    block_h = max(1, min(next_pow2(max(qh, kh)), _TILE // 2 // half_pad))
+    blocks = triton.cdiv(qh, block_h) + triton.cdiv(kh, block_h)
+    if t:
+        kk = q if k is None else k
+        _rope_kernel[(t, blocks)](
+            q, kk, qo, qo if ko is None else ko, cos, sin,
+            q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), cos.stride(0),
+            QH=qh, KH=kh, D=d, HALF=half, HALF_PAD=half_pad,
+            PASS_PAD=0 if 2 * half == d else max(16, next_pow2(d - 2 * half)),
+            BLOCK_H=block_h, INTERLEAVED=interleaved, num_warps=4,
+        )
+    return qo, ko

@@ -1,0 +1,428 @@
+"""Mixture-of-experts experts block: stacked expert weights, a fused Triton path and the per-expert oracle.
+
+``FusedMoE`` holds a contiguous range of a layer's routed experts (all of them, or one expert-parallel
+rank's share) as two stacked tensors, ``w13`` [E_local, 2I, H] (gate rows then up rows) and ``w2``
+[E_local, H, I], and takes the routing the model computed: ``topk_ids`` [T, k] (global expert ids) and
+``topk_weights`` [T, k] float32. Each token's output is sum_j w_j * down(act(gate(x)) * up(x)) over its
+chosen experts held here; experts held elsewhere contribute zero (the expert-parallel caller all-reduces).
+
+On CUDA it runs ``fused_moe``, in the style of vLLM's / SGLang's fused_moe:
+  1. ``moe_align_block_size`` sorts the T*k (token, slot) assignments by expert and pads each expert's
+     run to a multiple of BLOCK_M (two small Triton kernels, no host sync).
+  2. One grouped GEMM launch computes every block's gate_up rows (each block reads one expert's weights),
+     an elementwise kernel applies act(gate) * up, and a second grouped GEMM launch computes down and
+     multiplies each row by its routing weight; the k rows of a token are then summed.
+Every buffer and grid is sized for the worst case of the shape (T, k, E_local), never for the routing:
+blocks past the padded total exit at once. A captured CUDA graph therefore replays any routing, and
+only the experts actually chosen are read, instead of every expert running on every token.
+
+With ``quant="fp8"`` the weights are float8_e4m3fn with float32 ``w13_scale_inv`` / ``w2_scale_inv``,
+one multiplier per [128, 128] block (DeepSeek-V3's ``weight_block_size``), and the GEMMs are w8a8 as in
+DeepSeek's reference: activations quantized per token per 128-channel group, the float32 accumulator
+scaled per block. The gate and up halves of ``w13`` keep their own scale blocks, so ``w13_scale_inv`` is
+[E, 2 * ceil(I/128), ceil(H/128)] (= ceil(2I/128) rows when 128 divides I, as in vLLM's layout) and I
+need not be a multiple of 128.
+
+On CPU ``moe_reference`` (a loop over the experts that have tokens, float32 accumulation, FP8 weights
+dequantized) computes the same sum: it is the oracle the fused path is tested against. The Triton
+kernels also run on CPU under ``TRITON_INTERPRET=1`` for tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnzoo.errors import ModelLoadError, WeightError
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
+QUANT_GROUP = 128  # activation quantization group (channels), = the weight block's K side
+# Bounds the transient [T*k, 2I] / [T*k, H] buffers of a long prefill; shapes still depend on T only.
+MAX_CHUNK_TOKENS = 4096
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference (CPU oracle)
+
+
+def _act(gate: torch.Tensor, act: str) -> torch.Tensor:
+    return F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+
+
+def scale_rows(n: int, split: int, block_n: int, device=None) -> torch.Tensor:
+    """Scale-block row of each of ``n`` weight rows whose first ``split`` rows (gate) and the rest (up)
+    are blocked separately: rows [0, split) use blocks 0.., rows [split, n) start a new block."""
+    r = torch.arange(n, device=device)
+    return torch.where(r < split, r // block_n, _cdiv(split, block_n) + (r - split) // block_n)
+
+
+def dequantize_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor, *, split: int, block=(128, 128)) -> torch.Tensor:
+    """One expert's FP8 weight [N, K] times its block multipliers [blocks_n, blocks_k] -> float32 [N, K]."""
+    n, k = w.shape
+    rows = scale_rows(n, split, block[0], w.device)
+    cols = torch.arange(k, device=w.device) // block[1]
+    return w.float() * scale_inv[rows][:, cols]
+
+
+def _quant_group_fp8(x: torch.Tensor, group: int = QUANT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group FP8 quantization (DeepSeek's act_quant): x [M, K] -> (float8 [M, K], float32
+    scales [M, ceil(K/group)]) with x ~= q * scale, scale = amax(group) / 448. A private copy of what
+    the FP8 linear layers use, kept here so the fused kernels' tests need nothing else."""
+    m, k = x.shape
+    pad = _cdiv(k, group) * group - k
+    xg = F.pad(x.float(), (0, pad)).view(m, -1, group)
+    scale = xg.abs().amax(dim=-1).clamp(min=1e-10) / FP8_MAX
+    q = (xg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(m, -1)[:, :k], scale
+
+
+def _fake_quant_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded through the per-token-group FP8 quantization (what the w8a8 kernel's inputs hold)."""
+    q, s = _quant_group_fp8(x)
+    return (q.float() * s.repeat_interleave(QUANT_GROUP, dim=1)[:, : x.shape[1]]).to(x.dtype)
+
+
+def moe_reference(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_start: int = 0,
+                  w13_scale_inv=None, w2_scale_inv=None, block=(128, 128), quantize_activations: bool = False):
+    """The per-expert loop: for each local expert with tokens, its gated MLP on those tokens.
+
+    One float32 row per (token, slot), summed over the slots at the end: deterministic (no atomic
+    index_add) and accumulated in float32. FP8 weights are dequantized per expert; with
+    ``quantize_activations`` (FP8 weights only) the GEMM inputs are rounded as the w8a8 kernel rounds
+    them, for tests of the kernel.
+    One host sync (the per-expert counts): this is the eager/CPU oracle, never captured.
+    """
+    t, k = topk_ids.shape
+    num_local, inter = w2.shape[0], w2.shape[2]
+    local = topk_ids.reshape(-1) - expert_start
+    local = torch.where((local >= 0) & (local < num_local), local, num_local)  # others: a dropped bucket
+    order = local.argsort(stable=True)
+    counts = torch.bincount(local, minlength=num_local + 1).tolist()
+    flat_w = topk_weights.reshape(-1).float()
+    # FP8 weights dequantized to the model dtype: the same model with dequantized weights. The w8a8
+    # emulation computes in float32 on the quantized values, as the kernel's float32 accumulator does.
+    wdt = torch.float32 if quantize_activations else x.dtype
+    out = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts[:num_local]):
+        if n == 0:
+            continue
+        rows = order[start : start + n]
+        start += n
+        a, b = w13[e], w2[e]
+        if w13_scale_inv is not None:
+            a = dequantize_block_fp8(a, w13_scale_inv[e], split=inter, block=block).to(wdt)
+            b = dequantize_block_fp8(b, w2_scale_inv[e], split=b.shape[0], block=block).to(wdt)
+        h = x[rows // k]
+        if quantize_activations:
+            h = _fake_quant_fp8(h.float())
+        gate_up = F.linear(h, a)
+        if quantize_activations:
+            gate_up = gate_up.to(x.dtype).float()  # the kernel stores it in the model dtype
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = _act(gate, act) * up
+        if quantize_activations:
+            h = _fake_quant_fp8(h)
+        out[rows] = F.linear(h, b).float() * flat_w[rows, None]
+    return out.view(t, k, -1).sum(dim=1).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fused path (Triton)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tile shape of the grouped GEMMs (both projections)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(num_assignments: int, num_local: int, fp8: bool) -> MoEConfig:
+    """Tiles by the mean rows per expert (vLLM's defaults and tuned Hopper tables as the starting point):
+    decode-sized groups use short blocks (few padded rows, many programs over N to stream the weights);
+    larger groups use square tiles. FP8 block-scaled GEMMs use BLOCK_K = 128, one scale per K step."""
+    per_expert = num_assignments / max(num_local, 1)
+    bk = 128 if fp8 else 64
+    if per_expert <= 16:
+        return MoEConfig(16, 64, bk, 1, 4, 4)
+    if per_expert <= 48:
+        return MoEConfig(32, 128 if fp8 else 64, bk, 8, 4, 4)
+    if per_expert <= 192:
+        return MoEConfig(64, 128, bk, 8, 4, 3)
+    return MoEConfig(128, 128, bk, 16, 8, 3)
+
+
+def padded_slots(num_assignments: int, num_local: int, block_m: int) -> int:
+    """Worst-case length of the padded, expert-sorted assignment list (a multiple of block_m): every
+    expert's run is padded by at most block_m - 1 rows, and at most num_assignments experts have rows."""
+    worst = min(num_assignments * block_m, num_assignments + num_local * (block_m - 1))
+    return _cdiv(worst, block_m) * block_m
+
+
+def _kernels():
+    from attnzoo.layers import moe_kernels  # imports triton: on first use only
+
+    return moe_kernels
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_local: int, expert_start: int = 0):
+    """Sort the flat (token, slot) assignments by local expert, each expert's run padded to block_m.
+
+    -> sorted_ids int32 [padded_slots]: flat assignment index t*k + j, or T*k (a sentinel) in padding;
+       expert_ids int32 [padded_slots / block_m]: the local expert of each block;
+       total int32 [1]: padded rows in use (blocks at or past it are unused, their entries unset).
+    Assignments to experts outside [expert_start, expert_start + num_local) are left out. Shapes depend
+    on (T*k, num_local, block_m) only, and nothing is read back to the host.
+    """
+    k = _kernels()
+    ids = topk_ids.reshape(-1).contiguous()
+    n = ids.numel()
+    slots = padded_slots(n, num_local, block_m)
+    dev = ids.device
+    counts = torch.zeros(num_local, dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(slots, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(slots // block_m, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    count_block = 1024
+    k.count_kernel[(_cdiv(n, count_block),)](ids, counts, n, expert_start, num_local, BLOCK=count_block)
+    e_pow2 = 1 << max(0, (num_local - 1).bit_length())
+    k.align_kernel[(num_local,)](ids, counts, sorted_ids, expert_ids, total, n, expert_start, num_local,
+                             BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=256)
+    return sorted_ids, expert_ids, total
+
+
+def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *, num_valid: int, rows_per_a: int,
+                  split_n: int, block=(128, 128)):
+    sorted_ids, expert_ids, total = align
+    n_out, k_in = w.shape[1], w.shape[2]
+    fp8 = w.dtype == FP8
+    num_m_blocks = expert_ids.numel()
+    grid = (num_m_blocks * _cdiv(n_out, cfg.block_n),)
+    dummy = out  # never read when the matching flag is off
+    _kernels().gemm_kernel[grid](
+        a, w, out, a_scale if fp8 else dummy, w_scale if fp8 else dummy, weights if weights is not None else dummy,
+        sorted_ids, expert_ids, total,
+        n_out, k_in, num_valid, num_m_blocks, split_n,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
+        w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
+        ROWS_PER_A=rows_per_a, MUL_WEIGHT=weights is not None, FP8=fp8, IEEE=a.dtype == torch.float32,
+        F32_OPERANDS=a.device.type != "cuda",
+        GROUP_N=block[0], GROUP_K=block[1],
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _act_and_mul(gate_up: torch.Tensor, act: str, quant: bool, dtype):
+    """[M, 2I] -> act(gate) * up [M, I] in ``dtype``, or (float8 [M, I], float32 scales [M, groups])."""
+    m, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    block = QUANT_GROUP if quant else 1024
+    y = torch.empty(m, inter, dtype=FP8 if quant else dtype, device=gate_up.device)
+    s = torch.empty(m, _cdiv(inter, QUANT_GROUP), dtype=torch.float32, device=gate_up.device) if quant else y
+    _kernels().act_kernel[(m, _cdiv(inter, block))](
+        gate_up, y.view(torch.uint8) if quant else y, s, inter, gate_up.stride(0), y.stride(0), s.stride(0),
+        ACT=1 if act == "silu" else 2, QUANT=quant, BLOCK=block,
+    )
+    return y, (s if quant else None)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_start: int = 0,
+              holds_all_experts: bool = True, w13_scale_inv=None, w2_scale_inv=None, block=(128, 128),
+              config: MoEConfig | None = None) -> torch.Tensor:
+    """The experts' weighted sum per token through the grouped Triton GEMMs (see the module docstring).
+
+    ``holds_all_experts=False`` (an expert-parallel share): rows of assignments to other ranks' experts
+    are zeroed, as no GEMM writes them. FP8 weights (float8_e4m3fn with their ``*_scale_inv``) run w8a8.
+    """
+    t, k = topk_ids.shape
+    if t == 0:
+        return torch.zeros_like(x)
+    if t > MAX_CHUNK_TOKENS:
+        return torch.cat([
+            fused_moe(x[i : i + MAX_CHUNK_TOKENS], w13, w2, topk_weights[i : i + MAX_CHUNK_TOKENS],
+                      topk_ids[i : i + MAX_CHUNK_TOKENS], act=act, expert_start=expert_start,
+                      holds_all_experts=holds_all_experts, w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv,
+                      block=block, config=config)
+            for i in range(0, t, MAX_CHUNK_TOKENS)
+        ])
+    num_local, inter = w2.shape[0], w2.shape[2]
+    fp8 = w13.dtype == FP8
+    cfg = config or default_config(t * k, num_local, fp8)
+    if fp8 and (block[1] % cfg.block_k or block[1] != QUANT_GROUP):
+        raise ModelLoadError(
+            f"FP8 MoE needs BLOCK_K ({cfg.block_k}) dividing the weight block's K side ({block[1]}) and a K side of "
+            f"{QUANT_GROUP} (the activation group)", fix="use the default MoEConfig and weight_block_size [128, 128]",
+        )
+    x = x.contiguous()
+    align = moe_align_block_size(topk_ids, cfg.block_m, num_local, expert_start)
+    a, a_scale = _quant_group_fp8(x) if fp8 else (x, None)
+    gate_up = torch.empty(t * k, 2 * inter, dtype=x.dtype, device=x.device)
+    _grouped_gemm(a, a_scale, w13, w13_scale_inv, gate_up, None, align, cfg, num_valid=t * k, rows_per_a=k,
+                  split_n=inter, block=block)
+    h, h_scale = _act_and_mul(gate_up, act, fp8, x.dtype)
+    down = (torch.empty if holds_all_experts else torch.zeros)(t * k, x.shape[1], dtype=x.dtype, device=x.device)
+    _grouped_gemm(h, h_scale, w2, w2_scale_inv, down, topk_weights.reshape(-1).float().contiguous(), align, cfg,
+                  num_valid=t * k, rows_per_a=1, split_n=w2.shape[1], block=block)
+    return down.view(t, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Module
+
+# checkpoint projection -> (stacked parameter, which half of w13)
+_PROJECTIONS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
+_STACKED = {"gate_up_proj": "w13", "down_proj": "w2"}  # transformers' stacked expert tensors (Gemma 4)
+
+
+class FusedMoE(nn.Module):
+    """A layer's routed experts (or the contiguous share ``experts`` of them) as stacked weights.
+
+    forward(x [T, H], topk_weights [T, k] float32, topk_ids [T, k] global ids) -> [T, H]: the fused
+    Triton path on CUDA, the per-expert reference elsewhere. Checkpoint tensors reach the stacked
+    parameters through ``load_checkpoint_tensor`` (per-expert ``{e}.gate_proj.weight`` / ``up_proj`` /
+    ``down_proj`` and their ``.weight_scale_inv``, or stacked ``gate_up_proj`` / ``down_proj``).
+    """
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu", *,
+                 experts: range | None = None, quant: str | None = None, block=(128, 128), init_std: float = 0.02):
+        super().__init__()
+        experts = range(num_experts) if experts is None else experts
+        if not (isinstance(experts, range) and experts.step == 1 and len(experts)
+                and 0 <= experts.start and experts.stop <= num_experts):
+            raise ModelLoadError(f"expert share {experts!r} is not a non-empty contiguous range of 0..{num_experts - 1}",
+                                 fix="give each rank range(start, stop) of the layer's experts")
+        if act not in ACTIVATIONS:
+            raise ModelLoadError(f"MoE activation {act!r} is not supported", fix=f"use one of {ACTIVATIONS}")
+        if quant not in (None, "fp8"):
+            raise ModelLoadError(f"MoE weight format {quant!r} is not supported", fix="use quant=None or 'fp8'")
+        self.num_experts, self.hidden, self.intermediate, self.act = num_experts, hidden, intermediate, act
+        self.expert_start, self.num_local = experts.start, len(experts)
+        self.quant, self.block = quant, tuple(block)
+        shapes = {"w13": (self.num_local, 2 * intermediate, hidden), "w2": (self.num_local, hidden, intermediate)}
+        for name, shape in shapes.items():
+            if quant is None:
+                # Initialised (not torch.empty) so that load_format="random" models compute finite numbers.
+                setattr(self, name, nn.Parameter(torch.empty(shape).normal_(0, init_std)))
+            else:
+                # Standard-normal FP8 values times init_std block multipliers; built one expert at a time
+                # (a full-size float copy of a DeepSeek-V3 layer would not fit).
+                w = torch.empty(shape, dtype=FP8)
+                for e in range(shape[0]):
+                    w[e] = torch.randn(shape[1:]).to(FP8)
+                setattr(self, name, nn.Parameter(w, requires_grad=False))
+                setattr(self, name + "_scale_inv", nn.Parameter(
+                    torch.full(self._scale_shape(name), init_std, dtype=torch.float32), requires_grad=False))
+        self._loaded: set[tuple[str, int, int]] = set()
+
+    def _scale_shape(self, name: str) -> tuple[int, int, int]:
+        bn, bk = self.block
+        if name == "w13":
+            return self.num_local, 2 * _cdiv(self.intermediate, bn), _cdiv(self.hidden, bk)
+        return self.num_local, _cdiv(self.hidden, bn), _cdiv(self.intermediate, bk)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) must neither widen the FP8 weights nor round their float32 multipliers: what a
+        # conversion changed the dtype of is put back from the original (moved to the new device).
+        kept = {n: getattr(self, n).data for n in ("w13", "w2", "w13_scale_inv", "w2_scale_inv")} if self.quant else {}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            p = getattr(self, name)
+            if p.dtype != before.dtype:
+                p.data = before.to(p.device)
+        return self
+
+    def extra_repr(self) -> str:
+        share = f"experts {self.expert_start}..{self.expert_start + self.num_local - 1} of {self.num_experts}"
+        return f"{share}, hidden={self.hidden}, intermediate={self.intermediate}, act={self.act}, quant={self.quant}"
+
+    def _weights(self) -> dict:
+        if self.quant is None:
+            return {}
+        return {"w13_scale_inv": self.w13_scale_inv, "w2_scale_inv": self.w2_scale_inv, "block": self.block}
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
+                             expert_start=self.expert_start, holds_all_experts=self.num_local == self.num_experts,
+                             **self._weights())
+        return moe_reference(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
+                             expert_start=self.expert_start, **self._weights())
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor, *, full_name: str | None = None) -> None:
+        """Copy one checkpoint tensor (``name`` relative to this module) into its slice of the stacked
+        parameters; tensors of experts held by other ranks are skipped."""
+        full_name = full_name or name
+        parts = name.split(".")
+        if len(parts) == 1 and parts[0] in _STACKED:
+            param = _STACKED[parts[0]]
+            if tensor.shape[0] != self.num_experts:
+                raise WeightError(f"stacked expert tensor {full_name!r} has {tensor.shape[0]} experts, expected "
+                                  f"{self.num_experts}", fix="the checkpoint does not match its config.json")
+            self._check_format(full_name, tensor, False)
+            share = tensor[self.expert_start : self.expert_start + self.num_local]
+            self._copy(getattr(self, param), share, full_name)
+            halves = (0, 1) if param == "w13" else (0,)
+            self._loaded.update((param, e, h) for e in range(self.num_local) for h in halves)
+            return
+        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in _PROJECTIONS \
+                or parts[2] not in ("weight", "weight_scale_inv"):
+            raise WeightError(f"checkpoint tensor {full_name!r} is not an expert weight",
+                              fix="check that config.json's architectures matches the weights")
+        expert = int(parts[0])
+        if expert >= self.num_experts:
+            raise WeightError(f"checkpoint tensor {full_name!r} names expert {expert} of {self.num_experts}",
+                              fix="the checkpoint does not match its config.json (n_routed_experts)")
+        e = expert - self.expert_start
+        if not 0 <= e < self.num_local:
+            return
+        param, half = _PROJECTIONS[parts[1]]
+        scale = parts[2] == "weight_scale_inv"
+        self._check_format(full_name, tensor, scale)
+        if scale:
+            param += "_scale_inv"
+        dst = getattr(self, param)[e]
+        if param.startswith("w13"):
+            rows = dst.shape[0] // 2
+            dst = dst[half * rows : (half + 1) * rows]
+        self._copy(dst, tensor, full_name)
+        self._loaded.add((param, e, half))
+
+    def _check_format(self, full_name: str, tensor: torch.Tensor, scale: bool) -> None:
+        fp8 = self.quant == "fp8"
+        if (scale and not fp8) or (not scale and fp8 != (tensor.dtype == FP8)):
+            raise WeightError(
+                f"expert tensor {full_name!r} ({tensor.dtype}) does not fit experts built "
+                f"{'FP8 block-quantized' if fp8 else 'unquantized'}",
+                fix="build the MoE with quant='fp8' for an FP8 block-quantized checkpoint, quant=None otherwise",
+            )
+
+    @staticmethod
+    def _copy(dst: torch.Tensor, src: torch.Tensor, full_name: str) -> None:
+        if tuple(src.shape) != tuple(dst.shape):
+            raise WeightError(f"weight {full_name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}",
+                              fix="the checkpoint does not match its config.json; re-export it")
+        with torch.no_grad():
+            dst.copy_(src.to(dst.dtype))
+
+    def loaded_parameters(self) -> list[str]:
+        """Names of the parameters every slice of which has been loaded."""
+        names = ["w13", "w2"] + (["w13_scale_inv", "w2_scale_inv"] if self.quant else [])
+        return [n for n in names
+                if all((n, e, h) in self._loaded for e in range(self.num_local) for h in ((0, 1) if n.startswith("w13") else (0,)))]

@@ -1,0 +1,135 @@
+"""Triton kernels of the fused MoE (``attnzoo/layers/moe.py``, which imports this module on first use so
+that importing a model file never imports triton; on CPU the interpreter must be chosen first).
+
+* ``count_kernel`` / ``align_kernel``: the expert sort and padding of ``moe_align_block_size``.
+* ``gemm_kernel``: one projection of every expert's padded row blocks in one launch.
+* ``act_kernel``: act(gate) * up, optionally quantized to FP8 per 128-channel group.
+"""
+import triton
+import triton.language as tl
+
+# float32 -> e4m3 bytes with integer arithmetic: the interpreter's cast drops the rounding carry.
+from attnzoo.attention.kernels.kv_layout import fp8_bytes
+
+
+@triton.jit
+def count_kernel(ids_ptr, counts_ptr, n, expert_start, num_local, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32) - expert_start
+    ok = (offs < n) & (e >= 0) & (e < num_local)
+    tl.atomic_add(counts_ptr + e, tl.full([BLOCK], 1, tl.int32), mask=ok)
+
+@triton.jit
+def align_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, total_ptr, n, expert_start, num_local,
+                 BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+    # One program per local expert: its padded run starts after the padded runs of experts < e; its
+    # assignments are written there in flat order (deterministic), then sentinel rows (n) pad it.
+    e = tl.program_id(0)
+    offs_e = tl.arange(0, E_POW2)
+    cnt = tl.load(counts_ptr + offs_e, mask=offs_e < num_local, other=0)
+    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.sum(tl.where(offs_e < e, padded, 0))
+    my_cnt = tl.sum(tl.where(offs_e == e, cnt, 0))
+    my_padded = tl.sum(tl.where(offs_e == e, padded, 0))
+    if e == 0:
+        tl.store(total_ptr, tl.sum(padded))
+    seen = start
+    for c in range(0, n, CHUNK):
+        offs = c + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32) - expert_start
+        hit = (ids == e) & (offs < n)
+        rank = tl.cumsum(hit.to(tl.int32), 0) - 1
+        tl.store(sorted_ptr + seen + rank, offs.to(tl.int32), mask=hit)
+        seen += tl.sum(hit.to(tl.int32))
+    pad = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + start + my_cnt + pad, tl.full([BLOCK_M], 0, tl.int32) + n,
+             mask=pad < my_padded - my_cnt)
+    first_block = start // BLOCK_M
+    for b in range(0, my_padded // BLOCK_M, CHUNK):
+        offs_b = b + tl.arange(0, CHUNK)
+        tl.store(expert_ids_ptr + first_block + offs_b, tl.full([CHUNK], 0, tl.int32) + e,
+                 mask=offs_b < my_padded // BLOCK_M)
+
+@triton.jit
+def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr,
+                sorted_ptr, expert_ids_ptr, total_ptr,
+                N, K, num_valid, num_m_blocks, split_n,
+                stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+                ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+                F32_OPERANDS: tl.constexpr,
+                GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # C[row] = A[row // ROWS_PER_A] @ B[expert(block)]^T for the rows of one padded M block; rows are
+    # flat (token, slot) indices, A is x (ROWS_PER_A = k) or the intermediate (ROWS_PER_A = 1).
+    # IEEE: float32 models get no TF32 rounding. F32_OPERANDS (off the GPU): Triton's interpreter
+    # multiplies the raw bits of bfloat16 tl.dot operands (see attention/kernels/common.py dot_args).
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = min(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows < num_valid
+    a_rows = (rows // ROWS_PER_A).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    if FP8:
+        a_s_ptrs = a_scale_ptr + a_rows * stride_asm
+        s_rows = tl.where(offs_n < split_n, offs_n // GROUP_N,
+                          (split_n + GROUP_N - 1) // GROUP_N + (offs_n - split_n) // GROUP_N)
+        b_s_ptrs = b_scale_ptr + expert * stride_bse + s_rows * stride_bsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if F32_OPERANDS:
+            d = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        elif IEEE:
+            d = tl.dot(a, b, input_precision="ieee")
+        else:
+            d = tl.dot(a, b)
+        if FP8:
+            a_s = tl.load(a_s_ptrs + (k0 // GROUP_K) * stride_ask, mask=row_ok, other=0.0)
+            b_s = tl.load(b_s_ptrs + (k0 // GROUP_K) * stride_bsk, mask=n_ok, other=0.0)
+            acc += d * a_s[:, None] * b_s[None, :]
+        else:
+            acc += d
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+@triton.jit
+def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
+               ACT: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+    # y = act(x[:, :width]) * x[:, width:] (ACT 1 silu, 2 gelu-tanh), in float32; with QUANT, FP8 with
+    # one scale per BLOCK (= the quantization group) channels.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < width
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + width + offs, mask=ok, other=0.0).to(tl.float32)
+    if ACT == 1:
+        v = gate * tl.sigmoid(gate) * up
+    else:
+        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        v = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * z) - 1.0)) * up
+    if QUANT:
+        # IEEE divisions and bytes rounded to nearest even, as torch's _quant_group_fp8 (y holds bytes).
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v)), 1e-10), 448.0)
+        tl.store(y_ptr + row * stride_y + offs, fp8_bytes(tl.math.div_rn(v, scale)), mask=ok)
+        tl.store(s_ptr + row * stride_s + tl.program_id(1), scale)
+    else:
+        tl.store(y_ptr + row * stride_y + offs, v.to(y_ptr.dtype.element_ty), mask=ok)

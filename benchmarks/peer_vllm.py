@@ -1,0 +1,126 @@
+"""attnzoo and vLLM on the same GSM8K-shaped workload, same shapes, one GPU machine, one run.
+
+Runs benchmarks/e2e.py (attnzoo, the policy's default backend unless ``--backends``) and vLLM's offline
+driver (``bench_vllm.py`` from ../shared/gpu/vllm, same prompts, same model shape, random weights, 256
+tokens, EOS ignored, vLLM's defaults: prefix caching, torch.compile, CUDA graphs), each in its own
+process one after the other, and writes ONE JSON + table + PNG with both and the ratio.
+
+vLLM never runs in attnzoo's process: its overlay (``--vllm-site``, unpacked as ../shared/gpu/vllm/README.md
+says) must not shadow the packages attnzoo imports. Gemma 4 needs the overlay's transformers 5.14
+(``--vllm-extra-path /tmp/tf514``).
+
+    python benchmarks/peer_vllm.py --shape llama8b --out $OUT/peer_llama8b \
+        --vllm-bench .peer/bench_vllm.py --vllm-site /tmp/vsite
+    python benchmarks/peer_vllm.py --shape gemma4-31b --vllm-attn-backend TRITON_ATTN --vllm-extra-path /tmp/tf514 ...
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WORKLOAD = HERE / "data" / "gsm8k_8shot_tokens.json"
+
+
+def run(cmd: list[str], env: dict, log: Path) -> None:
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    print(f"  exit {proc.returncode} after {time.perf_counter() - t0:.0f} s (log: {log})", flush=True)
+    if proc.returncode:
+        sys.stdout.write("".join(open(log).readlines()[-40:]))
+        raise SystemExit(f"{cmd[1]} failed with exit code {proc.returncode}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="output prefix: PREFIX.json, PREFIX.png, PREFIX_*.log")
+    ap.add_argument("--shape", default="llama8b", choices=("llama8b", "gemma4-31b", "dsv2lite"))
+    ap.add_argument("--backends", default="default", help="attnzoo backends for e2e.py (default: the policy's)")
+    ap.add_argument("--prompts", type=int, default=None, help="first N prompts (default: all 1319)")
+    ap.add_argument("--e2e-args", default="", help="more e2e.py arguments, e.g. '--cascade both'")
+    ap.add_argument("--vllm-bench", required=True, help="path to bench_vllm.py")
+    ap.add_argument("--vllm-site", default="/tmp/vsite", help="the unpacked vLLM overlay (PYTHONPATH for vLLM)")
+    ap.add_argument("--vllm-extra-path", default="", help="prepended to vLLM's PYTHONPATH (Gemma 4: /tmp/tf514)")
+    ap.add_argument("--vllm-attn-backend", default=None, help="bench_vllm.py --attn-backend (default: its own)")
+    ap.add_argument("--vllm-args", default="", help="more bench_vllm.py arguments")
+    ap.add_argument("--order", choices=("vllm-first", "attnzoo-first"), default="vllm-first")
+    ap.add_argument("--reuse-vllm", default=None, metavar="JSON",
+                    help="a bench_vllm.py result measured on this same machine earlier in the session (a long "
+                         "shape's two engines may not fit one device call): recorded as reused, not re-run")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    n = ["--prompts", str(args.prompts)] if args.prompts else []
+
+    ours_cmd = [sys.executable, str(HERE / "e2e.py"), "--out", f"{out}_attnzoo", "--shape", args.shape,
+                "--backends", args.backends, "--hf-prompts", "0", *n, *args.e2e_args.split()]
+    env_ours = dict(os.environ)
+    vllm_cmd = [sys.executable, args.vllm_bench, str(WORKLOAD), "--shape", args.shape, "--out", f"{out}_vllm.json",
+                *n, *args.vllm_args.split()]
+    if args.vllm_attn_backend:
+        vllm_cmd += ["--attn-backend", args.vllm_attn_backend]
+    env_vllm = dict(os.environ, PYTHONPATH=":".join(p for p in (args.vllm_extra_path, args.vllm_site) if p),
+                    LD_LIBRARY_PATH=f"{args.vllm_site}/xgrammar", VLLM_USE_FLASHINFER_SAMPLER="0",
+                    TVM_FFI_DISABLE_TORCH_C_DLPACK="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
+    jobs = [("vllm", vllm_cmd, env_vllm), ("attnzoo", ours_cmd, env_ours)]
+    if args.order == "attnzoo-first":
+        jobs.reverse()
+    if args.reuse_vllm:
+        jobs = [j for j in jobs if j[0] != "vllm"]
+        Path(f"{out}_vllm.json").write_text(Path(args.reuse_vllm).read_text())
+    for name, cmd, env in jobs:
+        run(cmd, env, Path(f"{out}_{name}.log"))
+
+    ours = json.loads(Path(f"{out}_attnzoo.json").read_text())
+    peer = json.loads(Path(f"{out}_vllm.json").read_text())
+    rows = [r for r in ours["results"] if r.get("engine") == "attnzoo"]
+    vllm_row = {"engine": "vllm", "backend": f"{peer['engine']} ({','.join(peer.get('attention_backends', [])) or peer.get('attn_backend_arg')})",
+                **{k: peer.get(k) for k in ("output_tok_per_s", "wall_s", "ttft_mean_s", "tpot_mean_ms", "max_num_seqs",
+                                            "num_gpu_blocks", "block_size", "cached_prompt_tokens")}}
+    if peer.get("num_gpu_blocks") and peer.get("block_size"):
+        vllm_row["kv_cache_tokens"] = peer["num_gpu_blocks"] * peer["block_size"]
+    for r in rows:
+        r["vs_vllm"] = r["output_tok_per_s"] / peer["output_tok_per_s"]
+    if args.reuse_vllm:
+        vllm_row["reused_from"] = args.reuse_vllm
+    result = {"meta": {**ours["meta"], "peer": {k: v for k, v in peer.items() if k not in vllm_row}},
+              "attnzoo": rows, "vllm": vllm_row}
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+
+    print(f"\n{args.shape} on {ours['meta']['device']}, {rows[0]['prompts']} prompts x {rows[0]['output_tokens'] // rows[0]['prompts']} tokens")
+    print(f"{'engine':60s} {'tok/s':>8s} {'vs vLLM':>8s} {'TTFT s':>7s} {'TPOT ms':>8s} {'KV tokens':>10s} {'roofline':>8s}")
+    nan = float("nan")
+    for r in [*rows, vllm_row]:
+        print(f"{r['backend'][:60]:60s} {r['output_tok_per_s']:8.0f} {r.get('vs_vllm', 1.0):8.2f} "
+              f"{r.get('ttft_mean_s') or nan:7.2f} {r.get('tpot_mean_ms') or nan:8.1f} "
+              f"{r.get('kv_cache_tokens') or 0:10d} {r.get('roofline_fraction', nan):8.2f}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        everything = [*rows, vllm_row]
+        fig, ax = plt.subplots(figsize=(8, 1.2 + 0.5 * len(everything)))
+        ax.barh([r["backend"][:45] for r in everything], [r["output_tok_per_s"] for r in everything],
+                color=["tab:blue"] * len(rows) + ["tab:gray"])
+        for i, r in enumerate(everything):
+            ax.text(r["output_tok_per_s"], i, f" {r['output_tok_per_s']:,.0f} ({r.get('vs_vllm', 1.0):.2f}x)", va="center")
+        ax.set_xlabel("output tokens/s")
+        ax.set_title(f"GSM8K workload, {args.shape} shape, {ours['meta']['device']}")
+        ax.margins(x=0.25)
+        fig.tight_layout()
+        fig.savefig(out.with_suffix(".png"), dpi=120)
+    except ImportError:
+        print("matplotlib not installed: no PNG chart")
+
+
+if __name__ == "__main__":
+    main()

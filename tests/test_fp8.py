@@ -1,0 +1,289 @@
+"""FP8 block-quantized checkpoints (DeepSeek-V3's official layout) on CPU: loading equals the dequantized
+model, the activation quantization and block GEMM kernels (Triton interpreter) equal the torch reference,
+and quantization configs we cannot run are clear errors."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+import attnzoo
+from attnzoo.errors import ModelLoadError, WeightError
+from attnzoo.layers.fp8 import (
+    FP8, Fp8Format, Fp8Linear, act_quant, act_quant_reference, dequantize, quantize_weight, w8a8_block_matmul,
+    w8a8_block_matmul_reference,
+)
+from helpers import random_prompts
+
+VOCAB = 160
+QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+# Dims that are not multiples of 128, so blocks at the edges are partial: hidden 200 (K of q_a / kv_a / MLPs,
+# N of o_proj and down_proj), intermediate 300, q_lora 136.
+TINY_V3 = dict(vocab_size=VOCAB, hidden_size=200, intermediate_size=300, moe_intermediate_size=72, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+               n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=136, kv_lora_rank=64, qk_nope_head_dim=32,
+               qk_rope_head_dim=16, v_head_dim=32, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+               max_position_embeddings=256)
+# What DeepSeek stores in FP8: every linear layer but the router and lm_head.
+FP8_LEAVES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _write(path, tensors, config, quant=None):
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {**config.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
+    if quant is not None:
+        cfg["quantization_config"] = quant
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, path / "model.safetensors")
+    return path
+
+
+@pytest.fixture(scope="module")
+def v3_fp8(tmp_path_factory):
+    """(FP8 checkpoint dir, the same weights dequantized to float32) of a tiny DeepSeek-V3."""
+    torch.manual_seed(0)
+    hf = DeepseekV3ForCausalLM(DeepseekV3Config(**TINY_V3)).eval()
+    g = torch.Generator().manual_seed(1)
+    # A residual stream led by the embeddings (as trained models' is, unlike a 0.02-std init) keeps the
+    # logits well conditioned, so FP8's ~3% per-GEMM error cannot flip greedy choices wholesale.
+    hf.model.embed_tokens.weight.data.normal_(0, 1, generator=g)
+    for layer in hf.model.layers:  # decisive routing, as in test_deepseek
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            gate.weight.data = torch.randn(gate.weight.shape, generator=g) * 0.5
+    root = tmp_path_factory.mktemp("v3fp8")
+    hf.save_pretrained(root / "hf")  # the checkpoint naming (one tensor per expert), which state_dict() is not
+    fp8, ref = {}, {}
+    for name, t in load_file(root / "hf" / "model.safetensors").items():
+        if name.endswith(".weight") and name.split(".")[-2] in FP8_LEAVES:
+            w8, s = quantize_weight(t)
+            fp8[name], fp8[name + "_scale_inv"] = w8, s
+            ref[name] = dequantize(w8, s)
+        else:
+            fp8[name] = ref[name] = t
+    return _write(root / "fp8", fp8, hf.config, QUANT), _write(root / "ref", ref, hf.config)
+
+
+def test_fp8_checkpoint_loads_and_equals_the_dequantized_model(v3_fp8):
+    fp8_dir, ref_dir = v3_fp8
+    ref = attnzoo.load_model(ref_dir, backend="torch", device="cpu")
+    llm = attnzoo.load_model(fp8_dir, backend="torch", device="cpu")
+    assert not any(isinstance(m, Fp8Linear) for m in llm.model.modules())  # CPU: dequantized at load
+    for prompt in random_prompts(VOCAB, [7, 19]):
+        diff = (llm.logits(prompt) - ref.logits(prompt)).abs().max().item()
+        assert diff <= 1e-3, diff
+    info = llm.info()
+    assert info["weights"]["format"] == "fp8 block 128x128, e4m3 (checkpoint)"
+    assert info["weights"]["gemm"] == "dequantized to float32 at load: cpu (the reference path)"
+    assert "weights format: fp8 block 128x128, e4m3" in llm.decision.explain()
+    assert ref.info()["weights"] == {"format": "float32", "gemm": "torch linear (float32)"}
+
+
+def test_fp8_layers_keep_the_checkpoint_format(v3_fp8):
+    """fp8_weights='fp8': the stored layers stay FP8 (float32 emulation of the w8a8 GEMM on CPU), kv_b_proj
+    is dequantized (absorbed MLA reads it as a matrix), and greedy tokens equal the dequantized model's."""
+    fp8_dir, ref_dir = v3_fp8
+    llm = attnzoo.load_model(fp8_dir, backend="torch", device="cpu", fp8_weights="fp8")
+    ref = attnzoo.load_model(ref_dir, backend="torch", device="cpu")
+    layer = llm.model.model.layers[1]
+    attn = layer.self_attn
+    for lin in (attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.o_proj, layer.mlp.shared_experts.down_proj,
+                llm.model.model.layers[0].mlp.gate_proj):
+        assert isinstance(lin, Fp8Linear) and lin.weight.dtype == FP8 and lin.weight_scale_inv.dtype == torch.float32
+    experts = layer.mlp.experts  # the stacked (fused) MoE holds the checkpoint's FP8 experts as stored
+    assert experts.quant == "fp8" and experts.w13.dtype == FP8 and experts.w2_scale_inv.shape == (4, 2, 1)
+    want = load_file(fp8_dir / "model.safetensors")
+    assert torch.equal(experts.w13[2, :72].view(torch.uint8),
+                       want["model.layers.1.mlp.experts.2.gate_proj.weight"].view(torch.uint8))
+    assert attn.q_a_proj.weight_scale_inv.shape == (2, 2) and attn.o_proj.weight_scale_inv.shape == (2, 1)
+    assert type(attn.kv_b_proj) is torch.nn.Linear
+    assert torch.equal(attn.kv_b_proj.weight, ref.model.model.layers[1].self_attn.kv_b_proj.weight)
+    assert type(llm.model.lm_head) is torch.nn.Linear
+    w = llm.info()["weights"]
+    # 4 + 4 attention, 3 dense MLP, 3 shared expert; one stacked MoE
+    assert w["gemm"] == "torch emulation (float32, cpu): 14 layers; MoE reference (float32, cpu): 1 layers"
+    assert w["dequantized_at_load"] == "2 layers (kv_b_proj) to float32: the model reads the weight of kv_b_proj as a matrix"
+    prompts = random_prompts(VOCAB, [5, 12], seed=3)
+    got = llm.generate(prompts, max_new_tokens=8, ignore_eos=True)
+    want = ref.generate(prompts, max_new_tokens=8, ignore_eos=True)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    # Activation quantization is the only difference: small, but not zero.
+    a, b = llm.logits(prompts[0]), ref.logits(prompts[0])
+    assert 0 < (a - b).abs().max().item() <= 0.05 * b.abs().max().item()
+
+
+def test_random_weight_fp8_model_and_dtype_moves():
+    cfg = DeepseekV3Config(**TINY_V3, quantization_config=QUANT, architectures=["DeepseekV3ForCausalLM"])
+    llm = attnzoo.load_model(cfg, load_format="random", backend="torch", device="cpu", fp8_weights="fp8")
+    lin = llm.model.model.layers[0].self_attn.q_a_proj
+    assert isinstance(lin, Fp8Linear) and lin.weight.float().abs().max() == 448
+    assert llm.info()["weights"]["format"] == "fp8 block 128x128, e4m3 (random weights)"
+    lin.to(torch.bfloat16)  # model.to(dtype) must not turn codes or factors into bf16 numbers
+    assert lin.weight.dtype == FP8 and lin.weight_scale_inv.dtype == torch.float32
+    assert len(llm.generate([[5, 6, 7]], max_new_tokens=3, ignore_eos=True)[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("m,k", [(3, 300), (17, 128), (1, 72)])
+def test_act_quant_kernel_equals_reference(m, k):
+    x = torch.randn(m, k) * torch.rand(m, 1) * 10
+    x[0, :5] = 0
+    for ue8m0 in (False, True):
+        want, ws = act_quant_reference(x, ue8m0=ue8m0)
+        got, gs = act_quant(x, ue8m0=ue8m0)
+        assert torch.equal(gs, ws) and gs.shape == (m, -(-k // 128))
+        if ue8m0:
+            assert torch.equal(gs, torch.exp2(torch.log2(gs).round()))
+        # The interpreter drops the carry when rounding up crosses a power of two (124.3 -> 64, not 128);
+        # GPUs convert exactly (tests/test_fp8_gpu.py checks equality there).
+        g, w = got.float(), want.float()
+        assert torch.all((g == w) | (2 * g == w))
+        assert (g == w).float().mean() > 0.9
+    assert (want.float() * ws.repeat_interleave(128, 1)[:, :k] - x).abs().max() <= 0.07 * x.abs().max()
+
+
+@pytest.mark.parametrize("m,n,k,split_k", [(5, 200, 300, 1), (33, 136, 256, 3), (1, 64, 72, None)])
+def test_block_gemm_kernel_equals_reference(m, n, k, split_k):
+    x = torch.randn(m, k)
+    w = torch.randn(n, k) * 0.1
+    w8, ws = quantize_weight(w)
+    x8, xs = act_quant_reference(x)
+    want = w8a8_block_matmul_reference(x8, xs, w8, ws)
+    got = w8a8_block_matmul(x8, xs, w8, ws, out_dtype=torch.float32, split_k=split_k)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    # ... and the quantized product is the float product within FP8's resolution.
+    assert (want - x @ w.t()).abs().max() <= 0.08 * (x @ w.t()).abs().max()
+
+
+def test_quantize_dequantize_partial_blocks():
+    w = torch.randn(130, 260)
+    w8, s = quantize_weight(w)
+    assert w8.dtype == FP8 and s.shape == (2, 3)
+    assert (dequantize(w8, s) - w).abs().max() <= w.abs().max() / 16
+    with pytest.raises(WeightError, match=r"scale_inv has shape \(2, 2\)"):
+        dequantize(w8, s[:, :2])
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"quant_method": "gptq"}, "quant_method"), ({"fmt": "e5m2"}, "fmt"), ({"weight_block_size": [64, 64]}, "weight_block_size"),
+    ({"weight_block_size": None}, "weight_block_size"), ({"activation_scheme": "static"}, "activation_scheme"),
+    ({"scale_fmt": "e8m0x"}, "scale_fmt"),
+])
+def test_unsupported_quantization_configs_are_clear_errors(change, field):
+    cfg = DeepseekV3Config(**TINY_V3, quantization_config={**QUANT, **change})
+    with pytest.raises(WeightError, match=f"quantization_config.{field}") as e:
+        Fp8Format.from_config(cfg)
+    assert "weight_block_size" in e.value.fix
+
+
+def test_bad_fp8_checkpoints_are_clear_errors(tmp_path, v3_fp8):
+    fp8_dir, ref_dir = v3_fp8
+    cfg = json.loads((fp8_dir / "config.json").read_text())
+    tensors = load_file(fp8_dir / "model.safetensors")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**cfg, "quantization_config": {**QUANT, "weight_block_size": [128, 64]}}))
+    save_file(tensors, bad / "model.safetensors")
+    with pytest.raises(WeightError, match="weight_block_size"):
+        attnzoo.load_model(bad, backend="torch", device="cpu")
+    # Scales without a quantization_config.
+    (bad / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "quantization_config"}))
+    with pytest.raises(WeightError, match="no quantization_config"):
+        attnzoo.load_model(bad, backend="torch", device="cpu")
+    # An FP8 weight without its factors.
+    (bad / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v for k, v in tensors.items() if k != "model.layers.0.self_attn.o_proj.weight_scale_inv"},
+              bad / "model.safetensors")
+    with pytest.raises(WeightError, match="o_proj.weight has no weight_scale_inv"):
+        attnzoo.load_model(bad, backend="torch", device="cpu")
+    with pytest.raises(ModelLoadError, match="not FP8 block-quantized"):
+        attnzoo.load_model(ref_dir, backend="torch", device="cpu", fp8_weights="fp8")
+    with pytest.raises(ModelLoadError, match="fp8_weights"):
+        attnzoo.load_model(ref_dir, backend="torch", device="cpu", fp8_weights="int8")
+
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# DeepSeek-V3 linear shapes (N, K): q_a, q_b, kv_a, o, a routed expert's down; and one with partial blocks.
+V3_SHAPES = [(1536, 7168), (24576, 1536), (576, 7168), (7168, 16384), (7168, 2048), (200, 300)]
+
+
+def _needs_fp8_gpu():
+    from attnzoo.layers.fp8 import fp8_gemm_supported
+
+    if not fp8_gemm_supported(torch.device("cuda")):
+        pytest.skip("this GPU has no FP8 tensor cores (SM89+)")
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("m,k", [(1, 7168), (512, 1536), (37, 300)])
+def test_act_quant_on_gpu_equals_reference_exactly(m, k, ue8m0):
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+    want, ws = act_quant_reference(x, ue8m0=ue8m0)
+    for column_major in (False, True):
+        got, gs = act_quant(x, ue8m0=ue8m0, column_major_scales=column_major)
+        assert torch.equal(gs, ws) and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n,k", V3_SHAPES)
+def test_fp8_linear_equals_dequantized_bf16_linear(n, k):
+    """Every GEMM path this GPU has (Triton always; torch._scaled_mm blockwise on SM90 where N, K are
+    multiples of 128) equals the float32 reference of the same quantized operands, and the bf16 linear of
+    the dequantized weight within FP8 activation rounding."""
+    _needs_fp8_gpu()
+    from attnzoo.layers import fp8
+
+    dev = torch.device("cuda")
+    w8, ws = quantize_weight(torch.randn(n, k, device=dev) * 0.02)
+    lin = Fp8Linear(k, n, device=dev)
+    lin.weight.data.copy_(w8)
+    lin.weight_scale_inv.data.copy_(ws)
+    chosen = lin.prepare(torch.bfloat16)
+    paths = {fp8.GEMM_TRITON, chosen}
+    w_bf16 = dequantize(w8, ws, dtype=torch.bfloat16)
+    for m in (1, 64, 512):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        x8, xs = act_quant_reference(x)
+        ref = w8a8_block_matmul_reference(x8, xs, w8, ws)
+        for path in paths:
+            lin.prepare(torch.bfloat16)
+            lin.gemm = path
+            y = lin(x)
+            assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+            assert _rel(y, ref) <= 1e-2, (path, m)
+            assert _rel(y, torch.nn.functional.linear(x, w_bf16)) <= 0.05, (path, m)
+    for split_k in (1, 4):  # the split-K reduction the decode batches use
+        y = w8a8_block_matmul(x8, xs, w8, ws, out_dtype=torch.float32, split_k=split_k)
+        assert _rel(y, ref) <= 1e-5
+
+
+@pytest.mark.gpu
+@gpu
+def test_tiny_fp8_v3_greedy_equals_dequantized_bf16(v3_fp8):
+    """FP8 GEMMs in the whole model (CUDA graphs on for decode) give the greedy tokens of the same
+    checkpoint dequantized to bf16 at load."""
+    _needs_fp8_gpu()
+    fp8_dir, _ = v3_fp8
+    llm = attnzoo.load_model(fp8_dir, backend="triton", device="cuda", kv_cache_tokens=4096)
+    ref = attnzoo.load_model(fp8_dir, backend="triton", device="cuda", kv_cache_tokens=4096, fp8_weights="dequantize")
+    w = llm.info()["weights"]
+    assert "triton w8a8 block fp8" in w["gemm"] and "dequantized_at_load" in w
+    assert ref.info()["weights"]["gemm"] == "dequantized to bfloat16 at load: fp8_weights='dequantize'"
+    assert sum(isinstance(m, Fp8Linear) for m in llm.model.modules()) == 14
+    assert "fused MoE, triton w8a8 block fp8: 1 layers" in w["gemm"] and llm.model.model.layers[1].mlp.experts.quant == "fp8"
+    assert not any(p.dtype == torch.bfloat16 and p.dim() == 2 and n.endswith("o_proj.weight")
+                   for n, p in llm.model.named_parameters())
+    prompts = random_prompts(VOCAB, [5, 12, 30, 64], seed=3)
+    got = llm.generate(prompts, max_new_tokens=16, ignore_eos=True)
+    want = ref.generate(prompts, max_new_tokens=16, ignore_eos=True)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]

@@ -1,0 +1,197 @@
+"""Fused ops (attnzoo.layers.fused) against their torch references, and whole tiny models run fused vs
+unfused. Without a GPU the Triton kernels run in Triton's interpreter (tests/conftest.py) on tiny shapes;
+with one, on the GPU, plus realistic shapes (marked gpu)."""
+import pytest
+import torch
+
+import attnzoo
+from attnzoo.errors import BackendError
+from attnzoo.layers import fused
+from attnzoo.models.common import RMSNorm
+from helpers import random_prompts, save_checkpoint
+from test_deepseek import tiny_v2
+from test_gemma4 import dense_31b_like, e2b_like
+from test_llama import tiny_llama
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def tol(dtype):
+    # bfloat16: Triton's interpreter truncates float32 -> bfloat16 (no round-to-nearest), one unit in the
+    # last place per rounding point; on a GPU the kernels round as torch does.
+    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+
+def make_norm(n, dtype, *, offset=0.0, scale=True, eps=1e-6, seed=0):
+    norm = RMSNorm(n, eps, offset=offset, with_scale=scale).to(DEV, dtype)
+    if scale:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(n, generator=g) + 0.5 - offset)
+    return norm
+
+
+def randn(*shape, dtype, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(DEV, dtype)
+
+
+def check(fn, dtype):
+    """fn() under the Triton kernels equals fn() under the torch reference."""
+    with fused.use("torch"):
+        ref = fn()
+    with fused.use("triton"):
+        got = fn()
+    for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        torch.testing.assert_close(g, r, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(dtype):
+    x = randn(5, 40, dtype=dtype, scale=3.0)
+    check(lambda: fused.rms_norm(x, make_norm(40, dtype, offset=1.0)), dtype)  # Gemma-style stored weight - 1
+    # Per-head norms on [T, H, D] views of a wider projection output (strided heads), with and without scale.
+    heads = randn(5, 3 * 48, dtype=dtype, seed=1)[:, 16:].unflatten(1, (4, 32))
+    check(lambda: fused.rms_norm(heads, make_norm(32, dtype)), dtype)
+    check(lambda: fused.rms_norm(heads, make_norm(32, dtype, scale=False)), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("post_norm", [False, True], ids=["add-norm", "postnorm-add-norm"])
+def test_add_rms_norm(dtype, post_norm):
+    x, residual = randn(6, 72, dtype=dtype), randn(6, 72, dtype=dtype, scale=4.0, seed=1)
+    norm = make_norm(72, dtype, eps=1e-5)
+    x_norm = make_norm(72, dtype, seed=2) if post_norm else None
+    check(lambda: fused.add_rms_norm(x, residual, norm, x_norm=x_norm), dtype)
+    check(lambda: fused.add_rms_norm(x, None, norm, x_norm=x_norm), dtype)  # first layer: no residual yet
+    with fused.use("triton"):
+        _, s = fused.add_rms_norm(x, residual, norm)
+    assert torch.equal(s, residual + x) or dtype == torch.bfloat16 and not GPU  # the add rounds once, as torch's
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_act_and_mul(dtype, act):
+    x = randn(7, 2 * 24, dtype=dtype, scale=4.0)
+    check(lambda: fused.act_and_mul(x, act), dtype)
+    check(lambda: fused.act_and_mul(x[:0], act), dtype)  # an empty step
+
+
+def rope_inputs(dtype, *, t=5, qh=4, kh=2, d=40, rot=None, seed=0):
+    """q and k as views of one qkv projection output (strided rows), cos/sin [t, rot] float32."""
+    qkv = randn(t, (qh + 2 * kh) * d, dtype=dtype, seed=seed)
+    q, k, _ = qkv.split([qh * d, kh * d, kh * d], dim=-1)
+    ang = randn(t, (rot or d) // 2, dtype=torch.float32, scale=3.0, seed=seed + 1)
+    emb = torch.cat([ang, ang], dim=-1)
+    return q.unflatten(1, (qh, d)), k.unflatten(1, (kh, d)), emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate-half", "interleaved"])
+def test_rope(dtype, interleaved):
+    q, k, cos, sin = rope_inputs(dtype)  # head dim 40: 20 frequencies, a padded tile
+    check(lambda: fused.rope(q, k, cos, sin, interleaved=interleaved), dtype)
+    q, k, cos, sin = rope_inputs(dtype, qh=32, kh=8, d=64, seed=3)  # heads spread over several programs
+    check(lambda: fused.rope(q, k, cos, sin, interleaved=interleaved), dtype)
+    # Partial RoPE (DeepSeek-V3.2's indexer): channels past the rotary dim pass through; no k.
+    q, _, cos, sin = rope_inputs(dtype, d=48, rot=16, seed=5)
+    check(lambda: fused.rope(q, None, cos, sin, interleaved=interleaved)[0], dtype)
+
+
+def test_rope_reference_is_rotate_half():
+    """The reference against the textbook rotate-half form x * cos + rotate_half(x) * sin."""
+    q, _, cos, sin = rope_inputs(torch.float32)
+    half = q.shape[-1] // 2
+    textbook = q * cos[:, None] + torch.cat([-q[..., half:], q[..., :half]], dim=-1) * sin[:, None]
+    torch.testing.assert_close(fused.rope_ref(q, cos, sin), textbook, rtol=1e-6, atol=1e-6)
+
+
+def test_use_rejects_unknown_implementation():
+    with pytest.raises(BackendError, match="unknown fused-op implementation"):
+        with fused.use("cuda"):
+            pass
+
+
+# Whole models: every fused op in its place (merged qkv / gate_up projections, residual stream through
+# add_and_norm, Gemma's post-norms and per-head norms, interleaved MLA RoPE, partial RoPE).
+MODELS = {
+    "llama": lambda: tiny_llama(heads=4, kv_heads=2, head_dim=32),
+    "gemma4-dense-k_eq_v": dense_31b_like,
+    "gemma4-ple-shared-kv": e2b_like,
+    "deepseek-v2": lambda: tiny_v2(num_hidden_layers=2),
+}
+
+
+def generate(path, impl, dtype, steps, backend="torch"):
+    with fused.use(impl):  # around loading too: CUDA graphs are captured with the ops of their time
+        llm = attnzoo.load_model(path, backend=backend, device=DEV, dtype=dtype, page_size=16)
+        out = llm.generate(random_prompts(160, [9], seed=3), max_new_tokens=steps, ignore_eos=True, return_logits=True)
+    return out[0]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_model_fused_equals_reference(tmp_path, name):
+    path = save_checkpoint(MODELS[name](), tmp_path)
+    ref = generate(path, "torch", "float32", steps=6)
+    got = generate(path, "triton", "float32", steps=6)
+    assert got.token_ids == ref.token_ids
+    assert (got.logits - ref.logits).abs().max().item() < 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: realistic shapes, bf16 models
+
+def assert_bf16_matches(got, ref, min_equal=0.999):
+    """Same rounding points as the reference: nearly all bits equal, the rest a bf16 unit or so apart
+    (float32 reduction order and exp differ; a unit of a summand can be large next to a small sum)."""
+    torch.testing.assert_close(got, ref, rtol=2**-7, atol=2**-6 * ref.float().std().item())
+    assert (got == ref).float().mean().item() >= min_equal
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", ["llama-8b", "gemma4-31b"])
+@pytest.mark.parametrize("tokens", [1, 1024])
+def test_gpu_realistic_shapes(shape, tokens):
+    hidden, inter, heads, kv_heads, d = {"llama-8b": (4096, 14336, 32, 8, 128),
+                                         "gemma4-31b": (5376, 21504, 32, 4, 512)}[shape]
+    dt = torch.bfloat16
+    x, residual = randn(tokens, hidden, dtype=dt), randn(tokens, hidden, dtype=dt, scale=8.0, seed=1)
+    norm, post = make_norm(hidden, dt), make_norm(hidden, dt, seed=2)
+    gate_up = randn(tokens, 2 * inter, dtype=dt, scale=3.0, seed=3)
+    q, k, cos, sin = rope_inputs(dt, t=tokens, qh=heads, kh=kv_heads, d=d, seed=4)
+    cases = {
+        "rms_norm": lambda: fused.rms_norm(x, norm),
+        "per_head_norm": lambda: fused.rms_norm(q, make_norm(d, dt)),
+        "add_rms_norm": lambda: fused.add_rms_norm(x, residual, norm),
+        "postnorm_add_rms_norm": lambda: fused.add_rms_norm(x, residual, norm, x_norm=post),
+        "silu_mul": lambda: fused.act_and_mul(gate_up, "silu"),
+        "gelu_tanh_mul": lambda: fused.act_and_mul(gate_up, "gelu_tanh"),
+        "rope_qk": lambda: fused.rope(q, k, cos, sin),
+    }
+    for name, fn in cases.items():
+        with fused.use("torch"):
+            ref = fn()
+        got = fn()
+        for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
+            assert g.is_cuda and g.shape == r.shape, name
+            assert_bf16_matches(g, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", MODELS)
+def test_gpu_greedy_fused_equals_unfused(tmp_path, name):
+    """bf16 on the GPU, triton attention with CUDA graphs: fused and unfused give the same tokens."""
+    hf = MODELS[name]()
+    with torch.no_grad():  # Gemma: unit-scale attention scores, as in test_gpu_backends.tiny_gemma4
+        for n, p in hf.named_parameters():
+            if n.endswith("q_norm.weight"):
+                p.mul_(p.shape[0] ** -0.5)
+    path = save_checkpoint(hf, tmp_path)
+    ref = generate(path, "torch", "bfloat16", steps=16, backend="triton")
+    got = generate(path, "triton", "bfloat16", steps=16, backend="triton")
+    assert got.token_ids == ref.token_ids
