@@ -23,8 +23,8 @@ from attnzoo.attention.kv_cache import KVPool, PageAllocator
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.metadata import BatchMetadata, build_metadata
 from attnzoo.engine.prefix_cache import PrefixCache
-from attnzoo.engine.sampling import SamplingParams, sample
-from attnzoo.errors import BackendError, KVCacheFullError, RequestError
+from attnzoo.engine.sampling import SamplingParams, process_logits, sample
+from attnzoo.errors import BackendError, KVCacheFullError, NumericsError, RequestError
 
 
 @dataclass
@@ -159,13 +159,23 @@ class Engine:
                 if not batch.reqs:
                     raise RuntimeError("engine bug: a step with no work")
                 logits = self._step(batch)
-                tokens = logits.argmax(dim=-1)
+                scores = process_logits(logits, batch.sampling_reqs, self.eos)
+                tokens = scores.argmax(dim=-1)
                 rows = [i for i, r in enumerate(batch.sampling_reqs) if not r.params.greedy]
                 if rows:
                     reqs = [batch.sampling_reqs[i] for i in rows]
                     at = torch.tensor(rows, device=tokens.device)
-                    tokens[at] = sample(logits[at], [r.params for r in reqs], [r.generator for r in reqs])
+                    tokens[at] = sample(scores[at], [r.params for r in reqs], [r.generator for r in reqs])
+                # A row with NaN/inf logits comes back as -1 through the step's one sync (no extra one).
+                tokens = torch.where(torch.isfinite(logits).all(dim=-1), tokens, -1)
                 for i, (req, token) in enumerate(zip(batch.sampling_reqs, tokens.tolist())):  # one sync a step
+                    if token < 0:
+                        raise NumericsError(
+                            f"the model produced non-finite logits (NaN or inf) for prompt {req.index} at output token "
+                            f"{len(req.out)}; generation stopped",
+                            fix="check the checkpoint for NaN/inf weights; in float16 try dtype='bfloat16' or 'float32' "
+                            "(overflow); compare with backend='torch'",
+                        )
                     self._append(req, token, logits[i] if return_logits else None)
                 if self.step_log is not None:
                     self.step_log.append(batch.summary())
