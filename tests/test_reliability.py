@@ -148,7 +148,10 @@ def test_main_prints_the_summary_before_writing(tmp_path, monkeypatch, capsys):
 # ------------------------------------------------------------------------------ 2. threads
 
 
-def test_generate_from_several_threads_equals_one_at_a_time(llm):
+def test_generate_from_several_threads_equals_one_at_a_time(tiny_dir):
+    # A small KV cache and shared prefixes: unguarded concurrent calls over-commit the cache
+    # (KVCacheFullError) or wait on prefix pages another call owns ("a step with no work").
+    llm = attnzoo.load_model(tiny_dir, backend="torch", dtype="float32", page_size=4, kv_cache_tokens=96)
     prefix = random_prompts(160, [13], seed=20)[0]
     jobs = [[prefix + t for t in random_prompts(160, [2, 5, 3], seed=21 + k)] for k in range(4)]
     want = [[c.token_ids for c in llm.generate([p], max_new_tokens=6, ignore_eos=True)] for job in jobs for p in job]
@@ -409,6 +412,33 @@ def test_nan_weights_stop_with_a_clear_error(tiny_dir):
         w.copy_(saved)
     llm.engine.prefix_cache.evict(llm.engine.prefix_cache.evictable())  # its pages hold NaN k/v now
     assert [c.token_ids for c in llm.generate(prompts, max_new_tokens=4, ignore_eos=True)] == [c.token_ids for c in ref]
+
+
+@pytest.mark.parametrize("bad, temperature", [(float("nan"), 0.0), (float("inf"), 1.0), (float("nan"), 1.0)])
+def test_one_non_finite_logit_in_a_row_is_caught(llm, monkeypatch, bad, temperature):
+    real = llm.model.compute_logits
+
+    def poisoned(hidden):
+        out = real(hidden)
+        if out.shape[0] == 2:  # both requests sample here: poison one logit of the second row
+            out[1, 17] = bad
+        return out
+
+    monkeypatch.setattr(llm.model, "compute_logits", poisoned)
+    with pytest.raises(NumericsError, match="for prompt 1 at output token 0"):
+        llm.generate(random_prompts(160, [6, 9], seed=32), max_new_tokens=4, ignore_eos=True, temperature=temperature)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nan_logits_caught_on_gpu(tiny_dir):
+    """argmax on CUDA lets NaN win as on CPU, so the O(rows) check sees it (eager and CUDA-graph decode)."""
+    for backend in ("torch", "triton"):
+        llm = attnzoo.load_model(tiny_dir, backend=backend, device="cuda", dtype="bfloat16", page_size=16)
+        with torch.no_grad():
+            llm.model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+        with pytest.raises(NumericsError, match="non-finite logits"):
+            llm.generate(random_prompts(160, [6, 9], seed=31), max_new_tokens=4, ignore_eos=True)
 
 
 # ------------------------------------------------------------------------------ 9. first contact

@@ -151,6 +151,7 @@ class Engine:
         )
         running: list[_Request] = []
         done: list[_Request] = []
+        processed = any(sp.repetition_penalty != 1.0 or sp.min_new_tokens for sp in params)
         self.t0 = time.perf_counter()
         try:
             while waiting or running:
@@ -159,15 +160,19 @@ class Engine:
                 if not batch.reqs:
                     raise RuntimeError("engine bug: a step with no work")
                 logits = self._step(batch)
-                scores = process_logits(logits, batch.sampling_reqs, self.eos)
-                tokens = scores.argmax(dim=-1)
+                tokens = logits.argmax(dim=-1)
+                # NaN and +inf win argmax, so a row's top logit is non-finite iff the row holds one (or is all
+                # -inf): an O(rows) check whose result comes back as token -1 at the step's one sync.
+                finite = torch.isfinite(logits.gather(1, tokens[:, None]))[:, 0]
+                scores = process_logits(logits, batch.sampling_reqs, self.eos) if processed else logits
+                if scores is not logits:
+                    tokens = scores.argmax(dim=-1)
                 rows = [i for i, r in enumerate(batch.sampling_reqs) if not r.params.greedy]
                 if rows:
                     reqs = [batch.sampling_reqs[i] for i in rows]
                     at = torch.tensor(rows, device=tokens.device)
                     tokens[at] = sample(scores[at], [r.params for r in reqs], [r.generator for r in reqs])
-                # A row with NaN/inf logits comes back as -1 through the step's one sync (no extra one).
-                tokens = torch.where(torch.isfinite(logits).all(dim=-1), tokens, -1)
+                tokens = torch.where(finite, tokens, -1)
                 for i, (req, token) in enumerate(zip(batch.sampling_reqs, tokens.tolist())):  # one sync a step
                     if token < 0:
                         raise NumericsError(
