@@ -108,6 +108,9 @@ def _hub_snapshot(repo_id: str) -> Path:
 def _reachable(host: str, timeout: float = 3.0) -> bool:
     import socket
 
+    # Behind a proxy a direct connection may fail while the hub client works: let the client try.
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
     hostname, _, port = host.partition(":")
     try:
         socket.create_connection((hostname, int(port or 443)), timeout=timeout).close()
