@@ -30,6 +30,11 @@ def _load(args):
 
 
 def _generate(args) -> int:
+    from attnzoo.engine.sampling import SamplingParams
+
+    # The sampling flags are checked before the model loads (which takes seconds to minutes).
+    SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed,
+                   tuple(args.stop or ())).validate()
     llm = _load(args)
     print(f"# {llm.architecture}: prefill={llm.decision.prefill_backend} decode={llm.decision.decode_backend} "
           f"page_size={llm.pool.page_size} device={llm.device}", file=sys.stderr)

@@ -24,8 +24,8 @@ from attnzoo.attention.kv_cache import KVPool, PageAllocator
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.metadata import BatchMetadata, build_metadata
 from attnzoo.engine.prefix_cache import PrefixCache
-from attnzoo.engine.sampling import SamplingParams, sample
-from attnzoo.errors import BackendError, KVCacheFullError, RequestError
+from attnzoo.engine.sampling import SamplingParams, process_logits, sample
+from attnzoo.errors import BackendError, KVCacheFullError, NumericsError, RequestError
 
 # max_running=None: admission is bounded by the KV pages each request reserves, the token budget (a
 # decode step must hold every running request) and this cap, which bounds per-step host work.
@@ -172,6 +172,7 @@ class Engine:
         )
         running: list[_Request] = []
         done: list[_Request] = []
+        processed = any(sp.repetition_penalty != 1.0 or sp.min_new_tokens for sp in params)
         self.t0 = time.perf_counter()
         try:
             while waiting or running:
@@ -181,12 +182,26 @@ class Engine:
                     raise RuntimeError("engine bug: a step with no work")
                 logits = self._step(batch)
                 tokens = logits.argmax(dim=-1)
+                # NaN and +inf win argmax, so a row's top logit is non-finite iff the row holds one (or is all
+                # -inf): an O(rows) check whose result comes back as token -1 at the step's one sync.
+                finite = torch.isfinite(logits.gather(1, tokens[:, None]))[:, 0]
+                scores = process_logits(logits, batch.sampling_reqs, self.eos) if processed else logits
+                if scores is not logits:
+                    tokens = scores.argmax(dim=-1)
                 rows = [i for i, r in enumerate(batch.sampling_reqs) if not r.params.greedy]
                 if rows:
                     reqs = [batch.sampling_reqs[i] for i in rows]
                     at = torch.tensor(rows, device=tokens.device)
-                    tokens[at] = sample(logits[at], [r.params for r in reqs], [r.generator for r in reqs])
+                    tokens[at] = sample(scores[at], [r.params for r in reqs], [r.generator for r in reqs])
+                tokens = torch.where(finite, tokens, -1)
                 for i, (req, token) in enumerate(zip(batch.sampling_reqs, tokens.tolist())):  # one sync a step
+                    if token < 0:
+                        raise NumericsError(
+                            f"the model produced non-finite logits (NaN or inf) for prompt {req.index} at output token "
+                            f"{len(req.out)}; generation stopped",
+                            fix="check the checkpoint for NaN/inf weights; in float16 try dtype='bfloat16' or 'float32' "
+                            "(overflow); compare with backend='torch'",
+                        )
                     self._append(req, token, logits[i] if return_logits else None)
                 if self.step_log is not None:
                     self.step_log.append(batch.summary())

@@ -7,6 +7,7 @@ read, so a mistake costs seconds, not a model load and a half-finished run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -205,8 +206,10 @@ def _free_memory() -> None:
 # ------------------------------------------------------------------------------ entry points
 
 
-def run(args) -> dict:
-    """Validate, evaluate, compare. Returns ``{"format", "run", ["run_b"], ["comparison"]}``."""
+def run(args, write: bool = True) -> dict:
+    """Validate, evaluate, compare. Returns ``{"format", "run", ["run_b"], ["comparison"]}``.
+
+    ``write=False`` leaves writing ``--output`` to the caller (``main`` prints the summary first)."""
     from attnzoo.evals.report import REPORT_FORMAT, compare_runs
     from attnzoo.evals.tasks import check_data_dir, load_tasks
     from attnzoo.models import loader
@@ -220,6 +223,7 @@ def run(args) -> dict:
     other = Backends(compare_backend, None, None, args.compare_page_size) if compare_backend else None
     src = loader.resolve_source(args.model)
     config = loader.load_config(src)
+    _check_context(args, config)
     _resolve_policy(config, src, args.device, args.dtype, args.policy, mine)
     if other is not None:
         _resolve_policy(config, src, args.device, args.dtype, args.policy, other)
@@ -234,7 +238,7 @@ def run(args) -> dict:
     # Reads the documents now, so an unknown task or an unreachable dataset fails before the model loads.
     _, loaded = load_tasks(args.task, data_files)
     if saved is not None:
-        _check_saved_matches(saved, args, loaded)
+        _check_saved_matches(saved, args, loaded, src)
     del loaded
 
     report: dict[str, Any] = {"format": REPORT_FORMAT}
@@ -245,24 +249,73 @@ def run(args) -> dict:
     elif saved is not None:
         report["comparison"] = compare_runs(report["run"], saved, alpha=args.alpha)
         report["comparison"]["b"]["label"] = f"saved report {saved_path}"
-    if out_path is not None:
-        out_path.write_text(json.dumps(report, indent=1, default=str))
+    if out_path is not None and write:
+        write_report(out_path, report)
     return report
 
 
-def _check_saved_matches(saved: dict, args, loaded) -> None:
+def write_report(path: Path, report: dict) -> None:
+    """Write the report atomically: a temporary file in the same folder, renamed over ``path``, so a
+    failed write (full disk, folder removed mid-run) never leaves truncated JSON or destroys a previous
+    report. If it fails, the report is saved in the system temporary folder and the error names it."""
+    text = json.dumps(report, indent=1, default=str)  # anything unserialisable fails before the disk is touched
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # mkstemp makes it 0600
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        kept = "the previous report there is unchanged; " if path.exists() else ""
+        try:
+            fd, rescue = tempfile.mkstemp(prefix="run_eval-report-", suffix=".json")
+            with os.fdopen(fd, "w") as fh:
+                fh.write(text)
+        except OSError:
+            raise EvalError(f"cannot write the report to {path} ({e.strerror or e}); {kept}it could not be saved anywhere",
+                            fix="free disk space or pick another --output, and run again") from None
+        raise EvalError(f"cannot write the report to {path} ({e.strerror or e}); {kept}the report was saved to {rescue}",
+                        fix=f"free space or recreate the folder, then move {rescue} to {path}") from None
+
+
+def _check_context(args, config) -> None:
+    text_config = getattr(config, "text_config", None) or config
+    context = int(getattr(text_config, "max_position_embeddings", 4096))  # load_model's default too
+    if args.max_new_tokens is not None and args.max_new_tokens >= context:
+        raise EvalError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
+                        f"context of {context} tokens", fix=f"pass --max-new-tokens well below {context}")
+
+
+def _check_saved_matches(saved: dict, args, loaded, src) -> None:
+    """A saved report is comparable only when it ran the same model and the same task settings."""
     names = set(loaded["tasks"])
     if set(saved.get("tasks", {})) != names:
         raise EvalError(f"the saved report is for task(s) {', '.join(sorted(saved.get('tasks', {})))}, not {', '.join(sorted(names))}",
                         fix="compare against a report of the same task")
+    theirs = saved.get("model")
+    if theirs != src.name and not (theirs and Path(theirs).expanduser().resolve() == Path(src.name).expanduser().resolve()):
+        raise EvalError(f"the saved report evaluated model {theirs!r}, this run {src.name!r}",
+                        fix="pass the saved report's --model, or compare against a report of this model")
     s = saved.get("settings", {})
-    for key, mine in (("limit", args.limit), ("apply_chat_template", args.apply_chat_template)):
-        if s.get(key) != mine:
-            raise EvalError(f"the saved report was run with {key}={s.get(key)!r}, this run has {mine!r}",
-                            fix=f"run with the same {key} as the saved report")
-    if args.num_fewshot is not None and s.get("num_fewshot") not in (args.num_fewshot, None):
-        raise EvalError(f"the saved report was run {s.get('num_fewshot')}-shot, this run {args.num_fewshot}-shot",
-                        fix="use the same --num-fewshot")
+    configs = {name: task.config for name, task in loaded["tasks"].items()}
+    shots = {name: args.num_fewshot if args.num_fewshot is not None else c.num_fewshot for name, c in configs.items()}
+    # 256: AttnzooLM's max_gen_toks default, used when neither the flag nor the task sets one.
+    max_new = args.max_new_tokens or next(((c.generation_kwargs or {}).get("max_gen_toks") for c in configs.values()), None) or 256
+    mine = {"limit": args.limit, "apply_chat_template": args.apply_chat_template,
+            "num_fewshot": shots if len(shots) > 1 else next(iter(shots.values())), "max_new_tokens": max_new}
+    flags = {"limit": "--limit", "apply_chat_template": "--apply-chat-template", "num_fewshot": "--num-fewshot",
+             "max_new_tokens": "--max-new-tokens"}
+    for key, value in mine.items():
+        if key in s and s[key] != value:
+            raise EvalError(f"the saved report was run with {key}={s[key]!r}, this run has {value!r}; "
+                            "the two runs would not answer the same questions the same way",
+                            fix=f"run with the saved report's {flags[key]} ({s[key]!r}), or compare against a matching report")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,12 +325,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO)
     try:
-        report = run(args)
+        report = run(args, write=False)
     except AttnzooError as e:
         print(f"run_eval: error: {e}", file=sys.stderr)
         return 2
-    print(render(report, per_question_rows=args.per_question))
+    print(render(report, per_question_rows=args.per_question), flush=True)  # before the write, which can fail
     if args.output:
+        try:
+            write_report(Path(args.output).expanduser(), report)
+        except AttnzooError as e:
+            print(f"run_eval: error: {e}", file=sys.stderr)
+            return 2
         print(f"\nreport written to {args.output}")
     return 0
 
