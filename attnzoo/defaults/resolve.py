@@ -21,6 +21,7 @@ from typing import Any
 from attnzoo.defaults.capabilities import (
     CAPABILITIES,
     GPUS,
+    KV_CACHE_DTYPES,
     MAX_PAGE_SIZE,
     PHASES,
     Check,
@@ -49,6 +50,8 @@ class Overrides:
     # The dtype the model will run in ("bfloat16", torch.bfloat16, ...); checked against each backend's
     # dtypes. None: not checked (the config's dtype is only what the checkpoint was saved in).
     dtype: Any = None
+    # What the KV pool stores: "auto" (the model dtype) or "fp8_e4m3"; every chosen backend must read it.
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -111,6 +114,8 @@ class Decision:
     block_table_multiple: int = 1  # block-table column count must be a multiple of this
     kv_layouts: dict[str, str] = field(default_factory=dict)  # phase -> KV layout its backend reads
     policy_files: list[str] = field(default_factory=list)
+    kv_cache_dtype: str = "auto"
+    kv_bytes_per_token: int | None = None  # set by load_model once the model's KV specs are known
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -128,6 +133,8 @@ class Decision:
             "planned": self.planned,
             "block_table_multiple": self.block_table_multiple,
             "kv_layouts": dict(self.kv_layouts),
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
             "profile": self.profile.to_dict(),
             "policy_files": list(self.policy_files),
             "candidates": [c.to_dict() for c in self.candidates],
@@ -152,6 +159,10 @@ class Decision:
                 if text and (what, text) not in shown:
                     shown.add((what, text))
                     out.append(f"  {'':26}{what}: {text}")
+        kv = f"  KV cache: {self.kv_cache_dtype}"
+        if self.kv_bytes_per_token is not None:
+            kv += f", {self.kv_bytes_per_token} bytes per token"
+        out.append(kv)
         for phase in PHASES:
             if phase in self.kernels:
                 out.append(f"  {phase} kernel: {self.kernels[phase]}")
@@ -270,6 +281,14 @@ def resolve(
     planned = next((m.row.planned for _, _, m in matches if m.row.planned), None)
 
     _check_page_size_value(values["page_size"], sources["page_size"])
+    if ov.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise PolicyError(f"unknown kv_cache_dtype {ov.kv_cache_dtype!r}", fix=f"use one of: {', '.join(KV_CACHE_DTYPES)}")
+    if ov.kv_cache_dtype != "auto" and profile.kind != "mha":
+        raise PolicyError(
+            f"kv_cache_dtype={ov.kv_cache_dtype!r} is for MHA/GQA models; {arch} is {profile.kind.upper()}, whose "
+            "caches keep their explicit layouts",
+            fix="use kv_cache_dtype='auto' (MLA/NSA fp8 caches are backend layouts: e.g. backend nsa_triton_fp8)",
+        )
     registered = frozenset(backend_names())
     dtype = _dtype_name(ov.dtype)
     fallback = shipped.families[fam].fallback
@@ -280,7 +299,7 @@ def resolve(
             name, phase, gpu=cls, kind=profile.kind, head_dims=profile.head_dims, v_head_dims=profile.v_head_dims,
             uses_sliding_window=profile.uses_sliding_window, uses_softcap=profile.uses_softcap,
             uses_sinks=profile.uses_sinks, dtype=dtype, registered=registered, num_heads=profile.num_heads,
-            num_kv_heads=profile.num_kv_heads,
+            num_kv_heads=profile.num_kv_heads, kv_cache_dtype=ov.kv_cache_dtype,
         )
         caps = CAPABILITIES.get(name)
         if page_bound and explicit_page is not None and caps is not None and not caps.page_size_ok(explicit_page):
@@ -354,7 +373,7 @@ def resolve(
         prefill_backend=values["prefill_backend"], decode_backend=values["decode_backend"], page_size=page,
         gpu=cls, architecture=arch, sources=sources, candidates=candidates, adjustments=adjustments,
         planned=planned, profile=profile, model_id=model_id, device_gpu=device_gpu, kernels=kernels, notes=notes,
-        block_table_multiple=multiple, kv_layouts=layouts,
+        block_table_multiple=multiple, kv_layouts=layouts, kv_cache_dtype=ov.kv_cache_dtype,
         policy_files=[str(p) for p in (shipped.path, user.path if user else None) if p],
     )
 

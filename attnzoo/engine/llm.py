@@ -9,7 +9,7 @@ import torch
 from transformers import PretrainedConfig
 
 from attnzoo.attention.backends import get_backend_class
-from attnzoo.attention.kv_cache import KVPool
+from attnzoo.attention.kv_cache import KVPool, kv_storage_dtype
 from attnzoo.engine.engine import Completion, Engine
 from attnzoo.engine.sampling import SamplingParams
 from attnzoo.errors import BackendError, ModelLoadError, RequestError
@@ -149,8 +149,8 @@ class LLM:
 
     def info(self) -> dict[str, Any]:
         specs = self.model.kv_cache_specs()
-        elt = torch.empty((), dtype=self.pool.dtype).element_size()
-        kv_bytes_per_token = KVPool.bytes_per_page(specs, 1, self.pool.dtype)
+        elt = torch.empty((), dtype=self.pool.kv_dtype).element_size()
+        kv_bytes_per_token = KVPool.bytes_per_page(specs, 1, self.pool.kv_dtype)
         return {
             "model": self.source.name,
             "architecture": self.architecture,
@@ -158,7 +158,9 @@ class LLM:
             "decode_backend": self.decision.decode_backend,
             "page_size": self.pool.page_size,
             "dtype": str(self.dtype).replace("torch.", ""),
-            "kv_dtype": str(self.pool.dtype).replace("torch.", ""),
+            "kv_dtype": str(self.pool.kv_dtype).replace("torch.", ""),
+            "kv_cache_dtype": self.pool.kv_cache_dtype,
+            "kv_scales": {"k_scale": self.pool.k_scale, "v_scale": self.pool.v_scale},
             "device": str(self.device),
             "kv_cache_pages": self.engine.allocator.capacity,
             "kv_cache_tokens": self.engine.allocator.capacity * self.pool.page_size,
@@ -193,6 +195,9 @@ def load_model(
     cascade: bool | None = None,
     load_format: str = "auto",
     seed: int = 0,
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> LLM:
     """Load a checkpoint (local dir, hub id, .gguf file; None = embedded SmolLM2-135M-Instruct).
 
@@ -200,6 +205,10 @@ def load_model(
     full-size shapes without the weights); the tokenizer is still loaded when the checkpoint has one.
     ``cascade``: read a prefix shared by a whole decode batch once per step (None: wherever the decode
     backend supports it and prefix caching is on; ``info()["cascade"]`` says which).
+    ``kv_cache_dtype``: "auto" (the model dtype) or "fp8_e4m3" (MHA/GQA models: half the bytes of bf16,
+    so twice the KV capacity in the same memory); the pool stores k / k_scale and v / v_scale. The
+    scales are per tensor and default to 1.0, as vLLM's default (calculate_kv_scales=False): no
+    calibration, values beyond +-448 saturate.
     """
     from attnzoo.defaults import Overrides, resolve
 
@@ -223,7 +232,7 @@ def load_model(
     cls = model_class(arch)  # unknown architectures fail here, before any weights are read
     overrides = Overrides(
         backend=backend, prefill_backend=prefill_backend, decode_backend=decode_backend,
-        page_size=page_size, policy_file=policy_file, dtype=dt,
+        page_size=page_size, policy_file=policy_file, dtype=dt, kv_cache_dtype=kv_cache_dtype,
     )
     decision = resolve(config, gpu=None if dev.type == "cuda" else "cpu", overrides=overrides, model_id=src.name if src else None)
     log.info("attention policy for %s: %s", arch, decision.explain().splitlines()[0])
@@ -244,8 +253,11 @@ def load_model(
     context_len = int(getattr(text_config, "max_position_embeddings", 4096))
     specs = model.kv_cache_specs()
     ps = decision.page_size
-    num_pages = _kv_pages(specs, ps, dt, dev, kv_cache_tokens, kv_cache_memory, context_len)
-    pool = KVPool(specs, num_pages=num_pages, page_size=ps, dtype=dt, device=dev)
+    kv_dt = kv_storage_dtype(kv_cache_dtype, dt)
+    decision.kv_bytes_per_token = KVPool.bytes_per_page(specs, 1, kv_dt)
+    num_pages = _kv_pages(specs, ps, kv_dt, dev, kv_cache_tokens, kv_cache_memory, context_len)
+    pool = KVPool(specs, num_pages=num_pages, page_size=ps, dtype=dt, device=dev, kv_cache_dtype=kv_cache_dtype,
+                  k_scale=k_scale, v_scale=v_scale)
     pre = get_backend_class(decision.prefill_backend)(pool)
     dec = pre if decision.decode_backend == decision.prefill_backend else get_backend_class(decision.decode_backend)(pool)
     eos = _eos_ids(config, tokenizer)
