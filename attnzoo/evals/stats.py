@@ -86,6 +86,15 @@ def paired_compare(correct_a: Sequence[bool], correct_b: Sequence[bool]) -> Pair
     )
 
 
+def wilson_halfwidth(p: float, n: int) -> float:
+    """Half the width of the 95% Wilson interval for a proportion p of n (for charts: it stays positive
+    at p = 0, where the Wald interval collapses)."""
+    if n <= 0:
+        return 0.0
+    z2 = _Z95**2
+    return _Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+
+
 def verdict(results: dict[str, PairedResult], alpha: float = 0.05) -> tuple[str, float]:
     """One verdict over several metrics (e.g. strict-match and flexible-extract).
 
