@@ -451,7 +451,10 @@ def test_token_helpers():
     assert tokens.first_difference([1, 2], [1, 2, 3]) == 2
     d = tokens.divergence_summary([None, 3, 10, None, 1])
     assert (d["identical"], d["diverged"], d["min"], d["median"], d["max"]) == (2, 3, 1, 3, 10)
-    assert stats.wilson_halfwidth(0.0, 100) > 0
+    lo, hi = stats.wilson_interval(0.0, 100)
+    assert abs(lo) < 1e-12 and 0 < hi < 0.05
+    lo, hi = stats.wilson_interval(0.5, 100)
+    assert 0.39 < lo < 0.5 < hi < 0.61
 
 
 # ------------------------------------------------------------------------------ the lm-eval model class

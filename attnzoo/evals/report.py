@@ -406,15 +406,18 @@ def write_chart(report: dict, path) -> str | None:
         return "matplotlib is not installed (pip install matplotlib)"
     cmp = report["comparison"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    labels, accs, errs = [], [], []
+    labels, accs, lo_err, hi_err = [], [], [], []
     for m in cmp["metrics"]:
         for side, key in (("A", "accuracy_a"), ("B", "accuracy_b")):
             p, n = m[key], m["n"]
+            lo, hi = stats.wilson_interval(p, n)
             labels.append(f"{side}\n{m['filter']}")
             accs.append(100 * p)
-            errs.append(100 * stats.wilson_halfwidth(p, n))
+            lo_err.append(100 * (p - lo))
+            hi_err.append(100 * (hi - p))
     colors = ["tab:blue" if lab.startswith("A") else "tab:orange" for lab in labels]
-    ax1.bar(range(len(accs)), accs, yerr=errs, capsize=4, color=colors)
+    ax1.bar(range(len(accs)), accs, yerr=[lo_err, hi_err], capsize=4, color=colors)
+    ax1.set_ylim(bottom=0)
     ax1.set_xticks(range(len(accs)), labels, fontsize=8)
     ax1.set_ylabel("accuracy % (95% interval)")
     ax1.set_title(f"A = {cmp['a']['label']}\nB = {cmp['b']['label']}", fontsize=8)
