@@ -9,6 +9,10 @@ table (``<out>.md``, ``<out>.json``).
 
     python benchmarks/gsm8k_backends.py --data-dir ../shared/data/gsm8k --out benchmarks/results/gsm8k_backends_smollm2_h200
     python benchmarks/gsm8k_backends.py ... --limit 100        # a quick look
+    python benchmarks/gsm8k_backends.py ... --backends triton --reuse-reference   # one more row, same A
+
+With --reuse-reference the saved reference run is used as is and the rows are merged into the existing
+summary, so the configurations can be run in several shorter commands.
 """
 from __future__ import annotations
 
@@ -49,6 +53,8 @@ def main() -> int:
     p.add_argument("--reference", default="torch", help="backend of run A (bf16 KV)")
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--num-fewshot", type=int, default=5)
+    p.add_argument("--reuse-reference", action="store_true",
+                   help="use the reference report saved by an earlier run and merge rows into its summary")
     args = p.parse_args()
 
     import torch
@@ -71,10 +77,19 @@ def main() -> int:
         return rep
 
     ref_path = out.parent / f"{out.name}_ref_{args.reference}.json"
-    print(f"reference: {args.reference}, bf16 KV -> {ref_path}", flush=True)
-    ref = run(common + ["--backend", args.reference, "--output", str(ref_path)])
+    summary_path = out.with_suffix(".json")
+    if args.reuse_reference and ref_path.is_file():
+        ref = json.loads(ref_path.read_text())
+        print(f"reference: reusing {ref_path}", flush=True)
+    else:
+        print(f"reference: {args.reference}, bf16 KV -> {ref_path}", flush=True)
+        ref = run(common + ["--backend", args.reference, "--output", str(ref_path)])
     rows = [{"config": f"{args.reference} (reference)", **_acc(ref["run"])}]
     skipped = []
+    if args.reuse_reference and summary_path.is_file():
+        old = json.loads(summary_path.read_text())
+        rows += [r for r in old["rows"] if r["config"] != rows[0]["config"]]
+        skipped += old["skipped"]
     for backend in args.backends.split(","):
         for kv in KV_DTYPES:
             if (backend, kv) == (args.reference, "auto"):
@@ -92,10 +107,11 @@ def main() -> int:
             if backend == "trtllm_mha":
                 argv += ["--page-size", "16"]
             rep = run(argv)
-            rows.append({"config": name, **_acc(rep["run"]), **_cmp(rep["comparison"])})
+            rows = [r for r in rows if r["config"] != name] + [{"config": name, **_acc(rep["run"]), **_cmp(rep["comparison"])}]
+            skipped = [sk for sk in skipped if sk["config"] != name]
     summary = {"gpu": gpu, "reference": args.reference, "limit": args.limit, "rows": rows, "skipped": skipped,
                "versions": ref["run"]["versions"], "device": ref["run"]["device"]}
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    summary_path.write_text(json.dumps(summary, indent=1))
     out.with_suffix(".md").write_text(_table(summary))
     print(_table(summary))
     return 0
