@@ -18,6 +18,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, help="user policy file (TOML, same schema as the shipped table)")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: fp32 on CPU, bf16 on GPU)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                   help="what the KV cache stores (auto: the model dtype; fp8_e4m3: per-tensor scales 1.0)")
 
 
 def _load(args):
@@ -26,6 +28,7 @@ def _load(args):
     return load_model(
         args.model, backend=args.backend, prefill_backend=args.prefill_backend, decode_backend=args.decode_backend,
         page_size=args.page_size, policy_file=args.policy, dtype=args.dtype, device=args.device,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

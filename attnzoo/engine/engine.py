@@ -249,6 +249,48 @@ class Engine:
             self.allocator.free(pages)
         return torch.cat(rows)
 
+    @torch.inference_mode()
+    def teacher_forced(self, prompts: list[list[int]], continuations: list[list[int]]):
+        """Yield (t, request indices, logits [n, vocab] float32 on the device): the logits predicting
+        continuation token t of those requests, fed as generation feeds them: each prompt through the
+        prefill backend (one request per step, in token-budget chunks), then the continuations one token
+        per step for all requests together through the decode backend (its CUDA graphs where they fit).
+        Each request gets its own pages (no prefix sharing), so two engines fed the same inputs run the
+        same schedule step for step."""
+        need = [self._pages_for(len(p) + len(c)) for p, c in zip(prompts, continuations)]
+        if sum(need) > self.allocator.num_free and self.prefix_cache is not None:
+            self.prefix_cache.evict(sum(need) - self.allocator.num_free)
+        if sum(need) > self.allocator.num_free:
+            raise KVCacheFullError(f"teacher forcing {len(prompts)} sequences needs {sum(need)} free KV pages, "
+                                   f"{self.allocator.num_free} free", fix="feed fewer sequences at once")
+        pages = [self.allocator.alloc(n) for n in need]
+        try:
+            last = []
+            for i, prompt in enumerate(prompts):
+                for start in range(0, len(prompt), self.max_batch_tokens):
+                    chunk = prompt[start : start + self.max_batch_tokens]
+                    meta = build_metadata(prefix_lens=[start], q_lens=[len(chunk)], block_tables=[pages[i]],
+                                          page_size=self.pool.page_size, device=self.device)
+                    hidden = self._forward(torch.tensor(chunk, dtype=torch.int64, device=self.device), meta)
+                last.append(self.model.compute_logits(hidden[-1:]).float())
+            live = [i for i, c in enumerate(continuations) if c]
+            if live:
+                yield 0, live, torch.cat([last[i] for i in live])
+            for t in range(1, max((len(c) for c in continuations), default=0)):
+                live = [i for i in live if len(continuations[i]) > t]
+                meta = build_metadata(prefix_lens=[len(prompts[i]) + t - 1 for i in live], q_lens=[1] * len(live),
+                                      block_tables=[pages[i] for i in live], page_size=self.pool.page_size,
+                                      device=self.device)
+                ids = torch.tensor([continuations[i][t - 1] for i in live], dtype=torch.int64, device=self.device)
+                if self.graphs is not None and self.graphs.fits(meta):
+                    logits = self.graphs.replay(ids, meta)
+                else:
+                    logits = self.model.compute_logits(self._forward(ids, meta))
+                yield t, live, logits.float()
+        finally:
+            for p in pages:
+                self.allocator.free(p)
+
     # ---------------------------------------------------------------- scheduling
 
     def _pages_for(self, num_tokens: int) -> int:

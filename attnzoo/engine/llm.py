@@ -13,7 +13,7 @@ import torch
 from transformers import PretrainedConfig
 
 from attnzoo.attention.backends import get_backend_class
-from attnzoo.attention.kv_cache import KVPool
+from attnzoo.attention.kv_cache import KVPool, kv_storage_dtype
 from attnzoo.engine.engine import Completion, Engine
 from attnzoo.engine.sampling import SamplingParams
 from attnzoo.errors import BackendError, ModelLoadError, RequestError
@@ -262,8 +262,8 @@ class LLM:
 
     def info(self) -> dict[str, Any]:
         specs = self.model.kv_cache_specs()
-        elt = torch.empty((), dtype=self.pool.dtype).element_size()
-        kv_bytes_per_token = KVPool.bytes_per_page(specs, 1, self.pool.dtype)
+        elt = torch.empty((), dtype=self.pool.kv_dtype).element_size()
+        kv_bytes_per_token = KVPool.bytes_per_page(specs, 1, self.pool.kv_dtype)
         return {
             "model": self.source.name,
             "architecture": self.architecture,
@@ -271,7 +271,9 @@ class LLM:
             "decode_backend": self.decision.decode_backend,
             "page_size": self.pool.page_size,
             "dtype": str(self.dtype).replace("torch.", ""),
-            "kv_dtype": str(self.pool.dtype).replace("torch.", ""),
+            "kv_dtype": str(self.pool.kv_dtype).replace("torch.", ""),
+            "kv_cache_dtype": self.pool.kv_cache_dtype,
+            "kv_scales": {"k_scale": self.pool.k_scale, "v_scale": self.pool.v_scale},
             "device": str(self.device),
             "kv_cache_pages": self.engine.allocator.capacity,
             "kv_cache_tokens": self.engine.allocator.capacity * self.pool.page_size,
@@ -309,6 +311,9 @@ def load_model(
     load_format: str = "auto",
     fp8_weights: str = "auto",
     seed: int = 0,
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     progress: bool | None = None,
 ) -> LLM:
     """Load a checkpoint (local dir, hub id, .gguf file; None = embedded SmolLM2-135M-Instruct).
@@ -319,6 +324,10 @@ def load_model(
     budget allow, at most 4096; ``info()["max_running"]`` says how many).
     ``cascade``: read a prefix shared by a whole decode batch once per step (None: wherever the decode
     backend supports it and prefix caching is on; ``info()["cascade"]`` says which).
+    ``kv_cache_dtype``: "auto" (the model dtype) or "fp8_e4m3" (MHA/GQA models: half the bytes of bf16,
+    so twice the KV capacity in the same memory); the pool stores k / k_scale and v / v_scale. The
+    scales are per tensor and default to 1.0, as vLLM's default (calculate_kv_scales=False): no
+    calibration, values beyond +-448 saturate.
     ``fp8_weights`` (FP8 block-quantized checkpoints): "auto" keeps the stored FP8 layers and runs FP8
     GEMMs on GPUs with FP8 tensor cores, and dequantizes to ``dtype`` at load elsewhere (CPU: the reference
     path); "fp8" insists on FP8 layers (on CPU they run a float32 emulation); "dequantize" always
@@ -355,7 +364,7 @@ def load_model(
     cls = model_class(arch)  # unknown architectures fail here, before any weights are read
     overrides = Overrides(
         backend=backend, prefill_backend=prefill_backend, decode_backend=decode_backend,
-        page_size=page_size, policy_file=policy_file, dtype=dt,
+        page_size=page_size, policy_file=policy_file, dtype=dt, kv_cache_dtype=kv_cache_dtype,
     )
     decision = resolve(config, gpu=None if dev.type == "cuda" else "cpu", overrides=overrides, model_id=src.name if src else None)
     log.info("attention policy for %s: %s", arch, decision.explain().splitlines()[0])
@@ -386,10 +395,13 @@ def load_model(
     context_len = int(getattr(text_config, "max_position_embeddings", 4096))
     specs = model.kv_cache_specs()
     ps = decision.page_size
-    num_pages = _kv_pages(specs, ps, dt, dev, kv_cache_tokens, kv_cache_memory, context_len)
+    kv_dt = kv_storage_dtype(kv_cache_dtype, dt)
+    decision.kv_bytes_per_token = KVPool.bytes_per_page(specs, 1, kv_dt)
+    num_pages = _kv_pages(specs, ps, kv_dt, dev, kv_cache_tokens, kv_cache_memory, context_len)
+    pool = KVPool(specs, num_pages=num_pages, page_size=ps, dtype=dt, device=dev, kv_cache_dtype=kv_cache_dtype,
+                  k_scale=k_scale, v_scale=v_scale)
     say(f"allocating the KV cache: {num_pages} pages of {ps} tokens "
-        f"({num_pages * KVPool.bytes_per_page(specs, ps, dt) / 2**30:.2f} GiB) ...")
-    pool = KVPool(specs, num_pages=num_pages, page_size=ps, dtype=dt, device=dev)
+        f"({num_pages * KVPool.bytes_per_page(specs, ps, kv_dt) / 2**30:.2f} GiB, {kv_cache_dtype}) ...")
     pre = get_backend_class(decision.prefill_backend)(pool)
     dec = pre if decision.decode_backend == decision.prefill_backend else get_backend_class(decision.decode_backend)(pool)
     eos = _eos_ids(config, tokenizer)
