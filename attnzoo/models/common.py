@@ -156,7 +156,7 @@ class CausalLM(nn.Module):
             if isinstance(mod, (MergedLinear, Fp8MergedLinear)):
                 parent = mod_name.rpartition(".")[0]
                 for pname, _ in mod.named_parameters(recurse=False):
-                    # FP8 block factors: one row per 128 of the weight's (fp8.Fp8MergedLinear).
+                    # FP8 block factors have one row per block of weight rows (layers/fp8.py, Fp8MergedLinear).
                     part_rows = mod.scale_rows() if pname == "weight_scale_inv" else mod.part_rows()
                     for part, rows in part_rows.items():
                         out[f"{parent}.{part}.{pname}".lstrip(".")] = (f"{mod_name}.{pname}", rows)
