@@ -369,8 +369,13 @@ class Fp8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.gemm == GEMM_SCALED_MM:
+            m = x2.shape[0]
+            if m % 4:
+                # cuBLASLt finds no blockwise algorithm unless the activation scales' leading dimension
+                # (M, column-major) is 16-byte aligned: at M=1 it raised CUBLAS_STATUS_NOT_SUPPORTED (H200).
+                x2 = torch.nn.functional.pad(x2, (0, 0, 0, 4 - m % 4))
             x8, xs = act_quant(x2, self.block[1], self.fmt.ue8m0, column_major_scales=True)
-            y = _scaled_mm(x8, xs, self.weight, self._scale_t, x.dtype)
+            y = _scaled_mm(x8, xs, self.weight, self._scale_t, x.dtype)[:m]
         else:
             quant = act_quant if self.gemm == GEMM_TRITON else act_quant_reference
             x8, xs = quant(x2, self.block[1], self.fmt.ue8m0)
