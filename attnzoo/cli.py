@@ -20,6 +20,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                    help="split the model over N GPUs (default: 1, or WORLD_SIZE under torchrun)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                   help="what the KV cache stores (auto: the model dtype; fp8_e4m3: per-tensor scales 1.0)")
 
 
 def _load(args):
@@ -29,10 +31,16 @@ def _load(args):
         args.model, backend=args.backend, prefill_backend=args.prefill_backend, decode_backend=args.decode_backend,
         page_size=args.page_size, policy_file=args.policy, dtype=args.dtype, device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
 def _generate(args) -> int:
+    from attnzoo.engine.sampling import SamplingParams
+
+    # The sampling flags are checked before the model loads (which takes seconds to minutes).
+    SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed,
+                   tuple(args.stop or ())).validate()
     llm = _load(args)
     print(f"# {llm.architecture}: prefill={llm.decision.prefill_backend} decode={llm.decision.decode_backend} "
           f"page_size={llm.pool.page_size} device={llm.device}", file=sys.stderr)

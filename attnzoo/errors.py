@@ -39,5 +39,9 @@ class KVCacheFullError(AttnzooError):
     """The KV cache cannot hold what was asked of it."""
 
 
+class NumericsError(AttnzooError):
+    """The model produced non-finite values (NaN or inf) while generating."""
+
+
 class EvalError(AttnzooError):
     """An evaluation run is misconfigured (task, data, output path, limit)."""

@@ -281,9 +281,14 @@ def main(argv=None):
                     help="backends with a cascade path: the engine's choice (auto), plain and cascade (both), or one")
     ap.add_argument("--hf-baseline", default=None, metavar="JSON",
                     help="reuse the transformers result of an earlier run (its JSON) instead of measuring it")
+    ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
+                    help="fp8: DeepSeek-V3's block-scaled FP8 format (quantization_config as in the official checkpoints)")
     ap.add_argument("--load-kwargs", default="{}", help="extra load_model keywords as JSON, e.g. '{\"page_size\": 64}'")
     args = ap.parse_args(argv)
     config, cfg = make_config(args.shape, args.layers)
+    if args.weights == "fp8":
+        config.quantization_config = cfg["quantization_config"] = {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     if args.quick:
         args.prompts, args.hf_prompts = 200, min(args.hf_prompts, 64)
     prompts, data = load_prompts(args.prompts)
@@ -318,7 +323,7 @@ def main(argv=None):
             results.append(r)
 
     meta = {"device": torch.cuda.get_device_name(), **versions(), "shape": args.shape,
-            "model": f"{args.shape}-shaped, random bf16 weights", "config": cfg,
+            "model": f"{args.shape}-shaped, random {args.weights} weights", "config": cfg,
             "workload": f"{len(prompts)} GSM8K 8-shot prompts ({len(data['prefix'])}-token shared prefix), "
                         f"{args.new_tokens} output tokens each, EOS ignored", "limits": limits}
     out = Path(args.out)

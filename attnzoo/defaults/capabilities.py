@@ -19,6 +19,9 @@ CUDA_GPUS = frozenset(GPUS) - {"cpu"}
 ATTENTION_KINDS: tuple[str, ...] = ("mha", "mla", "nsa")
 PHASES: tuple[str, ...] = ("prefill", "decode")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+# kv_cache_dtype values: "auto" stores the model's dtype; the others name what the pool stores.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3")
+_FP8 = frozenset({"fp8_e4m3"})
 MAX_PAGE_SIZE = 128  # the KV pool's own limit (kv_cache.KVPool)
 _HALF = frozenset({"bfloat16", "float16"})
 _ALL_DTYPES = frozenset(DTYPES)
@@ -45,6 +48,8 @@ class Kernel:
     page_sizes: frozenset[int] | None = None
     # Query-head counts it runs; None: any the backend allows (XQA-MLA builds for 128 heads only).
     num_heads: frozenset[int] | None = None
+    # GPUs where this kernel does not read an fp8 KV cache (the backend's kv_dtypes say whether any does).
+    no_fp8_kv_gpus: frozenset[str] = frozenset()
     note: str = ""
 
     def env_ok(self) -> bool:
@@ -71,6 +76,7 @@ class BackendCapabilities:
     excluded_num_heads: tuple[int, int] | None = None  # query-head counts lo..hi it does not run
     page_sizes: frozenset[int] | None = None  # None: any of 1..MAX_PAGE_SIZE
     dtypes: frozenset[str] = _ALL_DTYPES  # model/activation dtypes
+    # What the KV pool may store for it: the model dtypes ("auto") and the kv_cache_dtype values it reads.
     kv_dtypes: frozenset[str] = _ALL_DTYPES
     sliding_window: bool = False
     logit_softcap: bool = False
@@ -155,6 +161,8 @@ class BackendCapabilities:
                 d["excluded_head_dims"] = sorted(k.excluded_head_dims)
             if k.runs_as:
                 d["runs_as"] = k.runs_as
+            if k.no_fp8_kv_gpus:
+                d["no_fp8_kv_gpus"] = sorted(k.no_fp8_kv_gpus, key=GPUS.index)
             if k.requires_env:
                 d["requires_env"] = f"{k.requires_env[0]}={k.requires_env[1]}"
             if k.page_sizes:
@@ -241,27 +249,32 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
             prefill=(Kernel("torch reference", frozenset(GPUS)),),
             decode=(Kernel("torch reference", frozenset(GPUS)),),
             max_head_dim=1024,
+            kv_dtypes=_ALL_DTYPES | _FP8,
             sliding_window=True,
             logit_softcap=True,
             module="torch",
+            notes=("fp8_e4m3 KV cache: quantize-dequantize in float32 (per-tensor scales)",),
         ),
         BackendCapabilities(
             name="triton",
             description="attnzoo's own Triton paged extend/decode kernels (split-K decode)",
             kinds=frozenset({"mha", "mla"}),
             prefill=(
-                Kernel("triton extend", _ANY_CUDA),
+                Kernel("triton extend", _ANY_CUDA, no_fp8_kv_gpus=_gpus("sm80"),
+                       note="Triton has no fp8 e4m3 conversions before SM89"),
                 Kernel("triton extend (interpreter)", _gpus("cpu"), requires_env=("TRITON_INTERPRET", "1"),
                        note="CPU runs the Triton interpreter: for tests only, very slow"),
             ),
             decode=(
-                Kernel("triton split-K decode", _ANY_CUDA),
+                Kernel("triton split-K decode", _ANY_CUDA, no_fp8_kv_gpus=_gpus("sm80"),
+                       note="Triton has no fp8 e4m3 conversions before SM89"),
                 Kernel("triton split-K decode (interpreter)", _gpus("cpu"), requires_env=("TRITON_INTERPRET", "1"),
                        note="CPU runs the Triton interpreter: for tests only, very slow"),
             ),
             # The kernels tile any width up to 1024 (attention/kernels/common.py MAX_HEAD_DIM); tuned
             # for 64..512 and MLA's 576/512.
             max_head_dim=1024,
+            kv_dtypes=_ALL_DTYPES | _FP8,
             sliding_window=True,
             logit_softcap=True,
             module="triton",
@@ -276,14 +289,17 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
             kinds=frozenset({"mha"}),
             prefill=(
                 Kernel("FlashInfer FA3 prefill", _gpus("sm90"), excluded_head_dims=frozenset({512}),
-                       note="FA3 prefill does not build for head dim 512"),
-                Kernel("FlashInfer FA2 prefill", _ANY_CUDA),
+                       no_fp8_kv_gpus=_gpus("sm90"),
+                       note="FA3 prefill does not build for head dim 512, nor for an fp8 KV cache with bf16/fp16 queries"),
+                Kernel("FlashInfer FA2 prefill", _ANY_CUDA, no_fp8_kv_gpus=_gpus("sm80"),
+                       note="fp8 KV cache declared for SM89+ only"),
             ),
-            decode=(Kernel("FlashInfer FA2 decode", _ANY_CUDA),),
+            decode=(Kernel("FlashInfer FA2 decode", _ANY_CUDA, no_fp8_kv_gpus=_gpus("sm80"),
+                           note="fp8 KV cache declared for SM89+ only"),),
             head_dims=frozenset({64, 128, 256, 512}),
             v_head_dims=frozenset({64, 128, 256, 512}),
             dtypes=_HALF,
-            kv_dtypes=_HALF,
+            kv_dtypes=_HALF | _FP8,
             sliding_window=True,
             logit_softcap=True,
             module="flashinfer",
@@ -299,15 +315,18 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
             kinds=frozenset({"mha"}),
             prefill=(
                 Kernel("trtllm-gen context (trtllm_batch_context_with_kv_cache)", _gpus("sm100", "sm103"),
-                       page_sizes=_TRTLLM_GEN_PAGES),
+                       page_sizes=_TRTLLM_GEN_PAGES, no_fp8_kv_gpus=_gpus("sm100", "sm103"),
+                       note="not wired for an fp8 KV cache with bf16/fp16 queries"),
                 Kernel("FlashInfer FA3 prefill", _gpus("sm90"), excluded_head_dims=frozenset({512}),
-                       runs_as="flashinfer", note="trtllm-gen context kernels are SM100/SM103 only"),
+                       runs_as="flashinfer", no_fp8_kv_gpus=_gpus("sm90"),
+                       note="trtllm-gen context kernels are SM100/SM103 only; FA3 takes no fp8 KV with bf16 queries"),
                 Kernel("FlashInfer FA2 prefill", _gpus("sm90", "sm120"), runs_as="flashinfer",
                        note="trtllm-gen context kernels are SM100/SM103 only"),
             ),
             decode=(
                 Kernel("trtllm-gen decode (trtllm_batch_decode_with_kv_cache)", _gpus("sm100", "sm103"),
-                       page_sizes=_TRTLLM_GEN_PAGES),
+                       page_sizes=_TRTLLM_GEN_PAGES, no_fp8_kv_gpus=_gpus("sm100", "sm103"),
+                       note="not wired for an fp8 KV cache with bf16/fp16 queries"),
                 # FlashInfer 0.7.2 jit/xqa.py builds XQA for 16, 32, 64 and 128 tokens per page.
                 Kernel("XQA decode (trtllm_batch_decode_with_kv_cache)", _gpus("sm90", "sm120"),
                        max_group_above=(256, 16), page_sizes=frozenset({16, 32, 64, 128})),
@@ -316,7 +335,7 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
             v_head_dims=frozenset({64, 128, 256, 512}),
             same_qk_v_head_dim=True,
             dtypes=_HALF,
-            kv_dtypes=_HALF | {"fp8_e4m3"},
+            kv_dtypes=_HALF | _FP8,
             sliding_window=True,
             logit_softcap=False,  # the trtllm kernels take no soft-cap argument
             # trtllm-gen and XQA take per-head sinks (`sinks=`), but the shared Attention layer carries no
@@ -457,6 +476,7 @@ def check_backend(
     num_heads: int | None = None,
     num_kv_heads: frozenset[int] = frozenset(),
     assume_installed: frozenset[str] = frozenset(),
+    kv_cache_dtype: str = "auto",
 ) -> Check:
     """Check everything but the page size (the policy may still adjust that) for one phase."""
     chk = Check(name, phase)
@@ -507,6 +527,10 @@ def check_backend(
                 fitting = [k for k in runnable if not (head_dims & k.excluded_head_dims)]
                 heads_bad = [k for k in fitting if k.num_heads and num_heads is not None and num_heads not in k.num_heads]
                 fitting = [k for k in fitting if k not in heads_bad]
+                fp8_refused = []
+                if kv_cache_dtype != "auto":
+                    fp8_refused = [k for k in fitting if gpu in k.no_fp8_kv_gpus]
+                    fitting = [k for k in fitting if k not in fp8_refused]
                 # The profile does not pair head dims with KV head counts: assume the largest group.
                 group = num_heads // min(num_kv_heads) if num_heads and num_kv_heads else None
                 too_grouped = [k for k in fitting if k.max_group_above and group is not None
@@ -515,6 +539,9 @@ def check_backend(
                 if not fitting and heads_bad:
                     k = heads_bad[0]
                     bad.append(f"{k.name} on {gpu} runs {_fmt(k.num_heads)} query heads; this model has {num_heads}")
+                if not fitting and fp8_refused:
+                    bad.append(f"{fp8_refused[0].name} on {gpu} does not read a {kv_cache_dtype} KV cache "
+                               f"({fp8_refused[0].note})")
                 elif not fitting and too_grouped:
                     d, g = too_grouped[0].max_group_above  # type: ignore[misc]
                     bad.append(f"{too_grouped[0].name} on {gpu} serves head dims above {d} with at most {g} "
@@ -545,6 +572,14 @@ def check_backend(
         bad.append("does not support attention logit soft-capping, which this model uses")
     if uses_sinks and not caps.attention_sinks:
         bad.append("does not support attention sinks, which this model uses")
+    if kv_cache_dtype != "auto":
+        if kind != "mha":
+            bad.append(f"{kind.upper()} caches keep their explicit layouts (kv_layout); kv_cache_dtype "
+                       f"{kv_cache_dtype} is for MHA/GQA models")
+        elif kv_cache_dtype not in caps.kv_dtypes:
+            bad.append(f"does not read a {kv_cache_dtype} KV cache (reads: {', '.join(sorted(caps.kv_dtypes))})")
+        else:
+            good.append(f"reads a {kv_cache_dtype} KV cache")
     if dtype is not None:
         if dtype in caps.dtypes:
             good.append(f"dtype {dtype} supported")

@@ -21,6 +21,7 @@ from typing import Any
 from attnzoo.defaults.capabilities import (
     CAPABILITIES,
     GPUS,
+    KV_CACHE_DTYPES,
     MAX_PAGE_SIZE,
     PHASES,
     Check,
@@ -52,6 +53,8 @@ class Overrides:
     # Python packages to treat as installed ("flashinfer", "triton"): answers what would run on a machine
     # that has them (`policy explain --assume-installed`). The Decision is then labelled hypothetical.
     assume_installed: tuple[str, ...] = ()
+    # What the KV pool stores: "auto" (the model dtype) or "fp8_e4m3"; every chosen backend must read it.
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -121,6 +124,8 @@ class Decision:
     field_choice: dict[str, Any] | None = None
     # Packages assumed installed (`policy explain --assume-installed`): the answer is hypothetical.
     assumed_installed: list[str] = field(default_factory=list)
+    kv_cache_dtype: str = "auto"
+    kv_bytes_per_token: int | None = None  # set by load_model once the model's KV specs are known
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -138,6 +143,8 @@ class Decision:
             "planned": self.planned,
             "block_table_multiple": self.block_table_multiple,
             "kv_layouts": dict(self.kv_layouts),
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
             "profile": self.profile.to_dict(),
             "policy_files": list(self.policy_files),
             "weights": dict(self.weights),
@@ -170,6 +177,10 @@ class Decision:
                 if text and (what, text) not in shown:
                     shown.add((what, text))
                     out.append(f"  {'':26}{what}: {text}")
+        kv = f"  KV cache: {self.kv_cache_dtype}"
+        if self.kv_bytes_per_token is not None:
+            kv += f", {self.kv_bytes_per_token} bytes per token"
+        out.append(kv)
         for phase in PHASES:
             if phase in self.kernels:
                 out.append(f"  {phase} kernel: {self.kernels[phase]}")
@@ -302,6 +313,14 @@ def resolve(
     field_choice = field_summary(matches)
 
     _check_page_size_value(values["page_size"], sources["page_size"])
+    if ov.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise PolicyError(f"unknown kv_cache_dtype {ov.kv_cache_dtype!r}", fix=f"use one of: {', '.join(KV_CACHE_DTYPES)}")
+    if ov.kv_cache_dtype != "auto" and profile.kind != "mha":
+        raise PolicyError(
+            f"kv_cache_dtype={ov.kv_cache_dtype!r} is for MHA/GQA models; {arch} is {profile.kind.upper()}, whose "
+            "caches keep their explicit layouts",
+            fix="use kv_cache_dtype='auto' (MLA/NSA fp8 caches are backend layouts: e.g. backend nsa_triton_fp8)",
+        )
     registered = frozenset(backend_names())
     dtype = _dtype_name(ov.dtype)
     assume = frozenset(ov.assume_installed)
@@ -313,7 +332,7 @@ def resolve(
             name, phase, gpu=cls, kind=profile.kind, head_dims=profile.head_dims, v_head_dims=profile.v_head_dims,
             uses_sliding_window=profile.uses_sliding_window, uses_softcap=profile.uses_softcap,
             uses_sinks=profile.uses_sinks, dtype=dtype, registered=registered, num_heads=profile.num_heads,
-            num_kv_heads=profile.num_kv_heads, assume_installed=assume,
+            num_kv_heads=profile.num_kv_heads, assume_installed=assume, kv_cache_dtype=ov.kv_cache_dtype,
         )
         caps = CAPABILITIES.get(name)
         if page_bound and explicit_page is not None and caps is not None and not caps.page_size_ok(explicit_page, cls):
@@ -387,7 +406,7 @@ def resolve(
         prefill_backend=values["prefill_backend"], decode_backend=values["decode_backend"], page_size=page,
         gpu=cls, architecture=arch, sources=sources, candidates=candidates, adjustments=adjustments,
         planned=planned, profile=profile, model_id=model_id, device_gpu=device_gpu, kernels=kernels, notes=notes,
-        block_table_multiple=multiple, kv_layouts=layouts,
+        block_table_multiple=multiple, kv_layouts=layouts, kv_cache_dtype=ov.kv_cache_dtype,
         policy_files=[str(p) for p in (shipped.path, user.path if user else None) if p],
         field_choice=field_choice, assumed_installed=sorted(assume),
     )

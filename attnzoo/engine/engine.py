@@ -24,8 +24,8 @@ from attnzoo.attention.kv_cache import KVPool, PageAllocator
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.metadata import BatchMetadata, build_metadata
 from attnzoo.engine.prefix_cache import PrefixCache
-from attnzoo.engine.sampling import SamplingParams, sample
-from attnzoo.errors import BackendError, KVCacheFullError, RequestError
+from attnzoo.engine.sampling import SamplingParams, process_logits, sample
+from attnzoo.errors import BackendError, KVCacheFullError, NumericsError, RequestError
 
 # max_running=None: admission is bounded by the KV pages each request reserves, the token budget (a
 # decode step must hold every running request) and this cap, which bounds per-step host work.
@@ -173,6 +173,7 @@ class Engine:
         )
         running: list[_Request] = []
         done: list[_Request] = []
+        processed = any(sp.repetition_penalty != 1.0 or sp.min_new_tokens for sp in params)
         self.t0 = time.perf_counter()
         try:
             while waiting or running:
@@ -182,12 +183,26 @@ class Engine:
                     raise RuntimeError("engine bug: a step with no work")
                 logits = self._step(batch)
                 tokens = logits.argmax(dim=-1)
+                # NaN and +inf win argmax, so a row's top logit is non-finite iff the row holds one (or is all
+                # -inf): an O(rows) check whose result comes back as token -1 at the step's one sync.
+                finite = torch.isfinite(logits.gather(1, tokens[:, None]))[:, 0]
+                scores = process_logits(logits, batch.sampling_reqs, self.eos) if processed else logits
+                if scores is not logits:
+                    tokens = scores.argmax(dim=-1)
                 rows = [i for i, r in enumerate(batch.sampling_reqs) if not r.params.greedy]
                 if rows:
                     reqs = [batch.sampling_reqs[i] for i in rows]
                     at = torch.tensor(rows, device=tokens.device)
-                    tokens[at] = sample(logits[at], [r.params for r in reqs], [r.generator for r in reqs])
+                    tokens[at] = sample(scores[at], [r.params for r in reqs], [r.generator for r in reqs])
+                tokens = torch.where(finite, tokens, -1)
                 for i, (req, token) in enumerate(zip(batch.sampling_reqs, tokens.tolist())):  # one sync a step
+                    if token < 0:
+                        raise NumericsError(
+                            f"the model produced non-finite logits (NaN or inf) for prompt {req.index} at output token "
+                            f"{len(req.out)}; generation stopped",
+                            fix="check the checkpoint for NaN/inf weights; in float16 try dtype='bfloat16' or 'float32' "
+                            "(overflow); compare with backend='torch'",
+                        )
                     self._append(req, token, logits[i] if return_logits else None)
                 if self.step_log is not None:
                     self.step_log.append(batch.summary())
@@ -230,6 +245,44 @@ class Engine:
         finally:
             self.allocator.free(pages)
         return torch.cat(rows)
+
+    @torch.inference_mode()
+    def teacher_forced(self, prompts: list[list[int]], continuations: list[list[int]]):
+        """Yield (t, request indices, logits [n, vocab] float32 on the device): the logits predicting
+        continuation token t of those requests, fed as generation feeds them: each prompt through the
+        prefill backend (one request per step, in token-budget chunks), then the continuations one token
+        per step for all requests together through the decode backend (its CUDA graphs where they fit).
+        Each request gets its own pages (no prefix sharing), so two engines fed the same inputs run the
+        same schedule step for step."""
+        need = [self._pages_for(len(p) + len(c)) for p, c in zip(prompts, continuations)]
+        if sum(need) > self.allocator.num_free and self.prefix_cache is not None:
+            self.prefix_cache.evict(sum(need) - self.allocator.num_free)
+        if sum(need) > self.allocator.num_free:
+            raise KVCacheFullError(f"teacher forcing {len(prompts)} sequences needs {sum(need)} free KV pages, "
+                                   f"{self.allocator.num_free} free", fix="feed fewer sequences at once")
+        pages = [self.allocator.alloc(n) for n in need]
+        try:
+            # Steps go through run_step, as generation's do (tensor-parallel ranks follow them).
+            last = []
+            for i, prompt in enumerate(prompts):
+                for start in range(0, len(prompt), self.max_batch_tokens):
+                    chunk = prompt[start : start + self.max_batch_tokens]
+                    logits, _ = self.run_step({"prefix_lens": [start], "q_lens": [len(chunk)], "block_tables": [pages[i]],
+                                               "ids": chunk, "rows": [0], "shared_prefix_len": 0, "graph": False})
+                last.append(logits.float())
+            live = [i for i, c in enumerate(continuations) if c]
+            if live:
+                yield 0, live, torch.cat([last[i] for i in live])
+            for t in range(1, max((len(c) for c in continuations), default=0)):
+                live = [i for i in live if len(continuations[i]) > t]
+                # Own pages per request: no shared prefix, so the step is graph-replayed wherever it fits.
+                logits, _ = self.run_step({"prefix_lens": [len(prompts[i]) + t - 1 for i in live], "q_lens": [1] * len(live),
+                                           "block_tables": [pages[i] for i in live],
+                                           "ids": [continuations[i][t - 1] for i in live], "rows": list(range(len(live)))})
+                yield t, live, logits.float()
+        finally:
+            for p in pages:
+                self.allocator.free(p)
 
     # ---------------------------------------------------------------- scheduling
 

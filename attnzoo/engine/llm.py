@@ -4,13 +4,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import numbers
+import sys
+import threading
+import time
 from typing import Any, Callable, Sequence
 
 import torch
 from transformers import PretrainedConfig
 
 from attnzoo.attention.backends import get_backend_class
-from attnzoo.attention.kv_cache import KVPool
+from attnzoo.attention.kv_cache import KVPool, kv_storage_dtype
 from attnzoo.engine.engine import Completion, Engine
 from attnzoo.engine.sampling import SamplingParams
 from attnzoo.errors import BackendError, ModelLoadError, RequestError
@@ -27,9 +31,18 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 def _pick_device(device) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    fix = "pass device='cpu', 'cuda' or 'cuda:N' (or leave it unset: cuda when available)"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ModelLoadError(f"device={device!r} is not a device torch knows", fix=fix) from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"device={device!r}: attnzoo runs on CPUs and CUDA GPUs only", fix=fix)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError("device 'cuda' was asked for but no CUDA GPU is available", fix="pass device='cpu'")
+        raise ModelLoadError(f"device {device!r} was asked for but no CUDA GPU is available", fix="pass device='cpu'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ModelLoadError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)",
+                             fix=f"pass cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
     return dev
 
 
@@ -70,7 +83,8 @@ def _tensor_parallel_call(method):
 
 
 class LLM:
-    def __init__(self, *, model, tokenizer, config, architecture, source, decision, pool, engine, dtype, device, tp=None):
+    def __init__(self, *, model, tokenizer, config, architecture, source, decision, pool, engine, dtype, device,
+                 progress: bool = False, tp=None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -82,10 +96,16 @@ class LLM:
         self.dtype = dtype
         self.device = device
         self.tp = tp  # TPGroup when tensor parallel, else None
+        self.progress = progress  # status lines on stderr (generate's progress when no on_finish is given)
+        # One engine runs one batch at a time: concurrent calls would over-commit its KV reservations.
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ inputs
 
     def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, (list, tuple)) and any(isinstance(t, bool) for t in prompt):
+            raise RequestError(f"a prompt holds {next(t for t in prompt if isinstance(t, bool))!r} where a token id "
+                               "belongs", fix="pass token ids as plain integers")
         if self.tokenizer is None and not (isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)):
             raise RequestError(f"{self.source.name} has no tokenizer, so prompts must be token id lists",
                                fix="pass token ids, or a checkpoint with tokenizer files")
@@ -96,6 +116,10 @@ class LLM:
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise RequestError("chat messages given but the tokenizer has no chat template", fix="pass a plain string")
+            for j, m in enumerate(prompt):
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
+                    raise RequestError(f"chat message {j} ({m!r}) needs a 'role' string and a 'content'",
+                                       fix="pass messages like {'role': 'user', 'content': 'Hi!'}")
             text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
             return self.tokenizer.encode(text, add_special_tokens=False)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
@@ -121,37 +145,124 @@ class LLM:
         self,
         prompts,
         *,
-        max_new_tokens: int = 256,
+        max_new_tokens: int | None = None,
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
         stop: str | Sequence[str] | None = None,
         ignore_eos: bool = False,
         return_logits: bool = False,
         on_finish: Callable[[int], None] | None = None,
+        do_sample: bool | None = None,
+        min_new_tokens: int = 0,
+        repetition_penalty: float = 1.0,
+        stop_strings: str | Sequence[str] | None = None,
+        max_length: int | None = None,
+        num_return_sequences: int = 1,
+        **unsupported,
     ) -> list[Completion]:
-        """One Completion per prompt, in input order. A single prompt may be passed bare.
-        ``on_finish(i)`` is called when prompt i finishes (progress bars)."""
+        """One Completion per prompt (``num_return_sequences`` per prompt, grouped by prompt), in input order.
+
+        A single prompt may be passed bare. ``max_new_tokens`` defaults to 256; ``max_length`` instead
+        caps prompt + new tokens per prompt (as in transformers; give one of the two). ``temperature``
+        0 is greedy; ``do_sample=False`` forces greedy, ``do_sample=True`` samples (temperature 1.0
+        unless given). ``stop_strings`` is another name for ``stop``. ``min_new_tokens`` masks EOS until
+        that many tokens are out; ``repetition_penalty`` follows transformers (prompt and output tokens).
+
+        Seeds: an int ``seed`` gives output ``i`` (its position in the returned list) the seed
+        ``seed + i``; a list gives one seed per returned sequence. A seeded request's tokens do not
+        depend on what else is in the batch. ``on_finish(i)`` is called when output ``i`` finishes.
+        Safe to call from several threads: calls run one at a time.
+        """
+        if unsupported:
+            raise RequestError(
+                f"generate() does not support {', '.join(sorted(unsupported))}",
+                fix="use max_new_tokens / max_length, temperature / do_sample, top_p, top_k, seed, stop / stop_strings, "
+                "min_new_tokens, repetition_penalty, num_return_sequences, ignore_eos, return_logits",
+            )
+        if prompts is None or not isinstance(prompts, (str, list, tuple)):
+            raise RequestError(f"prompts must be a string, a token id list, chat messages or a list of those, "
+                               f"got {type(prompts).__name__}", fix="pass e.g. generate('Hello') or generate(['a', 'b'])")
         single = isinstance(prompts, str) or (
             isinstance(prompts, (list, tuple)) and prompts and (isinstance(prompts[0], (int, dict)))
         )
         batch = [prompts] if single else list(prompts)
         if not batch:
             raise RequestError("no prompts given", fix="pass at least one prompt")
+        if stop is not None and stop_strings is not None:
+            raise RequestError("both stop and stop_strings were given", fix="pass one of them (they mean the same)")
+        stop = stop if stop is not None else stop_strings
+        if stop is not None and not isinstance(stop, (str, list, tuple)):
+            raise RequestError(f"stop must be a string or a list of strings, got {stop!r}", fix="pass stop='text' or stop=['a', 'b']")
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if stops and self.tokenizer is None:
+            raise RequestError(f"stop strings need a tokenizer to read the output, and {self.source.name} has none",
+                               fix="drop stop=, or load a checkpoint with tokenizer files")
+        n = num_return_sequences
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise RequestError(f"num_return_sequences must be an integer >= 1, got {n!r}", fix="pass num_return_sequences=N")
+        if do_sample is not None and not isinstance(do_sample, bool):
+            raise RequestError(f"do_sample must be True or False, got {do_sample!r}", fix="pass a bool")
+        if do_sample is False:
+            temperature = 0.0
+        elif do_sample and isinstance(temperature, numbers.Real) and temperature == 0:
+            temperature = 1.0  # transformers' default when sampling
+        if n > 1 and isinstance(temperature, numbers.Real) and temperature == 0:
+            raise RequestError(f"num_return_sequences={n} with greedy decoding returns {n} identical sequences",
+                               fix="sample (do_sample=True or temperature > 0), or pass num_return_sequences=1")
+        if max_new_tokens is not None and max_length is not None:
+            raise RequestError("both max_new_tokens and max_length were given",
+                               fix="pass max_new_tokens (new tokens) or max_length (prompt + new tokens), not both")
+        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral)):
+            raise RequestError(f"max_length must be an integer, got {max_length!r}", fix="pass max_length=N")
         ids = [self._encode(p) for p in batch]
+        ids = [p for p in ids for _ in range(n)]
+        seeds = self._seeds(seed, len(ids))
+        limits = []
+        for i, p in enumerate(ids):
+            if max_length is None:
+                limits.append(256 if max_new_tokens is None else max_new_tokens)
+            elif max_length <= len(p):
+                raise RequestError(f"max_length={max_length} leaves no room after prompt {i // n} of {len(p)} tokens",
+                                   fix="raise max_length above the prompt length, or pass max_new_tokens")
+            else:
+                limits.append(max_length - len(p))
         params = [
-            SamplingParams(max_new_tokens, temperature, top_p, top_k, None if seed is None else seed + i, stops, ignore_eos)
-            for i in range(len(batch))
+            SamplingParams(limit, temperature, top_p, top_k, s, stops, ignore_eos, min_new_tokens, repetition_penalty)
+            for limit, s in zip(limits, seeds)
         ]
-        return self.engine.generate(ids, params, return_logits=return_logits, on_finish=on_finish)
+        for sp in params:
+            sp.validate()
+        show = self.progress and on_finish is None
+        if show:
+            on_finish = _GenerationProgress(len(ids))
+        with self._lock:
+            outs = self.engine.generate(ids, params, return_logits=return_logits, on_finish=on_finish)
+        if show:
+            on_finish.close(outs)
+        return outs
+
+    @staticmethod
+    def _seeds(seed, count: int) -> list:
+        if seed is None:
+            return [None] * count
+        if isinstance(seed, (list, tuple)):
+            if len(seed) != count:
+                raise RequestError(f"seed lists {len(seed)} seeds for {count} outputs",
+                                   fix="pass one seed per returned sequence (prompts x num_return_sequences), or one int")
+            return list(seed)  # each checked by SamplingParams.validate
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0 or seed + count > 2**64:
+            raise RequestError(f"seed must be an integer in [0, 2**64 - {count}] (output i uses seed + i), got {seed!r}",
+                               fix="pass an int such as seed=0, a list of ints, or None for random seeds")
+        return [int(seed) + i for i in range(count)]
 
     @_tensor_parallel_call
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Teacher-forced logits [len, vocab] float32 (on CPU)."""
         ids = self._encode(list(token_ids))
-        return self.engine.score(ids).cpu()
+        with self._lock:
+            return self.engine.score(ids).cpu()
 
     def _cascade_info(self) -> str:
         e = self.engine
@@ -167,8 +278,8 @@ class LLM:
 
     def info(self) -> dict[str, Any]:
         specs = self.model.kv_cache_specs()
-        elt = torch.empty((), dtype=self.pool.dtype).element_size()
-        kv_bytes_per_token = KVPool.bytes_per_page(specs, 1, self.pool.dtype)
+        elt = torch.empty((), dtype=self.pool.kv_dtype).element_size()
+        kv_bytes_per_token = KVPool.bytes_per_page(specs, 1, self.pool.kv_dtype)
         return {
             "model": self.source.name,
             "architecture": self.architecture,
@@ -176,7 +287,9 @@ class LLM:
             "decode_backend": self.decision.decode_backend,
             "page_size": self.pool.page_size,
             "dtype": str(self.dtype).replace("torch.", ""),
-            "kv_dtype": str(self.pool.dtype).replace("torch.", ""),
+            "kv_dtype": str(self.pool.kv_dtype).replace("torch.", ""),
+            "kv_cache_dtype": self.pool.kv_cache_dtype,
+            "kv_scales": {"k_scale": self.pool.k_scale, "v_scale": self.pool.v_scale},
             "device": str(self.device),
             "kv_cache_pages": self.engine.allocator.capacity,
             "kv_cache_tokens": self.engine.allocator.capacity * self.pool.page_size,
@@ -222,6 +335,10 @@ def load_model(
     fp8_weights: str = "auto",
     seed: int = 0,
     tensor_parallel_size: int | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    progress: bool | None = None,
 ) -> LLM:
     """Load a checkpoint (local dir, hub id, .gguf file; None = embedded SmolLM2-135M-Instruct).
 
@@ -234,11 +351,17 @@ def load_model(
     ``tensor_parallel_size=N``: split the model over N GPUs (N CPU processes on CPU): this process is
     rank 0 and starts the others. Under torchrun, every rank calls load_model (N defaults to WORLD_SIZE)
     and the other ranks' generate/logits follow rank 0's (``attnzoo.engine.tensor_parallel``).
+    ``kv_cache_dtype``: "auto" (the model dtype) or "fp8_e4m3" (MHA/GQA models: half the bytes of bf16,
+    so twice the KV capacity in the same memory); the pool stores k / k_scale and v / v_scale. The
+    scales are per tensor and default to 1.0, as vLLM's default (calculate_kv_scales=False): no
+    calibration, values beyond +-448 saturate.
     ``fp8_weights`` (FP8 block-quantized checkpoints): "auto" keeps the stored FP8 layers and runs FP8
     GEMMs on GPUs with FP8 tensor cores, and dequantizes to ``dtype`` at load elsewhere (CPU: the reference
     path); "fp8" insists on FP8 layers (on CPU they run a float32 emulation); "dequantize" always
     dequantizes. ``info()["weights"]`` states the format and the GEMM path. Under tensor parallelism the
     sharded layers are dequantized at load; the routed experts (whole experts per rank) stay FP8.
+    ``progress``: status lines on stderr (loading, KV allocation, generation); None: when stderr is a terminal.
+    Every argument, the device and the backend choices are checked before any weights are read.
     """
     from attnzoo.engine import tensor_parallel
 
@@ -257,7 +380,8 @@ def load_model(
 
 def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype, device, page_size, policy_file,
                 kv_cache_tokens, kv_cache_memory, max_batch_tokens, max_running, prefix_caching, cuda_graph,
-                cuda_graph_max_context, cascade, load_format, fp8_weights, seed, tensor_parallel_size, tp) -> LLM:
+                cuda_graph_max_context, cascade, load_format, fp8_weights, seed, tensor_parallel_size, kv_cache_dtype,
+                k_scale, v_scale, progress, tp) -> LLM:
     from attnzoo.defaults import Overrides, resolve
     from attnzoo.defaults.profile import profile_from_config, rank_local
 
@@ -265,14 +389,23 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
         raise ModelLoadError(f"unknown load_format {load_format!r}", fix="use 'auto' or 'random'")
     for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens),
                         ("kv_cache_tokens", kv_cache_tokens), ("kv_cache_memory", kv_cache_memory)):
-        if value is not None and (not isinstance(value, int) or value < 1):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ModelLoadError(f"{name} must be a positive integer, got {value!r}",
                                  fix=f"pass {name}=N with N >= 1, or leave it unset for the default")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ModelLoadError(f"seed must be an integer in [0, 2**64), got {seed!r}", fix="pass seed=0 (any int)")
+    for name, value in (("cuda_graph", cuda_graph), ("cascade", cascade), ("progress", progress)):
+        if value is not None and not isinstance(value, bool):
+            raise ModelLoadError(f"{name} must be True, False or None, got {value!r}", fix=f"pass {name}=True/False")
     dev = _pick_device(device) if tp is None else tp.device
     dt = _pick_dtype(dtype, dev)
+    if tp is not None and not tp.leader:  # rank 0 speaks for the group
+        progress = False
+    say = _say if (progress if progress is not None else _stderr_is_terminal()) else (lambda msg: None)
     if isinstance(name_or_path, PretrainedConfig):
         if load_format != "random":
             raise ModelLoadError("a config object has no weights", fix="pass load_format='random', or a checkpoint path")
+        loader.check_config(name_or_path, "the config object")
         config, src = name_or_path, None
     else:
         src = loader.resolve_source(name_or_path)
@@ -281,14 +414,19 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
     cls = model_class(arch)  # unknown architectures fail here, before any weights are read
     overrides = Overrides(
         backend=backend, prefill_backend=prefill_backend, decode_backend=decode_backend,
-        page_size=page_size, policy_file=policy_file, dtype=dt,
+        page_size=page_size, policy_file=policy_file, dtype=dt, kv_cache_dtype=kv_cache_dtype,
     )
     # Tensor parallel: the backends run on one rank's heads, so the policy sees those shapes.
     shapes = config if tp is None else rank_local(profile_from_config(config, architecture=arch), tp.ctx.world_size)
     decision = resolve(shapes, gpu=None if dev.type == "cuda" else "cpu", overrides=overrides, model_id=src.name if src else None)
     log.info("attention policy for %s: %s", arch, decision.explain().splitlines()[0])
+    _check_graph_and_cascade(decision, dev, cuda_graph, cascade, prefix_caching)
+
     weights = plan_weights(config, cls, device=dev, dtype=dt, mode=fp8_weights,
                            checkpoint_names=loader.checkpoint_tensor_names(src) if load_format == "auto" else None)
+
+    t0 = time.perf_counter()
+    say(f"loading {src.name if src else arch} ({arch}, {str(dt).replace('torch.', '')}) on {dev} ...")
 
     # Seeded random init (load_format="random") without touching the caller's global RNG state.
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
@@ -303,15 +441,21 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
     decision.weights = weights.describe()
     model.eval()
     tokenizer = loader.load_tokenizer(src) if src else None
+    say(f"loaded in {time.perf_counter() - t0:.1f} s")
 
     text_config = getattr(config, "text_config", None) or config
     context_len = int(getattr(text_config, "max_position_embeddings", 4096))
     specs = model.kv_cache_specs()
     ps = decision.page_size
-    num_pages = _kv_pages(specs, ps, dt, dev, kv_cache_tokens, kv_cache_memory, context_len)
+    kv_dt = kv_storage_dtype(kv_cache_dtype, dt)
+    decision.kv_bytes_per_token = KVPool.bytes_per_page(specs, 1, kv_dt)
+    num_pages = _kv_pages(specs, ps, kv_dt, dev, kv_cache_tokens, kv_cache_memory, context_len)
     if tp is not None:  # rank 0 hands out the same page ids on every rank
         num_pages = tp.min_int(num_pages)
-    pool = KVPool(specs, num_pages=num_pages, page_size=ps, dtype=dt, device=dev)
+    pool = KVPool(specs, num_pages=num_pages, page_size=ps, dtype=dt, device=dev, kv_cache_dtype=kv_cache_dtype,
+                  k_scale=k_scale, v_scale=v_scale)
+    say(f"allocating the KV cache: {num_pages} pages of {ps} tokens "
+        f"({num_pages * KVPool.bytes_per_page(specs, ps, kv_dt) / 2**30:.2f} GiB, {kv_cache_dtype}) ...")
     pre = get_backend_class(decision.prefill_backend)(pool)
     dec = pre if decision.decode_backend == decision.prefill_backend else get_backend_class(decision.decode_backend)(pool)
     eos = _eos_ids(config, tokenizer)
@@ -323,17 +467,59 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
     if cuda_graph is None:
         cuda_graph = dev.type == "cuda" and dec.supports_cuda_graph
     if cuda_graph:
-        if dev.type != "cuda" or not dec.supports_cuda_graph:
-            raise BackendError(
-                f"CUDA graphs were asked for, but the decode backend {dec.name!r} on {dev} does not support them",
-                fix="pass cuda_graph=False, or a decode backend that supports graphs on a GPU",
-            )
+        say("capturing CUDA graphs for decode ...")
         engine.enable_cuda_graphs(max_batch=engine.max_running, max_context=min(context_len, cuda_graph_max_context))
     if src is None:
         src = loader.CheckpointSource(f"random-weight {arch}", None)
+    say(f"ready in {time.perf_counter() - t0:.1f} s (prefill {decision.prefill_backend}, decode {decision.decode_backend})")
     engine.tp = tp
     return LLM(model=model, tokenizer=tokenizer, config=config, architecture=arch, source=src, decision=decision,
-               pool=pool, engine=engine, dtype=dt, device=dev, tp=tp)
+               pool=pool, engine=engine, dtype=dt, device=dev, progress=say is _say, tp=tp)
+
+
+def _check_graph_and_cascade(decision, dev, cuda_graph, cascade, prefix_caching) -> None:
+    """Refuse explicit cuda_graph / cascade requests that cannot run, before any weights are read."""
+    dec = get_backend_class(decision.decode_backend)
+    if cuda_graph and (dev.type != "cuda" or not dec.supports_cuda_graph):
+        why = f"the device is {dev}" if dev.type != "cuda" else f"the decode backend {decision.decode_backend!r} has no graph path"
+        raise BackendError(f"CUDA graphs were asked for, but {why}",
+                           fix="pass cuda_graph=False (or None: automatic), or a decode backend that supports graphs on a GPU")
+    if cascade and not (prefix_caching and dec.supports_cascade):
+        why = (f"the decode backend {decision.decode_backend!r} has no cascade path" if not dec.supports_cascade
+               else "prefix caching is off")
+        raise BackendError(f"cascade attention needs prefix caching and a decode backend that supports it; {why}",
+                           fix="pass cascade=None (automatic) or False, or use decode backend 'flashinfer' or 'triton'")
+
+
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stderr
+        return False
+
+
+def _say(msg: str) -> None:
+    print(f"attnzoo: {msg}", file=sys.stderr, flush=True)
+
+
+class _GenerationProgress:
+    """``on_finish`` hook printing 'generating: k/N done' (in place on a terminal) and a summary line."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+        self.tty = _stderr_is_terminal()
+        _say(f"generating {total} sequence(s) ...")
+
+    def __call__(self, index: int) -> None:
+        self.done += 1
+        if self.tty:
+            print(f"\rattnzoo: generating: {self.done}/{self.total} done", end="", file=sys.stderr, flush=True)
+
+    def close(self, outs) -> None:
+        dt = time.perf_counter() - self.t0
+        tokens = sum(len(o.token_ids) for o in outs)
+        print("\r" if self.tty else "", end="", file=sys.stderr)
+        _say(f"generated {tokens} tokens for {self.total} sequence(s) in {dt:.1f} s ({tokens / max(dt, 1e-9):.1f} tok/s)")
 
 
 @contextlib.contextmanager

@@ -1,6 +1,8 @@
 """Sampling parameters and the token sampler (greedy, or seeded temperature / top-k / top-p)."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -17,18 +19,32 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_new_tokens: int = 0  # EOS is masked until this many tokens are out
+    repetition_penalty: float = 1.0  # transformers' rule over prompt and output tokens; 1 = off
 
     def validate(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}", fix="pass max_new_tokens >= 1")
-        if not self.temperature >= 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}", fix="use 0 for greedy or a positive value")
+        _integer("max_new_tokens", self.max_new_tokens, 1)
+        _real("temperature", self.temperature, 0.0, "use 0 for greedy or a positive finite value")
+        _real("top_p", self.top_p, 0.0, "use a value in (0, 1]; 1.0 disables nucleus sampling")
         if not 0 < self.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", fix="use 1.0 to disable nucleus sampling")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise RequestError(f"top_k must be an integer >= 0, got {self.top_k!r}", fix="use 0 to disable top-k")
+        _integer("top_k", self.top_k, 0, "use 0 to disable top-k")
+        if self.seed is not None:
+            _integer("seed", self.seed, 0)
+            if self.seed >= 2**64:
+                raise RequestError(f"seed {self.seed} does not fit a 64-bit generator seed", fix="pass a seed below 2**64")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise RequestError("stop strings must be non-empty strings", fix="remove empty entries from stop=")
+            raise RequestError(f"stop strings must be non-empty strings, got {list(self.stop)!r}",
+                               fix="pass stop='text' or stop=['a', 'b'] without empty entries")
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"ignore_eos must be True or False, got {self.ignore_eos!r}", fix="pass a bool")
+        _integer("min_new_tokens", self.min_new_tokens, 0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise RequestError(f"min_new_tokens={self.min_new_tokens} exceeds max_new_tokens={self.max_new_tokens}",
+                               fix="lower min_new_tokens or raise max_new_tokens")
+        _real("repetition_penalty", self.repetition_penalty, 0.0, "use a positive value; 1.0 turns it off")
+        if self.repetition_penalty == 0:
+            raise RequestError("repetition_penalty must be > 0, got 0", fix="use a positive value; 1.0 turns it off")
 
     @property
     def greedy(self) -> bool:
@@ -59,3 +75,50 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
     noise = torch.stack([torch.empty(logits.shape[-1], device=dev).exponential_(generator=g) for g in generators])
     return (probs / noise).argmax(dim=-1)
+
+
+def _integer(name: str, value, low: int, fix: str | None = None) -> None:
+    # bool is an int subclass: True would silently mean 1.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise RequestError(f"{name} must be an integer >= {low}, got {value!r}", fix=fix or f"pass {name}=N with N >= {low}")
+
+
+def _real(name: str, value, low: float, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < low:
+        raise RequestError(f"{name} must be a finite number >= {low:g}, got {value!r}", fix=fix)
+
+
+def needs_processing(reqs) -> bool:
+    """Whether any request of the step asks for repetition_penalty or min_new_tokens (see ``process_logits``)."""
+    return any(r.params.repetition_penalty != 1.0 or len(r.out) < r.params.min_new_tokens for r in reqs)
+
+
+def process_logits(logits: torch.Tensor, reqs, eos_ids) -> torch.Tensor:
+    """transformers' repetition penalty and min-new-tokens EOS mask, batched over the rows that ask for them.
+
+    ``reqs`` holds one request per row (``.params``, ``.prompt``, ``.out``). The penalty divides the
+    positive and multiplies the negative logits of every token already in the prompt or the output
+    (RepetitionPenaltyLogitsProcessor); rows with fewer than ``min_new_tokens`` output tokens cannot pick
+    an EOS token. Returns ``logits`` itself when no row asks for either (no copy, no kernel).
+    """
+    if not needs_processing(reqs):
+        return logits
+    logits = logits.clone()
+    dev = logits.device
+    rep = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0]
+    if rep:
+        seen = [reqs[i].prompt + reqs[i].out for i in rep]
+        width = max(len(h) for h in seen)
+        # Pad with the row's own first token: scattering the same value twice changes nothing.
+        ids = torch.tensor([h + h[:1] * (width - len(h)) for h in seen], device=dev)
+        rows = torch.tensor(rep, device=dev)
+        penalty = torch.tensor([reqs[i].params.repetition_penalty for i in rep], device=dev, dtype=logits.dtype)[:, None]
+        sub = logits[rows]
+        got = sub.gather(1, ids)
+        got = torch.where(got < 0, got * penalty, got / penalty)
+        logits[rows] = sub.scatter(1, ids, got)
+    early = [i for i, r in enumerate(reqs) if len(r.out) < r.params.min_new_tokens]
+    if early and eos_ids:
+        rows = torch.tensor(early, device=dev)[:, None]
+        logits[rows, torch.tensor(sorted(eos_ids), device=dev)[None, :]] = float("-inf")
+    return logits

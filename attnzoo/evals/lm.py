@@ -43,6 +43,8 @@ class GenerationRecord:
     output_tokens: int
     finish_reason: str
     text: str
+    prompt_ids: list[int]
+    output_ids: list[int]  # the generated tokens (the report keeps them: teacher forcing replays them)
 
 
 class AttnzooLM(TemplateLM):
@@ -70,6 +72,9 @@ class AttnzooLM(TemplateLM):
         wave_size: int | None = None,
         kv_cache_tokens: int | None = None,
         tensor_parallel_size: int | None = None,
+        kv_cache_dtype: str = "auto",
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
         # lm-eval's CLI passes these to every model; the engine schedules its own batches.
         batch_size: Any = None,
         max_batch_size: Any = None,
@@ -81,7 +86,8 @@ class AttnzooLM(TemplateLM):
             raise EvalError(
                 f"unknown model argument(s) for the attnzoo model: {', '.join(sorted(unknown))}",
                 fix="use pretrained, backend, prefill_backend, decode_backend, page_size, policy_file, dtype, device, "
-                "max_gen_toks, max_length, add_bos_token, wave_size, kv_cache_tokens, tensor_parallel_size",
+                "max_gen_toks, max_length, add_bos_token, wave_size, kv_cache_tokens, kv_cache_dtype, k_scale, v_scale, "
+                "tensor_parallel_size",
             )
         if wave_size is not None and int(wave_size) < 1:
             raise EvalError(f"wave_size must be at least 1, got {wave_size}", fix="pass wave_size=N with N >= 1")
@@ -91,7 +97,8 @@ class AttnzooLM(TemplateLM):
             llm = load_model(
                 pretrained, backend=backend, prefill_backend=prefill_backend, decode_backend=decode_backend,
                 page_size=page_size, policy_file=policy_file, dtype=dtype, device=device,
-                kv_cache_tokens=kv_cache_tokens,
+                kv_cache_tokens=kv_cache_tokens, kv_cache_dtype=kv_cache_dtype,
+                k_scale=float(k_scale), v_scale=float(v_scale),
                 tensor_parallel_size=int(tensor_parallel_size) if tensor_parallel_size else None,
             )
         if llm.tokenizer is None:
@@ -122,6 +129,11 @@ class AttnzooLM(TemplateLM):
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        # lm-eval's CLI defaults --device to cuda:0 even without a GPU; then load_model picks instead.
+        # A device given in --model_args is the user's and is never replaced.
+        if str(extra.get("device", "")).startswith("cuda") and not torch.cuda.is_available():
+            log.info("attnzoo: no CUDA GPU here; ignoring lm-eval's device %s (load_model picks the device)", extra["device"])
+            del extra["device"]
         return cls(**arg_dict, **extra)
 
     # ------------------------------------------------------------------ tokenizer (as lm-eval's hf model)
@@ -246,7 +258,7 @@ class AttnzooLM(TemplateLM):
                         req = requests[i]
                         self.records.append(GenerationRecord(
                             getattr(req, "task_name", None), getattr(req, "doc_id", None), len(p), len(c.token_ids),
-                            c.finish_reason, text,
+                            c.finish_reason, text, list(p), list(c.token_ids),
                         ))
                         self.cache_hook.add_partial("generate_until", req.args, text)
                     out_tokens = sum(r.output_tokens for r in self.records)
@@ -277,7 +289,8 @@ class AttnzooLM(TemplateLM):
         info = self.llm.info()
         return {"model_name": info["model"], "architecture": info["architecture"],
                 "prefill_backend": info["prefill_backend"], "decode_backend": info["decode_backend"],
-                "page_size": info["page_size"], "dtype": info["dtype"], "device": info["device"]}
+                "page_size": info["page_size"], "dtype": info["dtype"], "device": info["device"],
+                "kv_cache_dtype": info["kv_cache_dtype"], "kv_bytes_per_token": info["kv_bytes_per_token"]}
 
 
 def register() -> None:

@@ -1,8 +1,9 @@
 """Turn lm-eval's results into our report (a JSON-able dict) and render it for the terminal.
 
 A report holds one run: model, Decision, device, versions, per-task metrics per filter, invalid rates,
-timing and throughput, and one record per question. A comparison of two runs holds paired
-statistics per (task, filter) and one verdict.
+timing and throughput, and one record per question (with its generated token ids). A comparison of
+two runs holds paired accuracy statistics per (task, filter), token-level evidence per question and in
+total (``attnzoo.evals.tokens``), and two verdicts: the token-level one and the accuracy one.
 """
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ from collections import defaultdict
 from typing import Any, Iterable
 
 from attnzoo.errors import EvalError
-from attnzoo.evals import stats
+from attnzoo.evals import stats, tokens
 
 REPORT_FORMAT = 1
+TOKEN_IDENTICAL = "token-identical"
+LOGIT_LEVEL_ONLY = "differs at the logit level only"
+CHANGES_ANSWERS = "changes answers"
 # lm-eval's regex filter answers this when its pattern finds nothing ("no number extracted").
 INVALID = "[invalid]"
 # Per-question right/wrong comes from the first of these metrics that the task reports.
@@ -105,7 +109,8 @@ def per_question(samples: Iterable[dict], generations: dict[int, Any] | None = N
     for rec in records:
         g = (generations or {}).get(rec["doc_id"])
         if g is not None:
-            rec.update(output_tokens=g.output_tokens, prompt_tokens=g.prompt_tokens, finish_reason=g.finish_reason)
+            rec.update(output_tokens=g.output_tokens, prompt_tokens=g.prompt_tokens, finish_reason=g.finish_reason,
+                       output_token_ids=list(g.output_ids))
     return records
 
 
@@ -160,11 +165,15 @@ def build_run(*, task_results: dict[str, dict], samples: dict[str, list], lm, in
 # ------------------------------------------------------------------------------ comparison
 
 
-def compare_runs(a: dict, b: dict, alpha: float = 0.05) -> dict:
-    """Paired statistics of run B against run A, per (task, filter), on the questions both answered."""
+def compare_runs(a: dict, b: dict, alpha: float = 0.05, forced: "tokens.ForcedResult | None" = None,
+                 forced_note: str | None = None) -> dict:
+    """Run B against run A on the questions both answered: paired accuracy statistics per (task, filter),
+    token-level evidence per question (``forced``: the teacher-forced statistics, where computed), and the
+    verdicts."""
     results: dict[str, stats.PairedResult] = {}
     per_metric = []
     identical: dict[str, dict] = {}
+    token_rows: dict[str, list[dict]] = {}
     for task, ta in a["tasks"].items():
         tb = b["tasks"].get(task)
         if tb is None:
@@ -197,15 +206,73 @@ def compare_runs(a: dict, b: dict, alpha: float = 0.05) -> dict:
             per_metric.append({"task": task, "filter": flt, **r.to_dict(), "answers_agree": same,
                                "answer_agreement": same / len(ids)})
         identical[task] = {"n": len(ids), "responses_identical": sum(1 for i in ids if ra[i].get("response") == rb[i].get("response"))}
-    verdict, threshold = stats.verdict(results, alpha)
+        token_rows[task] = [_token_row(task, ra[i], rb[i], forced) for i in ids]
+    accuracy_verdict, threshold = stats.verdict(results, alpha)
+    rows = [r for task_rows in token_rows.values() for r in task_rows]
+    token_level = _token_totals(rows, forced, forced_note)
     return {
         "a": _run_label(a), "b": _run_label(b),
         "metrics": per_metric,
         "tasks": identical,
         "alpha": alpha,
         "per_test_threshold": threshold,
-        "verdict": verdict,
+        "accuracy_verdict": accuracy_verdict,
+        "token_level": token_level,
+        "per_question": token_rows,
+        "verdict": token_level["verdict"],
+        "verdict_reason": token_level["verdict_reason"],
     }
+
+
+def _token_row(task: str, ra: dict, rb: dict, forced) -> dict:
+    ta, tb = ra.get("output_token_ids"), rb.get("output_token_ids")
+    if ta is not None and tb is not None:
+        first = tokens.first_difference(ta, tb)
+        same = first is None
+    else:  # a report saved before token ids were recorded: only the text can be compared
+        first, same = None, ra.get("response") == rb.get("response")
+    row = {"doc_id": ra["doc_id"], "identical": same, "first_divergence": first,
+           "tokens_a": len(ta) if ta is not None else None, "tokens_b": len(tb) if tb is not None else None,
+           "answers_same": ra["answers"] == rb["answers"]}
+    st = forced.per_question.get((task, ra["doc_id"])) if forced is not None else None
+    row["teacher_forced"] = st.to_dict() if st is not None else None
+    return row
+
+
+def _token_totals(rows: list[dict], forced, forced_note: str | None) -> dict:
+    n = len(rows)
+    same = sum(r["identical"] for r in rows)
+    changed = sum(not r["answers_same"] for r in rows)
+    measured = [forced.per_question[k] for k in forced.per_question] if forced is not None else []
+    tf = tokens.summarize_forced(measured)
+    tf["note"] = forced_note
+    out = {
+        "questions": n,
+        "identical_generations": same,
+        "identical_rate": same / n if n else None,
+        "first_divergence": tokens.divergence_summary([r["first_divergence"] if not r["identical"] else None for r in rows]),
+        "answers_changed": changed,
+        "teacher_forced": tf,
+    }
+    logits_equal = tf["tokens"] == 0 or (tf["kl_max"] == 0.0 and tf["top1_agreement_b"] == tf["top1_agreement_a"])
+    if changed:
+        out["verdict"] = CHANGES_ANSWERS
+        out["verdict_reason"] = f"the extracted answer differs on {changed} of {n} questions"
+    elif same == n and logits_equal:
+        out["verdict"] = TOKEN_IDENTICAL
+        out["verdict_reason"] = ("every generation is token for token the same" +
+                                 (f", and teacher-forced KL is 0 over {tf['tokens']} positions" if tf["tokens"]
+                                  else " (logits not compared: no teacher forcing)"))
+    else:
+        out["verdict"] = LOGIT_LEVEL_ONLY
+        why = []
+        if same < n:
+            why.append(f"{n - same} of {n} generations differ")
+        if tf["tokens"]:
+            why.append(f"teacher-forced KL(A||B) mean {tf['kl_mean']:.3g}, max {tf['kl_max']:.3g} nats, "
+                       f"B's top-1 agrees with A's token at {100 * tf['top1_agreement_b']:.2f}% of {tf['tokens']} positions")
+        out["verdict_reason"] = "; ".join(why) + "; every extracted answer is the same"
+    return out
 
 
 def _run_label(run: dict) -> dict:
@@ -286,13 +353,84 @@ def render(report: dict, per_question_rows: bool = False) -> str:
             lines.append(f"    {m['task'] + ',' + m['filter']:28} {100 * m['accuracy_a']:8.2f} {100 * m['accuracy_b']:8.2f} "
                          f"{100 * m['difference']:+7.2f} {ci:>17} {m['only_a']:6d} {m['only_b']:6d} {m['mcnemar_p']:10.4f} "
                          f"{m['answers_agree']:>5}/{m['n']:<6}")
-        lines.append(f"    verdict: {cmp['verdict']} (exact McNemar, alpha {cmp['alpha']}, "
+        lines.append(f"    accuracy: {cmp['accuracy_verdict']} (exact McNemar, alpha {cmp['alpha']}, "
                      f"p < {cmp['per_test_threshold']:.4g} per test after Bonferroni)")
-        for task, t in cmp["tasks"].items():
-            lines.append(f"    {task}: identical responses on {t['responses_identical']}/{t['n']} questions")
+        lines += _render_tokens(cmp, per_question_rows)
         if "run_b" in report:
             tb = report["run_b"]["timing"]
             tps_b = tb["output_tokens_per_s"]
             lines.append(f"    B: wall latency {tb['wall_s']:.1f} s (generation {tb['generation_s']:.1f} s), output tokens "
                          f"{tb['output_tokens']}, output throughput {'n/a' if tps_b is None else f'{tps_b:.1f}'} tok/s")
     return "\n".join(lines)
+
+
+def _render_tokens(cmp: dict, per_question_rows: bool) -> list[str]:
+    tl = cmp["token_level"]
+    tf = tl["teacher_forced"]
+    fd = tl["first_divergence"]
+    lines = [f"    token level: identical generations {tl['identical_generations']}/{tl['questions']} "
+             f"({100 * tl['identical_rate']:.1f}%), extracted answer changed on {tl['answers_changed']}"]
+    if fd["diverged"]:
+        lines.append(f"      first differing token: min {fd['min']}, p10 {fd['p10']}, median {fd['median']}, "
+                     f"p90 {fd['p90']}, max {fd['max']} (over {fd['diverged']} diverging generations)")
+    if tf["tokens"]:
+        lines.append(f"      teacher-forced on A's tokens ({tf['questions']} questions, {tf['tokens']} positions): "
+                     f"B top-1 = A's token {100 * tf['top1_agreement_b']:.2f}% (A itself {100 * tf['top1_agreement_a']:.2f}%), "
+                     f"KL(A||B) mean {tf['kl_mean']:.3g} max {tf['kl_max']:.3g} nats")
+    if tf.get("note"):
+        lines.append(f"      teacher forcing: {tf['note']}")
+    lines.append(f"    verdict: {cmp['verdict']} ({cmp['verdict_reason']})")
+    if per_question_rows:
+        lines.append(f"    {'task':10} {'doc':>5} {'same':>5} {'1st diff':>8} {'answer':>7} {'top1 B %':>9} {'KL mean':>9} {'KL max':>9}")
+        for task, rows in cmp["per_question"].items():
+            for r in rows:
+                t = r["teacher_forced"] or {}
+                top1 = "" if t.get("top1_agreement_b") is None else f"{100 * t['top1_agreement_b']:.1f}"
+                kl = "" if t.get("kl_mean") is None else f"{t['kl_mean']:.2e}"
+                klm = "" if not t else f"{t['kl_max']:.2e}"
+                lines.append(f"    {task[:10]:10} {r['doc_id']:>5} {'y' if r['identical'] else 'n':>5} "
+                             f"{'' if r['first_divergence'] is None else r['first_divergence']:>8} "
+                             f"{'same' if r['answers_same'] else 'CHANGED':>7} {top1:>9} {kl:>9} {klm:>9}")
+    return lines
+
+
+def write_chart(report: dict, path) -> str | None:
+    """A PNG: accuracy with 95% intervals per run and filter, and the histogram of first-divergence
+    positions. Returns why not when matplotlib is not installed (None when written)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed; set only when a chart is asked for
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib)"
+    cmp = report["comparison"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    labels, accs, lo_err, hi_err = [], [], [], []
+    for m in cmp["metrics"]:
+        for side, key in (("A", "accuracy_a"), ("B", "accuracy_b")):
+            p, n = m[key], m["n"]
+            lo, hi = stats.wilson_interval(p, n)
+            labels.append(f"{side}\n{m['filter']}")
+            accs.append(100 * p)
+            lo_err.append(100 * (p - lo))
+            hi_err.append(100 * (hi - p))
+    colors = ["tab:blue" if lab.startswith("A") else "tab:orange" for lab in labels]
+    ax1.bar(range(len(accs)), accs, yerr=[lo_err, hi_err], capsize=4, color=colors)
+    ax1.set_ylim(bottom=0)
+    ax1.set_xticks(range(len(accs)), labels, fontsize=8)
+    ax1.set_ylabel("accuracy % (95% interval)")
+    ax1.set_title(f"A = {cmp['a']['label']}\nB = {cmp['b']['label']}", fontsize=8)
+    pos = [r["first_divergence"] for rows in cmp["per_question"].values() for r in rows if not r["identical"]
+           and r["first_divergence"] is not None]
+    tl = cmp["token_level"]
+    if pos:
+        ax2.hist(pos, bins=min(40, max(5, len(set(pos)))), color="tab:gray")
+    ax2.set_xlabel("position of the first differing output token")
+    ax2.set_ylabel("questions")
+    ax2.set_title(f"{tl['identical_generations']}/{tl['questions']} generations identical; verdict: {cmp['verdict']}",
+                  fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None

@@ -7,6 +7,7 @@ read, so a mistake costs seconds, not a model load and a half-finished run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -24,7 +25,13 @@ log = logging.getLogger("attnzoo")
 
 DESCRIPTION = """Evaluate a model with lm-evaluation-harness through attnzoo's engine.
 Example: run_eval gsm8k --data-dir ../shared/data/gsm8k --limit 50
-         run_eval gsm8k --backend triton --compare-to torch --limit 200 --output report.json"""
+         run_eval gsm8k --backend triton --compare-to torch --limit 200 --output report.json
+         run_eval gsm8k --backend triton --compare-kv-cache-dtype fp8_e4m3 --plot cmp.png   # bf16 vs fp8 KV"""
+# Teacher forcing replays every compared question through both backends: all of them on a GPU, a few
+# on a CPU (where one SmolLM2 question costs seconds per backend). --logit-compare-limit overrides.
+CPU_LOGIT_COMPARE_LIMIT = 16
+# KV tokens each of the two teacher-forcing engines holds at once (a wave of questions).
+_FORCED_KV_TOKENS = {"cuda": 1 << 18, "cpu": 1 << 14}
 
 
 @dataclass
@@ -35,9 +42,10 @@ class Backends:
     prefill_backend: str | None = None
     decode_backend: str | None = None
     page_size: int | None = None
+    kv_cache_dtype: str = "auto"
 
     def describe(self) -> str:
-        parts = [f"{k}={v}" for k, v in self.__dict__.items() if v is not None]
+        parts = [f"{k}={v}" for k, v in self.__dict__.items() if v is not None and (k, v) != ("kv_cache_dtype", "auto")]
         return ", ".join(parts) or "policy default"
 
 
@@ -62,6 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-to", default=None, metavar="B2",
                    help="a second backend to run on the same questions, or a report JSON saved by --output")
     p.add_argument("--compare-page-size", type=int, default=None, help="page size for the --compare-to backend")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                   help="what the KV cache stores (auto: the model dtype)")
+    p.add_argument("--k-scale", type=float, default=1.0, help="fp8 KV: per-tensor key scale (default 1.0, as vLLM's)")
+    p.add_argument("--v-scale", type=float, default=1.0, help="fp8 KV: per-tensor value scale (default 1.0)")
+    p.add_argument("--compare-kv-cache-dtype", default=None, choices=("auto", "fp8_e4m3"),
+                   help="KV cache dtype of run B (default: run A's); without --compare-to, B uses A's backends")
+    p.add_argument("--logit-compare-limit", type=int, default=None, metavar="N",
+                   help="teacher-force the first N compared questions through both backends (KL, top-1); "
+                        f"default: all on a GPU, {CPU_LOGIT_COMPARE_LIMIT} on a CPU; 0: off")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="with a comparison: chart accuracy with 95%% intervals and first-divergence positions")
     p.add_argument("--alpha", type=float, default=0.05, help="significance level of the comparison (default 0.05)")
     p.add_argument("--output", default=None, metavar="FILE.json", help="write the report (with per-question records) here")
     p.add_argument("--per-question", action="store_true", help="also print one line per question")
@@ -110,6 +129,12 @@ def _check_numbers(args) -> None:
                         fix="pass a positive number")
     if args.compare_page_size is not None and args.compare_to is None:
         raise EvalError("--compare-page-size needs --compare-to", fix="add --compare-to BACKEND")
+    if args.logit_compare_limit is not None and args.logit_compare_limit < 0:
+        raise EvalError(f"--logit-compare-limit must be >= 0, got {args.logit_compare_limit}", fix="pass 0 to turn it off")
+    if args.plot and args.compare_to is None and args.compare_kv_cache_dtype is None:
+        raise EvalError("--plot charts a comparison", fix="add --compare-to B2 (or --compare-kv-cache-dtype)")
+    if args.plot and not str(args.plot).endswith(".png"):
+        raise EvalError(f"--plot {args.plot!r} is not a .png file name", fix="e.g. --plot comparison.png")
 
 
 def _compare_target(value: str | None) -> tuple[str | None, Path | None]:
@@ -155,7 +180,7 @@ def _resolve_policy(config, src, device, dtype, policy_file, b: Backends, tp: in
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise EvalError(f"--device {device} was asked for but no CUDA GPU is available", fix="pass --device cpu")
     ov = Overrides(backend=b.backend, prefill_backend=b.prefill_backend, decode_backend=b.decode_backend,
-                   page_size=b.page_size, policy_file=policy_file, dtype=dtype)
+                   page_size=b.page_size, policy_file=policy_file, dtype=dtype, kv_cache_dtype=b.kv_cache_dtype)
     shapes = config if tp == 1 else rank_local(profile_from_config(config), tp)  # one rank's heads
     return resolve(shapes, gpu=None if dev.type == "cuda" else "cpu", overrides=ov, model_id=src.name)
 
@@ -163,19 +188,26 @@ def _resolve_policy(config, src, device, dtype, policy_file, b: Backends, tp: in
 # ------------------------------------------------------------------------------ one run
 
 
-def _evaluate(args, data_files, b: Backends, label: str) -> dict:
-    """Load the model with backends ``b``, run the task, and return the run's report."""
+def _load(args, b: Backends, **kw):
+    from attnzoo import load_model
+
+    return load_model(args.model, backend=b.backend, prefill_backend=b.prefill_backend, decode_backend=b.decode_backend,
+                      page_size=b.page_size, policy_file=args.policy, dtype=args.dtype, device=args.device,
+                      kv_cache_dtype=b.kv_cache_dtype, k_scale=args.k_scale, v_scale=args.v_scale,
+                      tensor_parallel_size=args.tensor_parallel_size, **kw)
+
+
+def _evaluate(args, data_files, b: Backends, label: str) -> tuple[dict, dict]:
+    """Load the model with backends ``b``, run the task; return the run's report and each question's
+    (prompt ids, output ids), keyed (task, doc_id), for teacher forcing."""
     import lm_eval
 
-    from attnzoo import load_model
     from attnzoo.evals.lm import AttnzooLM
     from attnzoo.evals.report import build_run
     from attnzoo.evals.tasks import load_tasks
 
     t_load = time.perf_counter()
-    llm = load_model(args.model, backend=b.backend, prefill_backend=b.prefill_backend, decode_backend=b.decode_backend,
-                     page_size=b.page_size, policy_file=args.policy, dtype=args.dtype, device=args.device,
-                     tensor_parallel_size=args.tensor_parallel_size)
+    llm = _load(args, b)
     load_s = time.perf_counter() - t_load
     lm = AttnzooLM(llm=llm, pretrained=args.model, wave_size=args.wave_size)
     # Fresh task objects per run: lm-eval stores each run's instances and responses on them.
@@ -198,16 +230,50 @@ def _evaluate(args, data_files, b: Backends, label: str) -> dict:
             (c.get("generation_kwargs", {}).get("max_gen_toks") for c in configs.values()), None) or lm.max_gen_toks,
         "data_dir": str(Path(args.data_dir).resolve()) if args.data_dir else None,
         "backends_asked": b.describe(),
+        "kv_cache_dtype": b.kv_cache_dtype, "k_scale": args.k_scale, "v_scale": args.v_scale,
         "policy_file": args.policy,
         "seeds": {k: results.get("config", {}).get(k) for k in ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")},
         "load_s": load_s,
     }
     run = build_run(task_results=results["results"], samples=results.get("samples", {}), lm=lm, info=llm.info(),
                     decision=llm.decision, wall_s=wall, settings=settings, label=label)
+    seqs = {(g.task_name, g.doc_id): (g.prompt_ids, g.output_ids) for g in lm.records}
     llm.close()  # tensor parallel from one process: the next run starts its own ranks
     del lm, llm
     _free_memory()
-    return run
+    return run, seqs
+
+
+def _teacher_force(args, a: Backends, b: Backends, seqs_a: dict, prompts: dict, limit: int):
+    """Teacher-force run A's outputs through A's and B's backends (both loaded at once: twice the weights'
+    memory, a small KV cache each). Returns (ForcedResult or None, a note for the report)."""
+    import torch
+
+    from attnzoo.evals import tokens
+
+    if limit == 0:
+        return None, "off (--logit-compare-limit 0)"
+    if _tensor_parallel_size(args) > 1:  # one tensor-parallel model per process: A and B cannot both load
+        return None, "skipped: tensor parallel runs load one model at a time"
+    keys = sorted(seqs_a, key=lambda k: (str(k[0]), k[1]))[:limit]
+    seqs = [tokens.Sequence(key=k, prompt=prompts[k], output=seqs_a[k]) for k in keys if k in prompts]
+    if not seqs:
+        return None, "no token ids to replay"
+    dev = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    longest = max(len(s.prompt) + len(s.output) for s in seqs)
+    budget = max(_FORCED_KV_TOKENS[dev.type], longest)
+    try:
+        llm_a = _load(args, a, kv_cache_tokens=budget, cuda_graph=False)
+        llm_b = _load(args, b, kv_cache_tokens=budget, cuda_graph=False)
+    except AttnzooError as e:  # e.g. a saved report's backends that cannot run on this machine
+        return None, f"skipped: run A's backends cannot be loaded here ({e})"
+    t0 = time.perf_counter()
+    res = tokens.teacher_forced_compare(llm_a, llm_b, seqs, budget_tokens=budget)
+    note = (f"{len(seqs)} of {len(seqs_a)} questions, {time.perf_counter() - t0:.1f} s"
+            + ("" if len(seqs) == len(seqs_a) else " (--logit-compare-limit)"))
+    del llm_a, llm_b
+    _free_memory()
+    return res, note
 
 
 def _free_memory() -> None:
@@ -221,8 +287,10 @@ def _free_memory() -> None:
 # ------------------------------------------------------------------------------ entry points
 
 
-def run(args) -> dict:
-    """Validate, evaluate, compare. Returns ``{"format", "run", ["run_b"], ["comparison"]}``."""
+def run(args, write: bool = True) -> dict:
+    """Validate, evaluate, compare. Returns ``{"format", "run", ["run_b"], ["comparison"]}``.
+
+    ``write=False`` leaves writing ``--output`` to the caller (``main`` prints the summary first)."""
     from attnzoo.evals.report import REPORT_FORMAT, compare_runs
     from attnzoo.evals.tasks import check_data_dir, load_tasks
     from attnzoo.models import loader
@@ -232,11 +300,18 @@ def run(args) -> dict:
     compare_backend, saved_path = _compare_target(args.compare_to)
     saved = _load_saved(saved_path) if saved_path else None
 
-    mine = Backends(args.backend, args.prefill_backend, args.decode_backend, args.page_size)
-    other = Backends(compare_backend, None, None, args.compare_page_size) if compare_backend else None
+    mine = Backends(args.backend, args.prefill_backend, args.decode_backend, args.page_size, args.kv_cache_dtype)
+    other_kv = args.compare_kv_cache_dtype or args.kv_cache_dtype
+    if compare_backend:
+        other = Backends(compare_backend, None, None, args.compare_page_size, other_kv)
+    elif args.compare_kv_cache_dtype is not None and saved is None:
+        other = Backends(args.backend, args.prefill_backend, args.decode_backend, args.page_size, other_kv)
+    else:
+        other = None
     src = loader.resolve_source(args.model)
     config = loader.load_config(src)
     tp = _tensor_parallel_size(args)
+    _check_context(args, config)
     _resolve_policy(config, src, args.device, args.dtype, args.policy, mine, tp)
     if other is not None:
         _resolve_policy(config, src, args.device, args.dtype, args.policy, other, tp)
@@ -251,20 +326,85 @@ def run(args) -> dict:
     # Reads the documents now, so an unknown task or an unreachable dataset fails before the model loads.
     _, loaded = load_tasks(args.task, data_files)
     if saved is not None:
-        _check_saved_matches(saved, args, loaded)
+        _check_saved_matches(saved, args, loaded, src)
     del loaded
 
+    import torch
+
+    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    limit = args.logit_compare_limit if args.logit_compare_limit is not None else (
+        1 << 62 if on_gpu else CPU_LOGIT_COMPARE_LIMIT)
     report: dict[str, Any] = {"format": REPORT_FORMAT}
-    report["run"] = _evaluate(args, data_files, mine, label=mine.describe())
+    report["run"], seqs = _evaluate(args, data_files, mine, label=mine.describe())
+    prompts = {k: p for k, (p, _) in seqs.items()}
     if other is not None:
-        report["run_b"] = _evaluate(args, data_files, other, label=other.describe())
-        report["comparison"] = compare_runs(report["run"], report["run_b"], alpha=args.alpha)
+        report["run_b"], _ = _evaluate(args, data_files, other, label=other.describe())
+        forced, note = _teacher_force(args, mine, other, {k: o for k, (_, o) in seqs.items()}, prompts, limit)
+        report["comparison"] = compare_runs(report["run"], report["run_b"], alpha=args.alpha, forced=forced, forced_note=note)
     elif saved is not None:
-        report["comparison"] = compare_runs(report["run"], saved, alpha=args.alpha)
-        report["comparison"]["b"]["label"] = f"saved report {saved_path}"
-    if out_path is not None and _rank() == 0:
-        out_path.write_text(json.dumps(report, indent=1, default=str))
+        # The saved run is A, the reference: this run (B) is teacher-forced on its tokens.
+        forced, note = None, "skipped: the saved report has no generated token ids (saved before they were recorded)"
+        saved_seqs = _saved_outputs(saved)
+        if saved_seqs:
+            forced, note = _teacher_force(args, _saved_backends(saved), mine, saved_seqs, prompts, limit)
+        report["comparison"] = compare_runs(saved, report["run"], alpha=args.alpha, forced=forced, forced_note=note)
+        report["comparison"]["a"]["label"] = f"saved report {saved_path} ({saved.get('label')})"
+    if args.plot and "comparison" in report:
+        from attnzoo.evals.report import write_chart
+
+        why_not = write_chart(report, args.plot)
+        report["chart"] = args.plot if why_not is None else f"not written: {why_not}"
+    if out_path is not None and write and _rank() == 0:
+        write_report(out_path, report)
     return report
+
+
+def write_report(path: Path, report: dict) -> None:
+    """Write the report atomically: a temporary file in the same folder, renamed over ``path``, so a
+    failed write (full disk, folder removed mid-run) never leaves truncated JSON or destroys a previous
+    report. If it fails, the report is saved in the system temporary folder and the error names it."""
+    text = json.dumps(report, indent=1, default=str)  # anything unserialisable fails before the disk is touched
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # mkstemp makes it 0600
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        kept = "the previous report there is unchanged; " if path.exists() else ""
+        try:
+            fd, rescue = tempfile.mkstemp(prefix="run_eval-report-", suffix=".json")
+            with os.fdopen(fd, "w") as fh:
+                fh.write(text)
+        except OSError:
+            raise EvalError(f"cannot write the report to {path} ({e.strerror or e}); {kept}it could not be saved anywhere",
+                            fix="free disk space or pick another --output, and run again") from None
+        raise EvalError(f"cannot write the report to {path} ({e.strerror or e}); {kept}the report was saved to {rescue}",
+                        fix=f"free space or recreate the folder, then move {rescue} to {path}") from None
+
+
+def _check_context(args, config) -> None:
+    text_config = getattr(config, "text_config", None) or config
+    context = int(getattr(text_config, "max_position_embeddings", 4096))  # load_model's default too
+    if args.max_new_tokens is not None and args.max_new_tokens >= context:
+        raise EvalError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
+                        f"context of {context} tokens", fix=f"pass --max-new-tokens well below {context}")
+
+
+def _saved_outputs(saved: dict) -> dict:
+    return {(task, r["doc_id"]): r["output_token_ids"] for task, t in saved["tasks"].items()
+            for r in t["per_question"] if r.get("output_token_ids") is not None}
+
+
+def _saved_backends(saved: dict) -> Backends:
+    d, s = saved["decision"], saved.get("settings", {})
+    return Backends(None, d["prefill_backend"], d["decode_backend"], d["page_size"], s.get("kv_cache_dtype", "auto"))
 
 
 def _rank() -> int:
@@ -275,19 +415,30 @@ def _rank() -> int:
     return world[0] if world else 0
 
 
-def _check_saved_matches(saved: dict, args, loaded) -> None:
+def _check_saved_matches(saved: dict, args, loaded, src) -> None:
+    """A saved report is comparable only when it ran the same model and the same task settings."""
     names = set(loaded["tasks"])
     if set(saved.get("tasks", {})) != names:
         raise EvalError(f"the saved report is for task(s) {', '.join(sorted(saved.get('tasks', {})))}, not {', '.join(sorted(names))}",
                         fix="compare against a report of the same task")
+    theirs = saved.get("model")
+    if theirs != src.name and not (theirs and Path(theirs).expanduser().resolve() == Path(src.name).expanduser().resolve()):
+        raise EvalError(f"the saved report evaluated model {theirs!r}, this run {src.name!r}",
+                        fix="pass the saved report's --model, or compare against a report of this model")
     s = saved.get("settings", {})
-    for key, mine in (("limit", args.limit), ("apply_chat_template", args.apply_chat_template)):
-        if s.get(key) != mine:
-            raise EvalError(f"the saved report was run with {key}={s.get(key)!r}, this run has {mine!r}",
-                            fix=f"run with the same {key} as the saved report")
-    if args.num_fewshot is not None and s.get("num_fewshot") not in (args.num_fewshot, None):
-        raise EvalError(f"the saved report was run {s.get('num_fewshot')}-shot, this run {args.num_fewshot}-shot",
-                        fix="use the same --num-fewshot")
+    configs = {name: task.config for name, task in loaded["tasks"].items()}
+    shots = {name: args.num_fewshot if args.num_fewshot is not None else c.num_fewshot for name, c in configs.items()}
+    # 256: AttnzooLM's max_gen_toks default, used when neither the flag nor the task sets one.
+    max_new = args.max_new_tokens or next(((c.generation_kwargs or {}).get("max_gen_toks") for c in configs.values()), None) or 256
+    mine = {"limit": args.limit, "apply_chat_template": args.apply_chat_template,
+            "num_fewshot": shots if len(shots) > 1 else next(iter(shots.values())), "max_new_tokens": max_new}
+    flags = {"limit": "--limit", "apply_chat_template": "--apply-chat-template", "num_fewshot": "--num-fewshot",
+             "max_new_tokens": "--max-new-tokens"}
+    for key, value in mine.items():
+        if key in s and s[key] != value:
+            raise EvalError(f"the saved report was run with {key}={s[key]!r}, this run has {value!r}; "
+                            "the two runs would not answer the same questions the same way",
+                            fix=f"run with the saved report's {flags[key]} ({s[key]!r}), or compare against a matching report")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,15 +448,22 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO)
     try:
-        report = run(args)
+        report = run(args, write=False)
     except AttnzooError as e:
         print(f"run_eval: error: {e}", file=sys.stderr)
         return 2
     if _rank() != 0:
         return 0
-    print(render(report, per_question_rows=args.per_question))
+    print(render(report, per_question_rows=args.per_question), flush=True)  # before the write, which can fail
     if args.output:
+        try:
+            write_report(Path(args.output).expanduser(), report)
+        except AttnzooError as e:
+            print(f"run_eval: error: {e}", file=sys.stderr)
+            return 2
         print(f"\nreport written to {args.output}")
+    if report.get("chart"):
+        print(f"chart: {report['chart']}")
     return 0
 
 

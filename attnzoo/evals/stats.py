@@ -86,6 +86,17 @@ def paired_compare(correct_a: Sequence[bool], correct_b: Sequence[bool]) -> Pair
     )
 
 
+def wilson_interval(p: float, n: int) -> tuple[float, float]:
+    """95% Wilson interval for a proportion p of n (for charts: unlike the Wald interval it stays inside
+    [0, 1] and does not collapse at p = 0)."""
+    if n <= 0:
+        return 0.0, 1.0
+    z2 = _Z95**2
+    center = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = _Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, center - half), min(1.0, center + half)
+
+
 def verdict(results: dict[str, PairedResult], alpha: float = 0.05) -> tuple[str, float]:
     """One verdict over several metrics (e.g. strict-match and flexible-extract).
 

@@ -369,19 +369,104 @@ class Fp8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.gemm == GEMM_SCALED_MM:
+            m = x2.shape[0]
+            if m % 4:
+                # cuBLASLt finds no blockwise algorithm unless the activation scales' leading dimension
+                # (M, column-major) is 16-byte aligned: at M=1 it raised CUBLAS_STATUS_NOT_SUPPORTED (H200).
+                x2 = torch.nn.functional.pad(x2, (0, 0, 0, 4 - m % 4))
             x8, xs = act_quant(x2, self.block[1], self.fmt.ue8m0, column_major_scales=True)
-            y = _scaled_mm(x8, xs, self.weight, self._scale_t, x.dtype)
-        elif self.gemm == GEMM_TRITON:
-            x8, xs = act_quant(x2, self.block[1], self.fmt.ue8m0)
-            y = w8a8_block_matmul(x8, xs, self.weight, self.weight_scale_inv, self.block, x.dtype)
+            y = _scaled_mm(x8, xs, self.weight, self._scale_t, x.dtype)[:m]
         else:
-            x8, xs = act_quant_reference(x2, self.block[1], self.fmt.ue8m0)
-            y = w8a8_block_matmul_reference(x8, xs, self.weight, self.weight_scale_inv, self.block, x.dtype)
+            quant = act_quant if self.gemm == GEMM_TRITON else act_quant_reference
+            x8, xs = quant(x2, self.block[1], self.fmt.ue8m0)
+            y = self._block_gemm(x8, xs, x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
 
+    def _block_gemm(self, x8, xs, out_dtype) -> torch.Tensor:
+        gemm = w8a8_block_matmul if self.gemm == GEMM_TRITON else w8a8_block_matmul_reference
+        return gemm(x8, xs, self.weight, self.weight_scale_inv, self.block, out_dtype)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, {self.fmt.describe()}, gemm={self.gemm}")
+
+
+def _stacked(sizes: dict[str, int]) -> dict[str, slice]:
+    rows, start = {}, 0
+    for name, n in sizes.items():
+        rows[name] = slice(start, start + n)
+        start += n
+    return rows
+
+
+class Fp8MergedLinear(Fp8Linear):
+    """The FP8 form of ``models.common.MergedLinear`` (gate/up, q/k/v stacked into one layer), its parts
+    as the checkpoint stores them: ``weight`` is the parts' FP8 weights stacked [sum N, K] and
+    ``weight_scale_inv`` their block factors stacked [sum ceil(N_i/bn), ceil(K/bk)]; each part's tensors
+    load into ``part_rows()`` / ``scale_rows()``.
+
+    When every part's N is a multiple of bn (DeepSeek-V3: 18432 and 2048), the stacked factors are exactly
+    the merged weight's blocks and one GEMM runs. Otherwise a block of bn output rows would straddle two
+    parts with different factors, so each part runs its own GEMM on its rows (outputs concatenated), which
+    keeps the result exactly that of separate layers."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False, fmt: Fp8Format = Fp8Format(),
+                 device=None):
+        super().__init__(in_features, sum(parts.values()), bias, fmt, device)
+        self.parts = dict(parts)
+        self.aligned = all(n % fmt.block_n == 0 for n in parts.values())
+        blocks = {name: -(-n // fmt.block_n) for name, n in parts.items()}
+        self._scale_rows = _stacked(blocks)
+        kb = self.weight_scale_inv.shape[1]
+        self.weight_scale_inv = nn.Parameter(torch.ones(sum(blocks.values()), kb, dtype=torch.float32, device=device),
+                                             requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear, fmt: Fp8Format, *, quantize: bool) -> Fp8MergedLinear:
+        dev = linear.weight.device
+        mod = cls(linear.in_features, linear.parts, linear.bias is not None, fmt, device=dev)
+        if linear.bias is not None:
+            mod.bias = linear.bias
+        if quantize and dev.type != "meta":
+            with torch.no_grad():
+                for rows, srows in zip(mod.part_rows().values(), mod.scale_rows().values()):
+                    w8, s = quantize_weight(linear.weight[rows], mod.block)
+                    mod.weight[rows].copy_(w8)
+                    mod.weight_scale_inv[srows].copy_(s)
+        return mod
+
+    def part_rows(self) -> dict[str, slice]:
+        return _stacked(self.parts)
+
+    def scale_rows(self) -> dict[str, slice]:
+        """Each part's rows of ``weight_scale_inv``."""
+        return dict(self._scale_rows)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split(list(self.parts.values()), dim=-1)
+
+    def prepare(self, out_dtype: torch.dtype) -> str:
+        # cuBLAS's blockwise GEMM takes the stacked factors as one weight's blocks: aligned parts only.
+        if super().prepare(out_dtype) == GEMM_SCALED_MM and not self.aligned:
+            self.gemm, self._scale_t = GEMM_TRITON, None
+        return self.gemm
+
+    def _parts(self):
+        return zip(self.part_rows().values(), self.scale_rows().values())
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([dequantize(self.weight[r], self.weight_scale_inv[s], self.block, dtype=dtype)
+                          for r, s in self._parts()])
+
+    def _block_gemm(self, x8, xs, out_dtype) -> torch.Tensor:
+        if self.aligned:
+            return super()._block_gemm(x8, xs, out_dtype)
+        gemm = w8a8_block_matmul if self.gemm == GEMM_TRITON else w8a8_block_matmul_reference
+        return torch.cat([gemm(x8, xs, self.weight[r], self.weight_scale_inv[s], self.block, out_dtype)
+                          for r, s in self._parts()], dim=-1)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", parts={self.parts}" + ("" if self.aligned else " (one GEMM each)")
 

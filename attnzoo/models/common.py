@@ -17,6 +17,7 @@ from attnzoo.attention.kv_cache import KVCacheSpec
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.errors import WeightError
 from attnzoo.layers import fused
+from attnzoo.layers.fp8 import Fp8MergedLinear
 from attnzoo.layers.parallel import SINGLE, RowParallelLinear, TPContext, narrow
 
 
@@ -165,11 +166,14 @@ class CausalLM(nn.Module):
         of the full tensor to this rank's rows or None)."""
         out = {}
         for mod_name, mod in self.named_modules():
-            if isinstance(mod, MergedLinear):
+            if isinstance(mod, (MergedLinear, Fp8MergedLinear)):
                 parent = mod_name.rpartition(".")[0]
                 for pname, _ in mod.named_parameters(recurse=False):
-                    for part, rows in mod.part_rows().items():
-                        out[f"{parent}.{part}.{pname}".lstrip(".")] = (f"{mod_name}.{pname}", rows, mod.cuts[part])
+                    # FP8 block factors have one row per block of weight rows (layers/fp8.py, Fp8MergedLinear).
+                    part_rows = mod.scale_rows() if pname == "weight_scale_inv" else mod.part_rows()
+                    for part, rows in part_rows.items():
+                        cut = mod.cuts[part] if isinstance(mod, MergedLinear) else None  # FP8: whole layers only
+                        out[f"{parent}.{part}.{pname}".lstrip(".")] = (f"{mod_name}.{pname}", rows, cut)
         return out
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

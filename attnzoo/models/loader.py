@@ -72,29 +72,92 @@ def resolve_source(name_or_path: str | os.PathLike | None) -> CheckpointSource:
 
 
 def _hub_snapshot(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
     try:
         return Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=patterns))
     except Exception:
         pass
+    not_cached = f"hub model {repo_id!r} is not in the local Hugging Face cache"
+    local_fix = "pass a local checkpoint directory, or download it where there is a network (`hf download REPO`)"
+    # Without these checks the hub client retries each file for tens of seconds, one log line a retry.
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise ModelLoadError(f"{not_cached} and HF_HUB_OFFLINE is set", fix=f"unset HF_HUB_OFFLINE, or {local_fix}")
+    host = re.sub(r"^\w+://", "", constants.ENDPOINT).split("/")[0]
+    if not _reachable(host):
+        raise ModelLoadError(f"{not_cached} and {host} cannot be reached (no network?)",
+                             fix=f"connect to the network, or {local_fix}")
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
-    except Exception as e:  # offline, unknown repo, gated: the hub library raises many types
+    except (GatedRepoError, RepositoryNotFoundError) as e:
+        gated = isinstance(e, GatedRepoError)
         raise ModelLoadError(
-            f"hub model {repo_id!r} is not in the local Hugging Face cache and could not be downloaded ({type(e).__name__})",
-            fix="connect to the network (and `huggingface-cli login` for gated models), or pass a local checkpoint directory",
+            f"hub model {repo_id!r} is {'gated' if gated else 'not found, or private'}",
+            fix=("accept its license on huggingface.co, then `hf auth login`" if gated
+                 else "check the id, or `hf auth login` for a private model"),
         ) from None
+    except Exception as e:  # network errors mid-download: the hub library raises many types
+        raise ModelLoadError(
+            f"{not_cached} and could not be downloaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+            fix=f"check the network (and `hf auth login` for gated models), or {local_fix}",
+        ) from None
+
+
+def _reachable(host: str, timeout: float = 3.0) -> bool:
+    import socket
+
+    # Behind a proxy a direct connection may fail while the hub client works: let the client try.
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    hostname, _, port = host.partition(":")
+    try:
+        socket.create_connection((hostname, int(port or 443)), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _global_attr(cfg, key: str):
+    """cfg.<key>, or None where transformers keeps it per layer only (a heterogeneous config: Gemma 4 with
+    its own global-layer KV head count raises on the global read); the model reads those per layer."""
+    try:
+        return getattr(cfg, key, None)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError (not an AttributeError)
+        return None
+
+
+def check_config(config, name: str) -> None:
+    """Reject head/size counts no model can be built from, naming the config key (not a ZeroDivisionError)."""
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    for cfg in (config, getattr(config, "text_config", None)):
+        if cfg is None:
+            continue
+        for key in keys:
+            value = _global_attr(cfg, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ModelLoadError(f"config.json of {name!r}: {key} must be a positive integer, got {value!r}",
+                                     fix=f"set {key} in config.json to the checkpoint's real value")
+        heads, kv = _global_attr(cfg, "num_attention_heads"), _global_attr(cfg, "num_key_value_heads")
+        if heads and kv and heads % kv:
+            raise ModelLoadError(
+                f"config.json of {name!r}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}",
+                fix="set num_key_value_heads to a divisor of num_attention_heads (the checkpoint's real value)")
 
 
 def load_config(src: CheckpointSource):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(src.directory, **src.hf_kwargs)
+        config = AutoConfig.from_pretrained(src.directory, **src.hf_kwargs)
     except Exception as e:
-        raise ModelLoadError(f"cannot read the config of {src.name!r}: {e}", fix="check config.json / the GGUF file") from e
+        if src.gguf_file:
+            raise _corrupt(src.directory / src.gguf_file, e) from None
+        raise ModelLoadError(f"cannot read {src.directory / 'config.json'} of {src.name!r} ({type(e).__name__}: {e})",
+                             fix="repair or re-download config.json") from None
+    check_config(config, src.name)
+    return config
 
 
 def has_tokenizer(src: CheckpointSource) -> bool:
@@ -133,7 +196,11 @@ def architecture_of(config) -> str:
 def _safetensors_files(directory: Path) -> list[str]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise WeightError(f"{index} is not a valid safetensors index ({type(e).__name__}: {e})",
+                              fix="re-download model.safetensors.index.json (it needs a 'weight_map' object)") from None
         absent = [f for f in files if not (directory / f).is_file()]
         if absent:
             raise WeightError(f"shard {absent[0]!r} listed in the index is missing", fix="download all shards")
@@ -148,9 +215,24 @@ def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for f in _safetensors_files(directory):
-        with safe_open(directory / f, framework="pt") as fh:
-            for key in fh.keys():
-                yield key, fh.get_tensor(key)
+        path = directory / f
+        try:
+            fh = safe_open(path, framework="pt")
+            keys = list(fh.keys())
+        except Exception as e:  # SafetensorError, OSError: the reader's own types
+            raise _corrupt(path, e) from None
+        for key in keys:
+            try:
+                tensor = fh.get_tensor(key)
+            except Exception as e:
+                raise _corrupt(path, e, key) from None
+            yield key, tensor
+
+
+def _corrupt(path: Path, e: Exception, key: str | None = None) -> WeightError:
+    what = f" (tensor {key!r})" if key else ""
+    return WeightError(f"cannot read {path}{what}: the file is truncated or corrupt ({type(e).__name__}: {e})",
+                       fix=f"re-download {path.name} (compare its size with the hub's)")
 
 
 # llama.cpp tensor names -> Hugging Face names for the Llama family.
@@ -180,7 +262,10 @@ def iter_gguf(path: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
     from gguf.quants import dequantize
 
-    reader = gguf.GGUFReader(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # a truncated file fails inside numpy (memmap / reshape)
+        raise _corrupt(path, e) from None
     arch = architecture_of(config)
     if arch != "LlamaForCausalLM":
         raise ModelLoadError(f"GGUF loading supports Llama-architecture files, this one is {arch}", fix="use a safetensors checkpoint")
@@ -196,8 +281,10 @@ def iter_gguf(path: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
             if base not in _GGUF_LLAMA_NAMES:
                 raise WeightError(f"GGUF tensor {t.name!r} is not a Llama tensor", fix="use a Llama GGUF file")
             name = f"{_GGUF_LLAMA_NAMES[base]}.{suffix}"
-        w = dequantize(t.data, t.tensor_type)
-        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        try:
+            w = dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
+        except Exception as e:
+            raise _corrupt(path, e, t.name) from None
         if parts[0] == "blk" and base == "attn_q":
             w = _unpermute_rope(w, config.num_attention_heads)
         elif parts[0] == "blk" and base == "attn_k":
@@ -213,8 +300,10 @@ def checkpoint_tensor_names(src: CheckpointSource) -> list[str]:
         return []
     names: list[str] = []
     for f in _safetensors_files(src.directory):
-        with safe_open(src.directory / f, framework="pt") as fh:
-            names += list(fh.keys())
+        try:
+            names += list(safe_open(src.directory / f, framework="pt").keys())
+        except Exception as e:  # SafetensorError, OSError: the reader's own types
+            raise _corrupt(src.directory / f, e) from None
     return names
 
 

@@ -3,8 +3,9 @@
 An FP8 checkpoint stores some linear layers as float8_e4m3fn weights plus ``weight_scale_inv`` block
 factors; which ones is the checkpoint's choice (DeepSeek: every attention projection, dense MLP, shared
 and routed expert; not the embeddings, norms, router or lm_head). ``WeightPlan.build`` makes exactly those
-layers ``Fp8Linear`` while the model is built, so a GPU never holds a bf16 copy of them, and the weights
-stream in as stored. Layers are dequantized at load instead (to the model dtype) when:
+layers ``Fp8Linear`` (``Fp8MergedLinear`` where the model stacks them: gate/up, q/k/v) while the model is
+built, so a GPU never holds a bf16 copy of them, and the weights stream in as stored. Layers are
+dequantized at load instead (to the model dtype) when:
   - the model reads the layer's weight as a matrix rather than calling it (``CausalLM.matrix_weights``:
     absorbed MLA folds ``kv_b_proj`` into the query and the output);
   - the run is on CPU (the reference path: plain float GEMMs), or the GPU has no FP8 tensor cores
@@ -19,9 +20,10 @@ import torch
 from torch import nn
 
 from attnzoo.errors import ModelLoadError, WeightError
-from attnzoo.layers.fp8 import FP8, Fp8Format, Fp8Linear, dequantize, fp8_gemm_supported
+from attnzoo.layers.fp8 import FP8, Fp8Format, Fp8Linear, Fp8MergedLinear, dequantize, fp8_gemm_supported
 from attnzoo.layers.moe import FusedMoE
 from attnzoo.layers.parallel import ColumnParallelLinear, RowParallelLinear
+from attnzoo.models.common import MergedLinear
 
 FP8_MODES = ("auto", "fp8", "dequantize")
 _SCALE = ".weight_scale_inv"
@@ -35,8 +37,19 @@ def _whole_linear(m: nn.Module) -> bool:
         type(m) in (ColumnParallelLinear, RowParallelLinear) and getattr(m.weight, "tp_shard", None) is None)
 
 
+def _whole_merged(m: nn.Module) -> bool:
+    """A MergedLinear holding every part whole (not a tensor-parallel shard)."""
+    return type(m) is MergedLinear and all(cut is None for cut in m.cuts.values())
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+def _part_modules(name: str, merged) -> list[str]:
+    """The checkpoint modules a merged projection stacks (its siblings: ``mlp.gate_proj``, ``mlp.up_proj``)."""
+    parent = name.rpartition(".")[0]
+    return [f"{parent}.{part}".lstrip(".") for part in merged.parts]
 
 
 class WeightPlan:
@@ -117,6 +130,8 @@ class Fp8Plan(WeightPlan):
         def swap(parent, name, sub):
             if _whole_linear(sub) and self._wants_fp8(name, sub):
                 return Fp8Linear.from_linear(sub, self.fmt, quantize=self.scaled is None)
+            if _whole_merged(sub) and all(self._wants_fp8(part, sub) for part in sub.parts):
+                return Fp8MergedLinear.from_linear(sub, self.fmt, quantize=self.scaled is None)
             if experts and isinstance(sub, FusedMoE) and sub.quant is None:
                 return self._fp8_moe(sub)
             return None
@@ -128,7 +143,10 @@ class Fp8Plan(WeightPlan):
             handle.remove()
         if self.scaled is not None:
             self._reconcile(model)
-        self.fp8_modules = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+        self.fp8_modules = set()  # checkpoint-side module names
+        for n, m in model.named_modules():
+            if isinstance(m, Fp8Linear):
+                self.fp8_modules.update(_part_modules(n, m) if isinstance(m, Fp8MergedLinear) else [n])
         self.fp8_moes = tuple(n + "." for n, m in model.named_modules() if isinstance(m, FusedMoE) and m.quant)
         return model
 
@@ -151,6 +169,16 @@ class Fp8Plan(WeightPlan):
                     setattr(model.get_submodule(parent), leaf, self._fp8_moe(mod) if fp8 else FusedMoE(
                         mod.num_experts, mod.hidden, mod.intermediate, mod.act,
                         experts=range(mod.expert_start, mod.expert_start + mod.num_local)))
+                continue
+            if isinstance(mod, (MergedLinear, Fp8MergedLinear)):
+                # FP8 only when every part is: one stacked weight has one dtype.
+                fp8 = all(p in want for p in _part_modules(name, mod)) and (
+                    isinstance(mod, Fp8MergedLinear) or _whole_merged(mod))
+                if fp8 != isinstance(mod, Fp8MergedLinear):
+                    parent, _, leaf = name.rpartition(".")
+                    new = Fp8MergedLinear.from_linear(mod, self.fmt, quantize=False) if fp8 else MergedLinear(
+                        mod.in_features, mod.parts, bias=mod.bias is not None).to(mod.weight.device, self.dtype)
+                    setattr(model.get_submodule(parent), leaf, new)
                 continue
             is_fp8 = isinstance(mod, Fp8Linear)
             if is_fp8 == (name in want) or not (is_fp8 or _whole_linear(mod)):

@@ -26,6 +26,11 @@ non-causal. Without it each request re-reads the whole prefix through a 128-row 
 decode row (one query) fills to 1/128. The rest runs FA2, which packs a KV head's query heads into one
 tile and sizes tiles to the rows (16 for a decode row): the rest is short KV ranges and few rows.
 
+fp8 KV cache (``kv_cache_dtype="fp8_e4m3"``): both wrappers are planned with kv_data_type
+float8_e4m3fn and run with the pool's k_scale/v_scale (FlashInfer folds k_scale into the softmax
+scale and multiplies the output by v_scale); the queries stay in the model dtype. Prefill then runs
+FA2: FlashInfer's FA3 kernels take fp8 only with fp8 queries.
+
 Planning: ``prepare(meta)`` builds the page indices once per step (one set per sliding-window size:
 pages wholly outside the window are skipped) and plans one wrapper per distinct layer signature
 (heads, KV heads, head dims, window, soft-cap, scale); every layer of that signature reuses it. The
@@ -86,9 +91,9 @@ class _CascadeRun:
     rest: object  # decode (DECODE) or causal prefill (EXTEND) wrapper over each request's other pages
     merge_state: object
 
-    def run(self, *, q: torch.Tensor, paged_kv_cache) -> torch.Tensor:
-        o_shared, lse_shared = self.shared.run(q=q, paged_kv_cache=paged_kv_cache, return_lse=True)
-        o_rest, lse_rest = self.rest.run(q=q, paged_kv_cache=paged_kv_cache, return_lse=True)
+    def run(self, *, q: torch.Tensor, paged_kv_cache, **scales) -> torch.Tensor:
+        o_shared, lse_shared = self.shared.run(q=q, paged_kv_cache=paged_kv_cache, return_lse=True, **scales)
+        o_rest, lse_rest = self.rest.run(q=q, paged_kv_cache=paged_kv_cache, return_lse=True, **scales)
         return self.merge_state(v_a=o_shared, s_a=lse_shared, v_b=o_rest, s_b=lse_rest)[0]
 
 
@@ -135,12 +140,14 @@ class FlashInferBackend(AttentionBackend):
 
     def prefill_kernel(self, head_dim: int, v_head_dim: int) -> str:
         """"fa3" or "fa2": which FlashInfer prefill kernels serve a layer with these head dims here."""
-        fa3_fits = self._cc[0] == 9 and head_dim == v_head_dim and head_dim in FA3_HEAD_DIMS
+        fa3_fits = (self._cc[0] == 9 and head_dim == v_head_dim and head_dim in FA3_HEAD_DIMS
+                    and not self.pool.is_fp8)
         if self._prefill_variant == "fa3":
             if not fa3_fits:
                 raise BackendError(
                     f"FlashInfer's FA3 prefill does not serve head dims q/k {head_dim}, v {v_head_dim} "
-                    f"(it builds for equal dims in {FA3_HEAD_DIMS})",
+                    f"(it builds for equal dims in {FA3_HEAD_DIMS}) or an fp8 KV cache with "
+                    f"{str(self.pool.dtype).removeprefix('torch.')} queries",
                     fix="use prefill_variant='fa2' or None",
                 )
             return "fa3"
@@ -268,7 +275,7 @@ class FlashInferBackend(AttentionBackend):
             window_left=sig.window_left,
             logits_soft_cap=sig.softcap or 0.0,
             q_data_type=dtype,
-            kv_data_type=dtype,
+            kv_data_type=self.pool.kv_dtype,
             o_data_type=dtype,
             non_blocking=True,
         )
@@ -333,7 +340,11 @@ class FlashInferBackend(AttentionBackend):
             self._known[sig] = None
         lid = layer.layer_id
         # q: [num_tokens, heads, head_dim]; pages: HND [num_pages, kv_heads, page_size, dim], as planned.
-        return wrapper.run(q=q, paged_kv_cache=(self.pool.k(lid), self.pool.v(lid)))
+        return wrapper.run(q=q, paged_kv_cache=(self.pool.k(lid), self.pool.v(lid)), **self._kv_scales())
+
+    def _kv_scales(self) -> dict:
+        """run() keywords for an fp8 pool (none otherwise: a scale of 1.0 would still cost a multiply)."""
+        return {"k_scale": self.pool.k_scale, "v_scale": self.pool.v_scale} if self.pool.is_fp8 else {}
 
     def extend(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         return self._run(layer, q, meta)

@@ -1,7 +1,9 @@
 """The torch reference backend: exact attention in float32 over the gathered pages.
 
 It is the oracle every other backend is tested against, on CPU and GPU, so it favours plainness over
-speed: one request at a time, the whole score matrix materialised.
+speed: one request at a time, the whole score matrix materialised. An fp8 pool is read by
+dequantizing (value times the pool's per-tensor scale, in float32): quantize-dequantize, so the fp8
+KV cache runs, and is checked, on the CPU.
 """
 from __future__ import annotations
 
@@ -45,6 +47,11 @@ def attention_reference(
     return (torch.softmax(scores, dim=-1) @ vf).transpose(0, 1)
 
 
+def dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """A gathered fp8 pool slice as float32 values (other dtypes pass through)."""
+    return x.float() * scale if x.dtype == torch.float8_e4m3fn else x
+
+
 class TorchBackend(AttentionBackend):
     name = "torch"
     mla_kv_layout = KVLayout.BF16  # NSA layers: it reads the pool's own entries
@@ -59,8 +66,8 @@ class TorchBackend(AttentionBackend):
         start = 0
         for i, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.q_lens_cpu)):
             pages = meta.block_tables[i, : -(-seq_len // ps)]
-            k = gather_kv(k_cache, pages, seq_len)
-            v = gather_kv(v_cache, pages, seq_len)
+            k = dequantize(gather_kv(k_cache, pages, seq_len), self.pool.k_scale)
+            v = dequantize(gather_kv(v_cache, pages, seq_len), self.pool.v_scale)
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             o = attention_reference(
                 q[start : start + q_len], k, v, q_pos,
@@ -79,11 +86,11 @@ class TorchBackend(AttentionBackend):
         b, max_len = q.shape[0], meta.max_seq_len
         pages = meta.block_tables[:, : -(-max_len // meta.page_size)]  # [B, n]
 
-        def gather(cache):  # -> [B, Hkv, max_len, dim] float32
-            g = cache[pages].float()  # [B, n, Hkv, page_size, dim]
+        def gather(cache, scale):  # -> [B, Hkv, max_len, dim] float32
+            g = dequantize(cache[pages], scale).float()  # [B, n, Hkv, page_size, dim]
             return g.transpose(1, 2).reshape(b, g.shape[2], -1, g.shape[-1])[:, :, :max_len]
 
-        k, v = gather(k_cache), gather(v_cache)
+        k, v = gather(k_cache, self.pool.k_scale), gather(v_cache, self.pool.v_scale)
         qg = q.float().view(b, layer.num_kv_heads, -1, q.shape[-1])  # [B, Hkv, group, D]
         scores = (qg @ k.transpose(-1, -2)) * layer.scale  # [B, Hkv, group, max_len]
         if layer.logit_softcap:

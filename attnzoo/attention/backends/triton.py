@@ -105,6 +105,7 @@ class TritonBackend(AttentionBackend):
             q, self.pool.k(lid), self.pool.v(lid), meta.block_tables, meta.q_indptr, meta.prefix_lens,
             max_q_len=plan.max_q_len, scale=layer.scale,
             sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap,
+            k_scale=self.pool.k_scale, v_scale=self.pool.v_scale,
         )
 
     def decode(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
@@ -122,7 +123,8 @@ class TritonBackend(AttentionBackend):
         block_h = dec.decode_launch_config(head_dim, v_dim, group, k_cache.dtype)["BLOCK_H"]
         splits = dec.choose_num_kv_splits(batch=batch, num_kv_heads=num_kv_heads, group=group,
                                           max_kv_len=kv_len - shared, num_sms=self._num_sms, block_h=block_h)
-        kw = dict(scale=layer.scale, logit_softcap=layer.logit_softcap)
+        kw = dict(scale=layer.scale, logit_softcap=layer.logit_softcap, k_scale=self.pool.k_scale,
+                  v_scale=self.pool.v_scale)
         if not shared:
             partial = lse = None
             if splits > 1:

@@ -10,6 +10,11 @@ extend (prefill): split by GPU, explicitly (``extend_runs_as``):
     prefill (FA3 on SM90 where it builds, else FA2), planned and run by an inner ``FlashInferBackend``.
   The policy's capability declaration names the same split (``Kernel.runs_as``), and the Decision shows it.
 
+fp8 KV cache: decode passes the pool's scales as the kernels' fused scales (bmm1 = softmax scale x
+k_scale, bmm2 = v_scale) with bf16/fp16 queries (XQA reads fp8 pages natively). The trtllm-gen
+context and decode kernels (SM100/SM103) are not declared for an fp8 cache with unquantized
+queries: the backend refuses it there.
+
 CUDA graphs (decode): the kernels read the block table and ``meta.seq_lens`` on the device. Under
 ``init_graph_state`` the block table lives in a static buffer sized for the largest graph, refilled in
 place by ``prepare_graph``, and the longest-context bound is the graph's, so replays need nothing else.
@@ -73,6 +78,12 @@ class TrtllmMHABackend(AttentionBackend):
             raise BackendError(
                 f"trtllm_mha on {sm_name(self._cc)} needs page size {sizes}; the KV pool has {pool.page_size}",
                 fix=f"load the model with page_size one of {sizes}",
+            )
+        if pool.is_fp8 and self._cc in TRTLLM_GEN_SMS:
+            raise BackendError(
+                f"trtllm_mha on {sm_name(self._cc)} (trtllm-gen) is not wired for an fp8 KV cache with "
+                f"{str(pool.dtype).removeprefix('torch.')} queries",
+                fix="use kv_cache_dtype='auto', or backend='flashinfer' or 'triton' for an fp8 KV cache",
             )
         # Off Blackwell the extend path is FlashInfer's prefill, run by a backend of our own.
         self._prefill = None if self._cc in TRTLLM_GEN_SMS else _flashinfer_backend(pool)
@@ -203,8 +214,8 @@ class TrtllmMHABackend(AttentionBackend):
             block_tables=step.block_table,
             seq_lens=meta.seq_lens,
             max_seq_len=step.max_seq_len,
-            bmm1_scale=sig.scale,  # the softmax scale: q and k are unscaled bf16/fp16
-            bmm2_scale=1.0,
+            bmm1_scale=sig.scale * self.pool.k_scale,  # the softmax scale (q is unscaled; fp8 k times k_scale)
+            bmm2_scale=self.pool.v_scale,
             window_left=sig.window_left,
             kv_layout="HND",
             backend=self.decode_kernel(),

@@ -59,20 +59,25 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 def dot_args(cache: torch.Tensor) -> dict:
     """The operand dtype and precision of the kernels' tl.dot calls, as constexpr kernel arguments.
 
-    The tensor cores take the cache dtype. Triton's CPU interpreter multiplies the raw bits of bfloat16
+    The tensor cores take the cache dtype; an fp8 cache is widened to bfloat16 first (the queries are
+    not quantized). Triton's CPU interpreter multiplies the raw bits of bfloat16
     operands in tl.dot (triton-lang/triton#11584; upstream does not support bfloat16 there), so off
     the GPU the operands go through float32. float32 models are compared with transformers to 1e-4:
     no TF32 rounding for them.
     """
     dtype = cache.dtype if cache.device.type == "cuda" else torch.float32
+    if dtype == torch.float8_e4m3fn:
+        dtype = torch.bfloat16
     return {"DOT_DTYPE": _TL_DTYPES[dtype], "DOT_PREC": "ieee" if dtype == torch.float32 else "tf32"}
 
 
-def check_kernel_dtypes(*tensors: torch.Tensor) -> None:
-    for t in tensors:
-        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+def check_kernel_dtypes(q: torch.Tensor, *caches: torch.Tensor) -> None:
+    for t in (q, *caches):
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32) and not (
+                t is not q and t.dtype == torch.float8_e4m3fn):
             raise BackendError(
-                f"triton attention kernels take float16, bfloat16 or float32 tensors, got {t.dtype}",
+                f"triton attention kernels take float16, bfloat16 or float32 tensors (and float8_e4m3fn "
+                f"KV caches), got {t.dtype}",
                 fix="run the model and its KV cache in one of those dtypes, or use the torch backend",
             )
 

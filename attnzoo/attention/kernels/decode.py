@@ -13,6 +13,10 @@ the shared keys once per KV head for all (request, query head) rows together, a 
 rows x keys. Both write split-K partials into one scratch (suffix splits, then shared splits), which
 the unchanged stage 2 merges: the shared pages are read once per block of rows, not once per request.
 
+fp8 (e4m3) caches: the tiles are widened to the dot dtype on load; the key scale is folded into the
+softmax scale and the value scale multiplies the normalised output (softmax and the split merge are
+linear in the values), so a scale costs one multiply per score tile and per output row.
+
 Every tensor is addressed through its strides: pool views may be strided (MLA values are the first
 channels of the stored key), and q may be a view of a fused projection.
 """
@@ -125,13 +129,13 @@ def _attend(
 
 
 @triton.jit
-def _finish(O, LSE, o_rows, lse_rows, row_ok, acc, m_i, l_i, stride_od,
+def _finish(O, LSE, o_rows, lse_rows, row_ok, acc, m_i, l_i, stride_od, v_scale,
             V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, DIRECT: tl.constexpr):
     """Store the normalised output of each row at O + o_rows; unless DIRECT, also its log2-LSE (-inf
     for a row that saw no key, so that the merge weighs it 0)."""
     offs_dv = tl.arange(0, BLOCK_DV)
     has_keys = l_i > 0.0
-    out = acc / tl.where(has_keys, l_i, 1.0)[None, :]
+    out = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[None, :]
     o_ptrs = O + o_rows[None, :] + offs_dv[:, None] * stride_od
     o_mask = row_ok[None, :] & (offs_dv[:, None] < V_DIM)
     if DIRECT:
@@ -153,6 +157,7 @@ def _decode_stage1(
     stride_lb, stride_lh, stride_ls,
     sm_scale, softcap, window,
     kv_skip,  # keys before this are left out (cascade: the shared prefix, attended separately)
+    v_scale,
     GROUP: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -197,7 +202,7 @@ def _decode_stage1(
         DOT_DTYPE, DOT_PREC,
     )
     _finish(O, LSE, b * stride_ob + heads * stride_oh + split * stride_os,
-            b * stride_lb + heads * stride_lh + split * stride_ls, head_ok, acc, m_i, l_i, stride_od,
+            b * stride_lb + heads * stride_lh + split * stride_ls, head_ok, acc, m_i, l_i, stride_od, v_scale,
             V_DIM, BLOCK_DV, DIRECT)
 
 
@@ -209,7 +214,7 @@ def _cascade_shared(
     stride_vp, stride_vh, stride_vt, stride_vd,
     stride_ob, stride_oh, stride_os, stride_od,  # O: the shared splits' slots of the partial [b, h, s, d]
     stride_lb, stride_lh, stride_ls,
-    sm_scale, softcap, shared_len, batch,
+    sm_scale, softcap, shared_len, batch, v_scale,
     GROUP: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -246,7 +251,7 @@ def _cascade_shared(
         DOT_DTYPE, DOT_PREC,
     )
     _finish(O, LSE, b * stride_ob + heads * stride_oh + split * stride_os,
-            b * stride_lb + heads * stride_lh + split * stride_ls, row_ok, acc, m_i, l_i, stride_od,
+            b * stride_lb + heads * stride_lh + split * stride_ls, row_ok, acc, m_i, l_i, stride_od, v_scale,
             V_DIM, BLOCK_DV, False)
 
 
@@ -372,7 +377,7 @@ def _split_scratch(q, v_dim, splits, partial, lse):
 
 
 def _stage1(q, k_cache, v_cache, block_tables, seq_lens, dest, lse, *, direct, num_kv_splits, scale,
-            sliding_window, logit_softcap, kv_skip, launch_config):
+            sliding_window, logit_softcap, kv_skip, launch_config, k_scale=1.0, v_scale=1.0):
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     v_dim = v_cache.shape[-1]
@@ -392,7 +397,8 @@ def _stage1(q, k_cache, v_cache, block_tables, seq_lens, dest, lse, *, direct, n
             q, k_cache, v_cache, block_tables, seq_lens, dest, lse,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
             *d_strides, *l_strides,
-            float(scale), float(logit_softcap or 0.0), int(sliding_window or 0), int(kv_skip),
+            float(scale * k_scale), float(logit_softcap or 0.0), int(sliding_window or 0), int(kv_skip),
+            float(v_scale),
         ),
         dict(
             GROUP=group, HEAD_BLOCKS=head_blocks, NUM_SPLITS=num_kv_splits,
@@ -431,6 +437,8 @@ def decode_attention(
     partial: torch.Tensor | None = None,  # [batch, num_heads, num_kv_splits, v_head_dim] float32 scratch
     lse: torch.Tensor | None = None,  # [batch, num_heads, num_kv_splits] float32 scratch
     launch_config: dict | None = None,  # override decode_launch_config (benchmarks and tuning)
+    k_scale: float = 1.0,  # fp8 caches: stored k times k_scale is the key
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [batch, num_heads, v_head_dim]
     """Attention of each request's one new token over its cached keys (all on q's device, no host sync)."""
     _check("decode", q, k_cache, v_cache, num_kv_splits)
@@ -446,7 +454,7 @@ def decode_attention(
         return out
     _stage1(q, k_cache, v_cache, block_tables, seq_lens, dest, lse, direct=direct, num_kv_splits=num_kv_splits,
             scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap, kv_skip=0,
-            launch_config=launch_config)
+            launch_config=launch_config, k_scale=k_scale, v_scale=v_scale)
     if not direct:
         _stage2(dest, lse, out)
     return out
@@ -468,6 +476,8 @@ def cascade_decode_attention(
     partial: torch.Tensor | None = None,  # [batch, num_heads, num_kv_splits + num_shared_splits, v_head_dim] float32
     lse: torch.Tensor | None = None,  # [batch, num_heads, num_kv_splits + num_shared_splits] float32
     launch_config: dict | None = None,  # override cascade_launch_config for the shared pass
+    k_scale: float = 1.0,  # fp8 caches, as in decode_attention
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [batch, num_heads, v_head_dim]
     """``decode_attention`` (no sliding window) for a batch whose requests share a prefix of pages, reading
     the shared pages once per KV head and block of rows instead of once per request.
@@ -497,7 +507,8 @@ def cascade_decode_attention(
     if batch == 0:
         return out
     _stage1(q, k_cache, v_cache, block_tables, seq_lens, partial, lse, direct=False, num_kv_splits=num_kv_splits,
-            scale=scale, sliding_window=None, logit_softcap=logit_softcap, kv_skip=shared_len, launch_config=None)
+            scale=scale, sliding_window=None, logit_softcap=logit_softcap, kv_skip=shared_len, launch_config=None,
+            k_scale=k_scale, v_scale=v_scale)
 
     group = num_heads // num_kv_heads
     bd, bdr = head_dim_tiles(head_dim)
@@ -509,7 +520,7 @@ def cascade_decode_attention(
         (
             q, k_cache, v_cache, block_tables, shared_out, shared_lse,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *shared_out.stride(), *shared_lse.stride(),
-            float(scale), float(logit_softcap or 0.0), int(shared_len), batch,
+            float(scale * k_scale), float(logit_softcap or 0.0), int(shared_len), batch, float(v_scale),
         ),
         dict(
             GROUP=group, NUM_SPLITS=num_shared_splits, HEAD_DIM=head_dim, V_DIM=v_dim,

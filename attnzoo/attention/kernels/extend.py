@@ -36,7 +36,7 @@ def _extend_kernel(
     stride_vp, stride_vh, stride_vt, stride_vd,
     stride_btb,
     stride_ot, stride_oh, stride_od,
-    sm_scale, softcap, window,
+    sm_scale, softcap, window, v_scale,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     V_DIM: tl.constexpr,
@@ -138,7 +138,7 @@ def _extend_kernel(
         acc = acc * alpha[None, :] + pv  # [BLOCK_DV, BLOCK_M]
         m_i = m_new
 
-    out = acc / l_i[None, :]
+    out = acc * (v_scale / l_i)[None, :]
     o_ptrs = O + (q_start + tok).to(tl.int64)[None, :] * stride_ot + heads[None, :] * stride_oh + offs_dv[:, None] * stride_od
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[None, :] & (offs_dv[:, None] < V_DIM))
 
@@ -176,6 +176,8 @@ def extend_attention(
     logit_softcap: float | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, v_head_dim], q's dtype
     launch_config: dict | None = None,  # override the tile sizes (benchmarks and tuning)
+    k_scale: float = 1.0,  # fp8 caches: folded into the softmax scale, as in decode.py
+    v_scale: float = 1.0,  # fp8 caches: multiplies the normalised output
 ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, k_dim = k_cache.shape[1], k_cache.shape[3]
@@ -205,7 +207,7 @@ def extend_attention(
         (
             q, k_cache, v_cache, block_tables, q_indptr, prefix_lens, out,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
-            float(scale), float(logit_softcap or 0.0), int(sliding_window or 0),
+            float(scale * k_scale), float(logit_softcap or 0.0), int(sliding_window or 0), float(v_scale),
         ),
         dict(
             GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=bdv,

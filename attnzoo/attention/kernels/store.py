@@ -4,6 +4,9 @@ One program per (token, KV head) copies that head's key row and, in the same pro
 one launch per layer instead of the two scatter kernels (plus index arithmetic) of torch indexing.
 Destinations are addressed through the pool views' strides, so MLA's strided value view and NSA's
 indexer keys (one "head") go through the same kernel.
+
+An fp8 (e4m3) cache stores row / scale, saturated to +-448 and rounded to nearest even, as
+``kv_cache.quantize_fp8`` does on the CPU.
 """
 from __future__ import annotations
 
@@ -16,18 +19,37 @@ from attnzoo.errors import BackendError
 
 
 @triton.jit
+def fp8_e4m3_round(x):
+    """x saturated to +-448 and rounded to nearest even on the e4m3 grid, still in float32.
+
+    The cast to fp8 that follows is then exact. Triton's CPU interpreter mis-rounds float -> fp8 casts
+    whose rounding carries into the exponent (31.9 -> 16, not 32); snapping to the grid first gives
+    the same bits there as on the GPU, for a few ALU ops on a store."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, -6)  # subnormals share the smallest normal exponent's step, 2^-9
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    y = tl.abs(x) / step  # exact: a power-of-two divisor
+    r = tl.floor(y + 0.5)
+    r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) == 1.0), r - 1.0, r)  # ties to even
+    return tl.where(x < 0, -r, r) * step
+
+
+@triton.jit
 def _store_kernel(
     SLOTS, K, V, K_CACHE, V_CACHE,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_cp, stride_ch, stride_cs, stride_cd,
     stride_dp, stride_dh, stride_ds, stride_dd,
+    k_inv_scale, v_inv_scale,
     PAGE_SIZE: tl.constexpr,
     K_DIM: tl.constexpr,
     V_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     HAS_V: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -37,11 +59,15 @@ def _store_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     k = tl.load(K + t.to(tl.int64) * stride_kt + h * stride_kh + offs_k * stride_kd, mask=offs_k < K_DIM)
     dst = K_CACHE + page * stride_cp + h * stride_ch + off * stride_cs + offs_k * stride_cd
+    if FP8:
+        k = fp8_e4m3_round(k.to(tl.float32) * k_inv_scale)
     tl.store(dst, k.to(K_CACHE.dtype.element_ty), mask=offs_k < K_DIM)
     if HAS_V:
         offs_v = tl.arange(0, BLOCK_V)
         v = tl.load(V + t.to(tl.int64) * stride_vt + h * stride_vh + offs_v * stride_vd, mask=offs_v < V_DIM)
         dst_v = V_CACHE + page * stride_dp + h * stride_dh + off * stride_ds + offs_v * stride_dd
+        if FP8:
+            v = fp8_e4m3_round(v.to(tl.float32) * v_inv_scale)
         tl.store(dst_v, v.to(V_CACHE.dtype.element_ty), mask=offs_v < V_DIM)
 
 
@@ -51,8 +77,12 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_pages, num_kv_heads, page_size, head_dim]
     v: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, v_head_dim]
     v_cache: torch.Tensor | None = None,  # [num_pages, num_kv_heads, page_size, v_head_dim]
+    *,
+    k_scale: float = 1.0,  # fp8 caches: what is stored is k / k_scale
+    v_scale: float = 1.0,
 ) -> None:
-    """cache[slot // page_size, :, slot % page_size] = row, for k (and v), cast to the cache dtype."""
+    """cache[slot // page_size, :, slot % page_size] = row, for k (and v), cast to the cache dtype
+    (quantized by the scale for an fp8 cache)."""
     num_tokens, heads, k_dim = k.shape
     if k_cache.dim() != 4 or k_cache.shape[1] != heads or k_cache.shape[3] != k_dim:
         raise BackendError(f"store: k {tuple(k.shape)} does not fit the cache {tuple(k_cache.shape)}",
@@ -73,8 +103,10 @@ def store_kv(
     _store_kernel[(num_tokens, heads)](
         slot_mapping, k, v_arg, k_cache, vc_arg,
         *k.stride(), *v_arg.stride(), *k_cache.stride(), *vc_arg.stride(),
+        1.0 / k_scale, 1.0 / v_scale,
         PAGE_SIZE=k_cache.shape[2], K_DIM=k_dim, V_DIM=v_arg.shape[2],
         BLOCK_K=next_pow2(k_dim), BLOCK_V=next_pow2(v_arg.shape[2]), HAS_V=has_v,
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=1 if max(k_dim, v_arg.shape[2]) <= 256 else 2,
     )
 
