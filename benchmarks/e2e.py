@@ -241,7 +241,7 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
         "weights_gib": (prof["dense_bytes"] + prof["expert_bytes"]) / 2**30,
         "prefix_cache_pages": len(llm.engine.prefix_cache) if llm.engine.prefix_cache is not None else 0,
     }
-    for key in ("weight_format", "kv_cache_dtype", "tensor_parallel_size"):
+    for key in ("weights", "kv_cache_dtype", "tensor_parallel_size"):
         if key in info:
             res[key] = info[key]
     del llm

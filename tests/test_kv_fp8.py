@@ -226,7 +226,10 @@ def _gpu_case(backend_name: str, page_size: int):
     pool.store(0, dmeta.slot_mapping, k[:3], v[:3])
     qd = torch.randn(3, 32, 128, generator=g, device="cuda", dtype=torch.bfloat16)
     be.prepare(dmeta)
-    assert rel_err(be.decode(layer, qd, dmeta), ref.decode(layer, qd, dmeta)) <= 2e-2
+    # XQA (trtllm_mha on SM90) with an fp8 cache also rounds the softmax probabilities to fp8 before P.V:
+    # 3.3e-2 measured on an H200 against the fp8-KV reference, where FA2 and triton stay under 2e-2.
+    tol = 5e-2 if backend_name == "trtllm_mha" else 2e-2
+    assert rel_err(be.decode(layer, qd, dmeta), ref.decode(layer, qd, dmeta)) <= tol
 
 
 @gpu
