@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from attention import matmul_tflops  # noqa: E402
 from attention_triton import copy_bandwidth, versions  # noqa: E402
+from gemma4 import GEMMA4_31B  # noqa: E402  (google/gemma-4-31B-it's text model)
 
 LLAMA_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -46,14 +47,6 @@ LLAMA_8B = dict(
 )
 LLAMA_70B = dict(LLAMA_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                  num_attention_heads=64, num_key_value_heads=8)
-# google/gemma-4-31B-it's text model (as benchmarks/gemma4.py): 60 layers, every 6th global (d512, 4 KV
-# heads, values from the key projection), the rest sliding (d256, 16 KV heads, window 1024).
-GEMMA4_31B = dict(
-    vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
-    num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4, attention_k_eq_v=True,
-    sliding_window=1024, final_logit_softcapping=30.0, hidden_size_per_layer_input=0, max_position_embeddings=262144,
-    rms_norm_eps=1e-6, tie_word_embeddings=True,
-)
 # deepseek-ai/DeepSeek-V2-Lite (16B): MLA rank 512, 64 routed experts top-6, 2 shared, layer 0 dense.
 DSV2_LITE = dict(
     vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
@@ -112,7 +105,6 @@ def device_limits() -> dict:
 
 def model_profile(llm) -> dict:
     """What the roofline needs from a loaded model: dense and per-expert weight bytes, attention layers."""
-    from attnzoo.attention.layer import Attention
 
     size = {"dense_bytes": 0, "expert_bytes": 0, "dense_params": 0, "expert_params": 0}
     for name, p in llm.model.named_parameters():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attnzoo.layers import fused  # noqa: E402
 from attnzoo.models.common import RMSNorm  # noqa: E402
+from attnzoo.tune import time_ms  # noqa: E402
 
 SHAPES = {
     # hidden, intermediate, q heads, kv heads, head dim, rope interleaved
@@ -33,18 +33,8 @@ SHAPES = {
 
 
 def bench(fn, iters: int = 100) -> float:
-    """Median microseconds of fn() on the GPU (CUDA events around each call)."""
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    """Median microseconds of fn() on the GPU."""
+    return time_ms(fn, torch.device("cuda"), warmup=10, iters=iters) * 1e3
 
 
 def ops(shape: str, t: int) -> list[dict]:

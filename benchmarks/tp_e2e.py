@@ -29,32 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from attention_triton import versions  # noqa: E402
-from gemma4 import GEMMA4_31B  # noqa: E402
-
-LLAMA_70B = dict(
-    vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-    num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-    rms_norm_eps=1e-5, tie_word_embeddings=False,
-    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-)
-
+from e2e import make_config as e2e_make_config  # noqa: E402
 
 def make_config(shape: str, layers: int | None):
-    if shape == "llama70b":
-        from transformers import LlamaConfig
-
-        cfg = LlamaConfig(**{**LLAMA_70B, **({"num_hidden_layers": layers} if layers else {})})
-        cfg.architectures = ["LlamaForCausalLM"]
-        return cfg, "Llama-3.1-70B-shaped"
-    from transformers import Gemma4TextConfig
-
-    n = layers or GEMMA4_31B["num_hidden_layers"]
-    # 5 sliding : 1 global, the last layer global (as transformers lays out gemma-4-31B).
-    types = ["full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention" for i in range(n)]
-    cfg = Gemma4TextConfig(**{**GEMMA4_31B, "num_hidden_layers": n}, layer_types=types,
-                           architectures=["Gemma4ForCausalLM"])
-    return cfg, "Gemma-4-31B-shaped (text model)"
+    """The same shapes as e2e.py (one definition of each)."""
+    config, _ = e2e_make_config(shape, layers)
+    return config, {"llama70b": "Llama-3.1-70B-shaped", "gemma4-31b": "Gemma-4-31B-shaped (text model)"}[shape]
 
 
 def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_running: int) -> dict:
