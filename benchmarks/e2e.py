@@ -105,7 +105,6 @@ def device_limits() -> dict:
 
 def model_profile(llm) -> dict:
     """What the roofline needs from a loaded model: dense and per-expert weight bytes, attention layers."""
-
     size = {"dense_bytes": 0, "expert_bytes": 0, "dense_params": 0, "expert_params": 0}
     for name, p in llm.model.named_parameters():
         part = "expert" if ".experts." in name else "dense"
