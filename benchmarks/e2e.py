@@ -95,6 +95,8 @@ def make_config(shape: str, layers: int | None):
     return config, fields
 
 
+# The official DeepSeek-V3 checkpoints' quantization_config (float8_e4m3fn weights, a scale per 128x128 block).
+FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 SHAPE_NAMES = ("llama8b", "llama70b", "gemma4-31b", "dsv2lite", "dsv3")
 
 
@@ -278,8 +280,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     config, cfg = make_config(args.shape, args.layers)
     if args.weights == "fp8":
-        config.quantization_config = cfg["quantization_config"] = {
-            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+        config.quantization_config = cfg["quantization_config"] = dict(FP8_BLOCK_CONFIG)
     if args.quick:
         args.prompts, args.hf_prompts = 200, min(args.hf_prompts, 64)
     prompts, data = load_prompts(args.prompts)

@@ -12,6 +12,8 @@ useful KV cache, so run it at TP 2) and ``gemma4-31b`` (google/gemma-4-31B-it's 
 
     python benchmarks/tp_e2e.py --shape gemma4-31b --tp 1,2 --out benchmarks/results/tp_e2e_gemma4_31b_2xh200
     python benchmarks/tp_e2e.py --shape llama70b --tp 2 --out benchmarks/results/tp_e2e_llama70b_2xh200
+    python benchmarks/tp_e2e.py --shape dsv3 --weights fp8 --tp 8 --out benchmarks/results/tp_e2e_dsv3_fp8_8xh200
+    python benchmarks/tp_e2e.py --shape dsv3 --layers 8 --weights fp8 --tp 2 ...   # reduced depth on 2 GPUs
 """
 from __future__ import annotations
 
@@ -29,12 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from attention_triton import versions  # noqa: E402
-from e2e import make_config as e2e_make_config  # noqa: E402
+from e2e import FP8_BLOCK_CONFIG, make_config as e2e_make_config  # noqa: E402
 
 def make_config(shape: str, layers: int | None):
     """The same shapes as e2e.py (one definition of each)."""
     config, _ = e2e_make_config(shape, layers)
-    return config, {"llama70b": "Llama-3.1-70B-shaped", "gemma4-31b": "Gemma-4-31B-shaped (text model)"}[shape]
+    return config, {"llama70b": "Llama-3.1-70B-shaped", "gemma4-31b": "Gemma-4-31B-shaped (text model)",
+                    "dsv3": "DeepSeek-V3-shaped (MLA, 256 experts top-8)"}[shape]
 
 
 def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_running: int) -> dict:
@@ -78,17 +81,21 @@ def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_r
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=("llama70b", "gemma4-31b"), required=True)
+    ap.add_argument("--shape", choices=("llama70b", "gemma4-31b", "dsv3"), required=True)
     ap.add_argument("--tp", default="1,2", help="tensor-parallel sizes to run, comma-separated")
     ap.add_argument("--out", required=True, help="output path prefix: writes PREFIX.json")
     ap.add_argument("--backend", default=None, help="attention backend (default: the policy's)")
     ap.add_argument("--prompts", type=int, default=1319)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--max-running", type=int, default=1024)
+    ap.add_argument("--max-running", type=int, default=None, help="default: the engine's (sized from the KV cache)")
+    ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
+                    help="fp8: DeepSeek-V3's block-scaled FP8 format (as e2e.py --weights fp8)")
     ap.add_argument("--layers", type=int, default=None, help="reduce depth (a quick check of the setup)")
     args = ap.parse_args()
 
     config, label = make_config(args.shape, args.layers)
+    if args.weights == "fp8":
+        config.quantization_config = dict(FP8_BLOCK_CONFIG)
     data = json.loads((Path(__file__).parent / "data" / "gsm8k_8shot_tokens.json").read_text())
     prompts = [data["prefix"] + q for q in data["questions"]][: args.prompts]
     results = []
@@ -103,7 +110,7 @@ def main():
             r["kv_capacity_vs_tp1"] = r["kv_cache_tokens"] / base["kv_cache_tokens"]
 
     meta = {"device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}", **versions(),
-            "model": f"{label}, random bf16 weights", "config": config.to_dict(),
+            "model": f"{label}, random {args.weights} weights", "config": config.to_dict(),
             "workload": f"{len(prompts)} GSM8K 8-shot prompts ({len(data['prefix'])}-token shared prefix), "
                         f"{args.new_tokens} output tokens each, EOS ignored"}
     out = Path(args.out)
