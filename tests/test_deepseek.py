@@ -114,6 +114,7 @@ def test_triton_matches_transformers(tmp_path):
     assert_matches_hf(llm, hf, random_prompts(VOCAB, [7, 21]), steps=32)
 
 
+@pytest.mark.skipif(GPU, reason="a Triton-interpreter check on CPU tensors; on a GPU the gpu tests run these kernels on CUDA")
 def test_fused_moe_equals_per_expert_reference():
     """The fused path (CUDA eager and CUDA graphs; the Triton interpreter here) computes the reference's sum."""
     moe = DeepseekV3ForCausalLM_ours(tiny_v3(num_hidden_layers=2).config).model.layers[1].mlp

@@ -69,7 +69,10 @@ def test_add_rms_norm(dtype, post_norm):
     check(lambda: fused.add_rms_norm(x, None, norm, x_norm=x_norm), dtype)  # first layer: no residual yet
     with fused.use("triton"):
         _, s = fused.add_rms_norm(x, residual, norm)
-    assert torch.equal(s, residual + x) or dtype == torch.bfloat16 and not GPU  # the add rounds once, as torch's
+    if dtype == torch.bfloat16 and not GPU:  # the interpreter truncates bf16 stores: one unit at most
+        torch.testing.assert_close(s, residual + x, rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(s, residual + x)  # the add rounds once, as torch's
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -6,7 +6,6 @@ kernel arithmetic: the tolerances are the bf16 ones, not fp8's.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -21,10 +20,6 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 FP8 = torch.float8_e4m3fn
-
-
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
 
 
 def rel_err(out, ref) -> float:
@@ -60,11 +55,12 @@ def test_pool_store_load_round_trip_cpu():
 
 
 @pytest.mark.parametrize("k_scale", [1.0, 0.37])
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a Triton-interpreter check on CPU tensors; on a GPU the gpu tests run these kernels on CUDA")
 def test_triton_store_kernel_matches_torch_quantization(k_scale):
     """The Triton store kernel (the GPU store path) writes the same fp8 bits as the CPU path."""
     from attnzoo.attention.kernels.store import store_kv
 
-    g = torch.Generator().manual_seed(_seed())
+    g = torch.Generator().manual_seed(0)
     spec = KVCacheSpec(num_kv_heads=2, head_dim=32, v_head_dim=16)
     pool = KVPool([spec], num_pages=4, page_size=4, dtype=torch.bfloat16, device="cpu",
                   kv_cache_dtype="fp8_e4m3", k_scale=k_scale, v_scale=2.0)
@@ -94,7 +90,7 @@ def test_triton_fp8_matches_torch_fp8_reference():
     torch quantize-dequantize reference, and both differ from the same run on a bf16 pool."""
     from attnzoo.attention.backends.triton import TritonBackend
 
-    seed = _seed()
+    seed = 1
     gen = torch.Generator().manual_seed(seed)
     dtype, ps = torch.bfloat16, 4
     layers = _layers()

@@ -539,7 +539,7 @@ def check_backend(
                 if not fitting and heads_bad:
                     k = heads_bad[0]
                     bad.append(f"{k.name} on {gpu} runs {_fmt(k.num_heads)} query heads; this model has {num_heads}")
-                if not fitting and fp8_refused:
+                elif not fitting and fp8_refused:
                     bad.append(f"{fp8_refused[0].name} on {gpu} does not read a {kv_cache_dtype} KV cache "
                                f"({fp8_refused[0].note})")
                 elif not fitting and too_grouped:

@@ -32,6 +32,17 @@ from attnzoo.errors import BackendError, KVCacheFullError, NumericsError, Reques
 MAX_RUNNING_CAP = 4096
 
 
+def check_cascade(decode_backend_cls, prefix_caching: bool, cascade: bool | None) -> bool:
+    """Whether cascade decode can run; an explicit ``cascade=True`` that cannot is an error."""
+    can = bool(prefix_caching and decode_backend_cls.supports_cascade)
+    if cascade and not can:
+        why = (f"the decode backend {decode_backend_cls.name!r} has no cascade path"
+               if not decode_backend_cls.supports_cascade else "prefix caching is off")
+        raise BackendError(f"cascade attention needs prefix caching and a decode backend that supports it; {why}",
+                           fix="pass cascade=None (automatic) or False, or use decode backend 'flashinfer' or 'triton'")
+    return can
+
+
 @dataclass
 class Completion:
     text: str
@@ -69,8 +80,6 @@ class _Request:
         n = len(self._table)
         if n < len(self.pages):
             self._table = np.concatenate([self._table, np.asarray(self.pages[n:], dtype=np.int32)])
-        elif n > len(self.pages):
-            self._table = np.asarray(self.pages, dtype=np.int32)
         return self._table
 
     @property
@@ -117,14 +126,7 @@ class Engine:
         # reads them once. A cascade step runs eagerly (its kernels differ from the captured graph's),
         # so it is used only where it saves more KV reads than a graph replay saves launches:
         # at least ``cascade_min_saved_tokens`` = shared tokens x (requests - 1) per layer.
-        can = prefix_caching and decode_backend.supports_cascade
-        if cascade and not can:
-            raise BackendError(
-                f"cascade attention needs prefix caching and a decode backend that supports it; "
-                f"{decode_backend.name!r} {'does' if decode_backend.supports_cascade else 'does not'}"
-                f"{'' if prefix_caching else ', and prefix caching is off'}",
-                fix="pass cascade=None (automatic) or False, or use decode backend 'flashinfer' or 'triton'",
-            )
+        can = check_cascade(type(decode_backend), prefix_caching, cascade)
         self.cascade = can if cascade is None else cascade
         # Extend steps too (prompt chunks after a cached few-shot prefix, beside decode rows), where the
         # prefill backend can: there every request re-reads the prefix, however few queries it brings.
@@ -254,6 +256,8 @@ class Engine:
         per step for all requests together through the decode backend (its CUDA graphs where they fit).
         Each request gets its own pages (no prefix sharing), so two engines fed the same inputs run the
         same schedule step for step."""
+        if not all(prompts):
+            raise RequestError("teacher forcing got an empty prompt", fix="pass at least one prompt token per sequence")
         need = [self._pages_for(len(p) + len(c)) for p, c in zip(prompts, continuations)]
         if sum(need) > self.allocator.num_free and self.prefix_cache is not None:
             self.prefix_cache.evict(sum(need) - self.allocator.num_free)

@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from attnzoo.attention.backends import get_backend_class
 from attnzoo.attention.kv_cache import KVPool, kv_storage_dtype
-from attnzoo.engine.engine import Completion, Engine
+from attnzoo.engine.engine import Completion, Engine, check_cascade
 from attnzoo.engine.sampling import SamplingParams
 from attnzoo.errors import BackendError, ModelLoadError, RequestError
 from attnzoo.models import loader
@@ -77,7 +77,10 @@ def _tensor_parallel_call(method):
     def call(self, *args, **kwargs):
         if self.tp is None:
             return method(self, *args, **kwargs)
-        return self.tp.call(lambda: method(self, *args, **kwargs), self.engine)
+        # The whole call, the closing message to the other ranks included, under the one lock: two
+        # threads' messages must not interleave on the control group.
+        with self._lock:
+            return self.tp.call(lambda: method(self, *args, **kwargs), self.engine)
 
     return call
 
@@ -98,7 +101,7 @@ class LLM:
         self.tp = tp  # TPGroup when tensor parallel, else None
         self.progress = progress  # status lines on stderr (generate's progress when no on_finish is given)
         # One engine runs one batch at a time: concurrent calls would over-commit its KV reservations.
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by a tensor-parallel call (_tensor_parallel_call)
 
     # ------------------------------------------------------------------ inputs
 
@@ -484,11 +487,7 @@ def _check_graph_and_cascade(decision, dev, cuda_graph, cascade, prefix_caching)
         why = f"the device is {dev}" if dev.type != "cuda" else f"the decode backend {decision.decode_backend!r} has no graph path"
         raise BackendError(f"CUDA graphs were asked for, but {why}",
                            fix="pass cuda_graph=False (or None: automatic), or a decode backend that supports graphs on a GPU")
-    if cascade and not (prefix_caching and dec.supports_cascade):
-        why = (f"the decode backend {decision.decode_backend!r} has no cascade path" if not dec.supports_cascade
-               else "prefix caching is off")
-        raise BackendError(f"cascade attention needs prefix caching and a decode backend that supports it; {why}",
-                           fix="pass cascade=None (automatic) or False, or use decode backend 'flashinfer' or 'triton'")
+    check_cascade(dec, prefix_caching, cascade)
 
 
 def _stderr_is_terminal() -> bool:

@@ -90,7 +90,7 @@ def teacher_forced_compare(llm_a, llm_b, seqs: list[Sequence], *, budget_tokens:
             lpa = torch.log_softmax(la.float(), dim=-1)
             lpb = torch.log_softmax(lb.to(la.device).float(), dim=-1)
             # KL(A||B) = sum_v p_A (log p_A - log p_B); terms with p_A = 0 contribute 0.
-            kl = (lpa.exp() * (lpa - lpb)).nan_to_num(0.0).sum(-1).clamp_min(0.0)
+            kl = (lpa.exp() * (lpa - lpb)).nan_to_num(0.0).sum(-1).clamp_min(0.0).tolist()  # one sync a step
             hit_b = (lpb.argmax(-1) == target).tolist()
             hit_a = (lpa.argmax(-1) == target).tolist()
             for j, i in enumerate(live):
@@ -98,7 +98,7 @@ def teacher_forced_compare(llm_a, llm_b, seqs: list[Sequence], *, budget_tokens:
                 st.tokens += 1
                 st.top1_b += hit_b[j]
                 st.top1_a += hit_a[j]
-                k = float(kl[j])
+                k = kl[j]
                 st.kl_sum += k
                 st.kl_max = max(st.kl_max, k)
                 if not hit_b[j] and st.first_top1_miss is None:
