@@ -569,3 +569,25 @@ def test_num_return_sequences(llm):
     assert [o.prompt_token_ids for o in outs] == [prompts[0]] * 3 + [prompts[1]] * 3
     assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate([p for p in prompts for _ in range(3)], **kw)]
     assert len({tuple(o.token_ids) for o in outs[:3]}) > 1  # distinct seeds, distinct samples
+
+
+def test_missing_gguf_package_is_named(monkeypatch, tmp_path):
+    """Without the gguf package a GGUF load says so, instead of calling the file corrupt."""
+    import builtins
+
+    from attnzoo.errors import ModelLoadError
+    from attnzoo.models import loader
+
+    real_import = builtins.__import__
+
+    def no_gguf(name, *a, **k):
+        if name == "gguf" or name.startswith("gguf."):
+            raise ImportError("No module named 'gguf'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_gguf)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    src = loader.CheckpointSource(name="m.gguf", directory=tmp_path, gguf_file="m.gguf")
+    with pytest.raises(ModelLoadError) as e:
+        loader.load_config(src)
+    assert "gguf" in str(e.value) and "not installed" in str(e.value) and "corrupt" not in str(e.value)

@@ -149,6 +149,8 @@ def check_config(config, name: str) -> None:
 def load_config(src: CheckpointSource):
     from transformers import AutoConfig
 
+    if src.gguf_file:
+        _require_gguf()
     try:
         config = AutoConfig.from_pretrained(src.directory, **src.hf_kwargs)
     except Exception as e:
@@ -229,6 +231,16 @@ def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
             yield key, tensor
 
 
+def _require_gguf() -> None:
+    """A missing ``gguf`` package surfaces inside transformers as an ImportError that would otherwise read
+    as a corrupt file; name the real problem first."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise ModelLoadError("reading a GGUF checkpoint needs the `gguf` package, which is not installed",
+                             fix="pip install 'gguf>=0.10' (a dependency of attnzoo: reinstall with pip install -e .)") from None
+
+
 def _corrupt(path: Path, e: Exception, key: str | None = None) -> WeightError:
     what = f" (tensor {key!r})" if key else ""
     return WeightError(f"cannot read {path}{what}: the file is truncated or corrupt ({type(e).__name__}: {e})",
@@ -259,6 +271,7 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def iter_gguf(path: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
+    _require_gguf()
     import gguf
     from gguf.quants import dequantize
 
