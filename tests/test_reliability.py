@@ -591,3 +591,22 @@ def test_missing_gguf_package_is_named(monkeypatch, tmp_path):
     with pytest.raises(ModelLoadError) as e:
         loader.load_config(src)
     assert "gguf" in str(e.value) and "not installed" in str(e.value) and "corrupt" not in str(e.value)
+
+
+def test_missing_lm_eval_is_named(monkeypatch):
+    """run_eval without lm-eval names the extra to install before it loads any model."""
+    import builtins
+
+    from attnzoo.evals.tasks import require_lm_eval
+
+    real_import = builtins.__import__
+
+    def no_lm_eval(name, *a, **k):
+        if name == "lm_eval" or name.startswith("lm_eval."):
+            raise ImportError("No module named 'lm_eval'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_lm_eval)
+    with pytest.raises(EvalError) as e:
+        require_lm_eval()
+    assert "lm-eval" in str(e.value) and "[evals]" in str(e.value)

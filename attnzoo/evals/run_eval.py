@@ -292,9 +292,10 @@ def run(args, write: bool = True) -> dict:
 
     ``write=False`` leaves writing ``--output`` to the caller (``main`` prints the summary first)."""
     from attnzoo.evals.report import REPORT_FORMAT, compare_runs
-    from attnzoo.evals.tasks import check_data_dir, load_tasks
+    from attnzoo.evals.tasks import check_data_dir, load_tasks, require_lm_eval
     from attnzoo.models import loader
 
+    require_lm_eval()
     _check_numbers(args)
     out_path = check_output_path(args.output) if args.output else None
     compare_backend, saved_path = _compare_target(args.compare_to)

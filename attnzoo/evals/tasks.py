@@ -20,6 +20,15 @@ LOCAL_DATA_TASKS = {"gsm8k": {"train": "train.jsonl", "test": "test.jsonl"}}
 _GSM8K_FIELDS = ("question", "answer")
 
 
+def require_lm_eval() -> None:
+    """lm-eval supplies the task definitions and metrics; name the missing extra before any model loads."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError as e:
+        raise EvalError(f"run_eval needs lm-eval, which is not installed here ({e})",
+                        fix="pip install -e '.[evals]' (lm_eval==0.4.13)") from None
+
+
 def _lm_eval_tasks_dir() -> Path:
     import lm_eval.tasks
 
