@@ -573,3 +573,16 @@ def test_smollm2_bf16_vs_fp8_kv_reports_logit_difference():
     assert tf["kl_mean"] > 0 and tf["kl_max"] > 0, "fp8 KV must show at the logit level"
     assert cmp["verdict"] in (report_mod.LOGIT_LEVEL_ONLY, report_mod.CHANGES_ANSWERS)
     assert "KL(A||B)" in report_mod.render(rep)
+
+
+def test_teacher_forcing_waves_count_whole_pages():
+    """A wave must fit the KV budget in pages: 239 sequences of 1100 tokens each overflowed a budget sized
+    in tokens by rounding (each sequence holds whole pages)."""
+    from attnzoo.evals.tokens import Sequence, _waves
+
+    seqs = [Sequence(key=("gsm8k", i), prompt=[1] * 1000, output=[2] * 100) for i in range(239)]
+    budget, ps = 262144, 16
+    waves = _waves(seqs, budget, ps)
+    assert sum(len(w) for w in waves) == 239
+    for w in waves:
+        assert sum(-(-(len(s.prompt) + len(s.output)) // ps) for s in w) <= budget // ps

@@ -59,11 +59,13 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _waves(seqs: list[Sequence], budget_tokens: int) -> list[list[Sequence]]:
+def _waves(seqs: list[Sequence], budget_tokens: int, page_size: int = 1) -> list[list[Sequence]]:
+    """Consecutive groups of ``seqs`` whose KV fits ``budget_tokens``; each sequence holds whole pages,
+    so its length counts rounded up to ``page_size``."""
     out: list[list[Sequence]] = [[]]
     used = 0
     for s in seqs:
-        n = len(s.prompt) + len(s.output)
+        n = -(-(len(s.prompt) + len(s.output)) // page_size) * page_size
         if out[-1] and used + n > budget_tokens:
             out.append([])
             used = 0
@@ -76,7 +78,8 @@ def teacher_forced_compare(llm_a, llm_b, seqs: list[Sequence], *, budget_tokens:
     """KL(A || B) and top-1 agreement at every output position of ``seqs`` (run A's tokens), the two
     engines stepped in lockstep, ``budget_tokens`` of KV per wave of sequences."""
     res = ForcedResult()
-    for wave in _waves([s for s in seqs if s.output], budget_tokens):
+    page_size = max(llm_a.engine.pool.page_size, llm_b.engine.pool.page_size)
+    for wave in _waves([s for s in seqs if s.output], budget_tokens, page_size):
         stats = [ForcedStats() for _ in wave]
         prompts = [s.prompt for s in wave]
         outs = [s.output for s in wave]
