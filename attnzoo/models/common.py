@@ -96,7 +96,7 @@ class MergedLinear(nn.Linear):
                   for name, n in parts.items()}
         super().__init__(in_features, sum(count for _, count in shards.values()), bias=bias)
         self.parts = {name: count for name, (_, count) in shards.items()}  # this rank's rows of each part
-        self.cuts = {name: None if shards[name] == (0, n) else narrow(0, *shards[name]) for name, n in parts.items()}
+        self.cuts = {name: None if shards[name] == (0, n) else narrow(0, *shards[name], n) for name, n in parts.items()}
 
     def part_rows(self) -> dict[str, slice]:
         rows, start = {}, 0

@@ -162,8 +162,8 @@ class Fp8Plan(WeightPlan):
         blocks = cut.blocks(self.fmt.block_n if cut.dim == 0 else self.fmt.block_k)
         if blocks is None:
             what = "output rows" if cut.dim == 0 else "input features"
-            self.split_blocks[leaf] = (f"{cut.size} of {cut.full_size} {what} per rank, from {cut.start}: "
-                                       f"not whole {self.fmt.block_n}-blocks")
+            self.split_blocks.setdefault(leaf, f"{cut.size} of {cut.full_size} {what} per rank, from {cut.start}: "
+                                               f"not whole {self.fmt.block_n}-blocks")
             return None
         if type(sub) is RowParallelLinear:
             mod = Fp8RowParallelLinear(sub.in_features, sub.out_features, sub.bias is not None, self.fmt, tp=sub.tp,
@@ -188,8 +188,8 @@ class Fp8Plan(WeightPlan):
         split = [part for part, cut in sub.cuts.items() if cut is not None and blocks[part] is None]
         if split:
             cut = sub.cuts[split[0]]
-            self.split_blocks[name] = (f"{split[0]}: {cut.size} output rows per rank, from {cut.start}: "
-                                       f"not whole {self.fmt.block_n}-blocks")
+            self.split_blocks.setdefault(name, f"{split[0]}: {cut.size} of {cut.full_size} output rows per rank, "
+                                               f"from {cut.start}: not whole {self.fmt.block_n}-blocks")
             return None
         mod = Fp8MergedLinear.from_linear(sub, self.fmt, quantize=self.scaled is None and sub.weight.device.type != "meta")
         mod.cuts, mod.scale_cuts = dict(sub.cuts), blocks
