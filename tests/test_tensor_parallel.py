@@ -17,7 +17,7 @@ from transformers import Gemma4ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import attnzoo
 from attnzoo.defaults.profile import profile_from_config, rank_local
-from attnzoo.errors import ModelLoadError
+from attnzoo.errors import EvalError, ModelLoadError
 from attnzoo.layers.fp8 import FP8, Fp8Linear
 from attnzoo.layers.parallel import TPContext
 from attnzoo.models import loader
@@ -81,7 +81,7 @@ def _options(device: str) -> dict:
 
 
 def _load(path, device: str = "cpu", **kw):
-    return attnzoo.load_model(path, **_options(device), **kw)
+    return attnzoo.load_model(path, **{**_options(device), **kw})
 
 
 # ---------------------------------------------------------------------------------------- no processes
@@ -265,6 +265,35 @@ def test_fp8_v3_at_tp2_equals_tp1(fp8_v3):
     # 4 + 4 attention (q_a, q_b, kv_a, o), dense gate_up / down, shared gate_up / down; one routed MoE
     assert weights["gemm"] == ref["info"]["weights"]["gemm"] == \
         "torch emulation (float32, cpu): 12 layers; MoE reference (float32, cpu): 1 layers"
+
+
+def test_teacher_forcing_steps_two_models_of_one_group(checkpoints):
+    """run_eval --compare-to under tensor parallelism: B (page size 8) joins A's group (page size 4), rank 0
+    steps both in lockstep and rank 1 follows each step on the right model; the statistics are TP=1's."""
+    from attnzoo.evals import tokens
+
+    path = checkpoints["llama"]
+    a, b = _load(path), _load(path, page_size=8)
+    outs = [o.token_ids for o in a.generate(PROMPTS, max_new_tokens=STEPS, ignore_eos=True)]
+    seqs = [tokens.Sequence(("t", i), p, o) for i, (p, o) in enumerate(zip(PROMPTS, outs))]
+    ref = tokens.teacher_forced_compare(a, b, seqs, budget_tokens=20)  # 20 tokens: two waves
+    a = _load(path, tensor_parallel_size=2)
+    try:
+        b = _load(path, tensor_parallel_size=2, page_size=8)
+        got = tokens.teacher_forced_compare(a, b, seqs, budget_tokens=20)
+        assert b.generate(PROMPTS, max_new_tokens=STEPS, ignore_eos=True)[1].token_ids == outs[1]
+        b.close()  # rank 1 drops B; A still runs on both ranks
+        assert a.generate(PROMPTS, max_new_tokens=STEPS, ignore_eos=True)[0].token_ids == outs[0]
+        with pytest.raises(EvalError, match="not on one tensor-parallel group"):
+            tokens.teacher_forced_compare(a, _load(path), seqs, budget_tokens=20)
+    finally:
+        a.close()
+    assert all(not p.is_alive() for p in a.tp.workers)
+    assert got.per_question.keys() == ref.per_question.keys()
+    for key, st in ref.per_question.items():
+        g = got.per_question[key]
+        assert (g.tokens, g.top1_a, g.top1_b, g.first_top1_miss) == (st.tokens, st.top1_a, st.top1_b, st.first_top1_miss)
+        assert abs(g.kl_sum - st.kl_sum) < 1e-5 and abs(g.kl_max - st.kl_max) < 1e-5
 
 
 # ---------------------------------------------------------------------------------------- torchrun route

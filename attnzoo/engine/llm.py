@@ -80,7 +80,7 @@ def _tensor_parallel_call(method):
         # The whole call, the closing message to the other ranks included, under the one lock: two
         # threads' messages must not interleave on the control group.
         with self._lock:
-            return self.tp.call(lambda: method(self, *args, **kwargs), self.engine)
+            return self.tp.call(lambda: method(self, *args, **kwargs))
 
     return call
 
