@@ -340,10 +340,10 @@ class Fp8Plan(WeightPlan):
                 text += f": {self.why}"
             elif as_matrix:
                 text += f": the model reads the weight of {', '.join(as_matrix)} as a matrix"
-            if self.split_blocks:
-                text += "; tensor-parallel shards not of whole blocks: " + "; ".join(
-                    f"{leaf} ({why})" for leaf, why in sorted(self.split_blocks.items()))
             out["dequantized_at_load"] = text
+        if self.split_blocks:
+            out["split_blocks"] = f"tensor-parallel shards kept {_name(self.dtype)} (not whole blocks): " + "; ".join(
+                f"{leaf} ({why})" for leaf, why in sorted(self.split_blocks.items()))
         if self.shards:
             out["fp8_shards"] = (f"per rank: {sum(self.shards.values())} tensor-parallel layers "
                                  f"({', '.join(sorted(self.shards))}) hold the rank's own whole blocks in FP8")
