@@ -5,10 +5,15 @@ tokens each with EOS ignored, random bf16 weights (``load_model(load_format="ran
 (shape, TP) pair loads the model with ``tensor_parallel_size=TP`` from this process (rank 0; the other
 ranks are spawned), warms up, runs the workload once and records output tokens/s, TTFT, TPOT, the KV
 capacity (tokens per rank: every rank holds the same token count for its own heads), KV bytes per token
-per rank, rank 0's peak memory and the CUDA-graph/eager step counts.
+per rank, rank 0's peak memory, each GPU's used memory (device-wide, all ranks), the weights' format
+(``--weights fp8``: which layers hold FP8 block shards per rank) and the CUDA-graph/eager step counts,
+and the roofline fraction: ``e2e.py``'s estimate for one rank's share of the schedule (its dense shard,
+the experts of its own it can touch per step, its KV heads) over the measured time; the collectives'
+time is not in the estimate.
 
-Shapes: ``llama70b`` (Llama-3.1-70B: 80 layers, 64 heads / 8 KV heads; does not fit one GPU with a
-useful KV cache, so run it at TP 2) and ``gemma4-31b`` (google/gemma-4-31B-it's text model).
+Shapes: e2e.py's (one table: ``--shape`` takes any of its names), e.g. ``llama70b`` (Llama-3.1-70B: 80
+layers, 64 heads / 8 KV heads; does not fit one GPU with a useful KV cache, so run it at TP 2),
+``gemma4-31b`` (google/gemma-4-31B-it's text model), ``dsv3`` (DeepSeek-V3: MLA, 256 experts top-8).
 
     python benchmarks/tp_e2e.py --shape gemma4-31b --tp 1,2 --out benchmarks/results/tp_e2e_gemma4_31b_2xh200
     python benchmarks/tp_e2e.py --shape llama70b --tp 2 --out benchmarks/results/tp_e2e_llama70b_2xh200
@@ -31,16 +36,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from attention_triton import versions  # noqa: E402
-from e2e import FP8_BLOCK_CONFIG, make_config as e2e_make_config  # noqa: E402
+from e2e import FP8_BLOCK_CONFIG, SHAPE_NAMES, device_limits, model_profile, roofline_seconds  # noqa: E402
+from e2e import make_config as e2e_make_config  # noqa: E402
+
+LABELS = {"llama70b": "Llama-3.1-70B-shaped", "gemma4-31b": "Gemma-4-31B-shaped (text model)",
+          "dsv3": "DeepSeek-V3-shaped (MLA, 256 experts top-8)"}
+
 
 def make_config(shape: str, layers: int | None):
     """The same shapes as e2e.py (one definition of each)."""
     config, _ = e2e_make_config(shape, layers)
-    return config, {"llama70b": "Llama-3.1-70B-shaped", "gemma4-31b": "Gemma-4-31B-shaped (text model)",
-                    "dsv3": "DeepSeek-V3-shaped (MLA, 256 experts top-8)"}[shape]
+    label = LABELS.get(shape, f"{shape}-shaped")
+    return config, label + (f", {layers} layers" if layers else "")
 
 
-def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_running: int) -> dict:
+def rank_profile(llm, tp: int) -> dict:
+    """e2e.py's roofline inputs for one rank: its weights as loaded (dense shards, its E/tp experts), and
+    top_k scaled alike, so that an expert is touched with the unsplit model's probability k/E."""
+    prof = model_profile(llm)
+    if prof["num_experts"]:
+        prof["num_experts"] /= tp
+        prof["top_k"] /= tp
+    return prof
+
+
+def gpu_used_gib() -> list[float]:
+    """Each visible GPU's used memory, device-wide (every rank's process, allocator caches included), from
+    NVML where it is installed (mem_get_info would open a CUDA context of this process on every GPU)."""
+    out = []
+    for i in range(torch.cuda.device_count()):
+        try:
+            used = torch.cuda.device_memory_used(i)
+        except Exception:  # no NVML bindings (nvidia-ml-py)
+            free, total = torch.cuda.mem_get_info(i)
+            used = total - free
+        out.append(round(used / 2**30, 2))
+    return out
+
+
+def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_running: int, limits: dict) -> dict:
     import attnzoo
 
     gc.collect()
@@ -51,8 +85,13 @@ def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_r
                              max_running=max_running, tensor_parallel_size=tp)
     load_s = time.perf_counter() - t_load
     try:
+        weights = llm.info()["weights"]
+        for key in ("dequantized_at_load", "split_blocks"):  # FP8 runs: every FP8 layer stays FP8 on every rank
+            if key in weights:
+                raise SystemExit(f"{key}: {weights[key]}")
         llm.generate(prompts[:2], max_new_tokens=4, ignore_eos=True)  # warm-up: kernels compile
         llm.engine.graph_stats = dict.fromkeys(llm.engine.graph_stats, 0)
+        llm.engine.step_log = []
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
@@ -62,6 +101,8 @@ def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_r
         n_out = sum(len(o.token_ids) for o in outs)
         ttft = [o.time_to_first_token for o in outs]
         tpot = [(o.latency - o.time_to_first_token) / max(1, len(o.token_ids) - 1) for o in outs]
+        prof = rank_profile(llm, tp)
+        roof = roofline_seconds(llm.engine.step_log, prof, limits)
         return {
             "tensor_parallel_size": tp, "prefill_backend": info["prefill_backend"],
             "decode_backend": info["decode_backend"], "page_size": info["page_size"], "cascade": info["cascade"],
@@ -69,6 +110,9 @@ def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_r
             "ttft_mean_s": statistics.mean(ttft), "tpot_mean_ms": 1e3 * statistics.mean(tpot),
             "kv_cache_tokens": info["kv_cache_tokens"], "kv_bytes_per_token_per_rank": info["kv_bytes_per_token"],
             "rank0_peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "load_s": load_s,
+            "gpu_used_gib": gpu_used_gib(), "weights": weights,
+            "rank_weights_gib": (prof["dense_bytes"] + prof["expert_bytes"]) / 2**30,
+            "roofline_s": roof, "roofline_fraction": roof / wall, "steps": len(llm.engine.step_log),
             "graph_steps": llm.engine.graph_stats["replayed"], "eager_steps": llm.engine.graph_stats["eager"],
             "max_running": max_running, "decision_profile": info["decision"]["profile"],
         }
@@ -81,7 +125,7 @@ def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_r
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=("llama70b", "gemma4-31b", "dsv3"), required=True)
+    ap.add_argument("--shape", choices=SHAPE_NAMES, required=True)
     ap.add_argument("--tp", default="1,2", help="tensor-parallel sizes to run, comma-separated")
     ap.add_argument("--out", required=True, help="output path prefix: writes PREFIX.json")
     ap.add_argument("--backend", default=None, help="attention backend (default: the policy's)")
@@ -99,8 +143,10 @@ def main():
     data = json.loads((Path(__file__).parent / "data" / "gsm8k_8shot_tokens.json").read_text())
     prompts = [data["prefix"] + q for q in data["questions"]][: args.prompts]
     results = []
+    limits = device_limits()
     for tp in (int(t) for t in args.tp.split(",")):
-        r = run(config, prompts, tp=tp, new_tokens=args.new_tokens, backend=args.backend, max_running=args.max_running)
+        r = run(config, prompts, tp=tp, new_tokens=args.new_tokens, backend=args.backend, max_running=args.max_running,
+                limits=limits)
         print(json.dumps({k: v for k, v in r.items() if k != "decision_profile"}), flush=True)
         results.append(r)
     base = next((r for r in results if r["tensor_parallel_size"] == 1), None)
@@ -109,7 +155,7 @@ def main():
             r["speedup_vs_tp1"] = r["output_tok_per_s"] / base["output_tok_per_s"]
             r["kv_capacity_vs_tp1"] = r["kv_cache_tokens"] / base["kv_cache_tokens"]
 
-    meta = {"device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}", **versions(),
+    meta = {"device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}", **versions(), "limits": limits,
             "model": f"{label}, random {args.weights} weights", "config": config.to_dict(),
             "workload": f"{len(prompts)} GSM8K 8-shot prompts ({len(data['prefix'])}-token shared prefix), "
                         f"{args.new_tokens} output tokens each, EOS ignored"}
@@ -118,11 +164,13 @@ def main():
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
     print(f"\n{label}, {meta['device']}")
     print(f"{'TP':>3s} {'decode':>12s} {'tok/s':>9s} {'x TP1':>6s} {'TTFT s':>7s} {'TPOT ms':>8s} {'KV tokens':>10s} "
-          f"{'peak GiB':>8s}")
+          f"{'peak GiB':>8s} {'roofline':>8s}  GPU used GiB")
     for r in results:
         print(f"{r['tensor_parallel_size']:3d} {r['decode_backend']:>12s} {r['output_tok_per_s']:9.0f} "
               f"{r.get('speedup_vs_tp1', float('nan')):6.2f} {r['ttft_mean_s']:7.2f} {r['tpot_mean_ms']:8.1f} "
-              f"{r['kv_cache_tokens']:10d} {r['rank0_peak_mem_gib']:8.1f}")
+              f"{r['kv_cache_tokens']:10d} {r['rank0_peak_mem_gib']:8.1f} {r['roofline_fraction']:8.2f}  "
+              f"{r['gpu_used_gib']}")
+        print(f"    weights: {r['weights']}")
 
 
 if __name__ == "__main__":

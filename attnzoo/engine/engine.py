@@ -398,14 +398,6 @@ class Engine:
                     self.graph_stats["cascade"] += bool(meta.shared_prefix_len)
         return logits, meta.shared_prefix_len
 
-    def follow(self) -> tuple[str, object]:
-        """Tensor-parallel ranks other than 0: run rank 0's steps until its next other message."""
-        while True:
-            kind, payload = self.tp.receive()
-            if kind != "step":
-                return kind, payload
-            self.run_step(payload)
-
     def _forward(self, ids: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         backend = self.decode_backend if meta.is_decode else self.prefill_backend
         backend.prepare(meta)

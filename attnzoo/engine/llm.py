@@ -80,7 +80,7 @@ def _tensor_parallel_call(method):
         # The whole call, the closing message to the other ranks included, under the one lock: two
         # threads' messages must not interleave on the control group.
         with self._lock:
-            return self.tp.call(lambda: method(self, *args, **kwargs), self.engine)
+            return self.tp.call(lambda: method(self, *args, **kwargs))
 
     return call
 
@@ -361,8 +361,9 @@ def load_model(
     ``fp8_weights`` (FP8 block-quantized checkpoints): "auto" keeps the stored FP8 layers and runs FP8
     GEMMs on GPUs with FP8 tensor cores, and dequantizes to ``dtype`` at load elsewhere (CPU: the reference
     path); "fp8" insists on FP8 layers (on CPU they run a float32 emulation); "dequantize" always
-    dequantizes. ``info()["weights"]`` states the format and the GEMM path. Under tensor parallelism the
-    sharded layers are dequantized at load; the routed experts (whole experts per rank) stay FP8.
+    dequantizes. ``info()["weights"]`` states the format and the GEMM path. Under tensor parallelism a
+    split layer stays FP8 where each rank's part is whole 128-blocks (else it is dequantized, and
+    ``info()["weights"]["split_blocks"]`` says why); the routed experts (whole experts per rank) stay FP8.
     ``progress``: status lines on stderr (loading, KV allocation, generation); None: when stderr is a terminal.
     Every argument, the device and the backend choices are checked before any weights are read.
     """

@@ -13,7 +13,9 @@ Two routes lead to the same group of N processes (one per GPU with NCCL, or N CP
 Rank 0 alone schedules and samples. Before each forward pass it broadcasts the step (token ids, prefix
 lengths, block tables, and its choices of graph replay and cascade) on a gloo group kept for this
 control traffic; the others build the same metadata, run the same forward pass (whose all-reduces
-meet rank 0's) and drop the logits. Each rank's KV pool holds its own heads at the page ids rank 0
+meet rank 0's) and drop the logits. Several models can share one group (a second ``load_model`` with
+the same size joins it; spawned ranks load it too): messages name their model, so rank 0 may step
+them in any interleaving (teacher forcing steps runs A and B in lockstep). Each rank's KV pool holds its own heads at the page ids rank 0
 hands out, so the pools are sized alike: the smallest page count any rank can afford.
 """
 from __future__ import annotations
@@ -45,19 +47,96 @@ def torchrun_world() -> tuple[int, int, int] | None:
     return rank, int(os.environ.get("LOCAL_RANK", rank)), int(os.environ["WORLD_SIZE"])
 
 
-class TPGroup:
-    """This process's place in a tensor-parallel group, and the control channel from rank 0."""
+class _Channel:
+    """One process group and its control channel, shared by every model this process loads on it (run
+    A and B of a teacher-forced comparison run side by side): messages name their model, and a rank
+    following rank 0 runs each step on that model's engine."""
 
     def __init__(self, ctx: TPContext, control, device: torch.device, *, spmd: bool, owns_group: bool):
+        import torch.distributed as dist
+
         self.ctx, self.control, self.device = ctx, control, device
         self.spmd = spmd  # torchrun: the other ranks' calls return rank 0's results
         self.owns_group = owns_group  # we initialised torch.distributed (spawn route): we tear it down
+        self.world = dist.group.WORLD  # to notice a group torn down and started again by the caller
         self.workers: list = []
+        self.models: dict[int, TPGroup] = {}  # model id (load order, the same on every rank) -> its group
+        self.loaded = 0
+        self.closed = False
+
+    def join(self) -> TPGroup:
+        group = TPGroup(self, self.loaded)
+        self.models[group.model_id] = group
+        self.loaded += 1
+        return group
+
+    def live(self) -> bool:
+        import torch.distributed as dist
+
+        return not self.closed and dist.is_initialized() and dist.group.WORLD is self.world
+
+    def broadcast(self, message) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([message], src=0, group=self.control)
+
+    def next(self) -> tuple[int | None, str, object]:
+        """Ranks other than 0: run rank 0's steps, each on its model's engine, until another message."""
+        import torch.distributed as dist
+
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=self.control)
+            model_id, kind, payload = box[0]
+            if kind != "step":
+                if model_id in self.models:
+                    self.models[model_id].tables.clear()
+                return model_id, kind, payload
+            group = self.models[model_id]
+            group.engine.run_step(group.decode(payload))
+
+    def shut(self, *, abort: bool) -> None:
+        """Rank 0 of a spawned group: stop the other ranks (``abort``: at once, a load failed) and tear
+        the process group down."""
+        global _CHANNEL
+        self.closed = True
+        if _CHANNEL is self:
+            _CHANNEL = None
+        if abort:
+            for p in self.workers:
+                p.terminate()
+        elif self.workers:
+            try:
+                self.broadcast((None, "shutdown", None))
+            except Exception:  # a rank already gone: nothing left to tell
+                pass
+            for p in self.workers:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.terminate()
+        if self.owns_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+# This process's channel while it is open: a second tensor-parallel model joins it.
+_CHANNEL: _Channel | None = None
+
+
+class TPGroup:
+    """One model's place in a tensor-parallel group, and its messages on the group's control channel."""
+
+    def __init__(self, channel: _Channel, model_id: int):
+        self.channel, self.model_id = channel, model_id
+        self.ctx, self.device, self.spmd = channel.ctx, channel.device, channel.spmd
+        self._engine = None  # weak reference to this rank's engine for the model, once it is built
         self.closed = False
         # Block tables only grow during a call: steps carry each request's new pages (request key ->
         # pages sent so far on rank 0, the tables rebuilt on the others), not 1024 x 100 page ids.
         self._sent: dict[int, int] = {}
-        self._tables: dict[int, np.ndarray] = {}
+        self.tables: dict[int, np.ndarray] = {}
 
     @property
     def rank(self) -> int:
@@ -67,11 +146,18 @@ class TPGroup:
     def leader(self) -> bool:
         return self.ctx.rank == 0
 
+    @property
+    def workers(self) -> list:
+        return self.channel.workers
+
+    @property
+    def engine(self):
+        # Weak: a model dropped without close() (torchrun scripts) is freed as usual.
+        return None if self._engine is None else self._engine()
+
     # ------------------------------------------------------------------ control channel
 
     def publish(self, message) -> None:
-        import torch.distributed as dist
-
         kind, payload = message
         if kind == "step" and payload.get("keys") is not None:
             new = []
@@ -81,40 +167,35 @@ class TPGroup:
             payload = {**payload, "block_tables": new}
         elif kind != "step":
             self._sent.clear()
-        dist.broadcast_object_list([(kind, payload)], src=0, group=self.control)
+        self.channel.broadcast((self.model_id, kind, payload))
 
-    def receive(self):
-        import torch.distributed as dist
-
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        kind, payload = box[0]
-        if kind == "step" and payload.get("keys") is not None:
+    def decode(self, payload: dict) -> dict:
+        """A step as rank 0 published it -> the step with whole block tables."""
+        if payload.get("keys") is not None:
             for key, pages in zip(payload["keys"], payload["block_tables"]):
-                if pages or key not in self._tables:
-                    old = self._tables.get(key, _NO_PAGES)
-                    self._tables[key] = np.concatenate([old, np.asarray(pages, dtype=np.int32)])
-            payload["block_tables"] = [self._tables[key] for key in payload["keys"]]
-        elif kind != "step":
-            self._tables.clear()
-        return kind, payload
+                if pages or key not in self.tables:
+                    old = self.tables.get(key, _NO_PAGES)
+                    self.tables[key] = np.concatenate([old, np.asarray(pages, dtype=np.int32)])
+            payload["block_tables"] = [self.tables[key] for key in payload["keys"]]
+        return payload
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's ``value`` (KV pages each GPU can hold)."""
         import torch.distributed as dist
 
         t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.channel.control)
         return int(t.item())
 
     # ------------------------------------------------------------------ calls
 
-    def call(self, fn, engine):
-        """Run an API call on rank 0 (then tell the others it ended), or follow rank 0's on the others."""
+    def call(self, fn):
+        """Run an API call on rank 0 (then tell the others it ended), or follow rank 0's on the others
+        (steps of any model of the group: a teacher-forced comparison steps two)."""
         if not self.leader:
-            kind, payload = engine.follow()
-            if kind != "end":
-                raise ModelLoadError("rank 0 closed the tensor-parallel group",
+            model_id, kind, payload = self.channel.next()
+            if (model_id, kind) != (self.model_id, "end"):
+                raise ModelLoadError("rank 0 closed the tensor-parallel group, or called another model",
                                      fix="call generate/logits on every rank in the same order, before rank 0 closes")
             result, error = payload
             if error is not None:
@@ -128,34 +209,21 @@ class TPGroup:
         self.publish(("end", (result if self.spmd else None, None)))
         return result
 
-    def serve(self, engine) -> None:
-        """Spawned ranks: run rank 0's steps until it shuts the group down."""
-        while engine.follow()[0] != "shutdown":
-            pass
-
     def close(self, *, abort: bool = False) -> None:
-        """Rank 0 of a spawned group: stop the other ranks (``abort``: at once, the load failed) and tear
-        the process group down."""
-        if self.closed or not self.leader:
+        """Done with this model: rank 0 of a spawned group tells the other ranks to drop it, and stops them
+        (``abort``: at once, the load failed) when it was the group's last model. Under torchrun the
+        process group lives as long as the processes (every rank's script closes alike, or not at all)."""
+        if self.closed:
             return
         self.closed = True
-        if abort:
-            for p in self.workers:
-                p.terminate()
-        elif self.workers:
-            try:
-                self.publish(("shutdown", None))
-            except Exception:  # a rank already gone: nothing left to tell
-                pass
-            for p in self.workers:
-                p.join(timeout=60)
-                if p.is_alive():
-                    p.terminate()
-        if self.owns_group:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        channel = self.channel
+        channel.models.pop(self.model_id, None)
+        if not self.leader or not channel.workers or channel.closed:
+            return
+        if abort or not channel.models:
+            channel.shut(abort=abort)
+        else:
+            channel.broadcast((self.model_id, "drop", None))
 
 
 def _portable(e: BaseException) -> BaseException:
@@ -200,6 +268,8 @@ def launch(tensor_parallel_size: int | None, device, load_kwargs: dict) -> TPGro
         n = tensor_parallel_size or 1
         if n == 1:
             return None
+        if _CHANNEL is not None and _CHANNEL.live() and _CHANNEL.workers:
+            return _join_spawned(_CHANNEL, n, device, load_kwargs)
         if dist.is_available() and dist.is_initialized():
             raise ModelLoadError("torch.distributed is already initialised in this process (another tensor-parallel model?)",
                                  fix="close the other model first (llm.close()), or launch with torchrun")
@@ -219,7 +289,7 @@ def launch(tensor_parallel_size: int | None, device, load_kwargs: dict) -> TPGro
             for p in workers:
                 p.terminate()
             raise
-        group.workers = workers
+        group.channel.workers[:] = workers
         return group
 
     rank, local_rank, world = world_env
@@ -228,6 +298,11 @@ def launch(tensor_parallel_size: int | None, device, load_kwargs: dict) -> TPGro
                              fix=f"pass tensor_parallel_size={world} (or leave it unset), or run torchrun --nproc-per-node "
                                  f"{tensor_parallel_size}")
     dev = _rank_device(device, local_rank, local_rank + 1)
+    if _CHANNEL is not None and _CHANNEL.live():  # a second model on this process group
+        if _CHANNEL.device != dev:
+            raise ModelLoadError(f"this rank's tensor-parallel group runs on {_CHANNEL.device}, not {dev}",
+                                 fix="load every model of the group on the same device")
+        return _CHANNEL.join()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     owns = not dist.is_initialized()
@@ -242,9 +317,26 @@ def launch(tensor_parallel_size: int | None, device, load_kwargs: dict) -> TPGro
 def _group(rank: int, world: int, dev: torch.device, *, spmd: bool, owns_group: bool) -> TPGroup:
     import torch.distributed as dist
 
+    global _CHANNEL
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
     ctx = TPContext(rank=rank, world_size=world, group=dist.group.WORLD)
-    return TPGroup(ctx, control, dev, spmd=spmd, owns_group=owns_group)
+    _CHANNEL = _Channel(ctx, control, dev, spmd=spmd, owns_group=owns_group)
+    return _CHANNEL.join()
+
+
+def _join_spawned(channel: _Channel, n: int, device, load_kwargs: dict) -> TPGroup:
+    """Rank 0 of a spawned group loads another model: the other ranks load it too, in the same order."""
+    if n != channel.ctx.world_size:
+        raise ModelLoadError(f"a tensor-parallel group of {channel.ctx.world_size} processes is running here, and "
+                             f"tensor_parallel_size={n} asks for another size",
+                             fix=f"close its models first (llm.close()), or pass tensor_parallel_size="
+                                 f"{channel.ctx.world_size}")
+    dev = _rank_device(device, 0, n)
+    if dev != channel.device:
+        raise ModelLoadError(f"the running tensor-parallel group is on {channel.device}, not {dev}",
+                             fix="load every model of the group on the same device, or close its models first")
+    channel.broadcast((None, "load", load_kwargs))
+    return channel.join()
 
 
 def _spawned_rank(rank: int, world: int, port: int, load_kwargs: dict) -> None:
@@ -257,9 +349,19 @@ def _spawned_rank(rank: int, world: int, port: int, load_kwargs: dict) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     from attnzoo.engine.llm import load_model
 
-    llm = load_model(**load_kwargs)
+    first = load_model(**load_kwargs)
+    models, channel = {first.tp.model_id: first}, first.tp.channel
     try:
-        llm.tp.serve(llm.engine)
+        while True:  # rank 0's steps run inside next(); other messages come out of it
+            model_id, kind, payload = channel.next()
+            if kind == "shutdown":
+                break
+            if kind == "load":
+                llm = load_model(**payload)
+                models[llm.tp.model_id] = llm
+            elif kind == "drop":
+                models.pop(model_id).tp.close()
+            # "end": a call on rank 0 ended (its result stays there)
     finally:
         import torch.distributed as dist
 
@@ -268,6 +370,8 @@ def _spawned_rank(rank: int, world: int, port: int, load_kwargs: dict) -> None:
 
 
 def register_close(llm, group: TPGroup) -> None:
-    """Stop a spawned group when its LLM is garbage-collected or the interpreter exits."""
-    if group.workers:
+    """Register the model's engine with its group (the other ranks run its steps on it), and stop a
+    spawned group when its LLM is garbage-collected or the interpreter exits."""
+    group._engine = weakref.ref(llm.engine)
+    if group.workers and group.leader:
         weakref.finalize(llm, group.close)

@@ -253,8 +253,6 @@ def _teacher_force(args, a: Backends, b: Backends, seqs_a: dict, prompts: dict, 
 
     if limit == 0:
         return None, "off (--logit-compare-limit 0)"
-    if _tensor_parallel_size(args) > 1:  # one tensor-parallel model per process: A and B cannot both load
-        return None, "skipped: tensor parallel runs load one model at a time"
     keys = sorted(seqs_a, key=lambda k: (str(k[0]), k[1]))[:limit]
     seqs = [tokens.Sequence(key=k, prompt=prompts[k], output=seqs_a[k]) for k in keys if k in prompts]
     if not seqs:
@@ -262,13 +260,21 @@ def _teacher_force(args, a: Backends, b: Backends, seqs_a: dict, prompts: dict, 
     dev = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     longest = max(len(s.prompt) + len(s.output) for s in seqs)
     budget = max(_FORCED_KV_TOKENS[dev.type], longest)
+    llm_a = None
     try:
         llm_a = _load(args, a, kv_cache_tokens=budget, cuda_graph=False)
+        # Tensor parallel: B joins A's group (its ranks load B too), so one rank 0 steps both.
         llm_b = _load(args, b, kv_cache_tokens=budget, cuda_graph=False)
     except AttnzooError as e:  # e.g. a saved report's backends that cannot run on this machine
+        if llm_a is not None:
+            llm_a.close()
         return None, f"skipped: run A's backends cannot be loaded here ({e})"
     t0 = time.perf_counter()
-    res = tokens.teacher_forced_compare(llm_a, llm_b, seqs, budget_tokens=budget)
+    try:
+        res = tokens.teacher_forced_compare(llm_a, llm_b, seqs, budget_tokens=budget)
+    finally:
+        llm_b.close()
+        llm_a.close()
     note = (f"{len(seqs)} of {len(seqs_a)} questions, {time.perf_counter() - t0:.1f} s"
             + ("" if len(seqs) == len(seqs_a) else " (--logit-compare-limit)"))
     del llm_a, llm_b

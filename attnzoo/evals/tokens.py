@@ -76,7 +76,22 @@ def _waves(seqs: list[Sequence], budget_tokens: int, page_size: int = 1) -> list
 
 def teacher_forced_compare(llm_a, llm_b, seqs: list[Sequence], *, budget_tokens: int) -> ForcedResult:
     """KL(A || B) and top-1 agreement at every output position of ``seqs`` (run A's tokens), the two
-    engines stepped in lockstep, ``budget_tokens`` of KV per wave of sequences."""
+    engines stepped in lockstep, ``budget_tokens`` of KV per wave of sequences.
+
+    Tensor parallel: A and B are two models of one group (loaded one after the other with the same
+    ``tensor_parallel_size``); rank 0 steps both and the other ranks follow (under torchrun every rank
+    calls this and gets rank 0's result)."""
+    if llm_a.tp is None and llm_b.tp is None:
+        return _compare(llm_a, llm_b, seqs, budget_tokens)
+    if llm_a.tp is None or llm_b.tp is None or llm_a.tp.channel is not llm_b.tp.channel:
+        raise EvalError("teacher forcing steps two models in lockstep, and these are not on one tensor-parallel group",
+                        fix="load both in this process with the same tensor_parallel_size (the second joins the first's "
+                            "group), or both without tensor parallelism")
+    with llm_a._lock, llm_b._lock:
+        return llm_a.tp.call(lambda: _compare(llm_a, llm_b, seqs, budget_tokens))
+
+
+def _compare(llm_a, llm_b, seqs: list[Sequence], budget_tokens: int) -> ForcedResult:
     res = ForcedResult()
     page_size = max(llm_a.engine.pool.page_size, llm_b.engine.pool.page_size)
     for wave in _waves([s for s in seqs if s.output], budget_tokens, page_size):

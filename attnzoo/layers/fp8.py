@@ -410,7 +410,10 @@ class Fp8MergedLinear(Fp8Linear):
     When every part's N is a multiple of bn (DeepSeek-V3: 18432 and 2048), the stacked factors are exactly
     the merged weight's blocks and one GEMM runs. Otherwise a block of bn output rows would straddle two
     parts with different factors, so each part runs its own GEMM on its rows (outputs concatenated), which
-    keeps the result exactly that of separate layers."""
+    keeps the result exactly that of separate layers.
+
+    Tensor parallel: each part's ``cuts`` (checkpoint weight -> this rank's rows) and ``scale_cuts``
+    (its factors -> the factors of those rows' blocks), or None where the part is whole."""
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False, fmt: Fp8Format = Fp8Format(),
                  device=None):
@@ -422,6 +425,7 @@ class Fp8MergedLinear(Fp8Linear):
         kb = self.weight_scale_inv.shape[1]
         self.weight_scale_inv = nn.Parameter(torch.ones(sum(blocks.values()), kb, dtype=torch.float32, device=device),
                                              requires_grad=False)
+        self.cuts, self.scale_cuts = dict.fromkeys(parts), dict.fromkeys(parts)
 
     @classmethod
     def from_linear(cls, linear, fmt: Fp8Format, *, quantize: bool) -> Fp8MergedLinear:

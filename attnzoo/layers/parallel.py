@@ -6,8 +6,9 @@ head counts and layers below from it. Nothing here touches torch.distributed's g
 
 Layers split their weights across ranks and load by slicing the full checkpoint tensor: every
 parameter that is a shard carries ``tp_shard`` (full tensor -> this rank's slice), which
-``CausalLM.load_weights`` applies before its shape check. At world size 1 every layer computes
-exactly what ``nn.Linear`` / ``nn.Embedding`` compute.
+``CausalLM.load_weights`` applies before its shape check. The loader hands it checkpoint tensors not
+read yet (``models.loader.LazyTensor``), so a rank reads only its slice. At world size 1 every layer
+computes exactly what ``nn.Linear`` / ``nn.Embedding`` compute.
 
 - ``ColumnParallelLinear``: this rank's output features (heads); no communication.
 - ``RowParallelLinear``: this rank's input features; the partial outputs are summed by one
@@ -15,6 +16,9 @@ exactly what ``nn.Linear`` / ``nn.Embedding`` compute.
   two partial sums share one reduction (DeepSeek's routed plus shared experts).
 - ``VocabParallelEmbedding`` / ``ParallelLMHead``: contiguous vocabulary ranges (the last rank's
   padded with zero rows); embeddings all-reduce, logits all-gather. Same split, so they can be tied.
+- ``Fp8RowParallelLinear``: RowParallelLinear on FP8 block-scaled weights. FP8 column-parallel layers
+  are plain ``Fp8Linear`` / ``Fp8MergedLinear`` with cuts; ``Narrow.blocks`` cuts the block factors
+  (``models.quantization`` decides which layers stay FP8: those whose cut falls on block boundaries).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnzoo.errors import ModelLoadError
+from attnzoo.layers.fp8 import Fp8Format, Fp8Linear
 
 
 @dataclass(frozen=True)
@@ -94,8 +99,36 @@ class TPContext:
 SINGLE = TPContext()
 
 
-def narrow(dim: int, start: int, size: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda full: full.narrow(dim, start, size)
+@dataclass(frozen=True)
+class Narrow:
+    """The cut ``full.narrow(dim, start, size)`` of a tensor that is ``full_size`` long along ``dim``
+    (None: unknown)."""
+
+    dim: int
+    start: int
+    size: int
+    full_size: int | None = None
+
+    def __call__(self, full):
+        return full.narrow(self.dim, self.start, self.size)
+
+    def blocks(self, block: int) -> Narrow | None:
+        """The same cut of the per-block factors (one per ``block`` along ``dim``: FP8 ``weight_scale_inv``),
+        or None when this rank's part does not begin on a block boundary or ends inside a block short of
+        the tensor's end: its rows would then share a block, and its factor, with another rank's."""
+        ends_whole = self.size % block == 0 or (self.full_size is not None and self.start + self.size == self.full_size)
+        if self.start % block or not ends_whole:
+            return None
+        full = None if self.full_size is None else -(-self.full_size // block)
+        return Narrow(self.dim, self.start // block, -(-self.size // block), full)
+
+
+def narrow(dim: int, start: int, size: int, full_size: int | None = None) -> Narrow:
+    return Narrow(dim, start, size, full_size)
+
+
+def _zeros(full) -> torch.Tensor:
+    return torch.zeros(tuple(full.shape))
 
 
 def _padded_rows(start: int, size: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -129,9 +162,9 @@ class ColumnParallelLinear(nn.Linear):
         start, size = rows if rows is not None else tp.shard(out_features, "output features")
         super().__init__(in_features, size, bias=bias)
         if (start, size) != (0, out_features):
-            mark_shard(self.weight, narrow(0, start, size))
+            mark_shard(self.weight, narrow(0, start, size, out_features))
             if bias:
-                mark_shard(self.bias, narrow(0, start, size))
+                mark_shard(self.bias, narrow(0, start, size, out_features))
 
 
 class RowParallelLinear(nn.Linear):
@@ -147,10 +180,30 @@ class RowParallelLinear(nn.Linear):
         super().__init__(size, out_features, bias=bias)
         self.tp, self.reduce = tp, reduce
         if size != in_features:
-            mark_shard(self.weight, narrow(1, start, size))
+            mark_shard(self.weight, narrow(1, start, size, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        return self.tp.all_reduce(y) if self.reduce else y
+
+
+class Fp8RowParallelLinear(Fp8Linear):
+    """RowParallelLinear with FP8 block-scaled weights: this rank's input features are whole 128-blocks
+    (``cut``: their columns of the weight; ``cut.blocks``: their columns of ``weight_scale_inv``), so its
+    activation groups are the unsplit layer's and the partial sums add up to its output. The bias is
+    counted once: other ranks load zeros for it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, fmt: Fp8Format = Fp8Format(), *,
+                 tp: TPContext = SINGLE, reduce: bool = True, cut: Narrow, device=None):
+        super().__init__(in_features, out_features, bias, fmt, device=device)
+        self.tp, self.reduce, self.cut = tp, reduce, cut
+        mark_shard(self.weight, cut)
+        mark_shard(self.weight_scale_inv, cut.blocks(fmt.block_k))
+        if bias and tp.rank:
+            mark_shard(self.bias, _zeros)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
         return self.tp.all_reduce(y) if self.reduce else y
 
 

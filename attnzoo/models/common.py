@@ -96,7 +96,7 @@ class MergedLinear(nn.Linear):
                   for name, n in parts.items()}
         super().__init__(in_features, sum(count for _, count in shards.values()), bias=bias)
         self.parts = {name: count for name, (_, count) in shards.items()}  # this rank's rows of each part
-        self.cuts = {name: None if shards[name] == (0, n) else narrow(0, *shards[name]) for name, n in parts.items()}
+        self.cuts = {name: None if shards[name] == (0, n) else narrow(0, *shards[name], n) for name, n in parts.items()}
 
     def part_rows(self) -> dict[str, slice]:
         rows, start = {}, 0
@@ -170,10 +170,10 @@ class CausalLM(nn.Module):
                 parent = mod_name.rpartition(".")[0]
                 for pname, _ in mod.named_parameters(recurse=False):
                     # FP8 block factors have one row per block of weight rows (layers/fp8.py, Fp8MergedLinear).
-                    part_rows = mod.scale_rows() if pname == "weight_scale_inv" else mod.part_rows()
+                    scale = pname == "weight_scale_inv"
+                    part_rows, cuts = (mod.scale_rows(), mod.scale_cuts) if scale else (mod.part_rows(), mod.cuts)
                     for part, rows in part_rows.items():
-                        cut = mod.cuts[part] if isinstance(mod, MergedLinear) else None  # FP8: whole layers only
-                        out[f"{parent}.{part}.{pname}".lstrip(".")] = (f"{mod_name}.{pname}", rows, cut)
+                        out[f"{parent}.{part}.{pname}".lstrip(".")] = (f"{mod_name}.{pname}", rows, cuts[part])
         return out
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

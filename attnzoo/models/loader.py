@@ -213,7 +213,53 @@ def _safetensors_files(directory: Path) -> list[str]:
     return files
 
 
-def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+# safetensors' dtype names (its header) -> torch dtypes.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+class LazyTensor:
+    """A safetensors tensor not read yet: shape and dtype come from the file's header; ``narrow`` and
+    ``[a:b]`` read only that part (safetensors slices), ``to`` reads it whole. Tensor-parallel ranks cut
+    their shard from it (``layers.parallel``), so each reads about 1/N of a checkpoint's split layers;
+    tensors a rank skips (other ranks' experts) are never read."""
+
+    def __init__(self, handle, key: str, path: Path):
+        self.handle, self.key, self.path = handle, key, path
+        try:
+            self._slice = handle.get_slice(key)
+            self.shape = torch.Size(self._slice.get_shape())
+            name = self._slice.get_dtype()
+        except Exception as e:
+            raise _corrupt(path, e, key) from None
+        self.dtype = _SAFETENSORS_DTYPES.get(name) or self._read(None).dtype
+
+    def _read(self, index) -> torch.Tensor:
+        try:
+            return self.handle.get_tensor(self.key) if index is None else self._slice[index]
+        except Exception as e:  # SafetensorError, OSError: the reader's own types
+            raise _corrupt(self.path, e, self.key) from None
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if not 0 <= start <= start + length <= self.shape[dim]:
+            raise IndexError(f"narrow({dim}, {start}, {length}) of a tensor of shape {tuple(self.shape)}")
+        return self._read((slice(None),) * dim + (slice(start, start + length),))
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if isinstance(index, slice) and index.step in (None, 1) and self.shape:
+            start, stop, _ = index.indices(self.shape[0])  # clamped, as torch's slicing is
+            return self.narrow(0, start, max(0, stop - start))
+        return self._read(None)[index]
+
+    def to(self, *args, **kwargs) -> torch.Tensor:
+        return self._read(None).to(*args, **kwargs)
+
+
+def iter_safetensors(directory: Path) -> Iterator[tuple[str, LazyTensor]]:
+    """Every tensor of a safetensors checkpoint, not read yet (``LazyTensor``): the model reads what it keeps."""
     from safetensors import safe_open
 
     for f in _safetensors_files(directory):
@@ -224,11 +270,7 @@ def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
         except Exception as e:  # SafetensorError, OSError: the reader's own types
             raise _corrupt(path, e) from None
         for key in keys:
-            try:
-                tensor = fh.get_tensor(key)
-            except Exception as e:
-                raise _corrupt(path, e, key) from None
-            yield key, tensor
+            yield key, LazyTensor(fh, key, path)
 
 
 def _require_gguf() -> None:

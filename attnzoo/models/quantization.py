@@ -9,7 +9,14 @@ dequantized at load instead (to the model dtype) when:
   - the model reads the layer's weight as a matrix rather than calling it (``CausalLM.matrix_weights``:
     absorbed MLA folds ``kv_b_proj`` into the query and the output);
   - the run is on CPU (the reference path: plain float GEMMs), or the GPU has no FP8 tensor cores
-    (before SM89), or ``fp8_weights="dequantize"`` was asked for.
+    (before SM89), or ``fp8_weights="dequantize"`` was asked for;
+  - tensor parallel: the layer's shard on this rank does not begin and end on 128-blocks, so its rows
+    would share a block (and its one factor) with another rank's.
+
+Tensor-parallel shards whose blocks fall whole on each rank stay FP8: the weight and its
+``weight_scale_inv`` are cut along whole blocks (column-parallel: output blocks; row-parallel: input
+blocks, ``layers.parallel.Fp8RowParallelLinear``), so every rank computes exactly its part of the
+unsplit FP8 layer. Dequantized shards are dequantized from the covering blocks only.
 """
 from __future__ import annotations
 
@@ -20,9 +27,11 @@ import torch
 from torch import nn
 
 from attnzoo.errors import ModelLoadError, WeightError
-from attnzoo.layers.fp8 import FP8, Fp8Format, Fp8Linear, Fp8MergedLinear, dequantize, fp8_gemm_supported
+from attnzoo.layers.fp8 import (
+    FP8, Fp8Format, Fp8Linear, Fp8MergedLinear, dequantize, fp8_gemm_supported, quantize_weight,
+)
 from attnzoo.layers.moe import FusedMoE
-from attnzoo.layers.parallel import ColumnParallelLinear, RowParallelLinear
+from attnzoo.layers.parallel import ColumnParallelLinear, Fp8RowParallelLinear, RowParallelLinear, mark_shard
 from attnzoo.models.common import MergedLinear
 
 FP8_MODES = ("auto", "fp8", "dequantize")
@@ -30,16 +39,36 @@ _SCALE = ".weight_scale_inv"
 _FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
-def _whole_linear(m: nn.Module) -> bool:
-    """A linear layer holding its whole weight: nn.Linear, or a parallel one at tensor parallel size 1.
-    Tensor-parallel shards stay in the model dtype (their FP8 weights are dequantized, then cut)."""
-    return type(m) is nn.Linear or (
-        type(m) in (ColumnParallelLinear, RowParallelLinear) and getattr(m.weight, "tp_shard", None) is None)
+def _is_linear(m: nn.Module) -> bool:
+    """A float linear layer, whole or a tensor-parallel shard (``weight.tp_shard``)."""
+    return type(m) in (nn.Linear, ColumnParallelLinear, RowParallelLinear)
 
 
-def _whole_merged(m: nn.Module) -> bool:
-    """A MergedLinear holding every part whole (not a tensor-parallel shard)."""
-    return type(m) is MergedLinear and all(cut is None for cut in m.cuts.values())
+class LazyDequantized:
+    """An FP8 checkpoint weight to be dequantized, not read yet: a tensor-parallel cut (``narrow``) reads
+    and dequantizes only the blocks that hold its rows (``models.loader.LazyTensor``); ``to`` does all."""
+
+    def __init__(self, w8, scale_inv, block: tuple[int, int], name: str):
+        self.w8, self.scale_inv, self.block, self.name = w8, scale_inv, block, name
+        self.shape, self.dtype = torch.Size(w8.shape), torch.float32
+
+    def narrow(self, dim: int, start: int, size: int) -> torch.Tensor:
+        b = self.block[dim]
+        first, stop = start // b, -(-(start + size) // b)
+        end = min(stop * b, self.shape[dim])
+        w = self.w8.narrow(dim, first * b, end - first * b)
+        return dequantize(w, self.scale_inv.narrow(dim, first, stop - first), self.block,
+                          name=self.name).narrow(dim, start - first * b, size)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if isinstance(index, slice) and index.step in (None, 1):
+            start, stop, _ = index.indices(self.shape[0])
+            return self.narrow(0, start, max(0, stop - start))
+        return self.to(torch.float32)[index]
+
+    def to(self, *args, **kwargs) -> torch.Tensor:
+        w8, s = (t if isinstance(t, torch.Tensor) else t.to(t.dtype) for t in (self.w8, self.scale_inv))  # read
+        return dequantize(w8, s, self.block, name=self.name).to(*args, **kwargs)
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -106,6 +135,8 @@ class Fp8Plan(WeightPlan):
             cap = "sm%d%d" % torch.cuda.get_device_capability(device)
             self.keep, self.why = False, f"{cap} has no FP8 tensor cores"
         self.dequantized: Counter = Counter()  # leaf name -> layers dequantized at load
+        self.shards: Counter = Counter()  # leaf name -> FP8 layers that are tensor-parallel shards
+        self.split_blocks: dict[str, str] = {}  # leaf name -> why its shard cannot stay FP8 (kept float)
         self.gemms: Counter = Counter()
         self.fp8_modules: set[str] = set()
         self.fp8_moes: tuple[str, ...] = ()
@@ -122,16 +153,77 @@ class Fp8Plan(WeightPlan):
                         experts=range(moe.expert_start, moe.expert_start + moe.num_local),
                         block=(self.fmt.block_n, self.fmt.block_k))
 
+    def _fp8_linear(self, leaf: str, sub: nn.Module) -> Fp8Linear | None:
+        """The FP8 form of a float linear layer; None for a tensor-parallel shard not made of whole blocks."""
+        quantize = self.scaled is None and sub.weight.device.type != "meta"
+        cut = getattr(sub.weight, "tp_shard", None)
+        if cut is None:
+            return Fp8Linear.from_linear(sub, self.fmt, quantize=quantize)
+        blocks = cut.blocks(self.fmt.block_n if cut.dim == 0 else self.fmt.block_k)
+        if blocks is None:
+            what = "output rows" if cut.dim == 0 else "input features"
+            self.split_blocks.setdefault(leaf, f"{cut.size} of {cut.full_size} {what} per rank, from {cut.start}: "
+                                               f"not whole {self.fmt.block_n}-blocks")
+            return None
+        if type(sub) is RowParallelLinear:
+            mod = Fp8RowParallelLinear(sub.in_features, sub.out_features, sub.bias is not None, self.fmt, tp=sub.tp,
+                                       reduce=sub.reduce, cut=cut, device=sub.weight.device)
+            if sub.bias is not None and not sub.tp.rank:
+                mod.bias.data = sub.bias.data
+            if quantize:
+                with torch.no_grad():
+                    w8, s = quantize_weight(sub.weight, mod.block)
+                    mod.weight.copy_(w8)
+                    mod.weight_scale_inv.copy_(s)
+        else:  # column parallel: the bias keeps its cut
+            mod = Fp8Linear.from_linear(sub, self.fmt, quantize=quantize)
+            mark_shard(mod.weight, cut)
+            mark_shard(mod.weight_scale_inv, blocks)
+        self.shards[leaf] += 1
+        return mod
+
+    def _fp8_merged(self, name: str, sub: MergedLinear) -> Fp8MergedLinear | None:
+        """The FP8 form of a merged projection; None when a part's tensor-parallel shard is not whole blocks."""
+        blocks = {part: None if cut is None else cut.blocks(self.fmt.block_n) for part, cut in sub.cuts.items()}
+        split = [part for part, cut in sub.cuts.items() if cut is not None and blocks[part] is None]
+        if split:
+            cut = sub.cuts[split[0]]
+            self.split_blocks.setdefault(name, f"{split[0]}: {cut.size} of {cut.full_size} output rows per rank, "
+                                               f"from {cut.start}: not whole {self.fmt.block_n}-blocks")
+            return None
+        mod = Fp8MergedLinear.from_linear(sub, self.fmt, quantize=self.scaled is None and sub.weight.device.type != "meta")
+        mod.cuts, mod.scale_cuts = dict(sub.cuts), blocks
+        if any(cut is not None for cut in sub.cuts.values()):
+            self.shards[name] += 1
+        return mod
+
+    def _float_twin(self, mod: Fp8Linear) -> nn.Module:
+        """The float layer an FP8 layer stands for (a checkpoint that stores it unquantized)."""
+        bias, dev = mod.bias is not None, mod.weight.device
+        if isinstance(mod, Fp8MergedLinear):
+            new = MergedLinear(mod.in_features, mod.parts, bias=bias).to(dev, self.dtype)
+            new.cuts = dict(mod.cuts)
+            return new
+        if isinstance(mod, Fp8RowParallelLinear):
+            return RowParallelLinear(mod.cut.full_size, mod.out_features, bias, tp=mod.tp, reduce=mod.reduce).to(
+                dev, self.dtype)
+        new = nn.Linear(mod.in_features, mod.out_features, bias=bias, device=dev, dtype=self.dtype)
+        for pname in ("weight", "bias"):
+            cut = getattr(getattr(mod, pname), "tp_shard", None)
+            if cut is not None:
+                mark_shard(getattr(new, pname), cut)
+        return new
+
     def build(self, cls, config) -> nn.Module:
         """Build the model with FP8 layers in place: each nn.Linear (or stacked MoE) to be FP8 is replaced
         the moment it is registered, so at most one layer's bf16 weights exist at a time."""
         experts = self.keep and (self.scaled is None or any(".experts." in s for s in self.scaled))
 
         def swap(parent, name, sub):
-            if _whole_linear(sub) and self._wants_fp8(name, sub):
-                return Fp8Linear.from_linear(sub, self.fmt, quantize=self.scaled is None)
-            if _whole_merged(sub) and all(self._wants_fp8(part, sub) for part in sub.parts):
-                return Fp8MergedLinear.from_linear(sub, self.fmt, quantize=self.scaled is None)
+            if _is_linear(sub) and self._wants_fp8(name, sub):
+                return self._fp8_linear(name, sub)
+            if type(sub) is MergedLinear and all(self._wants_fp8(part, sub) for part in sub.parts):
+                return self._fp8_merged(name, sub)
             if experts and isinstance(sub, FusedMoE) and sub.quant is None:
                 return self._fp8_moe(sub)
             return None
@@ -170,26 +262,21 @@ class Fp8Plan(WeightPlan):
                         mod.num_experts, mod.hidden, mod.intermediate, mod.act,
                         experts=range(mod.expert_start, mod.expert_start + mod.num_local)))
                 continue
+            parent, _, leaf = name.rpartition(".")
             if isinstance(mod, (MergedLinear, Fp8MergedLinear)):
                 # FP8 only when every part is: one stacked weight has one dtype.
-                fp8 = all(p in want for p in _part_modules(name, mod)) and (
-                    isinstance(mod, Fp8MergedLinear) or _whole_merged(mod))
+                fp8 = all(p in want for p in _part_modules(name, mod))
                 if fp8 != isinstance(mod, Fp8MergedLinear):
-                    parent, _, leaf = name.rpartition(".")
-                    new = Fp8MergedLinear.from_linear(mod, self.fmt, quantize=False) if fp8 else MergedLinear(
-                        mod.in_features, mod.parts, bias=mod.bias is not None).to(mod.weight.device, self.dtype)
-                    setattr(model.get_submodule(parent), leaf, new)
+                    new = self._fp8_merged(leaf, mod) if fp8 else self._float_twin(mod)
+                    if new is not None:
+                        setattr(model.get_submodule(parent), leaf, new)
                 continue
             is_fp8 = isinstance(mod, Fp8Linear)
-            if is_fp8 == (name in want) or not (is_fp8 or _whole_linear(mod)):
+            if is_fp8 == (name in want) or not (is_fp8 or _is_linear(mod)):
                 continue
-            parent, _, leaf = name.rpartition(".")
-            if is_fp8:
-                new = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None,
-                                device=mod.weight.device, dtype=self.dtype)
-            else:
-                new = Fp8Linear.from_linear(mod, self.fmt, quantize=False)
-            setattr(model.get_submodule(parent), leaf, new)
+            new = self._float_twin(mod) if is_fp8 else self._fp8_linear(leaf, mod)
+            if new is not None:
+                setattr(model.get_submodule(parent), leaf, new)
 
     # ------------------------------------------------------------------ load
 
@@ -219,8 +306,9 @@ class Fp8Plan(WeightPlan):
                 continue
             store[prefix] = t
             if prefix in weights and prefix in scales:
-                w = dequantize(weights.pop(prefix), scales.pop(prefix), (self.fmt.block_n, self.fmt.block_k),
-                               name=prefix + ".weight")
+                # Dequantized as the model reads it: a tensor-parallel rank's cut reads its blocks only.
+                w = LazyDequantized(weights.pop(prefix), scales.pop(prefix), (self.fmt.block_n, self.fmt.block_k),
+                                    name=prefix + ".weight")
                 self.dequantized[prefix.rsplit(".", 1)[-1]] += 1
                 yield prefix + ".weight", w
         if weights:
@@ -253,6 +341,12 @@ class Fp8Plan(WeightPlan):
             elif as_matrix:
                 text += f": the model reads the weight of {', '.join(as_matrix)} as a matrix"
             out["dequantized_at_load"] = text
+        if self.split_blocks:
+            out["split_blocks"] = f"tensor-parallel shards kept {_name(self.dtype)} (not whole blocks): " + "; ".join(
+                f"{leaf} ({why})" for leaf, why in sorted(self.split_blocks.items()))
+        if self.shards:
+            out["fp8_shards"] = (f"per rank: {sum(self.shards.values())} tensor-parallel layers "
+                                 f"({', '.join(sorted(self.shards))}) hold the rank's own whole blocks in FP8")
         return out
 
 
