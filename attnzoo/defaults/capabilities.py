@@ -366,6 +366,7 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
             kv_dtypes=_HALF,
             module="flashinfer",
             extra="flashinfer",
+            cuda_graph=True,
             notes=("dense MLA only: sparse (NSA) layers need an NSA backend",),
         ),
         BackendCapabilities(
