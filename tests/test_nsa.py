@@ -370,3 +370,39 @@ def test_cuda_graph_decode_matches_eager(tmp_path, backend):
         for w, o in zip(want, got):
             assert o.token_ids == w.token_ids
             assert _rel(o.logits, w.logits) <= 1e-4
+
+
+def test_graph_state_selects_and_attends_as_eager():
+    """Under prepare_graph (a padded bucket, request rows from the backend's static buffer, the host
+    lengths of capture time: the graph's longest context) the indexer selects the same tokens and sparse
+    MLA gives the same output as an eager decode step."""
+    from attnzoo.attention.backends.nsa_triton import NSATritonBackend
+    from attnzoo.attention.layer import Attention
+
+    g = torch.Generator().manual_seed(5)
+    layer = Attention(0, 4, 1, 48, v_head_dim=32, kind="mla", index_head_dim=16)
+    pool = KVPool([layer.kv_cache_spec()], num_pages=12, page_size=4, dtype=torch.float32, device=DEVICE)
+    pool.buffer.view(torch.float32).copy_(torch.randn(pool.buffer.view(torch.float32).shape, generator=g))
+    be = NSATritonBackend(pool)
+    be.init_graph_state(max_batch_size=4, max_pages_per_req=4)
+    tables, prefix = [[5, 2, 9], [7]], [9, 3]
+    q_idx = torch.randn(3, 5, 16, generator=g).to(DEVICE)
+    w = torch.randn(3, 5, generator=g).to(DEVICE)
+    q = torch.randn(3, 4, 48, generator=g).to(DEVICE)
+    kw = dict(topk=4, scale=0.25)
+
+    eager = _meta(prefix, [1, 1], tables, 4, mode=ForwardMode.DECODE)
+    be.prepare(eager)
+    pos_e = be.nsa_topk(layer, q_idx[:2], w[:2], eager, **kw)
+    out_e = be.nsa_sparse_mla(layer, q[:2], pos_e, eager)
+
+    graph = _meta(prefix + [0], [1, 1, 1], tables + [[0]], 4, mode=ForwardMode.DECODE)  # one padding row
+    graph.seq_lens_cpu = [16] * 3  # as at capture: the graph's longest context
+    be.prepare_graph(graph, capturing=True)
+    assert be._token_reqs(graph).data_ptr() == be._graph_reqs.data_ptr()
+    pos_g = be.nsa_topk(layer, q_idx, w, graph, **kw)
+    assert pos_g[:2].tolist() == pos_e.tolist() and (pos_g[2, 1:] == -1).all()
+    out_g = be.nsa_sparse_mla(layer, q, pos_g, graph)
+    assert _rel(out_g[:2], out_e) <= 1e-6
+    with pytest.raises(BackendError, match="decode steps only"):
+        be.prepare_graph(_meta([0], [3], [[1]], 4), capturing=False)
