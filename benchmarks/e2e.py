@@ -9,7 +9,8 @@ the ratio to a roofline estimate of the same schedule (per step: weights + KV by
 measured copy bandwidth, or FLOPs over the measured matmul rate, whichever is larger). MoE weights count
 only the experts a step can touch (expected distinct experts for its tokens), sliding-window layers only
 the window each request can see, sparse (NSA, ``--shape dsv32``) layers only the tokens the indexer selects
-(at most index_topk per request) plus the indexer keys it scores. Backend "default" is the policy's choice for the shape on this GPU.
+(at most index_topk per request) plus the indexer keys it scores. Backend "default" is the policy's choice
+for the shape on this GPU.
 
 Backends with a cascade path run twice (``--cascade both``): plain, every request reading its own copy
 of the shared few-shot prefix, and cascade, the prefix read once per decode step. Each run's roofline

@@ -130,8 +130,10 @@ class FlashInferMLABackend(AttentionBackend):
         def buf(n, fill):
             return torch.full((n,), fill, dtype=torch.int32, device=self.pool.device)
 
-        self._graph = _GraphBuffers(qo_indptr=buf(max_batch_size + 1, 0), kv_indptr=buf(max_batch_size + 1, 0),
-                                    kv_len=buf(max_batch_size, 1), kv_indices=buf(max_batch_size * max_pages_per_req, 0))
+        self._graph = _GraphBuffers(
+            qo_indptr=buf(max_batch_size + 1, 0), kv_indptr=buf(max_batch_size + 1, 0), kv_len=buf(max_batch_size, 1),
+            kv_indices=buf(max_batch_size * max_pages_per_req, 0),
+        )
         for key in [k for k in self._wrappers if k[1] is not None]:  # wrappers over an older set of buffers
             del self._wrappers[key]
 
