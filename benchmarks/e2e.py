@@ -8,7 +8,9 @@ capacity, the ratio to transformers (batched ``generate`` on a subset in the sam
 the ratio to a roofline estimate of the same schedule (per step: weights + KV bytes read over the
 measured copy bandwidth, or FLOPs over the measured matmul rate, whichever is larger). MoE weights count
 only the experts a step can touch (expected distinct experts for its tokens), sliding-window layers only
-the window each request can see. Backend "default" is the policy's choice for the shape on this GPU.
+the window each request can see, sparse (NSA, ``--shape dsv32``) layers only the tokens the indexer selects
+(at most index_topk per request) plus the indexer keys it scores. Backend "default" is the policy's choice
+for the shape on this GPU.
 
 Backends with a cascade path run twice (``--cascade both``): plain, every request reading its own copy
 of the shared few-shot prefix, and cascade, the prefix read once per decode step. Each run's roofline
@@ -67,6 +69,13 @@ DSV3 = dict(
     rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
                   "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
 )
+# deepseek-ai/DeepSeek-V3.2-Exp: DeepSeek-V3 plus the sparse-attention indexer (64 heads of 128, top-2048). Use --layers.
+DSV32 = dict(DSV3, index_topk=2048, index_head_dim=128, index_n_heads=64)
+DEEPSEEK_SHAPES = {  # shape -> (fields, transformers config class name, architecture)
+    "dsv2lite": (DSV2_LITE, "DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "dsv3": (DSV3, "DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "dsv32": (DSV32, "DeepseekV32Config", "DeepseekV32ForCausalLM"),
+}
 
 
 def make_config(shape: str, layers: int | None):
@@ -83,12 +92,12 @@ def make_config(shape: str, layers: int | None):
         fields = dict(GEMMA4_31B, num_hidden_layers=n, layer_types=[
             "full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention" for i in range(n)])
         config, arch = transformers.Gemma4TextConfig(**fields), "Gemma4ForCausalLM"
-    elif shape in ("dsv2lite", "dsv3"):
-        fields = dict(DSV2_LITE if shape == "dsv2lite" else DSV3)
+    elif shape in DEEPSEEK_SHAPES:
+        base, cls, arch = DEEPSEEK_SHAPES[shape]
+        fields = dict(base)
         if layers:
             fields["num_hidden_layers"] = layers
-        cls = transformers.DeepseekV2Config if shape == "dsv2lite" else transformers.DeepseekV3Config
-        config, arch = cls(**fields), ("DeepseekV2ForCausalLM" if shape == "dsv2lite" else "DeepseekV3ForCausalLM")
+        config = getattr(transformers, cls)(**fields)
     else:
         raise SystemExit(f"unknown shape {shape!r}")
     config.architectures = [arch]
@@ -97,7 +106,7 @@ def make_config(shape: str, layers: int | None):
 
 # The official DeepSeek-V3 checkpoints' quantization_config (float8_e4m3fn weights, a scale per 128x128 block).
 FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-SHAPE_NAMES = ("llama8b", "llama70b", "gemma4-31b", "dsv2lite", "dsv3")
+SHAPE_NAMES = ("llama8b", "llama70b", "gemma4-31b", *DEEPSEEK_SHAPES)
 
 
 def device_limits() -> dict:
@@ -123,6 +132,11 @@ def model_profile(llm) -> dict:
         kv = 0 if spec.shared_from is not None else spec.values_per_token() * elt
         layers.append({"window": a.sliding_window, "kv_bytes": kv,
                        "flops_per_pair": 2 * a.num_heads * (a.head_dim + a.v_head_dim)})
+        if a.index_head_dim:  # NSA: the selected tokens' MLA entries, in the layout the decode backend reads
+            layout = llm.engine.decode_backend.mla_kv_layout
+            layers[-1].update(kv_bytes=layout.row_bytes(a.v_head_dim, a.head_dim - a.v_head_dim, llm.pool.dtype),
+                              topk=cfg.index_topk, index_bytes=a.index_head_dim * elt,
+                              index_flops_per_pair=2 * cfg.index_n_heads * a.index_head_dim)
     return {**size, "num_experts": num_experts if size["expert_params"] else 0, "top_k": top_k, "layers": layers}
 
 
@@ -131,8 +145,11 @@ def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: b
 
     Bytes: dense weights, the experts the step's tokens can touch (expected distinct experts of
     ``tokens x top_k`` uniform picks), and the KV each layer reads (sliding layers: at most the window per
-    request, from the step's mean context). ``shared_once``: a cascade step reads its shared prefix once.
-    FLOPs: 2 x active weights per token (dense + top_k experts) + attention over the step's token pairs.
+    request, from the step's mean context; NSA layers: the MLA entries of at most ``topk`` selected tokens
+    per request, plus every cached token's indexer key when the mean context exceeds ``topk``, below which
+    selection keeps every token and the indexer need not run). ``shared_once``: a cascade step reads its
+    shared prefix once. FLOPs: 2 x active weights per token (dense + top_k experts) + attention over the
+    step's token pairs (NSA: over the selected ones, plus the indexer's scores over every pair).
     """
     E, k = prof["num_experts"], prof["top_k"]
     per_expert = prof["expert_bytes"] / max(E, 1)
@@ -147,12 +164,16 @@ def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: b
         kv_bytes = 0.0
         attn_flops = 0.0
         for layer in prof["layers"]:
-            if layer["window"]:
-                kv_bytes += layer["kv_bytes"] * s["num_reqs"] * min(mean_ctx, layer["window"])
-                attn_flops += layer["flops_per_pair"] * n * min(mean_ctx, layer["window"])
+            seen = layer["window"] or layer.get("topk")  # tokens a query attends to at most
+            if seen:
+                kv_bytes += layer["kv_bytes"] * s["num_reqs"] * min(mean_ctx, seen)
+                attn_flops += layer["flops_per_pair"] * n * min(mean_ctx, seen)
             else:
                 kv_bytes += layer["kv_bytes"] * (s["kv_tokens"] - saved)
                 attn_flops += layer["flops_per_pair"] * s["attn_pairs"]
+            if layer.get("topk") and mean_ctx > layer["topk"]:
+                kv_bytes += layer["index_bytes"] * s["kv_tokens"]
+                attn_flops += layer["index_flops_per_pair"] * s["attn_pairs"]
         flops = 2 * active_params * n + attn_flops
         total += max((weight_bytes + kv_bytes) / limits["copy_bytes_per_s"], flops / limits["matmul_flops_per_s"])
     return total
@@ -277,8 +298,15 @@ def main(argv=None):
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
                     help="fp8: DeepSeek-V3's block-scaled FP8 format (quantization_config as in the official checkpoints)")
     ap.add_argument("--load-kwargs", default="{}", help="extra load_model keywords as JSON, e.g. '{\"page_size\": 64}'")
+    ap.add_argument("--index-topk", type=int, default=None,
+                    help="dsv32: tokens the indexer selects per query (the model's 2048 exceeds every context of "
+                         "this workload, where selection keeps them all; a smaller value measures the sparse path)")
     args = ap.parse_args(argv)
     config, cfg = make_config(args.shape, args.layers)
+    if args.index_topk is not None:
+        if args.shape != "dsv32":
+            raise SystemExit("--index-topk applies to --shape dsv32 (the only sparse-attention shape)")
+        config.index_topk = cfg["index_topk"] = args.index_topk
     if args.weights == "fp8":
         config.quantization_config = cfg["quantization_config"] = dict(FP8_BLOCK_CONFIG)
     if args.quick:

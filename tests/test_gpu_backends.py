@@ -389,6 +389,12 @@ def test_flashinfer_mla_reads_the_pool_in_place():
     assert view.data_ptr() == pool.k(0).data_ptr() and view.is_contiguous()
 
 
+@pytest.mark.skipif(CC[0] < 8, reason="FlashInfer MLA needs SM80+")
+@pytest.mark.parametrize("heads", [16, 128])
+def test_flashinfer_mla_cuda_graph_replay(heads):
+    _graph_replay("flashinfer_mla", {k: v for k, v in mla_case(heads).items() if k != "id"}, 16)
+
+
 @pytest.mark.skipif(not TRTLLM_MLA_GPU, reason="trtllm_mla runs on SM100/SM103 (trtllm-gen) and SM120/SM121 (XQA-MLA)")
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128])
@@ -543,3 +549,19 @@ def test_model_greedy_matches_torch_backend(tmp_path, model, build, backend_kw, 
         want = backend_kw.get(f"{phase}_backend", backend_kw.get("backend"))
         assert info[f"{phase}_backend"] == want, info
     assert_same_greedy(ref, llm, random_prompts(256, [1, 5, 17, 40], seed=7))
+
+
+@pytest.mark.skipif("DeepseekV3ForCausalLM" not in ARCHS or CC[0] < 8, reason="FlashInfer MLA needs SM80+")
+def test_flashinfer_mla_cuda_graph_decode_matches_eager(tmp_path):
+    """Tiny DeepSeek-V3 in bf16: decode through the captured graphs (buckets 1, 2, 4, 8; batches of 1, 3
+    and 7 requests, so padded rows, contexts over several pages) gives the eager path's greedy tokens
+    and logits, every decode step replayed."""
+    path = tiny_deepseek_v3(tmp_path)
+    common = dict(backend="flashinfer_mla", dtype=DTYPE, device=DEV, page_size=16, max_running=8)
+    eager = attnzoo.load_model(path, cuda_graph=False, **common)
+    graph = attnzoo.load_model(path, cuda_graph=True, **common)
+    assert graph.engine.graphs is not None and graph.engine.graphs.buckets == [1, 2, 4, 8]
+    for lens in ([130], [1, 70, 17], [5, 17, 40, 70, 130, 3, 9]):
+        graph.engine.graph_stats = dict.fromkeys(graph.engine.graph_stats, 0)
+        assert_same_greedy(eager, graph, random_prompts(256, lens, seed=len(lens)))
+        assert graph.engine.graph_stats["replayed"] == STEPS - 1  # every decode step (the first token: prefill)

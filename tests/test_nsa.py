@@ -342,3 +342,67 @@ def test_bad_backends_and_configs_are_clear_errors(v32_dir, tmp_path):
     cfg = DeepseekV32Config(**{**COMMON, **INDEXER, "mlp_layer_types": ["sparse", "sparse"]})
     with pytest.raises(ModelLoadError, match="mlp_layer_types"):
         DeepseekV32ForCausalLM_ours(cfg)
+
+
+# ------------------------------------------------------------------------------ CUDA graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("backend", ["nsa_triton", "nsa_triton_fp8"])
+def test_cuda_graph_decode_matches_eager(tmp_path, backend):
+    """Decode through captured graphs (buckets 1, 2, 4, 8; batches of 1, 3 and 7 requests, so padded rows)
+    gives the eager path's greedy tokens and logits: the indexer, top-k (index_topk 6 < every context
+    after a few steps) and sparse MLA read the step from the static buffers. The graphs are sized beyond
+    index_topk, so they select top-k where eager steps of contexts <= 6 take the dense path: the same
+    tokens, summed in another order."""
+    save_checkpoint(tiny_v32(kv_lora_rank=FP8_BLOCK), tmp_path)
+    common = dict(page_size=4, backend=backend, device="cuda", dtype="float32", max_running=8)
+    eager = attnzoo.load_model(tmp_path, cuda_graph=False, **common)
+    graph = attnzoo.load_model(tmp_path, cuda_graph=True, **common)
+    assert graph.engine.graphs is not None and graph.engine.graphs.buckets == [1, 2, 4, 8]
+    for lens in ([3], [7, 21, 2], [5, 9, 14, 30, 1, 11, 6]):
+        prompts = random_prompts(VOCAB, lens, seed=len(lens))
+        graph.engine.graph_stats = dict.fromkeys(graph.engine.graph_stats, 0)
+        want = eager.generate(prompts, max_new_tokens=12, ignore_eos=True, return_logits=True)
+        got = graph.generate(prompts, max_new_tokens=12, ignore_eos=True, return_logits=True)
+        assert graph.engine.graph_stats["replayed"] == 11  # every decode step (the first token: prefill)
+        for w, o in zip(want, got):
+            assert o.token_ids == w.token_ids
+            assert _rel(o.logits, w.logits) <= 1e-4
+
+
+def test_graph_state_selects_and_attends_as_eager():
+    """Under prepare_graph (a padded bucket, request rows from the backend's static buffer, the host
+    lengths of capture time: the graph's longest context) the indexer selects the same tokens and sparse
+    MLA gives the same output as an eager decode step."""
+    from attnzoo.attention.backends.nsa_triton import NSATritonBackend
+    from attnzoo.attention.layer import Attention
+
+    g = torch.Generator().manual_seed(5)
+    layer = Attention(0, 4, 1, 48, v_head_dim=32, kind="mla", index_head_dim=16)
+    pool = KVPool([layer.kv_cache_spec()], num_pages=12, page_size=4, dtype=torch.float32, device=DEVICE)
+    pool.buffer.view(torch.float32).copy_(torch.randn(pool.buffer.view(torch.float32).shape, generator=g))
+    be = NSATritonBackend(pool)
+    be.init_graph_state(max_batch_size=4, max_pages_per_req=4)
+    tables, prefix = [[5, 2, 9], [7]], [9, 3]
+    q_idx = torch.randn(3, 5, 16, generator=g).to(DEVICE)
+    w = torch.randn(3, 5, generator=g).to(DEVICE)
+    q = torch.randn(3, 4, 48, generator=g).to(DEVICE)
+    kw = dict(topk=4, scale=0.25)
+
+    eager = _meta(prefix, [1, 1], tables, 4, mode=ForwardMode.DECODE)
+    be.prepare(eager)
+    pos_e = be.nsa_topk(layer, q_idx[:2], w[:2], eager, **kw)
+    out_e = be.nsa_sparse_mla(layer, q[:2], pos_e, eager)
+
+    graph = _meta(prefix + [0], [1, 1, 1], tables + [[0]], 4, mode=ForwardMode.DECODE)  # one padding row
+    graph.seq_lens_cpu = [16] * 3  # as at capture: the graph's longest context
+    be.prepare_graph(graph, capturing=True)
+    assert be._token_reqs(graph).data_ptr() == be._graph_reqs.data_ptr()
+    pos_g = be.nsa_topk(layer, q_idx, w, graph, **kw)
+    assert pos_g[:2].tolist() == pos_e.tolist() and (pos_g[2, 1:] == -1).all()
+    out_g = be.nsa_sparse_mla(layer, q, pos_g, graph)
+    assert _rel(out_g[:2], out_e) <= 1e-6
+    with pytest.raises(BackendError, match="decode steps only"):
+        be.prepare_graph(_meta([0], [3], [[1]], 4), capturing=False)

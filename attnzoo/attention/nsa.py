@@ -49,14 +49,25 @@ def token_requests(meta: BatchMetadata) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(meta.num_reqs, device=dev), lens, output_size=meta.num_tokens)
 
 
+def _step_cached(meta: BatchMetadata, key: str, make):
+    """``make()``, computed once per step and shared by its layers. Not across a CUDA-graph capture's
+    start: a decode graph is captured right after an eager warm-up of the same step, and a tensor cached
+    there would be replayed with the warm-up's values; inside the capture it is recomputed (and recorded)."""
+    capturing = meta.positions.is_cuda and torch.cuda.is_current_stream_capturing()
+    hit = meta.backend_state.get(key)
+    if hit is None or hit[1] != capturing:
+        hit = meta.backend_state[key] = (make(), capturing)
+    return hit[0]
+
+
 def visible_positions(meta: BatchMetadata) -> torch.Tensor:
     """[num_tokens, max_seq_len] int32: every position a token sees (j <= its position), -1 beyond.
     Built once per step (every layer of a short-context step asks for the same matrix)."""
-    cached = meta.backend_state.get("nsa:visible")
-    if cached is None:
+    def make():
         j = torch.arange(meta.max_seq_len, device=meta.positions.device, dtype=torch.int32)
-        cached = meta.backend_state["nsa:visible"] = torch.where(j[None, :] <= meta.positions[:, None], j[None, :], -1)
-    return cached
+        return torch.where(j[None, :] <= meta.positions[:, None], j[None, :], -1)
+
+    return _step_cached(meta, "nsa:visible", make)
 
 
 def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -70,18 +81,18 @@ def positions_to_slots(positions: torch.Tensor, meta: BatchMetadata, token_reqs:
                        ) -> torch.Tensor:
     """Positions [T, k] (-1 = none) -> pool slots [T, k] int64 (page * page_size + offset; -1 = none).
     ``token_reqs``: ``token_requests(meta)`` when the caller already has it."""
-    dense = positions is meta.backend_state.get("nsa:visible")
-    if dense and "nsa:visible_slots" in meta.backend_state:  # the same for every layer of the step
-        return meta.backend_state["nsa:visible_slots"]
-    ps = meta.page_size
-    pos = positions.long()
-    clamped = pos.clamp_min(0)
-    reqs = token_requests(meta) if token_reqs is None else token_reqs
-    pages = meta.block_tables.long()[reqs[:, None], clamped // ps]
-    slots = torch.where(pos >= 0, pages * ps + clamped % ps, -1)
-    if dense:
-        meta.backend_state["nsa:visible_slots"] = slots
-    return slots
+    def make():
+        ps = meta.page_size
+        pos = positions.long()
+        clamped = pos.clamp_min(0)
+        reqs = token_requests(meta) if token_reqs is None else token_reqs
+        pages = meta.block_tables.long()[reqs[:, None], clamped // ps]
+        return torch.where(pos >= 0, pages * ps + clamped % ps, -1)
+
+    visible = meta.backend_state.get("nsa:visible")
+    if visible is not None and positions is visible[0]:  # the same for every layer of the step
+        return _step_cached(meta, "nsa:visible_slots", make)
+    return make()
 
 
 def indexer_scores_reference(

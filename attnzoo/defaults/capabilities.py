@@ -366,6 +366,7 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
             kv_dtypes=_HALF,
             module="flashinfer",
             extra="flashinfer",
+            cuda_graph=True,
             notes=("dense MLA only: sparse (NSA) layers need an NSA backend",),
         ),
         BackendCapabilities(
@@ -407,6 +408,7 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
             max_head_dim=1024,
             module="triton",
             extra="triton",
+            cuda_graph=True,
             mla_kv_layout="bf16",
             notes=("sparse (NSA) layers only: DeepSeek-V3.2",),
         ),
@@ -420,6 +422,7 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
             mla_multiples=(128, 2),
             module="triton",
             extra="triton",
+            cuda_graph=True,
             mla_kv_layout="fp8_nope_scaled_bf16_rope",
             notes=(
                 "sparse (NSA) layers only: DeepSeek-V3.2",

@@ -13,6 +13,8 @@ engine's max_running, always a bucket); a decode step with a longer request runs
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from attnzoo.attention.layer import ForwardContext
@@ -100,6 +102,10 @@ class DecodeGraphs:
         self.seq_lens[n:bs].fill_(1)
         self.prefix_lens[n:bs].zero_()
         self.block_tables[n:bs].zero_()
-        self.backend.prepare_graph(self.metas[bs], capturing=False)  # refill the backend's static state
+        # The static buffers, with this step's host lengths (padding rows: one token): planners that
+        # balance work by length (FlashInfer's) plan the real step; at capture they saw the worst case.
+        step = dataclasses.replace(self.metas[bs], seq_lens_cpu=list(meta.seq_lens_cpu) + [1] * (bs - n),
+                                   backend_state={})
+        self.backend.prepare_graph(step, capturing=False)  # refill the backend's static state
         self.graphs[bs].replay()
         return self.hidden[bs][:n]

@@ -11,6 +11,16 @@ Kernels: FA3 on SM90, FA2 elsewhere (SM80+); ``variant`` forces one for measurem
 causal with queries aligned to the end of each request's KV range; decode has one query per request.
 Planning is once per step in ``prepare`` per distinct (heads, dims, scale) signature, as in the
 ``flashinfer`` backend: learned from the first step's layers, planned up front afterwards.
+
+CUDA graphs (decode): FlashInfer fixes a graph wrapper's batch size, so each captured batch bucket gets
+its own wrapper per signature (``use_cuda_graph=True``), built over static index buffers that
+``init_graph_state`` sizes for the largest bucket and context (shared by the buckets: one replays at a
+time). ``prepare_graph`` runs eagerly before capture and before every replay: it writes the step's
+page ids into the static ``kv_indices`` buffer and re-plans the bucket's wrappers with the step's real
+lengths (``meta.seq_lens_cpu``; padding rows are one token in page 0); only ``run`` is captured.
+FlashInfer's MLA plan keeps the launch grid (one CTA cluster per SM group) and its work-list offsets
+fixed for a batch size, and writes the work lists into the wrapper's own integer workspace, which a
+re-plan reuses, so the captured kernels read the new step's schedule.
 """
 from __future__ import annotations
 
@@ -39,11 +49,33 @@ class _Step:
     mode: ForwardMode
     metadata: object  # flashinfer.mla.MLAPlanMetadata (CSR form): host indptrs/lengths, device page ids
     planned: dict[LayerSignature, object] = field(default_factory=dict)
+    graph_batch: int | None = None  # under CUDA graphs: the bucket, whose own wrappers are planned
+
+
+@dataclass
+class _GraphBuffers:
+    """The index arrays a captured decode reads, all int32 on the pool's device, sized once for the
+    largest bucket; a bucket of b requests uses their first b (+ 1) entries."""
+
+    qo_indptr: torch.Tensor  # [max_batch + 1]
+    kv_indptr: torch.Tensor  # [max_batch + 1], in pages
+    kv_len: torch.Tensor  # [max_batch], in tokens
+    kv_indices: torch.Tensor  # [max_batch * max_pages_per_req]: the step's page ids, request after request
+
+
+def csr_plan_arrays(q_lens: list[int], seq_lens: list[int], page_size: int) -> tuple[list[int], list[int], list[int]]:
+    """Host-side CSR description of a step: (qo_indptr [n + 1] in query rows, kv_indptr [n + 1] in pages,
+    kv_len [n] in tokens). Request i's page ids are kv_indices[kv_indptr[i]:kv_indptr[i + 1]]."""
+    qo, kv = [0], [0]
+    for q, s in zip(q_lens, seq_lens):
+        qo.append(qo[-1] + q)
+        kv.append(kv[-1] + -(-s // page_size))
+    return qo, kv, list(seq_lens)
 
 
 class FlashInferMLABackend(AttentionBackend):
     name = "flashinfer_mla"
-    supports_cuda_graph = False
+    supports_cuda_graph = True
 
     def __init__(self, pool: KVPool, *, variant: str | None = None):
         super().__init__(pool)
@@ -60,9 +92,11 @@ class FlashInferMLABackend(AttentionBackend):
             raise BackendError(f"FlashInfer's MLA kernels need SM80 or newer; this GPU is {sm_name(self._cc)}",
                                fix="choose backend='triton' or 'torch'")
         self.variant = variant or ("fa3" if self._cc[0] == 9 else "fa2")
-        self._wrappers: dict[LayerSignature, object] = {}
+        # (signature, graph bucket or None for eager steps) -> wrapper
+        self._wrappers: dict[tuple[LayerSignature, int | None], object] = {}
         self._known: dict[LayerSignature, None] = {}
         self._state_key = f"{self.name}:{id(self)}"
+        self._graph: _GraphBuffers | None = None
 
     def kernels_for(self, layer) -> dict[str, str]:
         k = f"FlashInfer MLA {self.variant} (BatchMLAPagedAttentionWrapper)"
@@ -72,25 +106,58 @@ class FlashInferMLABackend(AttentionBackend):
 
     def prepare(self, meta: BatchMetadata) -> None:
         check_page_size(self.name, meta.page_size, self.pool.page_size)
-        ps = meta.page_size
-        qo, kv = [0], [0]
-        for q, s in zip(meta.q_lens_cpu, meta.seq_lens_cpu):
-            qo.append(qo[-1] + q)
-            kv.append(kv[-1] + -(-s // ps))
+        qo, kv, kv_len = csr_plan_arrays(meta.q_lens_cpu, meta.seq_lens_cpu, meta.page_size)
         kv_indptr = torch.tensor(kv, dtype=torch.int32)
         kv_indices = page_table.create_kv_indices(
-            meta.block_tables, meta.seq_lens, kv_indptr.to(self.pool.device, non_blocking=True), ps, num_indices=kv[-1],
+            meta.block_tables, meta.seq_lens, kv_indptr.to(self.pool.device, non_blocking=True), meta.page_size,
+            num_indices=kv[-1],
         )
+        self._publish(meta, qo, kv_indptr, kv_indices, kv_len, graph_batch=None)
+
+    def _publish(self, meta, qo, kv_indptr, kv_indices, kv_len, *, graph_batch: int | None) -> None:
         metadata = self._fi.MLAPlanMetadata.csr(
             qo_indptr=torch.tensor(qo, dtype=torch.int32),  # host copies: planning reads them without a sync
             kv_indptr=kv_indptr,
             kv_indices=kv_indices,
-            kv_len_arr=torch.tensor(meta.seq_lens_cpu, dtype=torch.int32),
+            kv_len_arr=torch.tensor(kv_len, dtype=torch.int32),
         )
-        step = _Step(mode=meta.mode, metadata=metadata)
+        step = _Step(mode=meta.mode, metadata=metadata, graph_batch=graph_batch)
         meta.backend_state[self._state_key] = step
         for sig in self._known:
             self._plan(meta, step, sig)
+
+    def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
+        def buf(n, fill):
+            return torch.full((n,), fill, dtype=torch.int32, device=self.pool.device)
+
+        self._graph = _GraphBuffers(
+            qo_indptr=buf(max_batch_size + 1, 0), kv_indptr=buf(max_batch_size + 1, 0), kv_len=buf(max_batch_size, 1),
+            kv_indices=buf(max_batch_size * max_pages_per_req, 0),
+        )
+        for key in [k for k in self._wrappers if k[1] is not None]:  # wrappers over an older set of buffers
+            del self._wrappers[key]
+
+    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> None:
+        g = self._graph
+        if g is None:
+            raise BackendError("prepare_graph before init_graph_state", fix="call init_graph_state first")
+        if not meta.is_decode:
+            raise BackendError(f"{self.name} captures decode steps only", fix="run extend steps eagerly")
+        check_page_size(self.name, meta.page_size, self.pool.page_size)
+        n = meta.num_reqs
+        qo, kv, kv_len = csr_plan_arrays(meta.q_lens_cpu, meta.seq_lens_cpu, meta.page_size)
+        if n > g.kv_len.shape[0] or kv[-1] > g.kv_indices.shape[0]:
+            raise BackendError(
+                f"{self.name}: a graph step of {n} requests and {kv[-1]} pages exceeds the static buffers "
+                f"({g.kv_len.shape[0]} requests, {g.kv_indices.shape[0]} pages)",
+                fix="size init_graph_state for the largest bucket and context",
+            )
+        kv_indptr = torch.tensor(kv, dtype=torch.int32)
+        g.kv_indptr[: n + 1].copy_(kv_indptr, non_blocking=True)  # the page-index kernel reads it on the device
+        # Written in place: the plan then finds the page ids already where the captured kernels read them.
+        kv_indices = page_table.create_kv_indices(meta.block_tables, meta.seq_lens, g.kv_indptr[: n + 1],
+                                                  meta.page_size, num_indices=kv[-1], out=g.kv_indices)
+        self._publish(meta, qo, kv_indptr, kv_indices, kv_len, graph_batch=n)
 
     def _step(self, meta: BatchMetadata) -> _Step:
         step = meta.backend_state.get(self._state_key)
@@ -124,13 +191,25 @@ class FlashInferMLABackend(AttentionBackend):
             raise BackendError(f"layer {layer.layer_id}: FlashInfer MLA has no sliding window or soft-cap",
                                fix="choose backend='triton' or 'torch'")
 
-    def _plan(self, meta: BatchMetadata, step: _Step, sig: LayerSignature):
-        wrapper = self._wrappers.get(sig)
-        if wrapper is None:
+    def _wrapper(self, sig: LayerSignature, graph_batch: int | None):
+        wrapper = self._wrappers.get((sig, graph_batch))
+        if wrapper is not None:
+            return wrapper
+        ws = workspace(self.pool.device, "wrappers")
+        if graph_batch is None:
+            wrapper = self._fi.BatchMLAPagedAttentionWrapper(float_workspace_buffer=ws, backend=self.variant)
+        else:
+            g, n = self._graph, graph_batch
             wrapper = self._fi.BatchMLAPagedAttentionWrapper(
-                float_workspace_buffer=workspace(self.pool.device, "wrappers"), backend=self.variant,
+                float_workspace_buffer=ws, use_cuda_graph=True, qo_indptr=g.qo_indptr[: n + 1],
+                kv_indptr=g.kv_indptr[: n + 1], kv_indices=g.kv_indices, kv_len_arr=g.kv_len[:n],
+                backend=self.variant,
             )
-            self._wrappers[sig] = wrapper
+        self._wrappers[(sig, graph_batch)] = wrapper
+        return wrapper
+
+    def _plan(self, meta: BatchMetadata, step: _Step, sig: LayerSignature):
+        wrapper = self._wrapper(sig, step.graph_batch)
         wrapper.plan(
             metadata=step.metadata,
             num_heads=sig.num_heads,

@@ -10,6 +10,15 @@ Decision names the conversion).
 
 They serve NSA layers only (``mla_kv_layout`` + ``nsa_topk`` / ``nsa_sparse_mla``, the contract in
 ``attnzoo/attention/nsa.py``); dense MHA/MLA layers belong to the ``triton`` backend.
+
+CUDA graphs (decode): every launch shape is set by host ints that a captured step fixes (rows, the
+score width, top-k), and the kernels read positions, block tables and slots on the device: no host
+sync, no data-dependent shape. The width and the dense-or-top-k choice (``NSAAttention``: dense while
+the longest context is <= index_topk) come from the step the graph is captured on, whose lengths are
+the graph's longest context: a graph sized beyond index_topk scores ``max_context`` columns per decode
+row and selects top-k for every step it replays (the same tokens as the eager dense path selects for
+short steps, summed in score order); a graph sized within index_topk runs the dense path. The request
+of each decode row (row i is request i) comes from a static buffer, not from the host's lengths.
 """
 from __future__ import annotations
 
@@ -40,6 +49,7 @@ def _import_kernels():
 
 class NSATritonBackend(AttentionBackend):
     name = "nsa_triton"
+    supports_cuda_graph = True
     mla_kv_layout: ClassVar[KVLayout] = KVLayout.BF16
 
     def __init__(self, pool: KVPool):
@@ -51,12 +61,23 @@ class NSATritonBackend(AttentionBackend):
             )
         self._kernels = _import_kernels()
         self.kv_copy = self._make_copy(pool)
+        self._graph_reqs: torch.Tensor | None = None  # [max_batch] int64, device: row i -> request i
 
     def _make_copy(self, pool: KVPool) -> LayoutCache | None:
         return None  # BF16: it reads the pool itself
 
     def prepare(self, meta: BatchMetadata) -> None:
         meta.backend_state[self.name] = nsa.token_requests(meta)
+
+    def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
+        self._graph_reqs = torch.arange(max_batch_size, device=self.pool.device)
+
+    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> None:
+        if self._graph_reqs is None:
+            raise BackendError("prepare_graph before init_graph_state", fix="call init_graph_state first")
+        if not meta.is_decode:
+            raise BackendError(f"{self.name} captures decode steps only", fix="run extend steps eagerly")
+        meta.backend_state[self.name] = self._graph_reqs[: meta.num_reqs]
 
     def _token_reqs(self, meta: BatchMetadata) -> torch.Tensor:
         reqs = meta.backend_state.get(self.name)

@@ -1,0 +1,45 @@
+"""benchmarks/e2e.py's shapes and roofline, on CPU: the reduced DeepSeek-V3.2 shape, and NSA layers
+counted at their top-k selection (plus the indexer keys once selection drops tokens)."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+e2e = pytest.importorskip("e2e")
+
+import attnzoo  # noqa: E402
+from test_nsa import COMMON, INDEXER  # noqa: E402
+
+
+def test_dsv32_shape_is_dsv3_with_the_indexer():
+    config, fields = e2e.make_config("dsv32", 4)
+    v3, _ = e2e.make_config("dsv3", 4)
+    assert config.architectures == ["DeepseekV32ForCausalLM"] and config.num_hidden_layers == 4
+    assert (config.index_topk, config.index_head_dim, config.index_n_heads) == (2048, 128, 64)
+    assert {k: v for k, v in fields.items() if not k.startswith("index_")} == {**e2e.DSV3, "num_hidden_layers": 4}
+    assert config.hidden_size == v3.hidden_size and config.n_routed_experts == v3.n_routed_experts
+
+
+def test_nsa_roofline_reads_the_selected_tokens_and_the_indexer_keys():
+    from transformers import DeepseekV32Config
+
+    config = DeepseekV32Config(**COMMON, **INDEXER)
+    config.architectures = ["DeepseekV32ForCausalLM"]
+    llm = attnzoo.load_model(config, load_format="random", device="cpu", dtype="bfloat16", backend="torch")
+    prof = e2e.model_profile(llm)
+    layer = prof["layers"][0]
+    # MLA entry (latent 32 + rope 8) and indexer key (16), bf16; 8 indexer heads of 16
+    assert (layer["kv_bytes"], layer["index_bytes"], layer["topk"]) == (80, 32, 6)
+    assert layer["index_flops_per_pair"] == 2 * 8 * 16
+    one = {**prof, "dense_bytes": 0, "expert_bytes": 0, "dense_params": 0, "expert_params": 0, "layers": [layer]}
+    bytes_only = {"copy_bytes_per_s": 1.0, "matmul_flops_per_s": float("inf")}
+
+    def step(reqs, ctx):
+        return {"num_reqs": reqs, "new_tokens": reqs, "kv_tokens": reqs * ctx, "shared_prefix_len": 0,
+                "attn_pairs": reqs * ctx}
+
+    # contexts within top-k: every token is selected, no indexer pass
+    assert e2e.roofline_seconds([step(2, 5)], one, bytes_only) == 80 * 2 * 5
+    # beyond it: top-k entries per request, and every cached token's indexer key
+    assert e2e.roofline_seconds([step(2, 50)], one, bytes_only) == 80 * 2 * 6 + 32 * 2 * 50
