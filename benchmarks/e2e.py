@@ -11,7 +11,8 @@ only the experts a step can touch (expected distinct experts for its tokens), sl
 the window each request can see. Backend "default" is the policy's choice for the shape on this GPU.
 
 Backends with a cascade path run twice (``--cascade both``): plain, every request reading its own copy
-of the shared few-shot prefix, and cascade, the prefix read once per decode step. Each run's roofline
+of the shared few-shot prefix, and cascade, the prefix read once per step (by sliding-window layers: the
+part of it inside every request's window). Each run's roofline
 counts the KV bytes its own path must read (``roofline_fraction``); ``roofline_plain_s`` is the plain
 path's estimate for the same schedule, so cascade runs can be set against what plain reading allows.
 
@@ -131,7 +132,9 @@ def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: b
 
     Bytes: dense weights, the experts the step's tokens can touch (expected distinct experts of
     ``tokens x top_k`` uniform picks), and the KV each layer reads (sliding layers: at most the window per
-    request, from the step's mean context). ``shared_once``: a cascade step reads its shared prefix once.
+    request, from the step's mean context). ``shared_once``: a cascade step reads its shared prefix once,
+    and a sliding layer the part of it inside every request's window once (token-exact, a lower bound on
+    the page-granular split the backends make).
     FLOPs: 2 x active weights per token (dense + top_k experts) + attention over the step's token pairs.
     """
     E, k = prof["num_experts"], prof["top_k"]
@@ -143,12 +146,17 @@ def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: b
         touched = E * (1 - (1 - k / E) ** n) if E else 0
         weight_bytes = prof["dense_bytes"] + per_expert * touched
         mean_ctx = s["kv_tokens"] / max(s["num_reqs"], 1)
-        saved = s["shared_prefix_len"] * (s["num_reqs"] - 1) if shared_once else 0
+        shared = s["shared_prefix_len"] if shared_once else 0
+        saved = shared * (s["num_reqs"] - 1)
         kv_bytes = 0.0
         attn_flops = 0.0
         for layer in prof["layers"]:
             if layer["window"]:
-                kv_bytes += layer["kv_bytes"] * s["num_reqs"] * min(mean_ctx, layer["window"])
+                # Windowed cascade: the prefix tokens inside every request's window (those after the longest
+                # request's window start) are read once; step logs without max_seq_len count none.
+                seen = max(0, shared - max(0, s.get("max_seq_len", 1 << 62) - layer["window"]))
+                kv_bytes += layer["kv_bytes"] * (s["num_reqs"] * min(mean_ctx, layer["window"])
+                                                 - seen * (s["num_reqs"] - 1))
                 attn_flops += layer["flops_per_pair"] * n * min(mean_ctx, layer["window"])
             else:
                 kv_bytes += layer["kv_bytes"] * (s["kv_tokens"] - saved)

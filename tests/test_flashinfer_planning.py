@@ -81,7 +81,7 @@ def test_cascade_step_plans_shared_pages_once_and_the_rest_per_request(monkeypat
     assert full["indices"].tolist() == [3, 4, 5, 9, 3, 4, 5, 10, 11, 3, 4, 5, 12]
 
 
-def test_sliding_window_layers_keep_the_plain_path(monkeypatch):
+def test_sliding_window_layers_past_the_prefix_keep_the_plain_path(monkeypatch):
     layer = Attention(0, 4, 4, 64, sliding_window=20)
     tables = [[1, 2, 3], [1, 2, 4]]
     be = make_backend(monkeypatch, layer, 8, 16)
@@ -90,10 +90,44 @@ def test_sliding_window_layers_keep_the_plain_path(monkeypatch):
     assert meta.shared_prefix_len == 32
     be.prepare(meta)
     be.decode(layer, torch.randn(2, 4, 64, dtype=torch.bfloat16), meta)
-    assert not be._cascade_wrappers
+    assert not be._cascade_wrappers  # request 0's window starts at key 22: no shared page in every window
     plan = next(iter(be._decode_wrappers.values())).plans[-1]
     # Only pages a query can see under the window: keys from position 41 - 20 + 1 = 22 (page 1) onwards.
     assert plan["indices"].tolist() == [2, 3, 2, 4] and plan["window_left"] == 19
+
+
+@pytest.mark.parametrize("extend", [False, True])
+def test_sliding_window_cascade_plans_the_shared_segment_once(monkeypatch, extend):
+    """A window of 40 over a 5-page shared prefix (page size 8): pages 2..4 are in every query's window
+    (the longest request, 50 tokens, sees keys from 11: page 1 is partly out), the rest of each request is
+    its pages from its own window start up to page 2, then its pages after the prefix, window_left 39 - 24."""
+    layer = Attention(0, 4, 2, 64, sliding_window=40)
+    tables = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7, 8], [1, 2, 3, 4, 5, 9]]
+    prefix, q_lens = ([41, 49, 40], [1, 1, 1]) if not extend else ([41, 45, 40], [1, 5, 3])
+    be = make_backend(monkeypatch, layer, 12, 8)
+    meta = build_metadata(prefix_lens=prefix, q_lens=q_lens, block_tables=tables, page_size=8, device="cpu",
+                          detect_shared_prefix=True)
+    assert meta.shared_prefix_len == 40
+    be.prepare(meta)
+    q = torch.randn(sum(q_lens), 4, 64, dtype=torch.bfloat16)
+    (be.extend if extend else be.decode)(layer, q, meta)
+    sig = fi_backend.LayerSignature.of(layer)
+    shared = be._cascade_wrappers[sig][0][sig].plans[-1]
+    assert shared["paged_kv_indices"].tolist() == [3, 4, 5] and shared["paged_kv_indptr"].tolist() == [0, 3]
+    assert shared["causal"] is False and shared["window_left"] == 39
+    assert shared["qo_indptr"].tolist() == [0, sum(q_lens)]
+    rest_w = be._cascade_extend_rest[sig] if extend else be._cascade_wrappers[sig][1][sig]
+    rest = rest_w.plans[-1]
+    # window starts of the first queries: keys 2, 10 (extend: 6), 1 -> pages 0, 1 (0), 0
+    if extend:
+        assert rest["paged_kv_indices"].tolist() == [1, 2, 6, 1, 2, 7, 8, 1, 2, 9]
+        assert rest["paged_kv_indptr"].tolist() == [0, 3, 7, 10] and rest["causal"] is True
+        assert rest["qo_indptr"].tolist() == [0, 1, 6, 9]
+    else:
+        assert rest["indices"].tolist() == [1, 2, 6, 2, 7, 8, 1, 2, 9]
+        assert rest["indptr"].tolist() == [0, 3, 6, 9]
+    assert rest["window_left"] == 39 - 3 * 8
+    assert not be._decode_wrappers and not be._prefill_wrappers
 
 
 @pytest.mark.parametrize("name,cc,page_size,columns", [("trtllm_mha", (9, 0), 16, 6), ("trtllm_mla", (10, 0), 32, 8)])

@@ -150,7 +150,7 @@ def cascade_step(case, page_size, shared_pages, suffix_lens, seed=0, q_lens=None
     """A step whose requests all start with the same ``shared_pages`` pages, then own pages: decode, or
     extend with ``q_lens`` new tokens at the end of each request's suffix."""
     layer = Attention(0, case["heads"], case["kv_heads"], case["head_dim"], logit_softcap=case.get("softcap"),
-                      scale=case.get("scale"))
+                      scale=case.get("scale"), sliding_window=case.get("window"))
     seq = [shared_pages * page_size + n for n in suffix_lens]
     own = [-(-n // page_size) for n in suffix_lens]
     pool = KVPool([layer.kv_cache_spec()], num_pages=shared_pages + sum(own) + 5, page_size=page_size,
@@ -187,6 +187,7 @@ def check_cascade_equals_plain(layer, pool, meta, q) -> None:
     """flashinfer with the step's shared prefix read once: the reference, and its own plain path."""
     backend = get_backend_class("flashinfer")(pool)
     out = run_backend(backend, layer, meta, q)
+    assert backend._cascade_wrappers, "the step did not take the cascade path"
     assert_close(out, reference(layer, pool, meta, q))
     meta.shared_prefix_len, meta.backend_state = 0, {}
     plain = run_backend(backend, layer, meta, q)
@@ -202,6 +203,26 @@ def test_flashinfer_cascade_extend(case, page_size):
     layer, pool, meta, q = cascade_step(case, page_size, shared_pages, [1, 7, 40, 2, 150, 65],
                                         q_lens=[1, 7, 1, 2, 150, 30])
     assert not meta.is_decode and meta.shared_prefix_len == shared_pages * page_size
+    check_cascade_equals_plain(layer, pool, meta, q)
+
+
+WINDOW_CASCADE_CASES = [dict(id="d256-g2-window120", heads=8, kv_heads=4, head_dim=256, window=120),
+                        dict(id="d128-g4-window100-softcap", heads=16, kv_heads=4, head_dim=128, window=100,
+                             softcap=30.0)]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASCADE_CASES, ids=_case_id)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_flashinfer_windowed_cascade(case, page_size, mode):
+    """Sliding-window layers: the part of the shared prefix inside every query's window once, each request's
+    window start up to it and its own pages after the prefix with the narrowed window_left, merged. The
+    requests' windows start before the prefix (suffix 1), inside it, and at different pages of it."""
+    shared_pages = 96 // page_size
+    suffixes = [1, 7, 40, 2, 65]
+    q_lens = None if mode == "decode" else [1, 7, 12, 2, 3]
+    layer, pool, meta, q = cascade_step(case, page_size, shared_pages, suffixes, q_lens=q_lens)
+    assert meta.shared_prefix_len == 96 and meta.is_decode == (mode == "decode")
     check_cascade_equals_plain(layer, pool, meta, q)
 
 
