@@ -26,6 +26,9 @@ class RecordingWrapper:
     def plan(self, **kwargs):
         self.plans.append(kwargs)
 
+    def reset_workspace_buffer(self, *, float_workspace_buffer, int_workspace_buffer):
+        self.int_workspace = int_workspace_buffer
+
     def run(self, *, q, paged_kv_cache, return_lse=False):
         out = torch.zeros_like(q)
         return (out, torch.zeros(q.shape[:2])) if return_lse else out
@@ -40,7 +43,8 @@ def make_backend(monkeypatch, layer, num_pages, page_size):
                            BatchDecodeWithPagedKVCacheWrapper=RecordingWrapper, merge_state=merge_state)
     monkeypatch.setattr(fi_backend, "load_flashinfer", lambda name: fake)
     monkeypatch.setattr(fi_backend, "compute_capability", lambda name, device: (9, 0))
-    pool = KVPool([layer.kv_cache_spec()], num_pages=num_pages, page_size=page_size, dtype=torch.bfloat16,
+    layers = layer if isinstance(layer, list) else [layer]
+    pool = KVPool([x.kv_cache_spec() for x in layers], num_pages=num_pages, page_size=page_size, dtype=torch.bfloat16,
                   device="cpu")
     return fi_backend.FlashInferBackend(pool)
 
@@ -200,3 +204,39 @@ def test_cascade_extend_plans_shared_pages_once_and_the_rest_causal(monkeypatch)
     be.extend(layer, torch.randn(55, 8, 64, dtype=torch.bfloat16), first)
     plain = next(iter(be._prefill_wrappers.values())).plans[-1]
     assert plain["paged_kv_indptr"].tolist() == [0, 4, 8] and plain["causal"] is True
+
+
+def test_graph_steps_plan_bucket_wrappers_over_shared_static_buffers(monkeypatch):
+    """prepare_graph plans the bucket's graph-mode wrappers from the step's padded host lengths (padding
+    rows: one token in page 0); buckets share one set of static buffers per signature; a graph step runs
+    plain even when the step shares a prefix."""
+    sliding, glob = Attention(0, 4, 2, 64, sliding_window=20), Attention(1, 4, 2, 64)
+    be = make_backend(monkeypatch, [sliding, glob], 16, 16)
+    be.init_graph_state(max_batch_size=4, max_pages_per_req=6)
+    tables = [[3, 4, 5, 9], [3, 4, 5, 10, 11]]
+    wrappers = {}
+    for bucket in (4, 2):
+        rows = tables + [[0]] * (bucket - 2)
+        meta = build_metadata(prefix_lens=[50, 70] + [0] * (bucket - 2), q_lens=[1] * bucket, block_tables=rows,
+                              page_size=16, device="cpu", mode=fi_backend.ForwardMode.DECODE,
+                              detect_shared_prefix=True)
+        be.prepare_graph(meta, capturing=bucket == 4)
+        for layer in (sliding, glob):
+            be.decode(layer, torch.randn(bucket, 4, 64, dtype=torch.bfloat16), meta)
+        assert not be._cascade_wrappers and not be._decode_wrappers  # plain, and only graph-mode wrappers
+        wrappers[bucket] = be._graph.decode(bucket)
+        for sig, w in wrappers[bucket].items():
+            assert w.kwargs["use_cuda_graph"] is True
+            assert w.kwargs["paged_kv_indptr_buffer"].shape == (bucket + 1,)
+            assert w.kwargs["paged_kv_last_page_len_buffer"].shape == (bucket,)
+            plan = w.plans[-1]
+            assert plan["last_page_len"].tolist() == [3, 7] + [1] * (bucket - 2)
+            if sig.window:  # keys from 50 - 20 + 1 = 31 and 51: pages 1.. and 3..
+                assert plan["indices"].tolist() == [4, 5, 9, 10, 11] + [0] * (bucket - 2)
+                assert plan["window_left"] == 19
+            else:
+                assert plan["indices"].tolist() == [3, 4, 5, 9, 3, 4, 5, 10, 11] + [0] * (bucket - 2)
+    for sig in wrappers[4]:
+        a, b = wrappers[4][sig], wrappers[2][sig]
+        assert a is not b and a.int_workspace is b.int_workspace
+        assert a.kwargs["paged_kv_indices_buffer"].data_ptr() == b.kwargs["paged_kv_indices_buffer"].data_ptr()

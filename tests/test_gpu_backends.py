@@ -369,6 +369,14 @@ def _graph_replay(name, case, page_size, batch=4):
     assert_close(out, reference(layer, pool, meta1, q1))
 
 
+@pytest.mark.parametrize("case", [c for c in MHA_CASES if c["id"] in ("d256-g2-window", "d512-g8", "d128-g1")],
+                         ids=_case_id)
+def test_flashinfer_cuda_graph_replay(case):
+    """Graph-mode wrappers planned by prepare_graph before the replay: sliding d256 (tensor-core-free
+    CUDA-core decode), global d512 and an MHA layer, each replayed for a step of new lengths and pages."""
+    _graph_replay("flashinfer", {k: v for k, v in case.items() if k != "id"}, 16)
+
+
 @pytest.mark.skipif(not XQA_OR_TRTLLM_GEN, reason="trtllm_mha runs on SM90/SM120 (XQA) and SM100/SM103")
 def test_trtllm_mha_cuda_graph_replay():
     _graph_replay("trtllm_mha", dict(heads=16, kv_heads=4, head_dim=128), 16)
@@ -479,7 +487,7 @@ def tiny_llama(path, *, heads, kv_heads, head_dim):
     return save_checkpoint(LlamaForCausalLM(cfg).eval(), path)
 
 
-def tiny_gemma4(path):
+def tiny_gemma4(path, window=16):
     """31B-like in miniature: sliding d256 layers (window 16) and global d512 layers with k == v.
 
     Gemma 4 attends with scale 1.0 after q/k RMSNorm; with the norms' initial weight 1 the scores of a
@@ -494,7 +502,7 @@ def tiny_gemma4(path):
         vocab_size=256, vocab_size_per_layer_input=256, hidden_size=128, intermediate_size=256,
         num_hidden_layers=4, layer_types=[s, f, s, f], num_attention_heads=4, num_key_value_heads=2,
         head_dim=256, global_head_dim=512, attention_k_eq_v=True, num_global_key_value_heads=1,
-        sliding_window=16, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+        sliding_window=window, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
         max_position_embeddings=1024, initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
     torch.manual_seed(0)

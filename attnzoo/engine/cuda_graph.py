@@ -42,17 +42,20 @@ class DecodeGraphs:
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)  # [max_batch]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # bucket -> static output [bucket, hidden]
-        self.metas: dict[int, BatchMetadata] = {}  # bucket -> metadata over the static buffers
+        self.metas: dict[int, BatchMetadata] = {}  # bucket -> the capture's metadata over the static buffers
         backend.init_graph_state(self.max_batch, self.max_pages)
         self._capture_all()
 
-    def _meta(self, bs: int) -> BatchMetadata:
+    def _meta(self, bs: int, seq_lens_cpu: list[int] | None = None) -> BatchMetadata:
+        """The bucket's metadata over the static buffers. Host lists: the step's, padded to the bucket
+        (padding rows: one token in page 0); at capture (None) the worst case, every row at max_context."""
         return BatchMetadata(
             mode=ForwardMode.DECODE, page_size=self.pool.page_size,
             positions=self.positions[:bs], slot_mapping=self.slots[:bs], q_indptr=self.q_indptr[: bs + 1],
             seq_lens=self.seq_lens[:bs], prefix_lens=self.prefix_lens[:bs],
-            block_tables=self.block_tables[:bs], seq_lens_cpu=[self.max_context] * bs, q_lens_cpu=[1] * bs,
-            last_token_rows=self.rows[:bs],
+            block_tables=self.block_tables[:bs],
+            seq_lens_cpu=[self.max_context] * bs if seq_lens_cpu is None else seq_lens_cpu + [1] * (bs - len(seq_lens_cpu)),
+            q_lens_cpu=[1] * bs, last_token_rows=self.rows[:bs],
         )
 
     def _run(self, meta: BatchMetadata) -> torch.Tensor:
@@ -100,6 +103,7 @@ class DecodeGraphs:
         self.seq_lens[n:bs].fill_(1)
         self.prefix_lens[n:bs].zero_()
         self.block_tables[n:bs].zero_()
-        self.backend.prepare_graph(self.metas[bs], capturing=False)  # refill the backend's static state
+        # refill the backend's static state; host-planned backends read the step's lengths
+        self.backend.prepare_graph(self._meta(bs, meta.seq_lens_cpu), capturing=False)
         self.graphs[bs].replay()
         return self.hidden[bs][:n]

@@ -92,6 +92,7 @@ class _Step:
     splits: dict[int | None, CascadeSplit | None] = field(default_factory=dict)  # window -> cascade split
     indices: dict[object, _PageIndex] = field(default_factory=dict)  # window, or ("rest", window)
     planned: dict[LayerSignature, object] = field(default_factory=dict)  # signature -> planned wrapper
+    graph_bucket: int | None = None  # a captured decode step: the batch-size bucket whose wrappers it plans
 
 
 @dataclass
@@ -108,9 +109,61 @@ class _CascadeRun:
         return self.merge_state(v_a=o_shared, s_a=lse_shared, v_b=o_rest, s_b=lse_rest)[0]
 
 
+class _GraphState:
+    """CUDA-graph decode state: per batch-size bucket, wrappers built with ``use_cuda_graph=True``; per
+    layer signature, static index buffers sized for the largest bucket. Only one bucket's graph replays
+    per step, so every bucket's wrappers of a signature share that signature's buffers (as prefixes)."""
+
+    def __init__(self, max_batch: int, max_pages: int, device: torch.device):
+        self.max_batch, self.max_pages, self.device = max_batch, max_pages, device
+        self._buffers: dict[LayerSignature, dict[str, torch.Tensor]] = {}
+        self._decode: dict[int, dict] = {}  # bucket -> signature -> wrapper
+        self._prefill: dict[int, dict] = {}
+
+    def decode(self, bucket: int) -> dict:
+        return self._decode.setdefault(bucket, {})
+
+    def prefill(self, bucket: int) -> dict:
+        return self._prefill.setdefault(bucket, {})
+
+    def _of(self, sig: LayerSignature) -> dict[str, torch.Tensor]:
+        buf = self._buffers.get(sig)
+        if buf is None:
+            n, i32 = self.max_batch, dict(dtype=torch.int32, device=self.device)
+            buf = self._buffers[sig] = {
+                "qo_indptr": torch.arange(n + 1, **i32),  # [max_batch + 1]: one query per request
+                "kv_indptr": torch.zeros(n + 1, **i32),  # [max_batch + 1]
+                "kv_indices": torch.zeros(n * self.max_pages, **i32),  # [max_batch x max_pages]
+                "last_page_len": torch.ones(n, **i32),  # [max_batch]
+            }
+        return buf
+
+    def share_int_workspace(self, sig: LayerSignature, wrapper) -> None:
+        """Give a bucket's wrapper its signature's int workspace (plan info, 8 MiB as FlashInfer allocates):
+        a wrapper's own would cost 8 MiB of GPU memory per bucket and signature. Safe for the same reason
+        as the index buffers: a replay re-plans its bucket's wrappers first."""
+        buf = self._of(sig)
+        if "int_workspace" not in buf:
+            buf["int_workspace"] = torch.empty(8 << 20, dtype=torch.uint8, device=self.device)
+        wrapper.reset_workspace_buffer(float_workspace_buffer=workspace(self.device, "wrappers"),
+                                       int_workspace_buffer=buf["int_workspace"])
+
+    def decode_buffers(self, sig: LayerSignature, bucket: int) -> dict:
+        b = self._of(sig)
+        return dict(use_cuda_graph=True, paged_kv_indptr_buffer=b["kv_indptr"][: bucket + 1],
+                    paged_kv_indices_buffer=b["kv_indices"],
+                    paged_kv_last_page_len_buffer=b["last_page_len"][:bucket])
+
+    def prefill_buffers(self, sig: LayerSignature, bucket: int) -> dict:
+        b = self._of(sig)
+        return dict(use_cuda_graph=True, qo_indptr_buf=b["qo_indptr"][: bucket + 1],
+                    paged_kv_indptr_buf=b["kv_indptr"][: bucket + 1], paged_kv_indices_buf=b["kv_indices"],
+                    paged_kv_last_page_len_buf=b["last_page_len"][:bucket])
+
+
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
-    supports_cuda_graph = False
+    supports_cuda_graph = True
     supports_cascade = True
     supports_cascade_extend = True
 
@@ -146,6 +199,7 @@ class FlashInferBackend(AttentionBackend):
         self._cascade_extend_rest: dict[LayerSignature, object] = {}  # the rest's prefill wrappers
         self._known: dict[LayerSignature, None] = {}  # insertion-ordered set of signatures seen
         self._state_key = f"{self.name}:{id(self)}"
+        self._graph: _GraphState | None = None  # set by init_graph_state
 
     # ---------------------------------------------------------------- kernel choice (reported)
 
@@ -188,15 +242,30 @@ class FlashInferBackend(AttentionBackend):
 
     # ---------------------------------------------------------------- per step
 
-    def prepare(self, meta: BatchMetadata) -> None:
+    def prepare(self, meta: BatchMetadata, graph_bucket: int | None = None) -> None:
         check_page_size(self.name, meta.page_size, self.pool.page_size)
         qo = torch.zeros(meta.num_reqs + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(meta.q_lens_cpu, dtype=torch.int32), 0, dtype=torch.int32, out=qo[1:])
         step = _Step(mode=meta.mode, qo_indptr=qo,
-                     shared_pages=meta.shared_prefix_len // meta.page_size)
+                     shared_pages=meta.shared_prefix_len // meta.page_size, graph_bucket=graph_bucket)
         meta.backend_state[self._state_key] = step
         for sig in self._known:
             self._plan(meta, step, sig)
+
+    def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
+        self._graph = _GraphState(max_batch_size, max_pages_per_req, self.pool.device)
+
+    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> None:
+        """Plan a captured decode step: the bucket's (``meta.num_reqs``) wrappers, built with
+        ``use_cuda_graph=True`` over static index buffers that ``plan()`` refills with this step's lengths
+        and pages before every replay; the graph holds their ``run()``. Graph steps run the plain path:
+        a cascade split lowers sliding layers' ``window_left``, a launch argument the graph would bake in."""
+        if self._graph is None:
+            raise BackendError("prepare_graph before init_graph_state", fix="call init_graph_state first")
+        if not meta.is_decode:
+            raise BackendError(f"{self.name} captures decode steps only", fix="run extend steps eagerly")
+        meta.shared_prefix_len = 0
+        self.prepare(meta, graph_bucket=meta.num_reqs)
 
     def _step(self, meta: BatchMetadata) -> _Step:
         step = meta.backend_state.get(self._state_key)
@@ -302,10 +371,14 @@ class FlashInferBackend(AttentionBackend):
                 rest=rest, merge_state=self._fi.merge_state,
             )
         elif self._uses_prefill_wrapper(step.mode, sig):
-            planned = self._plan_prefill(self._prefill_wrappers, meta, sig, step.qo_indptr,
-                                         self._page_index(meta, step, sig.window), causal=True)
+            wrappers = self._prefill_wrappers if step.graph_bucket is None else self._graph.prefill(step.graph_bucket)
+            planned = self._plan_prefill(wrappers, meta, sig, step.qo_indptr,
+                                         self._page_index(meta, step, sig.window), causal=True,
+                                         graph_bucket=step.graph_bucket)
         else:
-            planned = self._plan_decode(self._decode_wrappers, meta, sig, self._page_index(meta, step, sig.window))
+            wrappers = self._decode_wrappers if step.graph_bucket is None else self._graph.decode(step.graph_bucket)
+            planned = self._plan_decode(wrappers, meta, sig, self._page_index(meta, step, sig.window),
+                                        graph_bucket=step.graph_bucket)
         step.planned[sig] = planned
         return planned
 
@@ -331,14 +404,19 @@ class FlashInferBackend(AttentionBackend):
         )
 
     def _plan_prefill(self, wrappers: dict, meta: BatchMetadata, sig: LayerSignature, qo_indptr: torch.Tensor,
-                      idx: _PageIndex, *, causal: bool, kernel: str | None = None, window_left: int | None = None):
+                      idx: _PageIndex, *, causal: bool, kernel: str | None = None, window_left: int | None = None,
+                      graph_bucket: int | None = None):
         wrapper = wrappers.get(sig)
         if wrapper is None:
+            graph = {} if graph_bucket is None else self._graph.prefill_buffers(sig, graph_bucket)
             wrapper = wrappers[sig] = self._fi.BatchPrefillWithPagedKVCacheWrapper(
                 float_workspace_buffer=workspace(self.pool.device, "wrappers"),
                 kv_layout="HND",
                 backend=kernel or self.prefill_kernel(sig.head_dim, sig.v_head_dim),
+                **graph,
             )
+            if graph:
+                self._graph.share_int_workspace(sig, wrapper)
         wrapper.plan(
             qo_indptr=qo_indptr,
             paged_kv_indptr=idx.kv_indptr,
@@ -355,18 +433,22 @@ class FlashInferBackend(AttentionBackend):
         return wrapper
 
     def _plan_decode(self, wrappers: dict, meta: BatchMetadata, sig: LayerSignature, idx: _PageIndex,
-                     window_left: int | None = None):
+                     window_left: int | None = None, graph_bucket: int | None = None):
         wrapper = wrappers.get(sig)
         if wrapper is None:
             self.decode_kernel(sig.num_heads, sig.num_kv_heads, sig.head_dim, sig.v_head_dim)  # checks fa3 dims
             fa3 = self._decode_variant == "fa3"
+            graph = {} if graph_bucket is None else self._graph.decode_buffers(sig, graph_bucket)
             wrapper = wrappers[sig] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 float_workspace_buffer=workspace(self.pool.device, "wrappers"),
                 kv_layout="HND",
                 # FlashInfer's FA3 decode is its tensor-core (prefill-kernel) path.
                 use_tensor_cores=fa3 or sig.group >= TENSOR_CORE_DECODE_MIN_GROUP,
                 backend=self._decode_variant,
+                **graph,
             )
+            if graph:
+                self._graph.share_int_workspace(sig, wrapper)
         wrapper.plan(
             indptr=idx.kv_indptr,
             indices=idx.kv_indices,
