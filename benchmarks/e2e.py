@@ -13,7 +13,8 @@ the window each request can see, sparse (NSA, ``--shape dsv32``) layers only the
 for the shape on this GPU.
 
 Backends with a cascade path run twice (``--cascade both``): plain, every request reading its own copy
-of the shared few-shot prefix, and cascade, the prefix read once per decode step. Each run's roofline
+of the shared few-shot prefix, and cascade, the prefix read once per step (by sliding-window layers: the
+part of it inside every request's window). Each run's roofline
 counts the KV bytes its own path must read (``roofline_fraction``); ``roofline_plain_s`` is the plain
 path's estimate for the same schedule, so cascade runs can be set against what plain reading allows.
 
@@ -148,8 +149,10 @@ def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: b
     request, from the step's mean context; NSA layers: the MLA entries of at most ``topk`` selected tokens
     per request, plus every cached token's indexer key when the mean context exceeds ``topk``, below which
     selection keeps every token and the indexer need not run). ``shared_once``: a cascade step reads its
-    shared prefix once. FLOPs: 2 x active weights per token (dense + top_k experts) + attention over the
-    step's token pairs (NSA: over the selected ones, plus the indexer's scores over every pair).
+    shared prefix once, and a sliding layer the part of it inside every request's window once (token-exact,
+    a lower bound on the page-granular split the backends make). FLOPs: 2 x active weights per token
+    (dense + top_k experts) + attention over the step's token pairs (NSA: over the selected ones, plus the
+    indexer's scores over every pair).
     """
     E, k = prof["num_experts"], prof["top_k"]
     per_expert = prof["expert_bytes"] / max(E, 1)
@@ -160,14 +163,21 @@ def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: b
         touched = E * (1 - (1 - k / E) ** n) if E else 0
         weight_bytes = prof["dense_bytes"] + per_expert * touched
         mean_ctx = s["kv_tokens"] / max(s["num_reqs"], 1)
-        saved = s["shared_prefix_len"] * (s["num_reqs"] - 1) if shared_once else 0
+        shared = s["shared_prefix_len"] if shared_once else 0
+        saved = shared * (s["num_reqs"] - 1)
         kv_bytes = 0.0
         attn_flops = 0.0
         for layer in prof["layers"]:
-            seen = layer["window"] or layer.get("topk")  # tokens a query attends to at most
-            if seen:
-                kv_bytes += layer["kv_bytes"] * s["num_reqs"] * min(mean_ctx, seen)
-                attn_flops += layer["flops_per_pair"] * n * min(mean_ctx, seen)
+            if layer["window"]:
+                # Windowed cascade: the prefix tokens inside every request's window (those after the longest
+                # request's window start) are read once; step logs without max_seq_len count none.
+                seen = max(0, shared - max(0, s.get("max_seq_len", 1 << 62) - layer["window"]))
+                kv_bytes += layer["kv_bytes"] * (s["num_reqs"] * min(mean_ctx, layer["window"])
+                                                 - seen * (s["num_reqs"] - 1))
+                attn_flops += layer["flops_per_pair"] * n * min(mean_ctx, layer["window"])
+            elif layer.get("topk"):  # NSA: at most topk selected tokens per query
+                kv_bytes += layer["kv_bytes"] * s["num_reqs"] * min(mean_ctx, layer["topk"])
+                attn_flops += layer["flops_per_pair"] * n * min(mean_ctx, layer["topk"])
             else:
                 kv_bytes += layer["kv_bytes"] * (s["kv_tokens"] - saved)
                 attn_flops += layer["flops_per_pair"] * s["attn_pairs"]

@@ -26,6 +26,9 @@ class RecordingWrapper:
     def plan(self, **kwargs):
         self.plans.append(kwargs)
 
+    def reset_workspace_buffer(self, *, float_workspace_buffer, int_workspace_buffer):
+        self.int_workspace = int_workspace_buffer
+
     def run(self, *, q, paged_kv_cache, return_lse=False):
         out = torch.zeros_like(q)
         return (out, torch.zeros(q.shape[:2])) if return_lse else out
@@ -40,7 +43,8 @@ def make_backend(monkeypatch, layer, num_pages, page_size):
                            BatchDecodeWithPagedKVCacheWrapper=RecordingWrapper, merge_state=merge_state)
     monkeypatch.setattr(fi_backend, "load_flashinfer", lambda name: fake)
     monkeypatch.setattr(fi_backend, "compute_capability", lambda name, device: (9, 0))
-    pool = KVPool([layer.kv_cache_spec()], num_pages=num_pages, page_size=page_size, dtype=torch.bfloat16,
+    layers = layer if isinstance(layer, list) else [layer]
+    pool = KVPool([x.kv_cache_spec() for x in layers], num_pages=num_pages, page_size=page_size, dtype=torch.bfloat16,
                   device="cpu")
     return fi_backend.FlashInferBackend(pool)
 
@@ -81,7 +85,7 @@ def test_cascade_step_plans_shared_pages_once_and_the_rest_per_request(monkeypat
     assert full["indices"].tolist() == [3, 4, 5, 9, 3, 4, 5, 10, 11, 3, 4, 5, 12]
 
 
-def test_sliding_window_layers_keep_the_plain_path(monkeypatch):
+def test_sliding_window_layers_past_the_prefix_keep_the_plain_path(monkeypatch):
     layer = Attention(0, 4, 4, 64, sliding_window=20)
     tables = [[1, 2, 3], [1, 2, 4]]
     be = make_backend(monkeypatch, layer, 8, 16)
@@ -90,10 +94,44 @@ def test_sliding_window_layers_keep_the_plain_path(monkeypatch):
     assert meta.shared_prefix_len == 32
     be.prepare(meta)
     be.decode(layer, torch.randn(2, 4, 64, dtype=torch.bfloat16), meta)
-    assert not be._cascade_wrappers
+    assert not be._cascade_wrappers  # request 0's window starts at key 22: no shared page in every window
     plan = next(iter(be._decode_wrappers.values())).plans[-1]
     # Only pages a query can see under the window: keys from position 41 - 20 + 1 = 22 (page 1) onwards.
     assert plan["indices"].tolist() == [2, 3, 2, 4] and plan["window_left"] == 19
+
+
+@pytest.mark.parametrize("extend", [False, True])
+def test_sliding_window_cascade_plans_the_shared_segment_once(monkeypatch, extend):
+    """A window of 40 over a 5-page shared prefix (page size 8): pages 2..4 are in every query's window
+    (the longest request, 50 tokens, sees keys from 11: page 1 is partly out), the rest of each request is
+    its pages from its own window start up to page 2, then its pages after the prefix, window_left 39 - 24."""
+    layer = Attention(0, 4, 2, 64, sliding_window=40)
+    tables = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7, 8], [1, 2, 3, 4, 5, 9]]
+    prefix, q_lens = ([41, 49, 40], [1, 1, 1]) if not extend else ([41, 45, 40], [1, 5, 3])
+    be = make_backend(monkeypatch, layer, 12, 8)
+    meta = build_metadata(prefix_lens=prefix, q_lens=q_lens, block_tables=tables, page_size=8, device="cpu",
+                          detect_shared_prefix=True)
+    assert meta.shared_prefix_len == 40
+    be.prepare(meta)
+    q = torch.randn(sum(q_lens), 4, 64, dtype=torch.bfloat16)
+    (be.extend if extend else be.decode)(layer, q, meta)
+    sig = fi_backend.LayerSignature.of(layer)
+    shared = be._cascade_wrappers[sig][0][sig].plans[-1]
+    assert shared["paged_kv_indices"].tolist() == [3, 4, 5] and shared["paged_kv_indptr"].tolist() == [0, 3]
+    assert shared["causal"] is False and shared["window_left"] == 39
+    assert shared["qo_indptr"].tolist() == [0, sum(q_lens)]
+    rest_w = be._cascade_extend_rest[sig] if extend else be._cascade_wrappers[sig][1][sig]
+    rest = rest_w.plans[-1]
+    # window starts of the first queries: keys 2, 10 (extend: 6), 1 -> pages 0, 1 (0), 0
+    if extend:
+        assert rest["paged_kv_indices"].tolist() == [1, 2, 6, 1, 2, 7, 8, 1, 2, 9]
+        assert rest["paged_kv_indptr"].tolist() == [0, 3, 7, 10] and rest["causal"] is True
+        assert rest["qo_indptr"].tolist() == [0, 1, 6, 9]
+    else:
+        assert rest["indices"].tolist() == [1, 2, 6, 2, 7, 8, 1, 2, 9]
+        assert rest["indptr"].tolist() == [0, 3, 6, 9]
+    assert rest["window_left"] == 39 - 3 * 8
+    assert not be._decode_wrappers and not be._prefill_wrappers
 
 
 @pytest.mark.parametrize("name,cc,page_size,columns", [("trtllm_mha", (9, 0), 16, 6), ("trtllm_mla", (10, 0), 32, 8)])
@@ -166,3 +204,39 @@ def test_cascade_extend_plans_shared_pages_once_and_the_rest_causal(monkeypatch)
     be.extend(layer, torch.randn(55, 8, 64, dtype=torch.bfloat16), first)
     plain = next(iter(be._prefill_wrappers.values())).plans[-1]
     assert plain["paged_kv_indptr"].tolist() == [0, 4, 8] and plain["causal"] is True
+
+
+def test_graph_steps_plan_bucket_wrappers_over_shared_static_buffers(monkeypatch):
+    """prepare_graph plans the bucket's graph-mode wrappers from the step's padded host lengths (padding
+    rows: one token in page 0); buckets share one set of static buffers per signature; a graph step runs
+    plain even when the step shares a prefix."""
+    sliding, glob = Attention(0, 4, 2, 64, sliding_window=20), Attention(1, 4, 2, 64)
+    be = make_backend(monkeypatch, [sliding, glob], 16, 16)
+    be.init_graph_state(max_batch_size=4, max_pages_per_req=6)
+    tables = [[3, 4, 5, 9], [3, 4, 5, 10, 11]]
+    wrappers = {}
+    for bucket in (4, 2):
+        rows = tables + [[0]] * (bucket - 2)
+        meta = build_metadata(prefix_lens=[50, 70] + [0] * (bucket - 2), q_lens=[1] * bucket, block_tables=rows,
+                              page_size=16, device="cpu", mode=fi_backend.ForwardMode.DECODE,
+                              detect_shared_prefix=True)
+        be.prepare_graph(meta, capturing=bucket == 4)
+        for layer in (sliding, glob):
+            be.decode(layer, torch.randn(bucket, 4, 64, dtype=torch.bfloat16), meta)
+        assert not be._cascade_wrappers and not be._decode_wrappers  # plain, and only graph-mode wrappers
+        wrappers[bucket] = be._graph.decode(bucket)
+        for sig, w in wrappers[bucket].items():
+            assert w.kwargs["use_cuda_graph"] is True
+            assert w.kwargs["paged_kv_indptr_buffer"].shape == (bucket + 1,)
+            assert w.kwargs["paged_kv_last_page_len_buffer"].shape == (bucket,)
+            plan = w.plans[-1]
+            assert plan["last_page_len"].tolist() == [3, 7] + [1] * (bucket - 2)
+            if sig.window:  # keys from 50 - 20 + 1 = 31 and 51: pages 1.. and 3..
+                assert plan["indices"].tolist() == [4, 5, 9, 10, 11] + [0] * (bucket - 2)
+                assert plan["window_left"] == 19
+            else:
+                assert plan["indices"].tolist() == [3, 4, 5, 9, 3, 4, 5, 10, 11] + [0] * (bucket - 2)
+    for sig in wrappers[4]:
+        a, b = wrappers[4][sig], wrappers[2][sig]
+        assert a is not b and a.int_workspace is b.int_workspace
+        assert a.kwargs["paged_kv_indices_buffer"].data_ptr() == b.kwargs["paged_kv_indices_buffer"].data_ptr()

@@ -150,7 +150,7 @@ def cascade_step(case, page_size, shared_pages, suffix_lens, seed=0, q_lens=None
     """A step whose requests all start with the same ``shared_pages`` pages, then own pages: decode, or
     extend with ``q_lens`` new tokens at the end of each request's suffix."""
     layer = Attention(0, case["heads"], case["kv_heads"], case["head_dim"], logit_softcap=case.get("softcap"),
-                      scale=case.get("scale"))
+                      scale=case.get("scale"), sliding_window=case.get("window"))
     seq = [shared_pages * page_size + n for n in suffix_lens]
     own = [-(-n // page_size) for n in suffix_lens]
     pool = KVPool([layer.kv_cache_spec()], num_pages=shared_pages + sum(own) + 5, page_size=page_size,
@@ -187,6 +187,7 @@ def check_cascade_equals_plain(layer, pool, meta, q) -> None:
     """flashinfer with the step's shared prefix read once: the reference, and its own plain path."""
     backend = get_backend_class("flashinfer")(pool)
     out = run_backend(backend, layer, meta, q)
+    assert backend._cascade_wrappers, "the step did not take the cascade path"
     assert_close(out, reference(layer, pool, meta, q))
     meta.shared_prefix_len, meta.backend_state = 0, {}
     plain = run_backend(backend, layer, meta, q)
@@ -202,6 +203,26 @@ def test_flashinfer_cascade_extend(case, page_size):
     layer, pool, meta, q = cascade_step(case, page_size, shared_pages, [1, 7, 40, 2, 150, 65],
                                         q_lens=[1, 7, 1, 2, 150, 30])
     assert not meta.is_decode and meta.shared_prefix_len == shared_pages * page_size
+    check_cascade_equals_plain(layer, pool, meta, q)
+
+
+WINDOW_CASCADE_CASES = [dict(id="d256-g2-window120", heads=8, kv_heads=4, head_dim=256, window=120),
+                        dict(id="d128-g4-window100-softcap", heads=16, kv_heads=4, head_dim=128, window=100,
+                             softcap=30.0)]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASCADE_CASES, ids=_case_id)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_flashinfer_windowed_cascade(case, page_size, mode):
+    """Sliding-window layers: the part of the shared prefix inside every query's window once, each request's
+    window start up to it and its own pages after the prefix with the narrowed window_left, merged. The
+    requests' windows start before the prefix (suffix 1), inside it, and at different pages of it."""
+    shared_pages = 96 // page_size
+    suffixes = [1, 7, 40, 2, 65]
+    q_lens = None if mode == "decode" else [1, 7, 12, 2, 3]
+    layer, pool, meta, q = cascade_step(case, page_size, shared_pages, suffixes, q_lens=q_lens)
+    assert meta.shared_prefix_len == 96 and meta.is_decode == (mode == "decode")
     check_cascade_equals_plain(layer, pool, meta, q)
 
 
@@ -348,6 +369,14 @@ def _graph_replay(name, case, page_size, batch=4):
     assert_close(out, reference(layer, pool, meta1, q1))
 
 
+@pytest.mark.parametrize("case", [c for c in MHA_CASES if c["id"] in ("d256-g2-window", "d512-g8", "d128-g1")],
+                         ids=_case_id)
+def test_flashinfer_cuda_graph_replay(case):
+    """Graph-mode wrappers planned by prepare_graph before the replay: sliding d256 (tensor-core-free
+    CUDA-core decode), global d512 and an MHA layer, each replayed for a step of new lengths and pages."""
+    _graph_replay("flashinfer", {k: v for k, v in case.items() if k != "id"}, 16)
+
+
 @pytest.mark.skipif(not XQA_OR_TRTLLM_GEN, reason="trtllm_mha runs on SM90/SM120 (XQA) and SM100/SM103")
 def test_trtllm_mha_cuda_graph_replay():
     _graph_replay("trtllm_mha", dict(heads=16, kv_heads=4, head_dim=128), 16)
@@ -464,7 +493,7 @@ def tiny_llama(path, *, heads, kv_heads, head_dim):
     return save_checkpoint(LlamaForCausalLM(cfg).eval(), path)
 
 
-def tiny_gemma4(path):
+def tiny_gemma4(path, window=16):
     """31B-like in miniature: sliding d256 layers (window 16) and global d512 layers with k == v.
 
     Gemma 4 attends with scale 1.0 after q/k RMSNorm; with the norms' initial weight 1 the scores of a
@@ -479,7 +508,7 @@ def tiny_gemma4(path):
         vocab_size=256, vocab_size_per_layer_input=256, hidden_size=128, intermediate_size=256,
         num_hidden_layers=4, layer_types=[s, f, s, f], num_attention_heads=4, num_key_value_heads=2,
         head_dim=256, global_head_dim=512, attention_k_eq_v=True, num_global_key_value_heads=1,
-        sliding_window=16, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+        sliding_window=window, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
         max_position_embeddings=1024, initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
     torch.manual_seed(0)

@@ -304,6 +304,7 @@ CAPABILITIES: dict[str, BackendCapabilities] = {
             logit_softcap=True,
             module="flashinfer",
             extra="flashinfer",
+            cuda_graph=True,
             cascade=True,
             notes=("decode layers whose v head dim differs from q/k run through the prefill wrapper",
                    "cascade decode: the shared prefix through the prefill wrapper (all queries, not causal), "

@@ -13,7 +13,6 @@ engine's max_running, always a bucket); a decode step with a longer request runs
 """
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -44,17 +43,20 @@ class DecodeGraphs:
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)  # [max_batch]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # bucket -> static output [bucket, hidden]
-        self.metas: dict[int, BatchMetadata] = {}  # bucket -> metadata over the static buffers
+        self.metas: dict[int, BatchMetadata] = {}  # bucket -> the capture's metadata over the static buffers
         backend.init_graph_state(self.max_batch, self.max_pages)
         self._capture_all()
 
-    def _meta(self, bs: int) -> BatchMetadata:
+    def _meta(self, bs: int, seq_lens_cpu: list[int] | None = None) -> BatchMetadata:
+        """The bucket's metadata over the static buffers. Host lists: the step's, padded to the bucket
+        (padding rows: one token in page 0); at capture (None) the worst case, every row at max_context."""
         return BatchMetadata(
             mode=ForwardMode.DECODE, page_size=self.pool.page_size,
             positions=self.positions[:bs], slot_mapping=self.slots[:bs], q_indptr=self.q_indptr[: bs + 1],
             seq_lens=self.seq_lens[:bs], prefix_lens=self.prefix_lens[:bs],
-            block_tables=self.block_tables[:bs], seq_lens_cpu=[self.max_context] * bs, q_lens_cpu=[1] * bs,
-            last_token_rows=self.rows[:bs],
+            block_tables=self.block_tables[:bs],
+            seq_lens_cpu=[self.max_context] * bs if seq_lens_cpu is None else list(seq_lens_cpu) + [1] * (bs - len(seq_lens_cpu)),
+            q_lens_cpu=[1] * bs, last_token_rows=self.rows[:bs],
         )
 
     def _run(self, meta: BatchMetadata) -> torch.Tensor:
@@ -102,10 +104,7 @@ class DecodeGraphs:
         self.seq_lens[n:bs].fill_(1)
         self.prefix_lens[n:bs].zero_()
         self.block_tables[n:bs].zero_()
-        # The static buffers, with this step's host lengths (padding rows: one token): planners that
-        # balance work by length (FlashInfer's) plan the real step; at capture they saw the worst case.
-        step = dataclasses.replace(self.metas[bs], seq_lens_cpu=list(meta.seq_lens_cpu) + [1] * (bs - n),
-                                   backend_state={})
-        self.backend.prepare_graph(step, capturing=False)  # refill the backend's static state
+        # refill the backend's static state; host-planned backends read the step's lengths
+        self.backend.prepare_graph(self._meta(bs, meta.seq_lens_cpu), capturing=False)
         self.graphs[bs].replay()
         return self.hidden[bs][:n]

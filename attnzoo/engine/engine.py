@@ -460,6 +460,7 @@ class _Batch:
         """What a roofline model needs: new tokens, and KV tokens read by attention."""
         return {"num_reqs": len(self.reqs), "new_tokens": sum(len(c) for c in self.chunks),
                 "kv_tokens": sum(r.num_cached for r in self.reqs),
+                "max_seq_len": max(r.num_cached + len(c) for r, c in zip(self.reqs, self.chunks)),
                 "shared_prefix_len": self.shared_prefix_len,
                 "attn_pairs": sum(len(c) * r.num_cached for r, c in zip(self.reqs, self.chunks))}
 

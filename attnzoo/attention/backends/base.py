@@ -6,7 +6,10 @@ the layer has already stored this step's k/v in the pool, so a backend only read
 
 CUDA-graph hooks: a backend that can run inside a captured decode graph sets
 ``supports_cuda_graph = True`` and implements ``init_graph_state`` (static buffers for the largest
-batch) and ``prepare_graph(meta, capturing)`` (refill those buffers in place for a replay).
+batch) and ``prepare_graph(meta, capturing)`` (refill those buffers in place for a replay). That ``meta``
+covers the batch-size bucket: its device tensors are the graph's static buffers, its host lists
+(``seq_lens_cpu``, ``q_lens_cpu``) the real step's padded to the bucket (padding rows: one token in
+page 0); at capture they are the worst case (every row at the graph's longest context).
 
 Cascade attention: a backend that reads a prefix shared by every request of a DECODE step once for the
 whole batch (``meta.shared_prefix_len``) sets ``supports_cascade = True``; others ignore the field and

@@ -139,6 +139,76 @@ def window_page_start(seq_lens: list[int], q_lens: list[int], page_size: int, wi
     return [max(0, s - q - window + 1) // page_size for s, q in zip(seq_lens, q_lens)]
 
 
+@dataclass(frozen=True)
+class CascadeSplit:
+    """How one layer signature splits a cascade step (page numbers are block-table columns).
+
+    shared: columns ``[shared_start, shared_end)`` of request 0's table, read once for every query of the
+    step, non-causal. rest: per request, columns ``[rest_start[i], shared_start)`` then
+    ``[shared_end, its last page]``, read per request with FlashInfer's ``window_left``, causal for
+    extend. Pure host arithmetic (no FlashInfer, no device), so it is tested on CPU.
+    """
+
+    shared_start: int
+    shared_end: int
+    rest_start: list[int]  # [num_reqs], host
+    window_left: int  # for the rest: the layer's window_left minus the gap, or -1 (no window)
+
+    @property
+    def gap_pages(self) -> int:
+        return self.shared_end - self.shared_start
+
+
+def cascade_split(seq_lens: list[int], q_lens: list[int], shared_pages: int, page_size: int,
+                  window: int | None) -> CascadeSplit | None:
+    """The shared segment and per-request rest of a cascade step for a layer with ``window`` (ours:
+    query p sees keys j with p - window < j <= p; None: no window), or None when no page of the shared
+    prefix is seen by every query (the layer then runs its plain path).
+
+    ``shared_pages``: leading pages every request holds at the same ids, all within every request's
+    cached prefix (``BatchMetadata.shared_prefix_len // page_size``), so every query of the step sits at
+    p >= P = shared_pages x page_size. FlashInfer masks a key at list index j' for a query at list index
+    p' (queries aligned to the end of the list) iff j' < p' - window_left, and, causal, j' > p'.
+
+    Without a window, the shared segment is the whole prefix and the rest each request's pages after it.
+
+    With one (wl = window - 1, key j visible to p iff p - wl <= j <= p):
+    * shared segment: pages [S, shared_pages) with S = ceil(max_i(last query of i - wl) / page_size): every
+      key there is >= p - wl for every query p of the step (and < P <= p), so all queries see all of it.
+    * rest of request i: pages [w_i, S) (w_i: the first page its first query can see, as
+      ``window_page_start``; w_i <= S because its first query is at or before its last) and its pages
+      from ``shared_pages`` on. The list skips G = (shared_pages - S) x page_size keys in the middle.
+    * window_left' = wl - G is exact on this list. With the list starting at token W = w_i x page_size,
+      a key j before the gap is at j' = j - W, a key after it at j' = j - W - G, and a query p (after the
+      gap) at p' = p - W - G. Before the gap: j' >= p' - wl' <=> j - W >= p - W - G - wl + G <=> j >= p - wl,
+      the real window; and j' <= p' since j < S x page_size <= P - G <= p - G. After the gap:
+      j' >= p' - wl' <=> j >= p - wl + G, which holds for every such key because
+      j >= P = S x page_size + G >= p - wl + G (the choice of S); and j' <= p' <=> j <= p, the real causal
+      mask. Keys before W are outside every query's window of request i (``window_page_start``).
+      wl' >= 0: G <= P - S x page_size <= P - max(0, s_i - window) <= window - 1 for any request i, as
+      P <= s_i - q_i (the prefix is cached) with q_i >= 1 and P <= s_i - 1; so wl' is a window
+      (FlashInfer reads -1 as none, 0 as "the query's own position onwards").
+    """
+    if shared_pages <= 0:
+        return None
+    num_reqs = len(seq_lens)
+    if not window:
+        return CascadeSplit(0, shared_pages, [0] * num_reqs, -1)
+    shared_tokens = shared_pages * page_size
+    if any(s - q < shared_tokens for s, q in zip(seq_lens, q_lens)):
+        raise BackendError(
+            f"a cascade step's shared prefix of {shared_tokens} tokens is longer than a request's cached prefix",
+            fix="set shared_prefix_len from shared_prefix_pages() of the step's cached prefixes",
+        )
+    wl = window - 1
+    reach = max(s - 1 - wl for s in seq_lens)  # the latest first visible key of any last query
+    start = -(-max(reach, 0) // page_size)
+    if start >= shared_pages:
+        return None
+    rest = window_page_start(seq_lens, q_lens, page_size, window)
+    return CascadeSplit(start, shared_pages, rest, wl - (shared_pages - start) * page_size)
+
+
 class GraphBlockTable:
     """The padded block table a captured decode step reads (the TRT-LLM kernels take one): allocated once
     for the largest batch and context, refilled in place before each replay, so the graph's address holds."""

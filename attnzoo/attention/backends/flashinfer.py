@@ -16,8 +16,16 @@ Kernels (HND pages read in place, bf16/fp16, head dims 64/128/256/512, sliding w
 Cascade decode (``meta.shared_prefix_len`` > 0: every request starts with the same pages, e.g. a
 few-shot prefix): the shared pages are read once for the whole batch by the prefill wrapper, all the
 step's queries as one non-causal request over them; each request's remaining pages go through the
-decode wrapper; ``merge_state`` combines the two partial results by their log-sum-exp. Layers with a
-sliding window, or whose decode runs through the prefill wrapper, keep the plain path.
+decode wrapper; ``merge_state`` combines the two partial results by their log-sum-exp. Layers whose
+decode runs through the prefill wrapper keep the plain path.
+
+Sliding-window layers cascade too (``fi_common.cascade_split``): the shared segment is the part of the
+shared prefix inside every query's window (from the page the longest request's window starts in); each
+request's rest is its pages from its own window start up to that segment, then its pages after the
+prefix, planned with ``window_left`` lowered by the skipped gap, which keeps the mask exact. A step
+whose longest request's window has moved past the prefix runs those layers plain. On the GSM8K shape
+(1312 shared tokens, window 1024, contexts up to ~1820) the segment is ~500 tokens of each request's
+1024-token window (arithmetic, not a measurement).
 
 Cascade extend (an EXTEND step whose requests share leading cached pages: prompt chunks after a cached
 few-shot prefix, beside decode rows): the same split, with the rest through the prefill wrapper, causal.
@@ -46,7 +54,9 @@ import torch
 
 from attnzoo.attention.backends.base import AttentionBackend
 from attnzoo.attention.backends.fi_common import (
+    CascadeSplit,
     LayerSignature,
+    cascade_split,
     check_dtype,
     check_page_size,
     compute_capability,
@@ -79,8 +89,10 @@ class _Step:
     mode: ForwardMode
     qo_indptr: torch.Tensor  # [num_reqs + 1] int32, host
     shared_pages: int = 0  # cascade: leading pages every request shares (0: no cascade)
-    indices: dict[int | None, _PageIndex] = field(default_factory=dict)
+    splits: dict[int | None, CascadeSplit | None] = field(default_factory=dict)  # window -> cascade split
+    indices: dict[object, _PageIndex] = field(default_factory=dict)  # window, or ("rest", window)
     planned: dict[LayerSignature, object] = field(default_factory=dict)  # signature -> planned wrapper
+    graph_bucket: int | None = None  # a captured decode step: the batch-size bucket whose wrappers it plans
 
 
 @dataclass
@@ -97,9 +109,61 @@ class _CascadeRun:
         return self.merge_state(v_a=o_shared, s_a=lse_shared, v_b=o_rest, s_b=lse_rest)[0]
 
 
+class _GraphState:
+    """CUDA-graph decode state: per batch-size bucket, wrappers built with ``use_cuda_graph=True``; per
+    layer signature, static index buffers sized for the largest bucket. Only one bucket's graph replays
+    per step, so every bucket's wrappers of a signature share that signature's buffers (as prefixes)."""
+
+    def __init__(self, max_batch: int, max_pages: int, device: torch.device):
+        self.max_batch, self.max_pages, self.device = max_batch, max_pages, device
+        self._buffers: dict[LayerSignature, dict[str, torch.Tensor]] = {}
+        self._decode: dict[int, dict] = {}  # bucket -> signature -> wrapper
+        self._prefill: dict[int, dict] = {}
+
+    def decode(self, bucket: int) -> dict:
+        return self._decode.setdefault(bucket, {})
+
+    def prefill(self, bucket: int) -> dict:
+        return self._prefill.setdefault(bucket, {})
+
+    def _of(self, sig: LayerSignature) -> dict[str, torch.Tensor]:
+        buf = self._buffers.get(sig)
+        if buf is None:
+            n, i32 = self.max_batch, dict(dtype=torch.int32, device=self.device)
+            buf = self._buffers[sig] = {
+                "qo_indptr": torch.arange(n + 1, **i32),  # [max_batch + 1]: one query per request
+                "kv_indptr": torch.zeros(n + 1, **i32),  # [max_batch + 1]
+                "kv_indices": torch.zeros(n * self.max_pages, **i32),  # [max_batch x max_pages]
+                "last_page_len": torch.ones(n, **i32),  # [max_batch]
+            }
+        return buf
+
+    def share_int_workspace(self, sig: LayerSignature, wrapper) -> None:
+        """Give a bucket's wrapper its signature's int workspace (plan info, 8 MiB as FlashInfer allocates):
+        a wrapper's own would cost 8 MiB of GPU memory per bucket and signature. Safe for the same reason
+        as the index buffers: a replay re-plans its bucket's wrappers first."""
+        buf = self._of(sig)
+        if "int_workspace" not in buf:
+            buf["int_workspace"] = torch.empty(8 << 20, dtype=torch.uint8, device=self.device)
+        wrapper.reset_workspace_buffer(float_workspace_buffer=workspace(self.device, "wrappers"),
+                                       int_workspace_buffer=buf["int_workspace"])
+
+    def decode_buffers(self, sig: LayerSignature, bucket: int) -> dict:
+        b = self._of(sig)
+        return dict(use_cuda_graph=True, paged_kv_indptr_buffer=b["kv_indptr"][: bucket + 1],
+                    paged_kv_indices_buffer=b["kv_indices"],
+                    paged_kv_last_page_len_buffer=b["last_page_len"][:bucket])
+
+    def prefill_buffers(self, sig: LayerSignature, bucket: int) -> dict:
+        b = self._of(sig)
+        return dict(use_cuda_graph=True, qo_indptr_buf=b["qo_indptr"][: bucket + 1],
+                    paged_kv_indptr_buf=b["kv_indptr"][: bucket + 1], paged_kv_indices_buf=b["kv_indices"],
+                    paged_kv_last_page_len_buf=b["last_page_len"][:bucket])
+
+
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
-    supports_cuda_graph = False
+    supports_cuda_graph = True
     supports_cascade = True
     supports_cascade_extend = True
 
@@ -135,6 +199,7 @@ class FlashInferBackend(AttentionBackend):
         self._cascade_extend_rest: dict[LayerSignature, object] = {}  # the rest's prefill wrappers
         self._known: dict[LayerSignature, None] = {}  # insertion-ordered set of signatures seen
         self._state_key = f"{self.name}:{id(self)}"
+        self._graph: _GraphState | None = None  # set by init_graph_state
 
     # ---------------------------------------------------------------- kernel choice (reported)
 
@@ -177,15 +242,30 @@ class FlashInferBackend(AttentionBackend):
 
     # ---------------------------------------------------------------- per step
 
-    def prepare(self, meta: BatchMetadata) -> None:
+    def prepare(self, meta: BatchMetadata, graph_bucket: int | None = None) -> None:
         check_page_size(self.name, meta.page_size, self.pool.page_size)
         qo = torch.zeros(meta.num_reqs + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(meta.q_lens_cpu, dtype=torch.int32), 0, dtype=torch.int32, out=qo[1:])
         step = _Step(mode=meta.mode, qo_indptr=qo,
-                     shared_pages=meta.shared_prefix_len // meta.page_size)
+                     shared_pages=meta.shared_prefix_len // meta.page_size, graph_bucket=graph_bucket)
         meta.backend_state[self._state_key] = step
         for sig in self._known:
             self._plan(meta, step, sig)
+
+    def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
+        self._graph = _GraphState(max_batch_size, max_pages_per_req, self.pool.device)
+
+    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> None:
+        """Plan a captured decode step: the bucket's (``meta.num_reqs``) wrappers, built with
+        ``use_cuda_graph=True`` over static index buffers that ``plan()`` refills with this step's lengths
+        and pages before every replay; the graph holds their ``run()``. Graph steps run the plain path:
+        a cascade split lowers sliding layers' ``window_left``, a launch argument the graph would bake in."""
+        if self._graph is None:
+            raise BackendError("prepare_graph before init_graph_state", fix="call init_graph_state first")
+        if not meta.is_decode:
+            raise BackendError(f"{self.name} captures decode steps only", fix="run extend steps eagerly")
+        meta.shared_prefix_len = 0
+        self.prepare(meta, graph_bucket=meta.num_reqs)
 
     def _step(self, meta: BatchMetadata) -> _Step:
         step = meta.backend_state.get(self._state_key)
@@ -194,17 +274,13 @@ class FlashInferBackend(AttentionBackend):
             step = meta.backend_state[self._state_key]
         return step
 
-    def _page_index(self, meta: BatchMetadata, step: _Step, window: int | None, skip_shared: bool = False) -> _PageIndex:
-        """Each request's pages, minus those wholly outside ``window``, or minus the shared prefix."""
-        key = "rest" if skip_shared else window
-        idx = step.indices.get(key)
+    def _page_index(self, meta: BatchMetadata, step: _Step, window: int | None) -> _PageIndex:
+        """Each request's pages, minus those wholly outside ``window``."""
+        idx = step.indices.get(window)
         if idx is not None:
             return idx
         ps = meta.page_size
-        if skip_shared:
-            starts = [step.shared_pages] * meta.num_reqs
-        else:
-            starts = window_page_start(meta.seq_lens_cpu, meta.q_lens_cpu, ps, window)
+        starts = window_page_start(meta.seq_lens_cpu, meta.q_lens_cpu, ps, window)
         seq = torch.tensor(meta.seq_lens_cpu, dtype=torch.int32)  # host, whole-batch ops: no loop per request
         pages = (seq + ps - 1) // ps - (torch.tensor(starts, dtype=torch.int32) if starts else 0)
         indptr_host = torch.zeros(meta.num_reqs + 1, dtype=torch.int32)
@@ -217,6 +293,37 @@ class FlashInferBackend(AttentionBackend):
         )
         last = (seq - 1) % ps + 1
         idx = _PageIndex(kv_indptr=indptr_host, kv_indices=kv_indices, last_page_len=last)
+        step.indices[window] = idx
+        return idx
+
+    def _rest_index(self, meta: BatchMetadata, step: _Step, window: int | None, split: CascadeSplit) -> _PageIndex:
+        """A cascade step's rest (``cascade_split``): each request's pages ``[rest_start, shared_start)``
+        then those after the shared prefix, one list per request."""
+        key = ("rest", window)
+        idx = step.indices.get(key)
+        if idx is not None:
+            return idx
+        ps, dev = meta.page_size, self.pool.device
+        seq = torch.tensor(meta.seq_lens_cpu, dtype=torch.int32)  # host
+        before = split.shared_start - torch.tensor(split.rest_start, dtype=torch.int32)  # [num_reqs] pages
+        after = (seq + ps - 1) // ps - split.shared_end
+        indptr_host = torch.zeros(meta.num_reqs + 1, dtype=torch.int32)
+        torch.cumsum(before + after, 0, dtype=torch.int32, out=indptr_host[1:])
+        total = int(indptr_host[-1])
+        kv_indices = torch.empty(total, dtype=torch.int32, device=dev)
+        if split.shared_start:  # pages before the shared segment, as if each request ended there
+            page_table.create_kv_indices(
+                meta.block_tables, torch.full((meta.num_reqs,), split.shared_start * ps, dtype=torch.int32, device=dev),
+                indptr_host.to(dev, non_blocking=True), ps, num_indices=total,
+                page_start=torch.tensor(split.rest_start, dtype=torch.int32).to(dev, non_blocking=True), out=kv_indices,
+            )
+        after_at = indptr_host.clone()
+        after_at[:-1] += before
+        page_table.create_kv_indices(
+            meta.block_tables, meta.seq_lens, after_at.to(dev, non_blocking=True), ps, num_indices=total,
+            page_start=torch.full((meta.num_reqs,), split.shared_end, dtype=torch.int32, device=dev), out=kv_indices,
+        )
+        idx = _PageIndex(kv_indptr=indptr_host, kv_indices=kv_indices, last_page_len=(seq - 1) % ps + 1)
         step.indices[key] = idx
         return idx
 
@@ -239,40 +346,56 @@ class FlashInferBackend(AttentionBackend):
     def _plan(self, meta: BatchMetadata, step: _Step, sig: LayerSignature, layer=None):
         self._check_layer(sig, layer)
         extend = step.mode is ForwardMode.EXTEND
-        if step.shared_pages and sig.window is None and (extend or not self._uses_prefill_wrapper(step.mode, sig)):
+        split = None
+        if step.shared_pages and (extend or not self._uses_prefill_wrapper(step.mode, sig)):
+            split = self._split(meta, step, sig.window)
+        if split is not None:
             shared_wrappers, rest_wrappers = self._cascade_wrappers.setdefault(sig, ({}, {}))
-            ps = meta.page_size
             shared = _PageIndex(
-                kv_indptr=torch.tensor([0, step.shared_pages], dtype=torch.int32),
-                kv_indices=meta.block_tables[0, : step.shared_pages],
-                last_page_len=torch.tensor([ps], dtype=torch.int32),
+                kv_indptr=torch.tensor([0, split.gap_pages], dtype=torch.int32),
+                kv_indices=meta.block_tables[0, split.shared_start:split.shared_end],
+                last_page_len=torch.tensor([meta.page_size], dtype=torch.int32),
             )
             everyone = step.qo_indptr[[0, -1]]  # every query sees every shared key
-            rest_idx = self._page_index(meta, step, None, skip_shared=True)
+            rest_idx = self._rest_index(meta, step, sig.window, split)
             if extend:
                 rest = self._plan_prefill(self._cascade_extend_rest, meta, sig, step.qo_indptr, rest_idx, causal=True,
-                                          kernel=None if self._prefill_variant else "fa2")
+                                          kernel=None if self._prefill_variant else "fa2",
+                                          window_left=split.window_left)
             else:
-                rest = self._plan_decode(rest_wrappers, meta, sig, rest_idx)
+                rest = self._plan_decode(rest_wrappers, meta, sig, rest_idx, window_left=split.window_left)
+            # The shared part keeps the layer's own window_left (the kernel variant its extend steps build):
+            # with the shared segment no longer than window_left (cascade_split), it masks none of it.
             planned = _CascadeRun(
                 shared=self._plan_prefill(shared_wrappers, meta, sig, everyone, shared, causal=False),
                 rest=rest, merge_state=self._fi.merge_state,
             )
         elif self._uses_prefill_wrapper(step.mode, sig):
-            planned = self._plan_prefill(self._prefill_wrappers, meta, sig, step.qo_indptr,
-                                         self._page_index(meta, step, sig.window), causal=True)
+            wrappers = self._prefill_wrappers if step.graph_bucket is None else self._graph.prefill(step.graph_bucket)
+            planned = self._plan_prefill(wrappers, meta, sig, step.qo_indptr,
+                                         self._page_index(meta, step, sig.window), causal=True,
+                                         graph_bucket=step.graph_bucket)
         else:
-            planned = self._plan_decode(self._decode_wrappers, meta, sig, self._page_index(meta, step, sig.window))
+            wrappers = self._decode_wrappers if step.graph_bucket is None else self._graph.decode(step.graph_bucket)
+            planned = self._plan_decode(wrappers, meta, sig, self._page_index(meta, step, sig.window),
+                                        graph_bucket=step.graph_bucket)
         step.planned[sig] = planned
         return planned
 
-    def _plan_options(self, sig: LayerSignature) -> dict:
-        """The plan arguments the prefill and decode wrappers take alike."""
+    def _split(self, meta: BatchMetadata, step: _Step, window: int | None) -> CascadeSplit | None:
+        """The step's cascade split for one window size (None: the layer runs plain), computed once."""
+        if window not in step.splits:
+            step.splits[window] = cascade_split(meta.seq_lens_cpu, meta.q_lens_cpu, step.shared_pages,
+                                                meta.page_size, window)
+        return step.splits[window]
+
+    def _plan_options(self, sig: LayerSignature, window_left: int | None = None) -> dict:
+        """The plan arguments the prefill and decode wrappers take alike (``window_left``: a cascade rest's)."""
         dtype = self.pool.dtype
         return dict(
             pos_encoding_mode="NONE",  # RoPE is applied by the model before the cache store
             sm_scale=sig.scale,
-            window_left=sig.window_left,
+            window_left=sig.window_left if window_left is None else window_left,
             logits_soft_cap=sig.softcap or 0.0,
             q_data_type=dtype,
             kv_data_type=self.pool.kv_dtype,
@@ -281,14 +404,19 @@ class FlashInferBackend(AttentionBackend):
         )
 
     def _plan_prefill(self, wrappers: dict, meta: BatchMetadata, sig: LayerSignature, qo_indptr: torch.Tensor,
-                      idx: _PageIndex, *, causal: bool, kernel: str | None = None):
+                      idx: _PageIndex, *, causal: bool, kernel: str | None = None, window_left: int | None = None,
+                      graph_bucket: int | None = None):
         wrapper = wrappers.get(sig)
         if wrapper is None:
+            graph = {} if graph_bucket is None else self._graph.prefill_buffers(sig, graph_bucket)
             wrapper = wrappers[sig] = self._fi.BatchPrefillWithPagedKVCacheWrapper(
                 float_workspace_buffer=workspace(self.pool.device, "wrappers"),
                 kv_layout="HND",
                 backend=kernel or self.prefill_kernel(sig.head_dim, sig.v_head_dim),
+                **graph,
             )
+            if graph:
+                self._graph.share_int_workspace(sig, wrapper)
         wrapper.plan(
             qo_indptr=qo_indptr,
             paged_kv_indptr=idx.kv_indptr,
@@ -300,22 +428,27 @@ class FlashInferBackend(AttentionBackend):
             head_dim_vo=sig.v_head_dim,
             page_size=meta.page_size,
             causal=causal,  # causal is bottom-right aligned: new tokens follow their request's cached prefix
-            **self._plan_options(sig),
+            **self._plan_options(sig, window_left),
         )
         return wrapper
 
-    def _plan_decode(self, wrappers: dict, meta: BatchMetadata, sig: LayerSignature, idx: _PageIndex):
+    def _plan_decode(self, wrappers: dict, meta: BatchMetadata, sig: LayerSignature, idx: _PageIndex,
+                     window_left: int | None = None, graph_bucket: int | None = None):
         wrapper = wrappers.get(sig)
         if wrapper is None:
             self.decode_kernel(sig.num_heads, sig.num_kv_heads, sig.head_dim, sig.v_head_dim)  # checks fa3 dims
             fa3 = self._decode_variant == "fa3"
+            graph = {} if graph_bucket is None else self._graph.decode_buffers(sig, graph_bucket)
             wrapper = wrappers[sig] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 float_workspace_buffer=workspace(self.pool.device, "wrappers"),
                 kv_layout="HND",
                 # FlashInfer's FA3 decode is its tensor-core (prefill-kernel) path.
                 use_tensor_cores=fa3 or sig.group >= TENSOR_CORE_DECODE_MIN_GROUP,
                 backend=self._decode_variant,
+                **graph,
             )
+            if graph:
+                self._graph.share_int_workspace(sig, wrapper)
         wrapper.plan(
             indptr=idx.kv_indptr,
             indices=idx.kv_indices,
@@ -325,7 +458,7 @@ class FlashInferBackend(AttentionBackend):
             head_dim=sig.head_dim,
             page_size=meta.page_size,
             is_causal=False,  # one query per request: it sees its whole KV range
-            **self._plan_options(sig),
+            **self._plan_options(sig, window_left),
         )
         return wrapper
 
