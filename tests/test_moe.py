@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from attnzoo.errors import ModelLoadError, WeightError
+from attnzoo.layers.fp8 import act_quant_reference
 from attnzoo.layers.moe import (
-    FP8, FusedMoE, MoEConfig, _grouped_gemm, _quant_group_fp8, dequantize_block_fp8, fused_moe, moe_align_block_size,
-    moe_reference, padded_slots,
+    FP8, FusedMoE, MoEConfig, _grouped_gemm, dequantize_block_fp8, fused_moe, moe_align_block_size, moe_reference,
+    padded_slots,
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -135,7 +136,7 @@ def test_fp8_grouped_gemm_matches_dequantized_math():
     x = torch.randn(t, h, device=DEVICE)
     cfg = MoEConfig(16, 16, 128)
     align = moe_align_block_size(ids, cfg.block_m, e)
-    xq, xs = _quant_group_fp8(x)
+    xq, xs = act_quant_reference(x)
     out = torch.full((t * k, 2 * i), float("nan"), device=DEVICE)
     _grouped_gemm(xq, xs, q13, s13, out, None, align, cfg, num_valid=t * k, rows_per_a=k, split_n=i, block=block)
     xd = xq.float() * xs.repeat_interleave(128, dim=1)[:, :h]
@@ -145,19 +146,25 @@ def test_fp8_grouped_gemm_matches_dequantized_math():
     assert rel_err(out, ref) < 1e-5
 
 
-def test_fp8_fused_equals_reference_with_the_same_rounding():
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_fp8_fused_equals_reference_with_the_same_rounding(ue8m0):
     """The whole w8a8 path: exactly the reference with its activations rounded as the kernel rounds them
-    (per 128-channel group, to nearest even), and close to the dequantized weights' unquantized math."""
+    (fp8.act_quant: per 128-channel group, to nearest even, power-of-two scales under ue8m0), and close
+    to the dequantized weights' unquantized math. ue8m0 is honoured: the other scale format's rounding
+    is measurably further away."""
     t, k, e, h, i = 9, 2, 4, 160, 136
     w13, w2 = experts(e, h, i, torch.float32)
     q13, s13 = quantize_experts(w13, i, (128, 128))
     q2, s2 = quantize_experts(w2, h, (128, 128))
     weights, ids = routing(t, k, e, seed=4)
-    x = torch.randn(t, h, device=DEVICE)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     kw = dict(w13_scale_inv=s13, w2_scale_inv=s2)
-    out = fused_moe(x, q13, q2, weights, ids, config=MoEConfig(16, 32, 128), **kw)
-    assert rel_err(out, moe_reference(x, q13, q2, weights, ids, quantize_activations=True, **kw)) < 1e-5
-    assert rel_err(out, moe_reference(x, q13, q2, weights, ids, **kw)) < 0.05
+    out = fused_moe(x, q13, q2, weights, ids, config=MoEConfig(16, 32, 128), ue8m0=ue8m0, **kw)
+    same = moe_reference(x, q13, q2, weights, ids, quantize_activations=True, ue8m0=ue8m0, **kw)
+    other = moe_reference(x, q13, q2, weights, ids, quantize_activations=True, ue8m0=not ue8m0, **kw)
+    assert rel_err(out, same) < 1e-5 < 1e-3 < rel_err(out, other)
+    # FP8 activations (3 mantissa bits, one scale per 128 channels; coarser under ue8m0) vs float ones.
+    assert rel_err(out, moe_reference(x, q13, q2, weights, ids, **kw)) < 0.08
 
 
 def _checkpoint(e, h, i, dtype=torch.float32, seed=0):
@@ -207,11 +214,13 @@ def test_loader_errors_are_clear():
         FusedMoE(4, 16, 8, act="relu")
 
 
-def test_fp8_module_keeps_its_format_and_equals_dequantized_weights_on_cpu():
-    """quant='fp8' on CPU: the reference on dequantized weights, the same as a float module holding them."""
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_fp8_module_keeps_its_format_and_equals_dequantized_weights_on_cpu(ue8m0):
+    """quant='fp8' on CPU: the w8a8 arithmetic in float32 (activations rounded with the module's scale
+    format), close to a float module holding the dequantized weights."""
     e, h, i = 4, 160, 24
     tensors, w13, w2 = _checkpoint(e, h, i)
-    moe = FusedMoE(e, h, i, quant="fp8")
+    moe = FusedMoE(e, h, i, quant="fp8", ue8m0=ue8m0)
     assert moe.w13_scale_inv.shape == (e, 2, 2) and moe.w2_scale_inv.shape == (e, 2, 1)
     q13, s13 = quantize_experts(w13, i, (128, 128))
     q2, s2 = quantize_experts(w2, h, (128, 128))
@@ -232,7 +241,11 @@ def test_fp8_module_keeps_its_format_and_equals_dequantized_weights_on_cpu():
             dense.w2[x] = dequantize_block_fp8(q2[x].cpu(), s2[x].cpu(), split=h)
     weights, ids = routing(5, 2, e, device="cpu")
     x = torch.randn(5, h)
-    assert torch.equal(moe.float()(x, weights, ids), dense(x, weights, ids))
+    got = moe.float()(x, weights, ids)
+    kw = dict(w13_scale_inv=moe.w13_scale_inv, w2_scale_inv=moe.w2_scale_inv, quantize_activations=True)
+    assert torch.equal(got, moe_reference(x, moe.w13, moe.w2, weights, ids, ue8m0=ue8m0, **kw))
+    assert not torch.equal(got, moe_reference(x, moe.w13, moe.w2, weights, ids, ue8m0=not ue8m0, **kw))
+    assert 0 < rel_err(got, dense(x, weights, ids)) < 0.05
 
 
 # ---------------------------------------------------------------------------------------------- GPU

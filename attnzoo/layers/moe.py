@@ -18,13 +18,14 @@ only the experts actually chosen are read, instead of every expert running on ev
 
 With ``quant="fp8"`` the weights are float8_e4m3fn with float32 ``w13_scale_inv`` / ``w2_scale_inv``,
 one multiplier per [128, 128] block (DeepSeek-V3's ``weight_block_size``), and the GEMMs are w8a8 as in
-DeepSeek's reference: activations quantized per token per 128-channel group, the float32 accumulator
-scaled per block. The gate and up halves of ``w13`` keep their own scale blocks, so ``w13_scale_inv`` is
+DeepSeek's reference: activations quantized per token per 128-channel group by ``fp8.act_quant`` (the
+one implementation the FP8 linear layers use; power-of-two scales under the checkpoint's ``scale_fmt:
+"ue8m0"``), the float32 accumulator scaled per block. The gate and up halves of ``w13`` keep their own scale blocks, so ``w13_scale_inv`` is
 [E, 2 * ceil(I/128), ceil(H/128)] (= ceil(2I/128) rows when 128 divides I, as in vLLM's layout) and I
 need not be a multiple of 128.
 
 On CPU ``moe_reference`` (a loop over the experts that have tokens, float32 accumulation, FP8 weights
-dequantized) computes the same sum: it is the oracle the fused path is tested against. The Triton
+dequantized, activations rounded as the kernels round them) computes the same sum: it is the oracle the fused path is tested against. The Triton
 kernels also run on CPU under ``TRITON_INTERPRET=1`` for tests.
 """
 from __future__ import annotations
@@ -36,11 +37,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnzoo.errors import ModelLoadError, WeightError
+from attnzoo.layers.fp8 import GROUP as QUANT_GROUP
+from attnzoo.layers.fp8 import MIN_AMAX, act_quant, act_quant_reference
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
-QUANT_GROUP = 128  # activation quantization group (channels), = the weight block's K side
 # Bounds the transient [T*k, 2I] / [T*k, H] buffers of a long prefill; shapes still depend on T only.
 MAX_CHUNK_TOKENS = 4096
 
@@ -72,32 +73,22 @@ def dequantize_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor, *, split: int
     return w.float() * scale_inv[rows][:, cols]
 
 
-def _quant_group_fp8(x: torch.Tensor, group: int = QUANT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token-group FP8 quantization (DeepSeek's act_quant): x [M, K] -> (float8 [M, K], float32
-    scales [M, ceil(K/group)]) with x ~= q * scale, scale = amax(group) / 448. A private copy of what
-    the FP8 linear layers use, kept here so the fused kernels' tests need nothing else."""
-    m, k = x.shape
-    pad = _cdiv(k, group) * group - k
-    xg = F.pad(x.float(), (0, pad)).view(m, -1, group)
-    scale = xg.abs().amax(dim=-1).clamp(min=1e-10) / FP8_MAX
-    q = (xg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(m, -1)[:, :k], scale
-
-
-def _fake_quant_fp8(x: torch.Tensor) -> torch.Tensor:
+def _fake_quant_fp8(x: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
     """x rounded through the per-token-group FP8 quantization (what the w8a8 kernel's inputs hold)."""
-    q, s = _quant_group_fp8(x)
+    q, s = act_quant_reference(x, QUANT_GROUP, ue8m0)
     return (q.float() * s.repeat_interleave(QUANT_GROUP, dim=1)[:, : x.shape[1]]).to(x.dtype)
 
 
 def moe_reference(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_start: int = 0,
-                  w13_scale_inv=None, w2_scale_inv=None, block=(128, 128), quantize_activations: bool = False):
+                  w13_scale_inv=None, w2_scale_inv=None, block=(128, 128), quantize_activations: bool = False,
+                  ue8m0: bool = False):
     """The per-expert loop: for each local expert with tokens, its gated MLP on those tokens.
 
     One float32 row per (token, slot), summed over the slots at the end: deterministic (no atomic
     index_add) and accumulated in float32. FP8 weights are dequantized per expert; with
     ``quantize_activations`` (FP8 weights only) the GEMM inputs are rounded as the w8a8 kernel rounds
-    them, for tests of the kernel.
+    them (``fp8.act_quant_reference``; scales powers of two under ``ue8m0``): the arithmetic of the
+    fused path, as ``Fp8Linear``'s CPU emulation is that of its GEMMs.
     One host sync (the per-expert counts): this is the eager/CPU oracle, never captured.
     """
     t, k = topk_ids.shape
@@ -123,14 +114,14 @@ def moe_reference(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expe
             b = dequantize_block_fp8(b, w2_scale_inv[e], split=b.shape[0], block=block).to(wdt)
         h = x[rows // k]
         if quantize_activations:
-            h = _fake_quant_fp8(h.float())
+            h = _fake_quant_fp8(h.float(), ue8m0)
         gate_up = F.linear(h, a)
         if quantize_activations:
             gate_up = gate_up.to(x.dtype).float()  # the kernel stores it in the model dtype
         gate, up = gate_up.chunk(2, dim=-1)
         h = _act(gate, act) * up
         if quantize_activations:
-            h = _fake_quant_fp8(h)
+            h = _fake_quant_fp8(h, ue8m0)
         out[rows] = F.linear(h, b).float() * flat_w[rows, None]
     return out.view(t, k, -1).sum(dim=1).to(x.dtype)
 
@@ -228,26 +219,29 @@ def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *
     )
 
 
-def _act_and_mul(gate_up: torch.Tensor, act: str, quant: bool, dtype):
-    """[M, 2I] -> act(gate) * up [M, I] in ``dtype``, or (float8 [M, I], float32 scales [M, groups])."""
+def _act_and_mul(gate_up: torch.Tensor, act: str, quant: bool, dtype, ue8m0: bool = False):
+    """[M, 2I] -> act(gate) * up [M, I] in ``dtype``, or (float8 [M, I], float32 scales [M, groups]) quantized
+    as ``fp8.act_quant`` quantizes (the same Triton function, fused here to save a pass over [M, I])."""
     m, inter = gate_up.shape[0], gate_up.shape[1] // 2
     block = QUANT_GROUP if quant else 1024
     y = torch.empty(m, inter, dtype=FP8 if quant else dtype, device=gate_up.device)
     s = torch.empty(m, _cdiv(inter, QUANT_GROUP), dtype=torch.float32, device=gate_up.device) if quant else y
     _kernels().act_kernel[(m, _cdiv(inter, block))](
         gate_up, y.view(torch.uint8) if quant else y, s, inter, gate_up.stride(0), y.stride(0), s.stride(0),
-        ACT=1 if act == "silu" else 2, QUANT=quant, BLOCK=block,
+        ACT=1 if act == "silu" else 2, QUANT=quant, UE8M0=ue8m0, MIN_AMAX=MIN_AMAX, BLOCK=block,
     )
     return y, (s if quant else None)
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_start: int = 0,
               holds_all_experts: bool = True, w13_scale_inv=None, w2_scale_inv=None, block=(128, 128),
-              config: MoEConfig | None = None) -> torch.Tensor:
+              ue8m0: bool = False, config: MoEConfig | None = None) -> torch.Tensor:
     """The experts' weighted sum per token through the grouped Triton GEMMs (see the module docstring).
 
     ``holds_all_experts=False`` (an expert-parallel share): rows of assignments to other ranks' experts
-    are zeroed, as no GEMM writes them. FP8 weights (float8_e4m3fn with their ``*_scale_inv``) run w8a8.
+    are zeroed, as no GEMM writes them. FP8 weights (float8_e4m3fn with their ``*_scale_inv``) run w8a8,
+    activations quantized by ``fp8.act_quant`` (power-of-two scales under ``ue8m0``, the checkpoint's
+    ``scale_fmt``).
     """
     t, k = topk_ids.shape
     if t == 0:
@@ -257,7 +251,7 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
             fused_moe(x[i : i + MAX_CHUNK_TOKENS], w13, w2, topk_weights[i : i + MAX_CHUNK_TOKENS],
                       topk_ids[i : i + MAX_CHUNK_TOKENS], act=act, expert_start=expert_start,
                       holds_all_experts=holds_all_experts, w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv,
-                      block=block, config=config)
+                      block=block, ue8m0=ue8m0, config=config)
             for i in range(0, t, MAX_CHUNK_TOKENS)
         ])
     num_local, inter = w2.shape[0], w2.shape[2]
@@ -270,11 +264,11 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
         )
     x = x.contiguous()
     align = moe_align_block_size(topk_ids, cfg.block_m, num_local, expert_start)
-    a, a_scale = _quant_group_fp8(x) if fp8 else (x, None)
+    a, a_scale = act_quant(x, QUANT_GROUP, ue8m0) if fp8 else (x, None)
     gate_up = torch.empty(t * k, 2 * inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(a, a_scale, w13, w13_scale_inv, gate_up, None, align, cfg, num_valid=t * k, rows_per_a=k,
                   split_n=inter, block=block)
-    h, h_scale = _act_and_mul(gate_up, act, fp8, x.dtype)
+    h, h_scale = _act_and_mul(gate_up, act, fp8, x.dtype, ue8m0)
     down = (torch.empty if holds_all_experts else torch.zeros)(t * k, x.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(h, h_scale, w2, w2_scale_inv, down, topk_weights.reshape(-1).float().contiguous(), align, cfg,
                   num_valid=t * k, rows_per_a=1, split_n=w2.shape[1], block=block)
@@ -299,7 +293,8 @@ class FusedMoE(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu", *,
-                 experts: range | None = None, quant: str | None = None, block=(128, 128), init_std: float = 0.02):
+                 experts: range | None = None, quant: str | None = None, block=(128, 128), ue8m0: bool = False,
+                 init_std: float = 0.02):
         super().__init__()
         experts = range(num_experts) if experts is None else experts
         if not (isinstance(experts, range) and experts.step == 1 and len(experts)
@@ -313,6 +308,7 @@ class FusedMoE(nn.Module):
         self.num_experts, self.hidden, self.intermediate, self.act = num_experts, hidden, intermediate, act
         self.expert_start, self.num_local = experts.start, len(experts)
         self.quant, self.block = quant, tuple(block)
+        self.ue8m0 = bool(quant) and ue8m0  # FP8 activation scales rounded up to powers of two (scale_fmt)
         shapes = {"w13": (self.num_local, 2 * intermediate, hidden), "w2": (self.num_local, hidden, intermediate)}
         for name, shape in shapes.items():
             if quant is None:
@@ -348,20 +344,34 @@ class FusedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         share = f"experts {self.expert_start}..{self.expert_start + self.num_local - 1} of {self.num_experts}"
-        return f"{share}, hidden={self.hidden}, intermediate={self.intermediate}, act={self.act}, quant={self.quant}"
+        quant = f"{self.quant}, ue8m0 scales" if self.ue8m0 else self.quant
+        return f"{share}, hidden={self.hidden}, intermediate={self.intermediate}, act={self.act}, quant={quant}"
+
+    @property
+    def share(self) -> range:
+        """The global ids of the experts held here (this rank's share under expert parallelism)."""
+        return range(self.expert_start, self.expert_start + self.num_local)
+
+    def holds(self, expert: int) -> bool:
+        """Whether expert ``expert`` (global id) is held here: the one place that says which rank owns it
+        (checkpoint loaders ask this before reading or dequantizing an expert's tensors)."""
+        return self.expert_start <= expert < self.expert_start + self.num_local
 
     def _weights(self) -> dict:
         if self.quant is None:
             return {}
-        return {"w13_scale_inv": self.w13_scale_inv, "w2_scale_inv": self.w2_scale_inv, "block": self.block}
+        return {"w13_scale_inv": self.w13_scale_inv, "w2_scale_inv": self.w2_scale_inv, "block": self.block,
+                "ue8m0": self.ue8m0}
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
                              expert_start=self.expert_start, holds_all_experts=self.num_local == self.num_experts,
                              **self._weights())
+        # FP8 on CPU: the w8a8 arithmetic in float32, as Fp8Linear's CPU emulation.
         return moe_reference(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
-                             expert_start=self.expert_start, **self._weights())
+                             expert_start=self.expert_start, quantize_activations=self.quant == "fp8",
+                             **self._weights())
 
     # -- loading --------------------------------------------------------------------------------
 
@@ -389,9 +399,9 @@ class FusedMoE(nn.Module):
         if expert >= self.num_experts:
             raise WeightError(f"checkpoint tensor {full_name!r} names expert {expert} of {self.num_experts}",
                               fix="the checkpoint does not match its config.json (n_routed_experts)")
-        e = expert - self.expert_start
-        if not 0 <= e < self.num_local:
+        if not self.holds(expert):
             return
+        e = expert - self.expert_start
         param, half = _PROJECTIONS[parts[1]]
         scale = parts[2] == "weight_scale_inv"
         self._check_format(full_name, tensor, scale)

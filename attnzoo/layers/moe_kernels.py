@@ -3,13 +3,13 @@ that importing a model file never imports triton; on CPU the interpreter must be
 
 * ``count_kernel`` / ``align_kernel``: the expert sort and padding of ``moe_align_block_size``.
 * ``gemm_kernel``: one projection of every expert's padded row blocks in one launch.
-* ``act_kernel``: act(gate) * up, optionally quantized to FP8 per 128-channel group.
+* ``act_kernel``: act(gate) * up, optionally quantized to FP8 per 128-channel group (by
+  ``fp8_kernels.quant_group``, the code ``fp8.act_quant`` runs).
 """
 import triton
 import triton.language as tl
 
-# float32 -> e4m3 bytes with integer arithmetic: the interpreter's cast drops the rounding carry.
-from attnzoo.attention.kernels.kv_layout import fp8_bytes
+from attnzoo.layers.fp8_kernels import quant_group
 
 
 @triton.jit
@@ -113,7 +113,8 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr,
 
 @triton.jit
 def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
-               ACT: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+               ACT: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, MIN_AMAX: tl.constexpr,
+               BLOCK: tl.constexpr):
     # y = act(x[:, :width]) * x[:, width:] (ACT 1 silu, 2 gelu-tanh), in float32; with QUANT, FP8 with
     # one scale per BLOCK (= the quantization group) channels.
     row = tl.program_id(0).to(tl.int64)
@@ -127,9 +128,9 @@ def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
         z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         v = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * z) - 1.0)) * up
     if QUANT:
-        # IEEE divisions and bytes rounded to nearest even, as torch's _quant_group_fp8 (y holds bytes).
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v)), 1e-10), 448.0)
-        tl.store(y_ptr + row * stride_y + offs, fp8_bytes(tl.math.div_rn(v, scale)), mask=ok)
+        # Masked channels are 0 and do not move the group maximum; y holds bytes.
+        q, scale = quant_group(v, MIN_AMAX, UE8M0)
+        tl.store(y_ptr + row * stride_y + offs, q, mask=ok)
         tl.store(s_ptr + row * stride_s + tl.program_id(1), scale)
     else:
         tl.store(y_ptr + row * stride_y + offs, v.to(y_ptr.dtype.element_ty), mask=ok)

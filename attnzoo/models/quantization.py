@@ -118,9 +118,8 @@ class Fp8Plan(WeightPlan):
         return leaf != "lm_head" if self.scaled is None else leaf in self.leaves
 
     def _fp8_moe(self, moe: FusedMoE) -> FusedMoE:
-        return FusedMoE(moe.num_experts, moe.hidden, moe.intermediate, moe.act, quant="fp8",
-                        experts=range(moe.expert_start, moe.expert_start + moe.num_local),
-                        block=(self.fmt.block_n, self.fmt.block_k))
+        return FusedMoE(moe.num_experts, moe.hidden, moe.intermediate, moe.act, quant="fp8", experts=moe.share,
+                        block=(self.fmt.block_n, self.fmt.block_k), ue8m0=self.fmt.ue8m0)
 
     def build(self, cls, config) -> nn.Module:
         """Build the model with FP8 layers in place: each nn.Linear (or stacked MoE) to be FP8 is replaced
@@ -167,8 +166,7 @@ class Fp8Plan(WeightPlan):
                 if fp8 != (mod.quant == "fp8"):
                     parent, _, leaf = name.rpartition(".")
                     setattr(model.get_submodule(parent), leaf, self._fp8_moe(mod) if fp8 else FusedMoE(
-                        mod.num_experts, mod.hidden, mod.intermediate, mod.act,
-                        experts=range(mod.expert_start, mod.expert_start + mod.num_local)))
+                        mod.num_experts, mod.hidden, mod.intermediate, mod.act, experts=mod.share))
                 continue
             if isinstance(mod, (MergedLinear, Fp8MergedLinear)):
                 # FP8 only when every part is: one stacked weight has one dtype.
