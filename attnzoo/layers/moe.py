@@ -30,15 +30,23 @@ kernels also run on CPU under ``TRITON_INTERPRET=1`` for tests.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnzoo.errors import ModelLoadError, WeightError
+from attnzoo.errors import BackendError, ModelLoadError, WeightError
 from attnzoo.layers.fp8 import GROUP as QUANT_GROUP
 from attnzoo.layers.fp8 import MIN_AMAX, act_quant, act_quant_reference
+
+log = logging.getLogger("attnzoo")
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 FP8 = torch.float8_e4m3fn
@@ -157,9 +165,106 @@ def default_config(num_assignments: int, num_local: int, fp8: bool) -> MoEConfig
     return MoEConfig(128, 128, bk, 16, 8, 3)
 
 
+# Tuned tiles, as data: one JSON file per GPU written by ``benchmarks/moe.py --sweep``:
+#   {"device": "NVIDIA H200", "sm": "90", "configs": {"E=64,N=1408,K=2048,dtype=fp8": {"1": {MoEConfig}, ...}}}
+# E = experts held here, N = moe intermediate, K = hidden, the inner keys the token counts M swept.
+TILE_TABLES = Path(__file__).with_name("moe_configs")
+TILE_DTYPES = ("bf16", "fp8")
+
+
+def tile_key(num_local: int, intermediate: int, hidden: int, dtype: str) -> str:
+    return f"E={num_local},N={intermediate},K={hidden},dtype={dtype}"
+
+
+def gpu_slug(name: str) -> str:
+    """A table's file name: "NVIDIA H200" -> "nvidia_h200"."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def check_config(cfg: MoEConfig, fp8: bool, where: str) -> MoEConfig:
+    """A tile the kernels can run: powers of two, BLOCK_M >= 16 (tensor-core rows), FP8 K tiles inside one
+    128-channel scale group."""
+    ints = [cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_warps, cfg.num_stages]
+    pow2 = all(isinstance(v, int) and v > 0 and v & (v - 1) == 0 for v in ints[:5])
+    if not (pow2 and isinstance(cfg.num_stages, int) and 1 <= cfg.num_stages <= 8 and cfg.block_m >= 16
+            and cfg.block_n >= 16 and cfg.block_k >= 16 and (not fp8 or QUANT_GROUP % cfg.block_k == 0)):
+        raise BackendError(f"MoE tile config {cfg} in {where} cannot run", fix=(
+            "use powers of two (BLOCK_M/N/K >= 16; FP8 BLOCK_K dividing 128) and 1-8 stages, or delete the entry "
+            "and re-run benchmarks/moe.py --sweep"))
+    return cfg
+
+
+def read_tile_table(path: Path) -> dict:
+    """One GPU's table: {"device", "sm", "configs": {key: {M: MoEConfig}}}, every entry checked."""
+    try:
+        raw = json.loads(path.read_text())
+        names = {f.name for f in fields(MoEConfig)}
+        configs = {}
+        for key, by_m in raw["configs"].items():
+            fp8 = key.endswith("dtype=fp8")
+            configs[key] = {int(m): check_config(MoEConfig(**{n: c[n] for n in names}), fp8, f"{path} [{key}][{m}]")
+                            for m, c in by_m.items()}
+        return {"device": str(raw["device"]), "sm": str(raw["sm"]), "configs": configs}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise BackendError(f"MoE tile table {path} is unreadable ({type(e).__name__}: {e})",
+                           fix="re-run benchmarks/moe.py --sweep to rewrite it, or delete it") from None
+
+
+def write_tile_table(path: Path, device_name: str, sm: str, configs: dict[str, dict[int, MoEConfig]]) -> None:
+    """Merge ``configs`` ({key: {M: tile}}) into the table at ``path`` (created if absent); entries of the
+    same key and M are replaced, the rest kept."""
+    merged = read_tile_table(path)["configs"] if path.exists() else {}
+    for key, by_m in configs.items():
+        for m, c in by_m.items():
+            check_config(c, key.endswith("dtype=fp8"), f"{path} [{key}][{m}]")
+        merged.setdefault(key, {}).update(by_m)
+    body = {key: {str(m): vars(c) for m, c in sorted(by_m.items())} for key, by_m in sorted(merged.items())}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"device": device_name, "sm": sm, "configs": body}, indent=1) + "\n")
+    _tables.cache_clear()
+
+
+@functools.cache
+def _tables(directory: Path) -> tuple[dict, ...]:
+    return tuple(read_tile_table(p) for p in sorted(directory.glob("*.json")))
+
+
+def pick_config(tables, device_name: str, sm: str, key: str, num_tokens: int) -> MoEConfig | None:
+    """The tuned tile for ``key`` at ``num_tokens``: from this GPU's table (same device name), else from a
+    table of the same architecture (sm); the entry of the nearest swept token count (log scale). None when
+    no table has the key."""
+    for same in (lambda t: t["device"] == device_name, lambda t: t["sm"] == sm):
+        for table in tables:
+            by_m = table["configs"].get(key) if same(table) else None
+            if by_m:
+                return by_m[min(by_m, key=lambda m: (abs(math.log2(m) - math.log2(max(num_tokens, 1))), m))]
+    return None
+
+
+@functools.cache
+def _device_ids(device_index: int) -> tuple[str, str]:
+    props = torch.cuda.get_device_properties(device_index)
+    return props.name, f"{props.major}{props.minor}"
+
+
+def tile_config(num_tokens: int, top_k: int, num_local: int, hidden: int, intermediate: int, fp8: bool,
+                device: torch.device, tables_dir: Path = TILE_TABLES) -> MoEConfig:
+    """The grouped GEMMs' tiles for T tokens: a shipped tuned table (``moe_configs/``) where one matches
+    this GPU and shape, else ``default_config``."""
+    if device.type == "cuda":
+        name, sm = _device_ids(device.index if device.index is not None else torch.cuda.current_device())
+        key = tile_key(num_local, intermediate, hidden, "fp8" if fp8 else "bf16")
+        cfg = pick_config(_tables(tables_dir), name, sm, key, num_tokens)
+        if cfg is not None:
+            return cfg
+    return default_config(num_tokens * top_k, num_local, fp8)
+
+
 def padded_slots(num_assignments: int, num_local: int, block_m: int) -> int:
     """Worst-case length of the padded, expert-sorted assignment list (a multiple of block_m): every
-    expert's run is padded by at most block_m - 1 rows, and at most num_assignments experts have rows."""
+    expert's run is padded by at most block_m - 1 rows, and at most num_assignments experts have rows.
+    The bound is reached (one assignment on each of min(T*k, E) experts at decode), so the grid is sized
+    no larger than some routing needs; blocks past the routing's padded total exit before reading rows or weights."""
     worst = min(num_assignments * block_m, num_assignments + num_local * (block_m - 1))
     return _cdiv(worst, block_m) * block_m
 
@@ -184,15 +289,12 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_local: int, e
     n = ids.numel()
     slots = padded_slots(n, num_local, block_m)
     dev = ids.device
-    counts = torch.zeros(num_local, dtype=torch.int32, device=dev)
     sorted_ids = torch.empty(slots, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(slots // block_m, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
-    count_block = 1024
-    k.count_kernel[(_cdiv(n, count_block),)](ids, counts, n, expert_start, num_local, BLOCK=count_block)
-    e_pow2 = 1 << max(0, (num_local - 1).bit_length())
-    k.align_kernel[(num_local,)](ids, counts, sorted_ids, expert_ids, total, n, expert_start, num_local,
-                             BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=256)
+    bins = 1 << num_local.bit_length()  # > num_local: the last bin collects other ranks' experts
+    k.align_kernel[(num_local,)](ids, sorted_ids, expert_ids, total, n, expert_start, num_local,
+                                 BLOCK_M=block_m, BINS=bins, CHUNK=256)
     return sorted_ids, expert_ids, total
 
 
@@ -207,11 +309,11 @@ def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *
     _kernels().gemm_kernel[grid](
         a, w, out, a_scale if fp8 else dummy, w_scale if fp8 else dummy, weights if weights is not None else dummy,
         sorted_ids, expert_ids, total,
-        n_out, k_in, num_valid, num_m_blocks, split_n,
+        n_out, k_in, num_valid, num_m_blocks, split_n, rows_per_a,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
         w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
-        ROWS_PER_A=rows_per_a, MUL_WEIGHT=weights is not None, FP8=fp8, IEEE=a.dtype == torch.float32,
+        MUL_WEIGHT=weights is not None, FP8=fp8, IEEE=a.dtype == torch.float32,
         F32_OPERANDS=a.device.type != "cuda",
         GROUP_N=block[0], GROUP_K=block[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -256,7 +358,7 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
         ])
     num_local, inter = w2.shape[0], w2.shape[2]
     fp8 = w13.dtype == FP8
-    cfg = config or default_config(t * k, num_local, fp8)
+    cfg = config or tile_config(t, k, num_local, x.shape[1], inter, fp8, x.device)
     if fp8 and (block[1] % cfg.block_k or block[1] != QUANT_GROUP):
         raise ModelLoadError(
             f"FP8 MoE needs BLOCK_K ({cfg.block_k}) dividing the weight block's K side ({block[1]}) and a K side of "
@@ -272,7 +374,9 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
     down = (torch.empty if holds_all_experts else torch.zeros)(t * k, x.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(h, h_scale, w2, w2_scale_inv, down, topk_weights.reshape(-1).float().contiguous(), align, cfg,
                   num_valid=t * k, rows_per_a=1, split_n=w2.shape[1], block=block)
-    return down.view(t, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    out = torch.empty_like(x)
+    _kernels().sum_kernel[(t, _cdiv(x.shape[1], 1024))](down, out, x.shape[1], TOP_K=k, BLOCK=1024)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

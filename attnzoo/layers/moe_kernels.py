@@ -1,8 +1,9 @@
 """Triton kernels of the fused MoE (``attnzoo/layers/moe.py``, which imports this module on first use so
 that importing a model file never imports triton; on CPU the interpreter must be chosen first).
 
-* ``count_kernel`` / ``align_kernel``: the expert sort and padding of ``moe_align_block_size``.
+* ``align_kernel``: the expert sort and padding of ``moe_align_block_size`` (one launch).
 * ``gemm_kernel``: one projection of every expert's padded row blocks in one launch.
+* ``sum_kernel``: each token's k weighted expert rows summed in float32, stored in the model dtype.
 * ``act_kernel``: act(gate) * up, optionally quantized to FP8 per 128-channel group (by
   ``fp8_kernels.quant_group``, the code ``fp8.act_quant`` runs).
 """
@@ -13,20 +14,21 @@ from attnzoo.layers.fp8_kernels import quant_group
 
 
 @triton.jit
-def count_kernel(ids_ptr, counts_ptr, n, expert_start, num_local, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    e = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32) - expert_start
-    ok = (offs < n) & (e >= 0) & (e < num_local)
-    tl.atomic_add(counts_ptr + e, tl.full([BLOCK], 1, tl.int32), mask=ok)
-
-@triton.jit
-def align_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, total_ptr, n, expert_start, num_local,
-                 BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
-    # One program per local expert: its padded run starts after the padded runs of experts < e; its
-    # assignments are written there in flat order (deterministic), then sentinel rows (n) pad it.
+def align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, n, expert_start, num_local,
+                 BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr):
+    # One program per local expert. Each counts every expert's assignments itself (a histogram of the
+    # ids: no separate count launch, no zeroed buffer); its padded run starts after the padded runs of
+    # experts < e; its assignments are written there in flat order (deterministic), then sentinel rows
+    # (n) pad it. Ids of other ranks' experts fall in bin BINS - 1 (>= num_local), which is ignored.
     e = tl.program_id(0)
-    offs_e = tl.arange(0, E_POW2)
-    cnt = tl.load(counts_ptr + offs_e, mask=offs_e < num_local, other=0)
+    cnt = tl.zeros([BINS], dtype=tl.int32)
+    for c in range(0, n, CHUNK):
+        offs = c + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32) - expert_start
+        ok = (offs < n) & (ids >= 0) & (ids < num_local)
+        cnt += tl.histogram(tl.where(ok, ids, BINS - 1), BINS).to(tl.int32)
+    offs_e = tl.arange(0, BINS)
+    cnt = tl.where(offs_e < num_local, cnt, 0)
     padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     start = tl.sum(tl.where(offs_e < e, padded, 0))
     my_cnt = tl.sum(tl.where(offs_e == e, cnt, 0))
@@ -53,15 +55,16 @@ def align_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, total_ptr, n, 
 @triton.jit
 def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr,
                 sorted_ptr, expert_ids_ptr, total_ptr,
-                N, K, num_valid, num_m_blocks, split_n,
+                N, K, num_valid, num_m_blocks, split_n, rows_per_a,
                 stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                 stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-                ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+                MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
                 F32_OPERANDS: tl.constexpr,
                 GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # C[row] = A[row // ROWS_PER_A] @ B[expert(block)]^T for the rows of one padded M block; rows are
-    # flat (token, slot) indices, A is x (ROWS_PER_A = k) or the intermediate (ROWS_PER_A = 1).
+    # C[row] = A[row // rows_per_a] @ B[expert(block)]^T for the rows of one padded M block; rows are
+    # flat (token, slot) indices, A is x (rows_per_a = k) or the intermediate (rows_per_a = 1; a
+    # runtime value so that one compiled kernel serves every top-k).
     # IEEE: float32 models get no TF32 rounding. F32_OPERANDS (off the GPU): Triton's interpreter
     # multiplies the raw bits of bfloat16 tl.dot operands (see attention/kernels/common.py dot_args).
     pid = tl.program_id(0)
@@ -75,7 +78,7 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr,
         return
     rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows < num_valid
-    a_rows = (rows // ROWS_PER_A).to(tl.int64)
+    a_rows = (rows // rows_per_a).to(tl.int64)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -134,3 +137,15 @@ def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
         tl.store(s_ptr + row * stride_s + tl.program_id(1), scale)
     else:
         tl.store(y_ptr + row * stride_y + offs, v.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def sum_kernel(x_ptr, out_ptr, width, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    # out[t] = sum_j x[t * TOP_K + j] over the k (already weighted) rows of token t, in float32.
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < width
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(x_ptr + (t * TOP_K + j) * width + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * width + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
