@@ -12,7 +12,8 @@ from attnzoo.errors import BackendError, ModelLoadError, WeightError
 from attnzoo.layers.fp8 import act_quant_reference
 from attnzoo.layers.moe import (
     FP8, FusedMoE, MoEConfig, _grouped_gemm, check_config, default_config, dequantize_block_fp8, fused_moe, moe_align_block_size,
-    moe_reference, padded_slots, pick_config, read_tile_table, tile_config, tile_key, write_tile_table,
+    moe_reference, padded_slots, pick_config, read_tile_table, select_experts, select_experts_reference, tile_config,
+    tile_key, write_tile_table,
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -228,6 +229,43 @@ def test_fp8_fused_equals_reference_with_the_same_rounding(ue8m0):
     assert rel_err(out, same) < 1e-5 < 1e-3 < rel_err(out, other)
     # FP8 activations (3 mantissa bits, one scale per 128 channels; coarser under ue8m0) vs float ones.
     assert rel_err(out, moe_reference(x, q13, q2, weights, ids, **kw)) < 0.08
+
+
+# (T, E, k, sigmoid, group score, n_group, topk_group, bias, renormalize): V2 greedy and group-limited
+# (group max, zeroed experts), V3 (sigmoid + bias, top-2 group sums, renormalized); E not a power of two.
+ROUTERS = [(5, 64, 6, False, None, 1, 1, False, False), (7, 20, 3, False, "max", 4, 2, False, False),
+           (6, 32, 4, True, "top2", 8, 3, True, True), (3, 24, 2, True, "top2", 4, 1, True, False)]
+
+
+@pytest.mark.parametrize("t,e,k,sigmoid,group,n_group,topk_group,bias,renorm", ROUTERS)
+def test_routing_kernel_equals_reference(t, e, k, sigmoid, group, n_group, topk_group, bias, renorm):
+    from attnzoo.layers import fused
+
+    g = torch.Generator().manual_seed(t)
+    logits = (torch.randn(t, e, generator=g) * 2).to(DEVICE)
+    kw = dict(top_k=k, sigmoid=sigmoid, group_score=group, n_group=n_group, topk_group=topk_group, renormalize=renorm,
+              correction_bias=(torch.randn(e, generator=g) * 0.5).to(DEVICE) if bias else None, scale=2.5)
+    ref_w, ref_ids = select_experts_reference(logits, **kw)
+    with fused.use("triton"):
+        w, ids = select_experts(logits, **kw)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (t, k)
+    # Any order within a token: compare sorted by expert id.
+    order, ref_order = ids.argsort(dim=1), ref_ids.argsort(dim=1)
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    torch.testing.assert_close(w.gather(1, order), ref_w.gather(1, ref_order), rtol=1e-5, atol=1e-6)
+    if group is not None:  # the limit binds: some token's unrestricted top-k differs
+        free = select_experts_reference(logits, **{**kw, "group_score": None})[1]
+        assert not torch.equal(free.sort(dim=1).values, ref_ids.sort(dim=1).values)
+
+
+def test_fused_adds_the_shared_output_in_its_sum():
+    t, k, e, h, i = 6, 2, 4, 32, 16
+    w13, w2 = experts(e, h, i, torch.float32)
+    weights, ids = routing(t, k, e, seed=7)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    shared = torch.randn(t, h, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    out = fused_moe(x, w13, w2, weights, ids, add=shared, config=MoEConfig(16, 16, 16))
+    assert rel_err(out, moe_reference(x, w13, w2, weights, ids) + shared) < 1e-5
 
 
 def _checkpoint(e, h, i, dtype=torch.float32, seed=0):

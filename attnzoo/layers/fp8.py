@@ -352,16 +352,17 @@ class Fp8MergedLinear(Fp8Linear):
     ``weight_scale_inv`` their block factors stacked [sum ceil(N_i/bn), ceil(K/bk)]; each part's tensors
     load into ``part_rows()`` / ``scale_rows()``.
 
-    When every part's N is a multiple of bn (DeepSeek-V3: 18432 and 2048), the stacked factors are exactly
-    the merged weight's blocks and one GEMM runs. Otherwise a block of bn output rows would straddle two
-    parts with different factors, so each part runs its own GEMM on its rows (outputs concatenated), which
-    keeps the result exactly that of separate layers."""
+    When every part's N but the last is a multiple of bn (DeepSeek-V3: 18432 and 2048; q_a 1536 and
+    kv_a 576), the stacked factors are exactly the merged weight's blocks and one GEMM runs. Otherwise a
+    block of bn output rows would straddle two parts with different factors, so each part runs its own
+    GEMM on its rows (outputs concatenated; the input is quantized once), which keeps the result exactly
+    that of separate layers."""
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False, fmt: Fp8Format = Fp8Format(),
                  device=None):
         super().__init__(in_features, sum(parts.values()), bias, fmt, device)
         self.parts = dict(parts)
-        self.aligned = all(n % fmt.block_n == 0 for n in parts.values())
+        self.aligned = all(n % fmt.block_n == 0 for n in list(parts.values())[:-1])
         blocks = {name: -(-n // fmt.block_n) for name, n in parts.items()}
         self._scale_rows = _stacked(blocks)
         kb = self.weight_scale_inv.shape[1]

@@ -135,6 +135,76 @@ def moe_reference(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expe
 
 
 # ----------------------------------------------------------------------------------------------
+# Routing
+
+GROUP_SCORES = (None, "max", "top2")
+
+
+def select_experts_reference(logits, *, top_k: int, sigmoid: bool, group_score: str | None = None, n_group: int = 1,
+                             topk_group: int = 1, correction_bias=None, renormalize: bool = False,
+                             scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch ops of DeepSeek's routers (transformers' ``deepseek_v2`` / ``deepseek_v3``), the oracle."""
+    t, e = logits.shape
+    scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
+    choice = scores + correction_bias if correction_bias is not None else scores
+    if group_score is not None:
+        grouped = choice.view(t, n_group, -1)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if group_score == "top2" else grouped.max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        mask = group_mask.repeat_interleave(e // n_group, dim=1)
+        choice = choice.masked_fill(~mask, float("-inf") if sigmoid else 0.0)
+    if sigmoid:
+        ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+    else:
+        weights, ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
+def select_experts(logits: torch.Tensor, *, top_k: int, sigmoid: bool, group_score: str | None = None,
+                   n_group: int = 1, topk_group: int = 1, correction_bias: torch.Tensor | None = None,
+                   renormalize: bool = False, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] float32 -> (weights [T, k] float32, expert ids [T, k] int64).
+
+    Scores are softmax(logits), or sigmoid(logits) with ``correction_bias`` [E] added for the choice
+    only (weights are the unbiased scores). ``group_score`` limits the choice to the ``topk_group`` best
+    of ``n_group`` expert groups, ranked by their best ("max") or two best ("top2") scores; then the
+    top-k experts, weights renormalized to sum 1 if asked, times ``scale``. One Triton launch on a GPU
+    (the ~15 small torch ops of ``select_experts_reference`` elsewhere); ids come in any order.
+    """
+    if group_score not in GROUP_SCORES:
+        raise ModelLoadError(f"unknown expert-group score {group_score!r}", fix=f"use one of {GROUP_SCORES}")
+    if not _fused_triton(logits):
+        return select_experts_reference(logits, top_k=top_k, sigmoid=sigmoid, group_score=group_score,
+                                        n_group=n_group, topk_group=topk_group, correction_bias=correction_bias,
+                                        renormalize=renormalize, scale=scale)
+    t, e = logits.shape
+    logits = logits.float()
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    if t:
+        _kernels().route_kernel[(t,)](
+            logits, correction_bias if correction_bias is not None else logits, weights, ids, e, e // n_group,
+            n_group, topk_group, float(scale), logits.stride(0),
+            SIGMOID=sigmoid, GROUP_SCORE=GROUP_SCORES.index(group_score), HAS_BIAS=correction_bias is not None,
+            RENORM=renormalize, TOP_K=top_k, K_POW2=1 << (top_k - 1).bit_length(), E_POW2=1 << (e - 1).bit_length(),
+        )
+    return weights, ids
+
+
+def _fused_triton(x: torch.Tensor) -> bool:
+    """Whether the MoE kernels run for ``x``: always on a GPU (the reference's host sync could not be
+    captured in a CUDA graph), on a CPU where ``fused.use("triton")`` asks for every fused kernel (under
+    Triton's interpreter: tests and launch counts of whole layers)."""
+    from attnzoo.layers import fused
+
+    return x.is_cuda or fused._triton(x) is not None
+
+
+# ----------------------------------------------------------------------------------------------
 # Fused path (Triton)
 
 
@@ -337,23 +407,24 @@ def _act_and_mul(gate_up: torch.Tensor, act: str, quant: bool, dtype, ue8m0: boo
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_start: int = 0,
               holds_all_experts: bool = True, w13_scale_inv=None, w2_scale_inv=None, block=(128, 128),
-              ue8m0: bool = False, config: MoEConfig | None = None) -> torch.Tensor:
+              ue8m0: bool = False, add: torch.Tensor | None = None, config: MoEConfig | None = None) -> torch.Tensor:
     """The experts' weighted sum per token through the grouped Triton GEMMs (see the module docstring).
 
     ``holds_all_experts=False`` (an expert-parallel share): rows of assignments to other ranks' experts
     are zeroed, as no GEMM writes them. FP8 weights (float8_e4m3fn with their ``*_scale_inv``) run w8a8,
     activations quantized by ``fp8.act_quant`` (power-of-two scales under ``ue8m0``, the checkpoint's
-    ``scale_fmt``).
+    ``scale_fmt``). ``add`` [T, H] (the shared experts' output) is added in the final sum's kernel.
     """
     t, k = topk_ids.shape
     if t == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if add is None else add.clone()
     if t > MAX_CHUNK_TOKENS:
         return torch.cat([
             fused_moe(x[i : i + MAX_CHUNK_TOKENS], w13, w2, topk_weights[i : i + MAX_CHUNK_TOKENS],
                       topk_ids[i : i + MAX_CHUNK_TOKENS], act=act, expert_start=expert_start,
                       holds_all_experts=holds_all_experts, w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv,
-                      block=block, ue8m0=ue8m0, config=config)
+                      block=block, ue8m0=ue8m0, add=None if add is None else add[i : i + MAX_CHUNK_TOKENS],
+                      config=config)
             for i in range(0, t, MAX_CHUNK_TOKENS)
         ])
     num_local, inter = w2.shape[0], w2.shape[2]
@@ -375,7 +446,9 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
     _grouped_gemm(h, h_scale, w2, w2_scale_inv, down, topk_weights.reshape(-1).float().contiguous(), align, cfg,
                   num_valid=t * k, rows_per_a=1, split_n=w2.shape[1], block=block)
     out = torch.empty_like(x)
-    _kernels().sum_kernel[(t, _cdiv(x.shape[1], 1024))](down, out, x.shape[1], TOP_K=k, BLOCK=1024)
+    add = None if add is None else add.contiguous()
+    _kernels().sum_kernel[(t, _cdiv(x.shape[1], 1024))](down, out if add is None else add, out, x.shape[1], TOP_K=k,
+                                                       ADD=add is not None, BLOCK=1024)
     return out
 
 
@@ -467,15 +540,19 @@ class FusedMoE(nn.Module):
         return {"w13_scale_inv": self.w13_scale_inv, "w2_scale_inv": self.w2_scale_inv, "block": self.block,
                 "ue8m0": self.ue8m0}
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+        """-> the experts' weighted sum per token [T, H], plus ``add`` [T, H] (the shared experts' output;
+        the same kernel on a GPU)."""
+        if _fused_triton(x):
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
                              expert_start=self.expert_start, holds_all_experts=self.num_local == self.num_experts,
-                             **self._weights())
+                             add=add, **self._weights())
         # FP8 on CPU: the w8a8 arithmetic in float32, as Fp8Linear's CPU emulation.
-        return moe_reference(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
-                             expert_start=self.expert_start, quantize_activations=self.quant == "fp8",
-                             **self._weights())
+        out = moe_reference(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
+                            expert_start=self.expert_start, quantize_activations=self.quant == "fp8",
+                            **self._weights())
+        return out if add is None else out + add
 
     # -- loading --------------------------------------------------------------------------------
 

@@ -3,7 +3,9 @@ that importing a model file never imports triton; on CPU the interpreter must be
 
 * ``align_kernel``: the expert sort and padding of ``moe_align_block_size`` (one launch).
 * ``gemm_kernel``: one projection of every expert's padded row blocks in one launch.
-* ``sum_kernel``: each token's k weighted expert rows summed in float32, stored in the model dtype.
+* ``sum_kernel``: each token's k weighted expert rows summed in float32 (plus the shared experts'
+  output), stored in the model dtype.
+* ``route_kernel``: a router's scoring, group-limited top-k, renormalisation and scaling per token.
 * ``act_kernel``: act(gate) * up, optionally quantized to FP8 per 128-channel group (by
   ``fp8_kernels.quant_group``, the code ``fp8.act_quant`` runs).
 """
@@ -140,12 +142,66 @@ def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
 
 
 @triton.jit
-def sum_kernel(x_ptr, out_ptr, width, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    # out[t] = sum_j x[t * TOP_K + j] over the k (already weighted) rows of token t, in float32.
+def sum_kernel(x_ptr, add_ptr, out_ptr, width, TOP_K: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
+    # out[t] = add[t] + sum_j x[t * TOP_K + j] over the k (already weighted) rows of token t, in float32.
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < width
     acc = tl.zeros([BLOCK], dtype=tl.float32)
+    if ADD:
+        acc += tl.load(add_ptr + t * width + offs, mask=ok, other=0.0).to(tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(x_ptr + (t * TOP_K + j) * width + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * width + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, group_size, num_groups, topk_group,
+                 scale, stride_l,
+                 SIGMOID: tl.constexpr, GROUP_SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                 TOP_K: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr):
+    # One token per program, all in registers; the torch ops of moe.select_experts_reference in order.
+    # GROUP_SCORE: 0 no groups, 1 a group's best expert, 2 the sum of its two best.
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_POW2)
+    ok = offs < num_experts
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        scores = tl.sigmoid(x)
+    else:
+        e = tl.exp(x - tl.max(x, 0))
+        scores = e / tl.sum(e, 0)
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + offs, mask=ok, other=0.0)
+    choice = tl.where(ok, choice, float("-inf"))
+    if GROUP_SCORE != 0:
+        gid = offs // group_size
+        group = tl.full([E_POW2], float("-inf"), tl.float32)  # each expert's group score
+        for g in range(0, num_groups):
+            v = tl.where(gid == g, choice, float("-inf"))
+            best = tl.max(v, 0)
+            if GROUP_SCORE == 2:
+                best += tl.max(tl.where(offs == tl.argmax(v, 0), float("-inf"), v), 0)
+            group = tl.where(gid == g, best, group)
+        keep = offs < 0
+        for _ in range(0, topk_group):
+            g = tl.argmax(group, 0) // group_size  # the best group left (the lowest id on ties)
+            keep = keep | (gid == g)
+            group = tl.where(gid == g, float("-inf"), group)
+        # Softmax routing zeroes the experts of other groups, sigmoid routing excludes them.
+        choice = tl.where(keep | ~ok, choice, float("-inf") if SIGMOID else 0.0)
+    slot = tl.arange(0, K_POW2)
+    top_w = tl.zeros([K_POW2], dtype=tl.float32)
+    top_i = tl.zeros([K_POW2], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        i = tl.argmax(choice, 0)
+        # Sigmoid routing weighs by the score without the bias; softmax by the (group-masked) score.
+        w = tl.sum(tl.where(offs == i, scores if SIGMOID else choice, 0.0), 0)
+        top_w = tl.where(slot == j, w, top_w)
+        top_i = tl.where(slot == j, i.to(tl.int64), top_i)
+        choice = tl.where(offs == i, float("-inf"), choice)
+    if RENORM:
+        top_w = top_w / (tl.sum(top_w, 0) + 1e-20)
+    tl.store(weights_ptr + t * TOP_K + slot, top_w * scale, mask=slot < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + slot, top_i, mask=slot < TOP_K)
