@@ -23,7 +23,8 @@ near the mean rows per chosen expert, so small batches only try 16; N/K tiles an
 shared memory; 6-14 candidates, each checked against the picked tile's output), prints the ratio before
 (the picked tile) and after (the best), and merges the best per (shape, dtype, batch) into this GPU's
 table, ``attnzoo/layers/moe_configs/<gpu>.json`` (``--tables DIR`` elsewhere), which ``fused_moe`` reads
-from then on. About 4 minutes on an H200 for both shapes and dtypes. The JSON (device, versions, shapes,
+from then on. Mostly Triton compiles (about 85 distinct tiles, one compiled GEMM each: the batch
+sizes and both projections share it); budgeted at under 6 minutes on an H200 for both shapes and dtypes. The JSON (device, versions, shapes,
 rows) goes to ``--output`` (default ``benchmarks/results/moe_<gpu>.json``).
 """
 from __future__ import annotations

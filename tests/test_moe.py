@@ -202,7 +202,8 @@ def test_fp8_grouped_gemm_matches_dequantized_math():
     align = moe_align_block_size(ids, cfg.block_m, e)
     xq, xs = act_quant_reference(x)
     out = torch.full((t * k, 2 * i), float("nan"), device=DEVICE)
-    _grouped_gemm(xq, xs, q13, s13, out, None, align, cfg, num_valid=t * k, rows_per_a=k, split_n=i, block=block)
+    _grouped_gemm(xq, xs, q13, s13, out, weights.reshape(-1), align, cfg, num_valid=t * k, rows_per_a=k, split_n=i,
+                  mul_weight=False, block=block)
     xd = xq.float() * xs.repeat_interleave(128, dim=1)[:, :h]
     flat = ids.flatten()
     ref = torch.stack([dequantize_block_fp8(q13[flat[r]], s13[flat[r]], split=i, block=block) @ xd[r // k]

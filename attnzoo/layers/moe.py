@@ -369,7 +369,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_local: int, e
 
 
 def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *, num_valid: int, rows_per_a: int,
-                  split_n: int, block=(128, 128)):
+                  split_n: int, mul_weight: bool, block=(128, 128)):
+    """out[row] = a[row // rows_per_a] @ w[expert]^T (times weights[row], float32 [T*k], if mul_weight):
+    both projections pass the same argument types, so they share one compiled kernel."""
     sorted_ids, expert_ids, total = align
     n_out, k_in = w.shape[1], w.shape[2]
     fp8 = w.dtype == FP8
@@ -377,13 +379,13 @@ def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *
     grid = (num_m_blocks * _cdiv(n_out, cfg.block_n),)
     dummy = out  # never read when the matching flag is off
     _kernels().gemm_kernel[grid](
-        a, w, out, a_scale if fp8 else dummy, w_scale if fp8 else dummy, weights if weights is not None else dummy,
+        a, w, out, a_scale if fp8 else dummy, w_scale if fp8 else dummy, weights,
         sorted_ids, expert_ids, total,
-        n_out, k_in, num_valid, num_m_blocks, split_n, rows_per_a,
+        n_out, k_in, num_valid, num_m_blocks, split_n, rows_per_a, int(mul_weight),
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
         w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
-        MUL_WEIGHT=weights is not None, FP8=fp8, IEEE=a.dtype == torch.float32,
+        FP8=fp8, IEEE=a.dtype == torch.float32,
         F32_OPERANDS=a.device.type != "cuda",
         GROUP_N=block[0], GROUP_K=block[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -439,12 +441,13 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
     align = moe_align_block_size(topk_ids, cfg.block_m, num_local, expert_start)
     a, a_scale = act_quant(x, QUANT_GROUP, ue8m0) if fp8 else (x, None)
     gate_up = torch.empty(t * k, 2 * inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(a, a_scale, w13, w13_scale_inv, gate_up, None, align, cfg, num_valid=t * k, rows_per_a=k,
-                  split_n=inter, block=block)
+    flat_weights = topk_weights.reshape(-1).float().contiguous()
+    _grouped_gemm(a, a_scale, w13, w13_scale_inv, gate_up, flat_weights, align, cfg, num_valid=t * k, rows_per_a=k,
+                  split_n=inter, mul_weight=False, block=block)
     h, h_scale = _act_and_mul(gate_up, act, fp8, x.dtype, ue8m0)
     down = (torch.empty if holds_all_experts else torch.zeros)(t * k, x.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(h, h_scale, w2, w2_scale_inv, down, topk_weights.reshape(-1).float().contiguous(), align, cfg,
-                  num_valid=t * k, rows_per_a=1, split_n=w2.shape[1], block=block)
+    _grouped_gemm(h, h_scale, w2, w2_scale_inv, down, flat_weights, align, cfg, num_valid=t * k, rows_per_a=1,
+                  split_n=w2.shape[1], mul_weight=True, block=block)
     out = torch.empty_like(x)
     add = None if add is None else add.contiguous()
     _kernels().sum_kernel[(t, _cdiv(x.shape[1], 1024))](down, out if add is None else add, out, x.shape[1], TOP_K=k,

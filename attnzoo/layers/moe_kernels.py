@@ -15,7 +15,9 @@ import triton.language as tl
 from attnzoo.layers.fp8_kernels import quant_group
 
 
-@triton.jit
+# Sizes that change with the batch are not specialized on (divisibility by 16, == 1): one compiled
+# kernel per tile config serves every batch and both projections (and the tile sweep compiles less).
+@triton.jit(do_not_specialize=["n"])
 def align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, n, expert_start, num_local,
                  BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr):
     # One program per local expert. Each counts every expert's assignments itself (a histogram of the
@@ -54,13 +56,14 @@ def align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, n, expert_start
         tl.store(expert_ids_ptr + first_block + offs_b, tl.full([CHUNK], 0, tl.int32) + e,
                  mask=offs_b < my_padded // BLOCK_M)
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_valid", "num_m_blocks", "rows_per_a", "mul_weight", "stride_asm", "stride_bse",
+                               "stride_bsn"])
 def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr,
                 sorted_ptr, expert_ids_ptr, total_ptr,
-                N, K, num_valid, num_m_blocks, split_n, rows_per_a,
+                N, K, num_valid, num_m_blocks, split_n, rows_per_a, mul_weight,
                 stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                 stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-                MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+                FP8: tl.constexpr, IEEE: tl.constexpr,
                 F32_OPERANDS: tl.constexpr,
                 GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
@@ -111,7 +114,7 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr,
             acc += d
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    if MUL_WEIGHT:
+    if mul_weight:  # the down projection: each row times its routing weight
         acc = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
