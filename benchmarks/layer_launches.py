@@ -4,11 +4,11 @@
 
 A small model of the shape's structure (V2-Lite: no q low-rank path, softmax greedy routing over 64
 experts, top-6, 2 shared; V3: q low-rank, sigmoid grouped routing over 256 experts in 8 groups, top-8;
-tiny widths, bfloat16 as on a GPU) runs one decode step with every fused op on its GPU path (``fused.use("triton")``: the
-Triton kernels under the interpreter, the fused MoE included). Counted in the last layer, per module:
-Triton launches, plus torch ops that would launch a GPU kernel (views, allocations and metadata ops
-are not launches). The attention core (the MLA backend's kernels) is listed apart: it is the
-backend's, not the layer's.
+tiny widths, bfloat16 as on a GPU) runs one decode step with every fused op on its GPU path
+(``fused.use("triton")``: the Triton kernels under the interpreter, the fused MoE included). Counted in
+the last layer, per module: Triton launches, plus torch ops that would launch a GPU kernel (views,
+allocations and metadata ops are not launches). The attention core (the MLA backend's kernels) is left
+out: it is the backend's, not the layer's.
 """
 from __future__ import annotations
 

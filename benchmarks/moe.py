@@ -56,8 +56,8 @@ SWEEP_BATCHES = "1,16,64,256,512,2048"
 
 def sweep_space(t: int, k: int, e: int, fp8: bool) -> list[MoEConfig]:
     """Candidate tiles for T tokens: BLOCK_M the mean rows per chosen expert rounded up to a power of two,
-    half that, and twice that when the mean is near the top (16..128); wide-and-shallow N tiles for 16-row blocks (weight streaming), square ones
-    above; FP8 K tiles are the 128-channel scale group; stages that fit in 160 KB of shared memory."""
+    half that, and twice that when the mean is near the top (16..128); wide-and-shallow N tiles for
+    16-row blocks (weight streaming), square ones above; FP8 K tiles are the 128-channel scale group; stages that fit in 160 KB of shared memory."""
     per_expert = t * k / min(e, t * k)
     np2 = 1 << max(0, (int(-(-per_expert // 1)) - 1).bit_length())
     clamp = lambda v: min(128, max(16, v))  # noqa: E731
@@ -179,7 +179,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="v3,v2_lite", help=f"from: {', '.join(SHAPES)}")
     ap.add_argument("--batches", default=None, help=f"default 1,64,512 ({SWEEP_BATCHES} with --sweep)")
     ap.add_argument("--dtypes", default="bf16,fp8")
-    ap.add_argument("--sweep", action="store_true", help="also time candidate tiles per case; write the best to the table")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time candidate tiles per case; write the best to the table")
     ap.add_argument("--tables", default=str(TILE_TABLES), help="where --sweep writes this GPU's tile table")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
@@ -224,11 +225,11 @@ def main(argv=None) -> int:
         print(f"\nratio (moe graph / dense) before -> after the sweep; tiles written to {table}")
         for r in rows:
             if "sweep_best_ratio" in r:
-                print(f"  {r['shape']:8} {r['dtype']:5} {r['batch']:>5}  {r['ratio']:5.2f} -> {r['sweep_best_ratio']:5.2f}"
-                      f"  {r['sweep_best_config']}")
+                print(f"  {r['shape']:8} {r['dtype']:5} {r['batch']:>5}  {r['ratio']:5.2f} -> "
+                      f"{r['sweep_best_ratio']:5.2f}  {r['sweep_best_config']}")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out_path}")
+    print(f"wrote {out_path} ({result['elapsed_s']:.0f} s)")
     return 0
 
 

@@ -89,7 +89,8 @@ def test_tile_tables_round_trip_and_lookup(tmp_path):
     h200 = {key: {1: MoEConfig(16, 32, 128, 1, 4, 5), 64: MoEConfig(16, 64, 128, 1, 4, 4),
                   512: MoEConfig(32, 128, 128, 8, 4, 3)}}
     write_tile_table(tmp_path / "nvidia_h200.json", "NVIDIA H200", "90", h200)
-    write_tile_table(tmp_path / "nvidia_h200.json", "NVIDIA H200", "90", {key: {2048: MoEConfig(64, 128, 128, 8, 8, 3)}})
+    write_tile_table(tmp_path / "nvidia_h200.json", "NVIDIA H200", "90",
+                     {key: {2048: MoEConfig(64, 128, 128, 8, 8, 3)}})
     write_tile_table(tmp_path / "nvidia_h100.json", "NVIDIA H100 80GB HBM3", "90", {key: {1: MoEConfig(16, 128, 128)}})
     tables = [read_tile_table(p) for p in sorted(tmp_path.glob("*.json"))]
     assert set(tables[1]["configs"][key]) == {1, 64, 512, 2048}  # merged, not overwritten

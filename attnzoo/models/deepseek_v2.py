@@ -280,8 +280,8 @@ def _check_config(config) -> None:
     if act != "silu":
         raise ModelLoadError(f"DeepSeek hidden_act {act!r} is not supported", fix="use a checkpoint with hidden_act 'silu'")
     if getattr(config, "attention_bias", False) and config.q_lora_rank is None:
-        raise ModelLoadError("attention_bias without q_lora_rank is not supported (q_proj would have no bias while "
-                             "kv_a_proj_with_mqa has one)", fix="use a config with attention_bias false, as DeepSeek-V2's")
+        raise ModelLoadError("attention_bias without q_lora_rank is not supported (q_proj has no bias, "
+                             "kv_a_proj_with_mqa would have one)", fix="use attention_bias false, as DeepSeek-V2")
     freq = getattr(config, "moe_layer_freq", 1)
     if freq != 1:
         raise ModelLoadError(
