@@ -417,3 +417,21 @@ def test_gpu_cuda_graph_replays_any_routing(quant):
         kw = {"w13_scale_inv": moe.w13_scale_inv, "w2_scale_inv": moe.w2_scale_inv} if quant else {}
         ref = moe_reference(x, moe.w13, moe.w2, weights, ids, quantize_activations=bool(quant), **kw)
         assert rel_err(out, ref) < 1e-2, (seed, unused)
+
+
+@gpu
+@needs_cuda
+def test_gpu_fused_moe_runs_the_tile_its_table_names(tmp_path):
+    """A table written for this GPU is what tile_config returns here, and the kernels run that tile."""
+    e, k, h, i, t = 64, 6, 2048, 1408, 64
+    name = torch.cuda.get_device_name()
+    props = torch.cuda.get_device_properties(0)
+    tile = MoEConfig(16, 32, 128, 1, 4, 5)
+    write_tile_table(tmp_path / "gpu.json", name, f"{props.major}{props.minor}", {tile_key(e, i, h, "bf16"): {t: tile}})
+    assert tile_config(t, k, e, h, i, False, DEVICE, tmp_path) == tile
+    assert tile_config(t, k, e, h, i, True, DEVICE, tmp_path) == default_config(t * k, e, True)  # no fp8 entry
+    w13, w2 = experts(e, h, i, torch.bfloat16, std=0.02)
+    weights, ids = routing(t, k, e, seed=1)
+    x = torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16)
+    out = fused_moe(x, w13, w2, weights, ids, config=tile)
+    assert rel_err(out, moe_reference(x, w13, w2, weights, ids)) < 1e-2
