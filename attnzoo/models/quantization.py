@@ -3,7 +3,7 @@
 An FP8 checkpoint stores some linear layers as float8_e4m3fn weights plus ``weight_scale_inv`` block
 factors; which ones is the checkpoint's choice (DeepSeek: every attention projection, dense MLP, shared
 and routed expert; not the embeddings, norms, router or lm_head). ``WeightPlan.build`` makes exactly those
-layers ``Fp8Linear`` (``Fp8MergedLinear`` where the model stacks them: gate/up, q/k/v) while the model is
+layers ``Fp8Linear`` (``Fp8MergedLinear`` where the model stacks them: gate/up, q/k/v, q_a/kv_a) while the model is
 built, so a GPU never holds a bf16 copy of them, and the weights stream in as stored. Layers are
 dequantized at load instead (to the model dtype) when:
   - the model reads the layer's weight as a matrix rather than calling it (``CausalLM.matrix_weights``:
