@@ -1,7 +1,7 @@
 """The fused MoE layer (attnzoo/layers/moe.py) on one GPU against a dense GEMM of the same work.
 
     python benchmarks/moe.py [--shapes v3,v2_lite] [--batches 1,64,512] [--dtypes bf16,fp8]
-                             [--sweep] [--output FILE.json]
+                             [--sweep [--tables DIR]] [--output FILE.json]
 
 Shapes (routed experts only; the shared experts are an ordinary dense MLP):
   v3       DeepSeek-V3: 256 experts, top-8, hidden 7168, moe_intermediate 2048 (one layer: 22.5 GB in bf16)
@@ -15,15 +15,22 @@ Per (shape, dtype, batch): T tokens routed uniformly at random (k distinct exper
              (per-tensor scales, M padded to 16). ``ratio`` = moe_graph / dense (the target is <= 1.5).
 Weight bytes count only the chosen experts (plus FP8 block scales). Every case is first checked against
 the per-expert reference (``moe_reference``; FP8 with the kernel's activation rounding). Times are
-CUDA-event medians with the L2 flushed before each run. ``--sweep`` also times a few tile configs per
-case and records the best (for tuning ``default_config``). The JSON (device, versions, shapes, rows)
-goes to ``--output`` (default ``benchmarks/results/moe_<gpu>.json``).
+CUDA-event medians with the L2 flushed before each run. The tiles are those ``fused_moe`` picks
+(``tile_config``: the shipped table for this GPU and shape, else ``default_config``).
+
+``--sweep`` (default batches 1,16,64,256,512,2048) also times a pruned set of tiles per case (BLOCK_M
+near the mean rows per chosen expert, so small batches only try 16; N/K tiles and stages that fit
+shared memory; 6-14 candidates, each checked against the picked tile's output), prints the ratio before
+(the picked tile) and after (the best), and merges the best per (shape, dtype, batch) into this GPU's
+table, ``attnzoo/layers/moe_configs/<gpu>.json`` (``--tables DIR`` elsewhere), which ``fused_moe`` reads
+from then on. Mostly Triton compiles (about 85 distinct tiles, one compiled GEMM each: the batch
+sizes and both projections share it); budgeted at under 6 minutes on an H200 for both shapes and dtypes. The JSON (device, versions, shapes,
+rows) goes to ``--output`` (default ``benchmarks/results/moe_<gpu>.json``).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from dataclasses import asdict
@@ -36,17 +43,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from attention_triton import time_cuda, versions  # noqa: E402
 
-from attnzoo.layers.moe import FP8, MoEConfig, default_config, fused_moe, moe_reference  # noqa: E402
+from attnzoo.layers.moe import (  # noqa: E402
+    FP8, TILE_TABLES, MoEConfig, gpu_slug, moe_reference, fused_moe, tile_config, tile_key, write_tile_table,
+)
 
 SHAPES = {  # experts, top-k, hidden, intermediate; from the models' config.json
     "v3": (256, 8, 7168, 2048),
     "v2_lite": (64, 6, 2048, 1408),
 }
-SWEEP = [MoEConfig(*c) for c in [
-    (16, 64, 64, 1, 4, 4), (16, 128, 64, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3),
-    (32, 64, 64, 8, 4, 4), (32, 128, 128, 8, 4, 3), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 3),
-    (64, 128, 128, 8, 4, 3), (128, 128, 64, 16, 8, 3), (128, 128, 128, 16, 8, 3), (64, 256, 64, 8, 8, 3),
-]]
+SWEEP_BATCHES = "1,16,64,256,512,2048"
+
+
+def sweep_space(t: int, k: int, e: int, fp8: bool) -> list[MoEConfig]:
+    """Candidate tiles for T tokens: BLOCK_M the mean rows per chosen expert rounded up to a power of two,
+    half that, and twice that when the mean is near the top (16..128); wide-and-shallow N tiles for
+    16-row blocks (weight streaming), square ones above; FP8 K tiles are the 128-channel scale group; stages that fit in 160 KB of shared memory."""
+    per_expert = t * k / min(e, t * k)
+    np2 = 1 << max(0, (int(-(-per_expert // 1)) - 1).bit_length())
+    clamp = lambda v: min(128, max(16, v))  # noqa: E731
+    elt = 1 if fp8 else 2
+    out = []
+    # Rows per expert scatter around the mean: near the top of its power of two, try the next one too.
+    bms = {clamp(np2 // 2), clamp(np2)} | ({clamp(2 * np2)} if per_expert >= 0.75 * np2 else set())
+    for bm in sorted(bms):
+        bns = (32, 64, 128) if bm == 16 else (64, 128) if bm == 32 else (64, 128, 256)
+        bks = (128,) if fp8 else (128, 256) if bm == 16 else (64, 128) if bm == 32 else (64,)
+        stages = (3, 5) if bm == 16 else (3, 4)
+        for bn in bns:
+            for bk in bks:
+                for st in stages:
+                    if st * (bm * bk + bk * bn) * elt > 160 * 1024:
+                        continue
+                    out.append(MoEConfig(bm, bn, bk, 1 if bm >= np2 else 8, 4 if bm * bn <= 64 * 128 else 8, st))
+    return out
 
 
 def routing(t, k, e, device, seed=0):
@@ -118,33 +147,41 @@ def run_case(shape, dtype, t, w, flush, *, sweep: bool, device) -> dict:
     row = {
         "shape": shape, "dtype": dtype, "batch": t, "experts": e, "top_k": k, "hidden": h, "intermediate": i,
         "active_experts": n_active, "weight_bytes": weight_bytes, "flops": flops,
-        "config": asdict(default_config(t * k, e, dtype == "fp8")), "check_rel_err": check,
+        "config": asdict(tile_config(t, k, e, h, i, dtype == "fp8", device)), "check_rel_err": check,
         "moe_eager_ms": eager, "moe_graph_ms": graph, "dense_ms": dense, "dense_m": m, "dense_n": n,
         "ratio": graph / dense, "moe_graph_GBps": weight_bytes / graph / 1e6, "moe_graph_TFLOPs": flops / graph / 1e9,
     }
     if sweep:
-        best = None
-        for cfg in SWEEP:
-            if dtype == "fp8" and cfg.block_k != 128:
-                continue
+        picked, best = run(), None
+        sweep_timing = dict(warmup=3, iters=15, flush=flush)
+        # The picked tile runs under the same timing: "after" is never a noisier copy of "before".
+        now = tile_config(t, k, e, h, i, dtype == "fp8", device)
+        for cfg in [now] + [c for c in sweep_space(t, k, e, dtype == "fp8") if c != now]:
             try:
-                ms = time_cuda(graph_of(lambda: run(cfg)), **timing)
-            except Exception as exc:  # a tile that does not fit (shared memory) is skipped
+                err = rel_err(run(cfg), picked)
+                ms = time_cuda(graph_of(lambda: run(cfg)), **sweep_timing)
+            except Exception as exc:  # a tile that does not fit (shared memory, registers) is skipped
                 print(f"  sweep {cfg}: {type(exc).__name__}", flush=True)
+                continue
+            if err > 2e-2:
+                print(f"  sweep {cfg}: output differs from the picked tile's (rel err {err:.1e}); skipped", flush=True)
                 continue
             if best is None or ms < best[0]:
                 best = (ms, cfg)
         if best:
             row["sweep_best_ms"], row["sweep_best_config"] = best[0], asdict(best[1])
+            row["sweep_best_ratio"] = best[0] / dense
     return row
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="v3,v2_lite", help=f"from: {', '.join(SHAPES)}")
-    ap.add_argument("--batches", default="1,64,512")
+    ap.add_argument("--batches", default=None, help=f"default 1,64,512 ({SWEEP_BATCHES} with --sweep)")
     ap.add_argument("--dtypes", default="bf16,fp8")
-    ap.add_argument("--sweep", action="store_true", help="also time the SWEEP tile configs per case")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time candidate tiles per case; write the best to the table")
+    ap.add_argument("--tables", default=str(TILE_TABLES), help="where --sweep writes this GPU's tile table")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -152,10 +189,11 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
-    gpu_slug = re.sub(r"[^a-z0-9]+", "_", props.name.lower()).strip("_")
-    out_path = Path(args.output or Path(__file__).parent / "results" / f"moe_{gpu_slug}.json")
+    slug = gpu_slug(props.name)
+    out_path = Path(args.output or Path(__file__).parent / "results" / f"moe_{slug}.json")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    batches = [int(b) for b in args.batches.split(",") if b]
+    batches = [int(b) for b in (args.batches or (SWEEP_BATCHES if args.sweep else "1,64,512")).split(",") if b]
+    tuned: dict[str, dict[int, MoEConfig]] = {}
     rows, t0 = [], time.perf_counter()
     head = (f"{'shape':8} {'dtype':5} {'batch':>5} {'active':>6} {'eager ms':>9} {'graph ms':>9} {'dense ms':>9} "
             f"{'ratio':>6} {'GB/s':>7} {'TFLOP/s':>8} {'err':>8}")
@@ -172,6 +210,8 @@ def main(argv=None) -> int:
                       f"{r['moe_graph_TFLOPs']:>8.1f} {r['check_rel_err']:>8.1e}"
                       + (f"  sweep best {r['sweep_best_ms']:.3f} ms {r['sweep_best_config']}" if "sweep_best_ms" in r else ""),
                       flush=True)
+                if "sweep_best_config" in r:
+                    tuned.setdefault(tile_key(e, i, h, dtype), {})[t] = MoEConfig(**r["sweep_best_config"])
             del w
             torch.cuda.empty_cache()
     result = {
@@ -179,9 +219,17 @@ def main(argv=None) -> int:
         "shapes": {s: dict(zip(("experts", "top_k", "hidden", "intermediate"), SHAPES[s])) for s in args.shapes.split(",")},
         "elapsed_s": time.perf_counter() - t0, "rows": rows,
     }
+    if tuned:
+        table = Path(args.tables) / f"{slug}.json"
+        write_tile_table(table, props.name, result["sm"], tuned)
+        print(f"\nratio (moe graph / dense) before -> after the sweep; tiles written to {table}")
+        for r in rows:
+            if "sweep_best_ratio" in r:
+                print(f"  {r['shape']:8} {r['dtype']:5} {r['batch']:>5}  {r['ratio']:5.2f} -> "
+                      f"{r['sweep_best_ratio']:5.2f}  {r['sweep_best_config']}")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out_path}")
+    print(f"wrote {out_path} ({result['elapsed_s']:.0f} s)")
     return 0
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnzoo.errors import ModelLoadError, WeightError
+from attnzoo.errors import BackendError, ModelLoadError, WeightError
+from attnzoo.layers.fp8 import act_quant_reference
 from attnzoo.layers.moe import (
-    FP8, FusedMoE, MoEConfig, _grouped_gemm, _quant_group_fp8, dequantize_block_fp8, fused_moe, moe_align_block_size,
-    moe_reference, padded_slots,
+    FP8, FusedMoE, MoEConfig, _grouped_gemm, check_config, default_config, dequantize_block_fp8, fused_moe, moe_align_block_size,
+    moe_reference, padded_slots, pick_config, read_tile_table, select_experts, select_experts_reference, tile_config,
+    tile_key, write_tile_table,
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -70,6 +72,70 @@ def test_align_block_size(t, k, e, bm):
         r = rows[b * bm : (b + 1) * bm]
         assert (flat[r[r < t * k]] == blocks[b]).all()
     assert 1 not in blocks.tolist() and 4 not in blocks.tolist()  # no blocks for experts without tokens
+
+
+def test_decode_grid_is_no_larger_than_the_routing_needs():
+    """At decode (T*k assignments on distinct experts) every padded slot is used: the worst-case grid is
+    the grid this routing needs."""
+    _, ids = routing(1, 6, 64, seed=0)
+    sorted_ids, _, total = moe_align_block_size(ids, 16, 64)
+    assert int(total) == sorted_ids.numel() == 6 * 16
+
+
+def test_tile_tables_round_trip_and_lookup(tmp_path):
+    """The sweep's table: this GPU's entry first, then one of the same sm; the nearest swept token count
+    (log scale); the default where no table has the shape."""
+    key = tile_key(64, 1408, 2048, "fp8")
+    h200 = {key: {1: MoEConfig(16, 32, 128, 1, 4, 5), 64: MoEConfig(16, 64, 128, 1, 4, 4),
+                  512: MoEConfig(32, 128, 128, 8, 4, 3)}}
+    write_tile_table(tmp_path / "nvidia_h200.json", "NVIDIA H200", "90", h200)
+    write_tile_table(tmp_path / "nvidia_h200.json", "NVIDIA H200", "90",
+                     {key: {2048: MoEConfig(64, 128, 128, 8, 8, 3)}})
+    write_tile_table(tmp_path / "nvidia_h100.json", "NVIDIA H100 80GB HBM3", "90", {key: {1: MoEConfig(16, 128, 128)}})
+    tables = [read_tile_table(p) for p in sorted(tmp_path.glob("*.json"))]
+    assert set(tables[1]["configs"][key]) == {1, 64, 512, 2048}  # merged, not overwritten
+    assert pick_config(tables, "NVIDIA H200", "90", key, 1) == MoEConfig(16, 32, 128, 1, 4, 5)
+    assert pick_config(tables, "NVIDIA H200", "90", key, 8) == MoEConfig(16, 32, 128, 1, 4, 5)  # 8 is nearer 1 than 64
+    assert pick_config(tables, "NVIDIA H200", "90", key, 9) == MoEConfig(16, 64, 128, 1, 4, 4)
+    assert pick_config(tables, "NVIDIA H200", "90", key, 100000) == MoEConfig(64, 128, 128, 8, 8, 3)
+    assert pick_config(tables, "NVIDIA H100 80GB HBM3", "90", key, 1) == MoEConfig(16, 128, 128)
+    assert pick_config(tables, "NVIDIA H20", "90", key, 1) is not None  # same sm: a table of its family
+    assert pick_config(tables, "NVIDIA B200", "100", key, 1) is None
+    assert pick_config(tables, "NVIDIA H200", "90", tile_key(64, 1408, 2048, "bf16"), 1) is None
+    # No table for this device (CPU here): the default tiles.
+    assert tile_config(4, 6, 64, 2048, 1408, True, torch.device("cpu"), tmp_path) == default_config(24, 64, True)
+
+
+def test_sweep_space_is_small_and_runnable():
+    """benchmarks/moe.py --sweep: every candidate is a tile the kernels accept; decode batches try 16-row
+    blocks only; no case times more than 24 tiles (the sweep stays within minutes)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "moe.py"
+    spec = importlib.util.spec_from_file_location("moe_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for e, k, _, _ in bench.SHAPES.values():
+        for fp8 in (False, True):
+            for t in map(int, bench.SWEEP_BATCHES.split(",")):
+                space = bench.sweep_space(t, k, e, fp8)
+                assert 0 < len(space) <= 24 and len(set(space)) == len(space)
+                assert all(check_config(c, fp8, "sweep") == c for c in space)
+                if t * k <= 16 * e:  # at most 16 rows per chosen expert on average
+                    assert {c.block_m for c in space} <= {16, 32}
+                if t <= 64:
+                    assert {c.block_m for c in space} == {16}
+
+
+def test_bad_tile_tables_are_clear_errors(tmp_path):
+    key = tile_key(64, 1408, 2048, "fp8")
+    with pytest.raises(BackendError, match="cannot run"):  # FP8 K tiles must stay inside one scale group
+        write_tile_table(tmp_path / "t.json", "GPU", "90", {key: {1: MoEConfig(16, 64, 256)}})
+    assert not (tmp_path / "t.json").exists()
+    (tmp_path / "u.json").write_text('{"device": "GPU", "sm": "90", "configs": {"k": {"1": {"block_m": 16}}}}')
+    with pytest.raises(BackendError, match="unreadable"):
+        read_tile_table(tmp_path / "u.json")
 
 
 def test_align_skips_other_ranks_experts():
@@ -135,9 +201,10 @@ def test_fp8_grouped_gemm_matches_dequantized_math():
     x = torch.randn(t, h, device=DEVICE)
     cfg = MoEConfig(16, 16, 128)
     align = moe_align_block_size(ids, cfg.block_m, e)
-    xq, xs = _quant_group_fp8(x)
+    xq, xs = act_quant_reference(x)
     out = torch.full((t * k, 2 * i), float("nan"), device=DEVICE)
-    _grouped_gemm(xq, xs, q13, s13, out, None, align, cfg, num_valid=t * k, rows_per_a=k, split_n=i, block=block)
+    _grouped_gemm(xq, xs, q13, s13, out, weights.reshape(-1), align, cfg, num_valid=t * k, rows_per_a=k, split_n=i,
+                  mul_weight=False, block=block)
     xd = xq.float() * xs.repeat_interleave(128, dim=1)[:, :h]
     flat = ids.flatten()
     ref = torch.stack([dequantize_block_fp8(q13[flat[r]], s13[flat[r]], split=i, block=block) @ xd[r // k]
@@ -145,19 +212,63 @@ def test_fp8_grouped_gemm_matches_dequantized_math():
     assert rel_err(out, ref) < 1e-5
 
 
-def test_fp8_fused_equals_reference_with_the_same_rounding():
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_fp8_fused_equals_reference_with_the_same_rounding(ue8m0):
     """The whole w8a8 path: exactly the reference with its activations rounded as the kernel rounds them
-    (per 128-channel group, to nearest even), and close to the dequantized weights' unquantized math."""
+    (fp8.act_quant: per 128-channel group, to nearest even, power-of-two scales under ue8m0), and close
+    to the dequantized weights' unquantized math. ue8m0 is honoured: the other scale format's rounding
+    is measurably further away."""
     t, k, e, h, i = 9, 2, 4, 160, 136
     w13, w2 = experts(e, h, i, torch.float32)
     q13, s13 = quantize_experts(w13, i, (128, 128))
     q2, s2 = quantize_experts(w2, h, (128, 128))
     weights, ids = routing(t, k, e, seed=4)
-    x = torch.randn(t, h, device=DEVICE)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     kw = dict(w13_scale_inv=s13, w2_scale_inv=s2)
-    out = fused_moe(x, q13, q2, weights, ids, config=MoEConfig(16, 32, 128), **kw)
-    assert rel_err(out, moe_reference(x, q13, q2, weights, ids, quantize_activations=True, **kw)) < 1e-5
-    assert rel_err(out, moe_reference(x, q13, q2, weights, ids, **kw)) < 0.05
+    out = fused_moe(x, q13, q2, weights, ids, config=MoEConfig(16, 32, 128), ue8m0=ue8m0, **kw)
+    same = moe_reference(x, q13, q2, weights, ids, quantize_activations=True, ue8m0=ue8m0, **kw)
+    other = moe_reference(x, q13, q2, weights, ids, quantize_activations=True, ue8m0=not ue8m0, **kw)
+    assert rel_err(out, same) < 1e-5 < 1e-3 < rel_err(out, other)
+    # FP8 activations (3 mantissa bits, one scale per 128 channels; coarser under ue8m0) vs float ones.
+    assert rel_err(out, moe_reference(x, q13, q2, weights, ids, **kw)) < 0.08
+
+
+# (T, E, k, sigmoid, group score, n_group, topk_group, bias, renormalize): V2 greedy and group-limited
+# (group max, zeroed experts), V3 (sigmoid + bias, top-2 group sums, renormalized); E not a power of two.
+ROUTERS = [(5, 64, 6, False, None, 1, 1, False, False), (7, 20, 3, False, "max", 4, 2, False, False),
+           (6, 32, 4, True, "top2", 8, 3, True, True), (3, 24, 2, True, "top2", 4, 1, True, False),
+           (4, 256, 8, True, "top2", 8, 4, True, True)]  # DeepSeek-V3's router
+
+
+@pytest.mark.parametrize("t,e,k,sigmoid,group,n_group,topk_group,bias,renorm", ROUTERS)
+def test_routing_kernel_equals_reference(t, e, k, sigmoid, group, n_group, topk_group, bias, renorm):
+    from attnzoo.layers import fused
+
+    g = torch.Generator().manual_seed(t)
+    logits = (torch.randn(t, e, generator=g) * 2).to(DEVICE)
+    kw = dict(top_k=k, sigmoid=sigmoid, group_score=group, n_group=n_group, topk_group=topk_group, renormalize=renorm,
+              correction_bias=(torch.randn(e, generator=g) * 0.5).to(DEVICE) if bias else None, scale=2.5)
+    ref_w, ref_ids = select_experts_reference(logits, **kw)
+    with fused.use("triton"):
+        w, ids = select_experts(logits, **kw)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (t, k)
+    # Any order within a token: compare sorted by expert id.
+    order, ref_order = ids.argsort(dim=1), ref_ids.argsort(dim=1)
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    torch.testing.assert_close(w.gather(1, order), ref_w.gather(1, ref_order), rtol=1e-5, atol=1e-6)
+    if group is not None:  # the limit binds: some token's unrestricted top-k differs
+        free = select_experts_reference(logits, **{**kw, "group_score": None})[1]
+        assert not torch.equal(free.sort(dim=1).values, ref_ids.sort(dim=1).values)
+
+
+def test_fused_adds_the_shared_output_in_its_sum():
+    t, k, e, h, i = 6, 2, 4, 32, 16
+    w13, w2 = experts(e, h, i, torch.float32)
+    weights, ids = routing(t, k, e, seed=7)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    shared = torch.randn(t, h, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    out = fused_moe(x, w13, w2, weights, ids, add=shared, config=MoEConfig(16, 16, 16))
+    assert rel_err(out, moe_reference(x, w13, w2, weights, ids) + shared) < 1e-5
 
 
 def _checkpoint(e, h, i, dtype=torch.float32, seed=0):
@@ -207,11 +318,13 @@ def test_loader_errors_are_clear():
         FusedMoE(4, 16, 8, act="relu")
 
 
-def test_fp8_module_keeps_its_format_and_equals_dequantized_weights_on_cpu():
-    """quant='fp8' on CPU: the reference on dequantized weights, the same as a float module holding them."""
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_fp8_module_keeps_its_format_and_equals_dequantized_weights_on_cpu(ue8m0):
+    """quant='fp8' on CPU: the w8a8 arithmetic in float32 (activations rounded with the module's scale
+    format), close to a float module holding the dequantized weights."""
     e, h, i = 4, 160, 24
     tensors, w13, w2 = _checkpoint(e, h, i)
-    moe = FusedMoE(e, h, i, quant="fp8")
+    moe = FusedMoE(e, h, i, quant="fp8", ue8m0=ue8m0)
     assert moe.w13_scale_inv.shape == (e, 2, 2) and moe.w2_scale_inv.shape == (e, 2, 1)
     q13, s13 = quantize_experts(w13, i, (128, 128))
     q2, s2 = quantize_experts(w2, h, (128, 128))
@@ -231,8 +344,12 @@ def test_fp8_module_keeps_its_format_and_equals_dequantized_weights_on_cpu():
             dense.w13[x] = dequantize_block_fp8(q13[x].cpu(), s13[x].cpu(), split=i)
             dense.w2[x] = dequantize_block_fp8(q2[x].cpu(), s2[x].cpu(), split=h)
     weights, ids = routing(5, 2, e, device="cpu")
-    x = torch.randn(5, h)
-    assert torch.equal(moe.float()(x, weights, ids), dense(x, weights, ids))
+    x = torch.randn(5, h, generator=torch.Generator().manual_seed(5))
+    got = moe.float()(x, weights, ids)
+    kw = dict(w13_scale_inv=moe.w13_scale_inv, w2_scale_inv=moe.w2_scale_inv, quantize_activations=True)
+    assert torch.equal(got, moe_reference(x, moe.w13, moe.w2, weights, ids, ue8m0=ue8m0, **kw))
+    assert not torch.equal(got, moe_reference(x, moe.w13, moe.w2, weights, ids, ue8m0=not ue8m0, **kw))
+    assert 0 < rel_err(got, dense(x, weights, ids)) < 0.08  # FP8 activations (coarser scales under ue8m0)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -259,8 +376,9 @@ def test_gpu_realistic_shapes(t, shape):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("ue8m0", [False, True])
 @pytest.mark.parametrize("t", [1, 64, 512])
-def test_gpu_fp8_kernel_vs_dequantized(t):
+def test_gpu_fp8_kernel_vs_dequantized(t, ue8m0):
     e, k, h, i = 64, 6, 2048, 1408
     w13, w2 = experts(e, h, i, torch.float32, std=0.02)
     q13, s13 = quantize_experts(w13, i, (128, 128))
@@ -268,10 +386,10 @@ def test_gpu_fp8_kernel_vs_dequantized(t):
     weights, ids = routing(t, k, e, seed=t)
     x = torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16)
     kw = dict(w13_scale_inv=s13, w2_scale_inv=s2)
-    out = fused_moe(x, q13, q2, weights, ids, **kw)
+    out = fused_moe(x, q13, q2, weights, ids, ue8m0=ue8m0, **kw)
     # Same activation rounding as the kernel: only accumulation order and bf16 intermediates differ.
-    assert rel_err(out, moe_reference(x, q13, q2, weights, ids, quantize_activations=True, **kw)) < 1e-2
-    assert rel_err(out, moe_reference(x, q13, q2, weights, ids, **kw)) < 5e-2
+    assert rel_err(out, moe_reference(x, q13, q2, weights, ids, quantize_activations=True, ue8m0=ue8m0, **kw)) < 1e-2
+    assert rel_err(out, moe_reference(x, q13, q2, weights, ids, **kw)) < 8e-2
 
 
 @gpu
@@ -299,3 +417,21 @@ def test_gpu_cuda_graph_replays_any_routing(quant):
         kw = {"w13_scale_inv": moe.w13_scale_inv, "w2_scale_inv": moe.w2_scale_inv} if quant else {}
         ref = moe_reference(x, moe.w13, moe.w2, weights, ids, quantize_activations=bool(quant), **kw)
         assert rel_err(out, ref) < 1e-2, (seed, unused)
+
+
+@gpu
+@needs_cuda
+def test_gpu_fused_moe_runs_the_tile_its_table_names(tmp_path):
+    """A table written for this GPU is what tile_config returns here, and the kernels run that tile."""
+    e, k, h, i, t = 64, 6, 2048, 1408, 64
+    name = torch.cuda.get_device_name()
+    props = torch.cuda.get_device_properties(0)
+    tile = MoEConfig(16, 32, 128, 1, 4, 5)
+    write_tile_table(tmp_path / "gpu.json", name, f"{props.major}{props.minor}", {tile_key(e, i, h, "bf16"): {t: tile}})
+    assert tile_config(t, k, e, h, i, False, DEVICE, tmp_path) == tile
+    assert tile_config(t, k, e, h, i, True, DEVICE, tmp_path) == default_config(t * k, e, True)  # no fp8 entry
+    w13, w2 = experts(e, h, i, torch.bfloat16, std=0.02)
+    weights, ids = routing(t, k, e, seed=1)
+    x = torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16)
+    out = fused_moe(x, w13, w2, weights, ids, config=tile)
+    assert rel_err(out, moe_reference(x, w13, w2, weights, ids)) < 1e-2

@@ -136,64 +136,9 @@ def w8a8_block_matmul_reference(x8, x_scale, w8, w_scale, block=(128, 128), out_
 @functools.cache
 def _kernels():
     # Triton is imported on first use only: CPU-only installs load FP8 checkpoints without it.
-    import triton
-    import triton.language as tl
+    from attnzoo.layers import fp8_kernels
 
-    @triton.jit
-    def act_quant_kernel(X, Y, S, K, stride_xm, stride_ym, stride_sm, stride_sg,
-                         GROUP: tl.constexpr, UE8M0: tl.constexpr, MIN_AMAX: tl.constexpr):
-        row = tl.program_id(0)
-        g = tl.program_id(1)
-        offs = g * GROUP + tl.arange(0, GROUP)
-        mask = offs < K
-        x = tl.load(X + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-        s = tl.maximum(tl.max(tl.abs(x)), MIN_AMAX) / 448.0
-        if UE8M0:
-            s = tl.exp2(tl.ceil(tl.log2(s)))
-        y = tl.clamp(x / s, -448.0, 448.0)
-        tl.store(Y + row * stride_ym + offs, y.to(Y.dtype.element_ty), mask=mask)
-        tl.store(S + row * stride_sm + g * stride_sg, s)
-
-    @triton.jit
-    def block_matmul_kernel(
-        A, B, C, AS, BS, M, N, K,
-        stride_am, stride_ak, stride_bn, stride_bk, stride_cs, stride_cm, stride_cn,
-        stride_as_m, stride_as_k, stride_bs_n, stride_bs_k,
-        GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
-    ):
-        # One K tile is one scale group (BLOCK_K == GROUP_K): each tile's partial product is scaled
-        # by one activation factor per row and one weight factor per column before accumulation.
-        pid = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        num_m = tl.cdiv(M, BLOCK_M)
-        num_n = tl.cdiv(N, BLOCK_N)
-        # Grouped tile order: GROUP_M row tiles share each weight tile while it is in L2.
-        per_group = GROUP_M * num_n
-        first_m = (pid // per_group) * GROUP_M
-        rows = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % rows
-        pid_n = (pid % per_group) // rows
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, GROUP_K)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kt in range(pid_k, tl.cdiv(K, GROUP_K), SPLIT_K):
-            k = kt * GROUP_K + offs_k
-            mask_k = k < K
-            a = tl.load(A + offs_m[:, None] * stride_am + k[None, :] * stride_ak,
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(B + offs_n[None, :] * stride_bn + k[:, None] * stride_bk,
-                        mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            a_s = tl.load(AS + offs_m * stride_as_m + kt * stride_as_k, mask=mask_m, other=0.0)
-            b_s = tl.load(BS + (offs_n // GROUP_N) * stride_bs_n + kt * stride_bs_k, mask=mask_n, other=0.0)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-        c = C + pid_k * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-    return act_quant_kernel, block_matmul_kernel
+    return fp8_kernels
 
 
 def act_quant(x: torch.Tensor, group: int = GROUP, ue8m0: bool = False, *,
@@ -206,8 +151,8 @@ def act_quant(x: torch.Tensor, group: int = GROUP, ue8m0: bool = False, *,
     s = torch.empty(g, m, dtype=torch.float32, device=x.device).t() if column_major_scales else \
         torch.empty(m, g, dtype=torch.float32, device=x.device)
     if m:
-        _kernels()[0][(m, g)](x, y, s, k, x.stride(0), y.stride(0), s.stride(0), s.stride(1),
-                              GROUP=group, UE8M0=ue8m0, MIN_AMAX=MIN_AMAX)
+        _kernels().act_quant_kernel[(m, g)](x, y.view(torch.uint8), s, k, x.stride(0), y.stride(0), s.stride(0),
+                                            s.stride(1), GROUP=group, UE8M0=ue8m0, MIN_AMAX=MIN_AMAX)
     return y, s
 
 
@@ -249,7 +194,7 @@ def w8a8_block_matmul(x8, x_scale, w8, w_scale, block=(128, 128), out_dtype=torc
     if m == 0:
         return out
     c = out[None] if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x8.device)
-    _kernels()[1][(tiles, split_k)](
+    _kernels().block_matmul_kernel[(tiles, split_k)](
         x8, w8, c, x_scale, w_scale, m, n, k,
         x8.stride(0), x8.stride(1), w8.stride(0), w8.stride(1), c.stride(0), c.stride(1), c.stride(2),
         x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1),
@@ -407,10 +352,11 @@ class Fp8MergedLinear(Fp8Linear):
     ``weight_scale_inv`` their block factors stacked [sum ceil(N_i/bn), ceil(K/bk)]; each part's tensors
     load into ``part_rows()`` / ``scale_rows()``.
 
-    When every part's N is a multiple of bn (DeepSeek-V3: 18432 and 2048), the stacked factors are exactly
-    the merged weight's blocks and one GEMM runs. Otherwise a block of bn output rows would straddle two
-    parts with different factors, so each part runs its own GEMM on its rows (outputs concatenated), which
-    keeps the result exactly that of separate layers.
+    When every part's N but the last is a multiple of bn (DeepSeek-V3: 18432 and 2048; q_a 1536 and
+    kv_a 576), the stacked factors are exactly the merged weight's blocks and one GEMM runs. Otherwise a
+    block of bn output rows would straddle two parts with different factors, so each part runs its own
+    GEMM on its rows (outputs concatenated; the input is quantized once), which keeps the result exactly
+    that of separate layers.
 
     Tensor parallel: each part's ``cuts`` (checkpoint weight -> this rank's rows) and ``scale_cuts``
     (its factors -> the factors of those rows' blocks), or None where the part is whole."""
@@ -419,7 +365,7 @@ class Fp8MergedLinear(Fp8Linear):
                  device=None):
         super().__init__(in_features, sum(parts.values()), bias, fmt, device)
         self.parts = dict(parts)
-        self.aligned = all(n % fmt.block_n == 0 for n in parts.values())
+        self.aligned = all(n % fmt.block_n == 0 for n in list(parts.values())[:-1])
         blocks = {name: -(-n // fmt.block_n) for name, n in parts.items()}
         self._scale_rows = _stacked(blocks)
         kb = self.weight_scale_inv.shape[1]

@@ -1,32 +1,38 @@
 """Triton kernels of the fused MoE (``attnzoo/layers/moe.py``, which imports this module on first use so
 that importing a model file never imports triton; on CPU the interpreter must be chosen first).
 
-* ``count_kernel`` / ``align_kernel``: the expert sort and padding of ``moe_align_block_size``.
+* ``align_kernel``: the expert sort and padding of ``moe_align_block_size`` (one launch).
 * ``gemm_kernel``: one projection of every expert's padded row blocks in one launch.
-* ``act_kernel``: act(gate) * up, optionally quantized to FP8 per 128-channel group.
+* ``sum_kernel``: each token's k weighted expert rows summed in float32 (plus the shared experts'
+  output), stored in the model dtype.
+* ``route_kernel``: a router's scoring, group-limited top-k, renormalisation and scaling per token.
+* ``act_kernel``: act(gate) * up, optionally quantized to FP8 per 128-channel group (by
+  ``fp8_kernels.quant_group``, the code ``fp8.act_quant`` runs).
 """
 import triton
 import triton.language as tl
 
-# float32 -> e4m3 bytes with integer arithmetic: the interpreter's cast drops the rounding carry.
-from attnzoo.attention.kernels.kv_layout import fp8_bytes
+from attnzoo.layers.fp8_kernels import quant_group
 
 
-@triton.jit
-def count_kernel(ids_ptr, counts_ptr, n, expert_start, num_local, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    e = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32) - expert_start
-    ok = (offs < n) & (e >= 0) & (e < num_local)
-    tl.atomic_add(counts_ptr + e, tl.full([BLOCK], 1, tl.int32), mask=ok)
-
-@triton.jit
-def align_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, total_ptr, n, expert_start, num_local,
-                 BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
-    # One program per local expert: its padded run starts after the padded runs of experts < e; its
-    # assignments are written there in flat order (deterministic), then sentinel rows (n) pad it.
+# Sizes that change with the batch are not specialized on (divisibility by 16, == 1): one compiled
+# kernel per tile config serves every batch and both projections (and the tile sweep compiles less).
+@triton.jit(do_not_specialize=["n"])
+def align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, n, expert_start, num_local,
+                 BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr):
+    # One program per local expert. Each counts every expert's assignments itself (a histogram of the
+    # ids: no separate count launch, no zeroed buffer); its padded run starts after the padded runs of
+    # experts < e; its assignments are written there in flat order (deterministic), then sentinel rows
+    # (n) pad it. Ids of other ranks' experts fall in bin BINS - 1 (>= num_local), which is ignored.
     e = tl.program_id(0)
-    offs_e = tl.arange(0, E_POW2)
-    cnt = tl.load(counts_ptr + offs_e, mask=offs_e < num_local, other=0)
+    cnt = tl.zeros([BINS], dtype=tl.int32)
+    for c in range(0, n, CHUNK):
+        offs = c + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32) - expert_start
+        ok = (offs < n) & (ids >= 0) & (ids < num_local)
+        cnt += tl.histogram(tl.where(ok, ids, BINS - 1), BINS).to(tl.int32)
+    offs_e = tl.arange(0, BINS)
+    cnt = tl.where(offs_e < num_local, cnt, 0)
     padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     start = tl.sum(tl.where(offs_e < e, padded, 0))
     my_cnt = tl.sum(tl.where(offs_e == e, cnt, 0))
@@ -50,18 +56,20 @@ def align_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, total_ptr, n, 
         tl.store(expert_ids_ptr + first_block + offs_b, tl.full([CHUNK], 0, tl.int32) + e,
                  mask=offs_b < my_padded // BLOCK_M)
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_valid", "num_m_blocks", "rows_per_a", "mul_weight", "stride_asm", "stride_bse",
+                               "stride_bsn"])
 def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr,
                 sorted_ptr, expert_ids_ptr, total_ptr,
-                N, K, num_valid, num_m_blocks, split_n,
+                N, K, num_valid, num_m_blocks, split_n, rows_per_a, mul_weight,
                 stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                 stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-                ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+                FP8: tl.constexpr, IEEE: tl.constexpr,
                 F32_OPERANDS: tl.constexpr,
                 GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # C[row] = A[row // ROWS_PER_A] @ B[expert(block)]^T for the rows of one padded M block; rows are
-    # flat (token, slot) indices, A is x (ROWS_PER_A = k) or the intermediate (ROWS_PER_A = 1).
+    # C[row] = A[row // rows_per_a] @ B[expert(block)]^T for the rows of one padded M block; rows are
+    # flat (token, slot) indices, A is x (rows_per_a = k) or the intermediate (rows_per_a = 1; a
+    # runtime value so that one compiled kernel serves every top-k).
     # IEEE: float32 models get no TF32 rounding. F32_OPERANDS (off the GPU): Triton's interpreter
     # multiplies the raw bits of bfloat16 tl.dot operands (see attention/kernels/common.py dot_args).
     pid = tl.program_id(0)
@@ -75,7 +83,7 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr,
         return
     rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows < num_valid
-    a_rows = (rows // ROWS_PER_A).to(tl.int64)
+    a_rows = (rows // rows_per_a).to(tl.int64)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -106,14 +114,15 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr,
             acc += d
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    if MUL_WEIGHT:
+    if mul_weight:  # the down projection: each row times its routing weight
         acc = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 @triton.jit
 def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
-               ACT: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+               ACT: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, MIN_AMAX: tl.constexpr,
+               BLOCK: tl.constexpr):
     # y = act(x[:, :width]) * x[:, width:] (ACT 1 silu, 2 gelu-tanh), in float32; with QUANT, FP8 with
     # one scale per BLOCK (= the quantization group) channels.
     row = tl.program_id(0).to(tl.int64)
@@ -127,9 +136,75 @@ def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
         z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         v = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * z) - 1.0)) * up
     if QUANT:
-        # IEEE divisions and bytes rounded to nearest even, as torch's _quant_group_fp8 (y holds bytes).
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v)), 1e-10), 448.0)
-        tl.store(y_ptr + row * stride_y + offs, fp8_bytes(tl.math.div_rn(v, scale)), mask=ok)
+        # Masked channels are 0 and do not move the group maximum; y holds bytes.
+        q, scale = quant_group(v, MIN_AMAX, UE8M0)
+        tl.store(y_ptr + row * stride_y + offs, q, mask=ok)
         tl.store(s_ptr + row * stride_s + tl.program_id(1), scale)
     else:
         tl.store(y_ptr + row * stride_y + offs, v.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def sum_kernel(x_ptr, add_ptr, out_ptr, width, TOP_K: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
+    # out[t] = add[t] + sum_j x[t * TOP_K + j] over the k (already weighted) rows of token t, in float32.
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < width
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    if ADD:
+        acc += tl.load(add_ptr + t * width + offs, mask=ok, other=0.0).to(tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(x_ptr + (t * TOP_K + j) * width + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * width + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, group_size, num_groups, topk_group,
+                 scale, stride_l,
+                 SIGMOID: tl.constexpr, GROUP_SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                 TOP_K: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr):
+    # One token per program, all in registers; the torch ops of moe.select_experts_reference in order.
+    # GROUP_SCORE: 0 no groups, 1 a group's best expert, 2 the sum of its two best.
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_POW2)
+    ok = offs < num_experts
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        scores = tl.sigmoid(x)
+    else:
+        e = tl.exp(x - tl.max(x, 0))
+        scores = e / tl.sum(e, 0)
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + offs, mask=ok, other=0.0)
+    choice = tl.where(ok, choice, float("-inf"))
+    if GROUP_SCORE != 0:
+        gid = offs // group_size
+        group = tl.full([E_POW2], float("-inf"), tl.float32)  # each expert's group score
+        for g in range(0, num_groups):
+            v = tl.where(gid == g, choice, float("-inf"))
+            best = tl.max(v, 0)
+            if GROUP_SCORE == 2:
+                best += tl.max(tl.where(offs == tl.argmax(v, 0), float("-inf"), v), 0)
+            group = tl.where(gid == g, best, group)
+        keep = offs < 0
+        for _ in range(0, topk_group):
+            g = tl.argmax(group, 0) // group_size  # the best group left (the lowest id on ties)
+            keep = keep | (gid == g)
+            group = tl.where(gid == g, float("-inf"), group)
+        # Softmax routing zeroes the experts of other groups, sigmoid routing excludes them.
+        choice = tl.where(keep | ~ok, choice, float("-inf") if SIGMOID else 0.0)
+    slot = tl.arange(0, K_POW2)
+    top_w = tl.zeros([K_POW2], dtype=tl.float32)
+    top_i = tl.zeros([K_POW2], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        i = tl.argmax(choice, 0)
+        # Sigmoid routing weighs by the score without the bias; softmax by the (group-masked) score.
+        w = tl.sum(tl.where(offs == i, scores if SIGMOID else choice, 0.0), 0)
+        top_w = tl.where(slot == j, w, top_w)
+        top_i = tl.where(slot == j, i.to(tl.int64), top_i)
+        choice = tl.where(offs == i, float("-inf"), choice)
+    if RENORM:
+        top_w = top_w / (tl.sum(top_w, 0) + 1e-20)
+    tl.store(weights_ptr + t * TOP_K + slot, top_w * scale, mask=slot < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + slot, top_i, mask=slot < TOP_K)

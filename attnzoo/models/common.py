@@ -75,9 +75,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interle
     return fused.rope(x, None, cos, sin, interleaved=interleaved)[0]
 
 
-def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False):
     """apply_rope on q and k, one kernel on a GPU."""
-    return fused.rope(q, k, cos, sin)
+    return fused.rope(q, k, cos, sin, interleaved=interleaved)
 
 
 class MergedLinear(nn.Linear):

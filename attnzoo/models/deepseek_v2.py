@@ -23,11 +23,11 @@ from torch import nn
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.mla import MLAAttention
 from attnzoo.errors import ModelLoadError
-from attnzoo.layers.moe import FusedMoE
+from attnzoo.layers.moe import FusedMoE, select_experts
 from attnzoo.layers.parallel import (
     SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
 )
-from attnzoo.models.common import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from attnzoo.models.common import CausalLM, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope_qk
 
 
 def mla_softmax_scale(config) -> float:
@@ -51,7 +51,7 @@ def _mlp(hidden: int, intermediate: int, bias: bool, tp: TPContext = SINGLE, red
 class DeepseekAttention(nn.Module):
     """MLA projections (named as in the checkpoints) around the shared ``MLAAttention`` core.
 
-    V3.2 builds on this: ``project_q`` also returns the q low-rank residual its indexer reads, and
+    V3.2 builds on this: ``project`` also returns the q low-rank residual its indexer reads, and
     ``index_head_dim`` reserves the indexer key cache beside the MLA entry.
     """
 
@@ -70,14 +70,18 @@ class DeepseekAttention(nn.Module):
         self.v_head_dim = config.v_head_dim
         self.interleaved_rope = interleaved_rope
         bias = bool(getattr(config, "attention_bias", False))
+        # q (or its low-rank latent) and the KV latent read the same x: one GEMM, one FP8 quantization of x.
+        # q_proj is split over the ranks by heads; the latents are computed whole on every rank.
+        kv_a = self.kv_lora_rank + self.qk_rope_head_dim
         if self.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(h, heads * self.qk_head_dim, bias=False, tp=tp)
+            parts, shards = {"q_proj": heads * self.qk_head_dim, "kv_a_proj_with_mqa": kv_a}, {}
         else:
-            self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=bias)
+            parts = {"q_a_proj": self.q_lora_rank, "kv_a_proj_with_mqa": kv_a}
+            shards = {"q_a_proj": (0, self.q_lora_rank)}
             # The latent norms use RMSNorm's default eps in the reference, not config.rms_norm_eps.
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * self.qk_head_dim, bias=False, tp=tp)
-        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
+        self.q_kv_a_proj = MergedLinear(h, parts, bias=bias, tp=tp, shards={**shards, "kv_a_proj_with_mqa": (0, kv_a)})
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         self.kv_b_proj = ColumnParallelLinear(
             self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False, tp=tp
@@ -89,30 +93,23 @@ class DeepseekAttention(nn.Module):
             index_head_dim=index_head_dim,
         )
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # Interleaved: pairs (x0, x1), (x2, x3), ... rotated, written de-interleaved (the same for q and k).
-        return apply_rope(x, cos, sin, interleaved=self.interleaved_rope)
-
-    def project_q(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """x [T, hidden] -> q_nope [T, H, nope], roped q_pe [T, H, rope], q low-rank residual [T, q_lora] or None."""
-        if self.q_lora_rank is None:
-            q, q_resid = self.q_proj(x), None
-        else:
-            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+    def project(self, x, cos, sin):
+        """x [T, hidden] -> q_nope [T, H, nope], roped q_pe [T, H, rope], q low-rank residual [T, q_lora] or None,
+        normalized latent [T, kv_lora_rank], roped shared key [T, rope]."""
+        q, kv = self.q_kv_a_proj.split(self.q_kv_a_proj(x))
+        q_resid = None
+        if self.q_lora_rank is not None:
+            q_resid = self.q_a_layernorm(q)
             q = self.q_b_proj(q_resid)
-        q = q.view(x.shape[0], self.num_heads, self.qk_head_dim)
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        return q_nope, self.rope(q_pe, cos, sin), q_resid
-
-    def project_kv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> normalized latent [T, kv_lora_rank], roped shared key [T, rope]."""
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        k_pe = self.rope(k_pe[:, None, :], cos, sin)[:, 0]
-        return self.kv_a_layernorm(latent), k_pe
+        q_nope, q_pe = q.view(x.shape[0], self.num_heads, self.qk_head_dim).split(
+            [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        latent, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        # Interleaved: pairs (x0, x1), (x2, x3), ... rotated, written de-interleaved (the same for q and k).
+        q_pe, k_pe = apply_rope_qk(q_pe, k_pe[:, None, :], cos, sin, interleaved=self.interleaved_rope)
+        return q_nope, q_pe, q_resid, self.kv_a_layernorm(latent), k_pe[:, 0]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        q_nope, q_pe, _ = self.project_q(x, cos, sin)
-        latent, k_pe = self.project_kv(x, cos, sin)
+        q_nope, q_pe, _, latent, k_pe = self.project(x, cos, sin)
         return self.o_proj(self.mla(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight, ctx))
 
 
@@ -128,8 +125,9 @@ class DeepseekRouter(nn.Module):
         self.n_group = config.n_group
         self.topk_group = config.topk_group
         # Initialised (not empty) so that random-weight models (load_format="random") route sensibly.
+        # float32 whatever the model dtype: the reference scores in float32 (no cast per call).
         std = getattr(config, "initializer_range", 0.02)
-        self.weight = nn.Parameter(torch.randn(self.num_experts, config.hidden_size) * std)
+        self.weight = nn.Parameter(torch.randn(self.num_experts, config.hidden_size, dtype=torch.float32) * std)
         if scoring == "softmax":
             self.topk_method = config.topk_method
             if self.topk_method not in ("greedy", "group_limited_greedy"):
@@ -153,38 +151,25 @@ class DeepseekRouter(nn.Module):
                 )
 
     def _apply(self, fn, recurse=True):
-        # model.to(dtype) must not round the correction bias either.
+        # model.to(dtype) must not round the router weight or the correction bias either.
         super()._apply(fn, recurse)
-        bias = getattr(self, "e_score_correction_bias", None)
-        if bias is not None and bias.dtype != torch.float32:
-            bias.data = bias.data.float()
+        for p in (self.weight, getattr(self, "e_score_correction_bias", None)):
+            if p is not None and p.dtype != torch.float32:
+                p.data = p.data.float()
         return self
 
-    def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
-        """[T, n_group] group scores -> [T, num_experts] True for experts of the topk_group best groups."""
-        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-        return group_mask.repeat_interleave(self.num_experts // self.n_group, dim=1)
-
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
-        t = x.shape[0]
+        logits = F.linear(x.float(), self.weight)  # [T, E]
         if self.scoring == "softmax":
-            scores = logits.softmax(dim=-1)
-            if self.topk_method == "group_limited_greedy":
-                group_scores = scores.view(t, self.n_group, -1).max(dim=-1).values
-                scores = scores.masked_fill(~self._group_mask(group_scores), 0.0)
-            weights, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
-        else:
-            scores = logits.sigmoid()
-            choice = scores + self.e_score_correction_bias
-            group_scores = choice.view(t, self.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
-            choice = choice.masked_fill(~self._group_mask(group_scores), float("-inf"))
-            ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
-            weights = scores.gather(1, ids)
-            if self.norm_topk_prob:
-                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, ids
+            # V2: softmax scores; group-limited greedy ranks groups by their best expert.
+            grouped = self.topk_method == "group_limited_greedy"
+            return select_experts(logits, top_k=self.top_k, sigmoid=False, group_score="max" if grouped else None,
+                                  n_group=self.n_group or 1, topk_group=self.topk_group or 1,
+                                  scale=self.routed_scaling_factor)
+        # V3: sigmoid scores, biased for the choice only; groups ranked by the sum of their two best experts.
+        return select_experts(logits, top_k=self.top_k, sigmoid=True, group_score="top2", n_group=self.n_group,
+                              topk_group=self.topk_group, correction_bias=self.e_score_correction_bias,
+                              renormalize=self.norm_topk_prob, scale=self.routed_scaling_factor)
 
 
 class DeepseekMoE(nn.Module):
@@ -206,7 +191,7 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         weights, ids = self.gate(x)  # [T, k] float32, [T, k]
-        return self.tp.all_reduce(self.experts(x, weights, ids) + self.shared_experts(x))
+        return self.tp.all_reduce(self.experts(x, weights, ids, add=self.shared_experts(x)))
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -275,11 +260,10 @@ class DeepseekV2ForCausalLM(CausalLM):
         # V3 checkpoints append the multi-token-prediction module as extra layers; generation skips it.
         if parts[:2] == ["model", "layers"] and int(parts[2]) >= self.config.num_hidden_layers:
             return None
-        # Expert parallel: another rank's expert is dropped here, before an FP8 plan would dequantize it.
-        if parts[3:5] == ["mlp", "experts"] and self.tp.world_size > 1:
-            first, local = self.tp.shard(self.config.n_routed_experts, "n_routed_experts")
-            if not first <= int(parts[5]) < first + local:
-                return None
+        # Expert parallel: another rank's expert (the FusedMoE says which it holds) is dropped here, before
+        # an FP8 plan would dequantize it.
+        if parts[3:5] == ["mlp", "experts"] and not self.model.layers[int(parts[2])].mlp.experts.holds(int(parts[5])):
+            return None
         return name
 
 
@@ -295,6 +279,9 @@ def _check_config(config) -> None:
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise ModelLoadError(f"DeepSeek hidden_act {act!r} is not supported", fix="use a checkpoint with hidden_act 'silu'")
+    if getattr(config, "attention_bias", False) and config.q_lora_rank is None:
+        raise ModelLoadError("attention_bias without q_lora_rank is not supported (q_proj has no bias, "
+                             "kv_a_proj_with_mqa would have one)", fix="use attention_bias false, as DeepSeek-V2")
     freq = getattr(config, "moe_layer_freq", 1)
     if freq != 1:
         raise ModelLoadError(

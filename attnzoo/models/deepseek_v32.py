@@ -67,8 +67,7 @@ class DeepseekV32Attention(DeepseekAttention):
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        q_nope, q_pe, q_resid = self.project_q(x, cos, sin)
-        latent, k_pe = self.project_kv(x, cos, sin)
+        q_nope, q_pe, q_resid, latent, k_pe = self.project(x, cos, sin)
         index_q, index_k, index_weights = self.indexer(x, q_resid, cos, sin)
         out = self.mla(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight, ctx,
                        index_q=index_q, index_k=index_k, index_weights=index_weights)

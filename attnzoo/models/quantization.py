@@ -3,7 +3,7 @@
 An FP8 checkpoint stores some linear layers as float8_e4m3fn weights plus ``weight_scale_inv`` block
 factors; which ones is the checkpoint's choice (DeepSeek: every attention projection, dense MLP, shared
 and routed expert; not the embeddings, norms, router or lm_head). ``WeightPlan.build`` makes exactly those
-layers ``Fp8Linear`` (``Fp8MergedLinear`` where the model stacks them: gate/up, q/k/v) while the model is
+layers ``Fp8Linear`` (``Fp8MergedLinear`` where the model stacks them: gate/up, q/k/v, q_a/kv_a) while the model is
 built, so a GPU never holds a bf16 copy of them, and the weights stream in as stored. Layers are
 dequantized at load instead (to the model dtype) when:
   - the model reads the layer's weight as a matrix rather than calling it (``CausalLM.matrix_weights``:
@@ -149,9 +149,8 @@ class Fp8Plan(WeightPlan):
         return leaf != "lm_head" if self.scaled is None else leaf in self.leaves
 
     def _fp8_moe(self, moe: FusedMoE) -> FusedMoE:
-        return FusedMoE(moe.num_experts, moe.hidden, moe.intermediate, moe.act, quant="fp8",
-                        experts=range(moe.expert_start, moe.expert_start + moe.num_local),
-                        block=(self.fmt.block_n, self.fmt.block_k))
+        return FusedMoE(moe.num_experts, moe.hidden, moe.intermediate, moe.act, quant="fp8", experts=moe.share,
+                        block=(self.fmt.block_n, self.fmt.block_k), ue8m0=self.fmt.ue8m0)
 
     def _fp8_linear(self, leaf: str, sub: nn.Module) -> Fp8Linear | None:
         """The FP8 form of a float linear layer; None for a tensor-parallel shard not made of whole blocks."""
@@ -259,8 +258,7 @@ class Fp8Plan(WeightPlan):
                 if fp8 != (mod.quant == "fp8"):
                     parent, _, leaf = name.rpartition(".")
                     setattr(model.get_submodule(parent), leaf, self._fp8_moe(mod) if fp8 else FusedMoE(
-                        mod.num_experts, mod.hidden, mod.intermediate, mod.act,
-                        experts=range(mod.expert_start, mod.expert_start + mod.num_local)))
+                        mod.num_experts, mod.hidden, mod.intermediate, mod.act, experts=mod.share))
                 continue
             parent, _, leaf = name.rpartition(".")
             if isinstance(mod, (MergedLinear, Fp8MergedLinear)):
