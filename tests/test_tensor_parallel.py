@@ -266,9 +266,9 @@ def test_fp8_v3_at_tp2_equals_tp1(fp8_v3):
     weights = got["info"]["weights"]
     assert weights["fp8_shards"].startswith("per rank: 8 tensor-parallel layers")
     assert weights["dequantized_at_load"].startswith("2 layers (kv_b_proj)")
-    # 4 + 4 attention (q_a, q_b, kv_a, o), dense gate_up / down, shared gate_up / down; one routed MoE
+    # 3 + 3 attention (q_a + kv_a merged, q_b, o), dense gate_up / down, shared gate_up / down; one routed MoE
     assert weights["gemm"] == ref["info"]["weights"]["gemm"] == \
-        "torch emulation (float32, cpu): 12 layers; MoE reference (float32, cpu): 1 layers"
+        "torch emulation (float32, cpu): 10 layers; MoE reference (float32, cpu): 1 layers"
 
 
 def test_teacher_forcing_steps_two_models_of_one_group(checkpoints):
