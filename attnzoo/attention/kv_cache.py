@@ -17,7 +17,9 @@ import torch
 from attnzoo.errors import KVCacheFullError, ModelLoadError
 
 _ALIGN = 256  # byte alignment of every layer's slab in the pool
-# kv_cache_dtype names -> the element type the pool stores (None: the model's dtype).
+MAX_PAGE_SIZE = 128
+# kv_cache_dtype names -> the element type the pool stores (None: the model's dtype). The one list of
+# them: the policy, the backends' declarations and the command lines read it.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
 FP8_E4M3_MAX = 448.0
 
@@ -123,8 +125,8 @@ class KVPool:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ):
-        if not 1 <= page_size <= 128:
-            raise ValueError(f"page_size must be in 1..128, got {page_size}")
+        if not 1 <= page_size <= MAX_PAGE_SIZE:
+            raise ValueError(f"page_size must be in 1..{MAX_PAGE_SIZE}, got {page_size}")
         if not (k_scale > 0 and v_scale > 0):
             raise ModelLoadError(f"KV scales must be positive, got k_scale={k_scale}, v_scale={v_scale}",
                                  fix="pass positive floats (1.0 keeps values as they are)")

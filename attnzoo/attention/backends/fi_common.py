@@ -14,6 +14,7 @@ purpose), keyed by purpose because the purposes must not alias:
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -49,6 +50,20 @@ def load_flashinfer(backend_name: str) -> SimpleNamespace:
     )
 
 
+class _LazyModule:
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
+
+
+def lazy_module(name: str) -> _LazyModule:
+    """Module ``name``, imported on first attribute access. The page-table kernels import Triton: a
+    backend module holding them this way stays importable (its declaration readable) without it."""
+    return _LazyModule(name)
+
+
 def workspace(device: torch.device, purpose: str) -> torch.Tensor:
     """The device's workspace for ``purpose`` ("wrappers" or "trtllm"), allocated on first request."""
     key = (str(device), purpose)
@@ -72,15 +87,6 @@ def compute_capability(backend_name: str, device: torch.device) -> tuple[int, in
 
 def sm_name(cc: tuple[int, int]) -> str:
     return f"sm{cc[0]}{cc[1]}"
-
-
-def check_dtype(backend_name: str, dtype: torch.dtype, allowed=(torch.bfloat16, torch.float16)) -> None:
-    if dtype not in allowed:
-        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
-        raise BackendError(
-            f"the {backend_name!r} backend runs {names} KV caches, not {str(dtype).removeprefix('torch.')}",
-            fix=f"load the model with dtype={names.split(', ')[0]}, or choose backend='triton' or 'torch'",
-        )
 
 
 def check_page_size(backend_name: str, meta_page_size: int, pool_page_size: int) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.backends.capabilities import ALL_DTYPES, FP8_KV, GPUS, BackendCapabilities, Kernel
 from attnzoo.attention.kv_cache import KVPool
-from attnzoo.attention.kv_layout import KVLayout
 from attnzoo.attention.metadata import BatchMetadata
 
 
@@ -53,11 +53,24 @@ def dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 class TorchBackend(AttentionBackend):
-    name = "torch"
-    mla_kv_layout = KVLayout.BF16  # NSA layers: it reads the pool's own entries
+    capabilities = BackendCapabilities(
+        name="torch",
+        description="exact float32-accumulating reference over gathered pages; the correctness oracle",
+        kinds=frozenset({"mha", "mla", "nsa"}),
+        prefill=(Kernel("torch reference", frozenset(GPUS)),),
+        decode=(Kernel("torch reference", frozenset(GPUS)),),
+        max_head_dim=1024,
+        kv_dtypes=ALL_DTYPES | FP8_KV,
+        sliding_window=True,
+        logit_softcap=True,
+        module="torch",
+        mla_kv_layout="bf16",  # NSA layers: it reads the pool's own entries
+        notes=("fp8_e4m3 KV cache: quantize-dequantize in float32 (per-tensor scales)",),
+    )
 
     def __init__(self, pool: KVPool):
         super().__init__(pool)
+        self.require_pool()
 
     def _run(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         k_cache, v_cache = self.pool.k(layer.layer_id), self.pool.v(layer.layer_id)
@@ -78,10 +91,12 @@ class TorchBackend(AttentionBackend):
         return out
 
     def extend(self, layer, q, meta):
+        self.check_layer("prefill", layer)
         return self._run(layer, q, meta)
 
     def decode(self, layer, q, meta):
         """All requests at once (one query each), padded to the longest context and masked."""
+        self.check_layer("decode", layer)
         k_cache, v_cache = self.pool.k(layer.layer_id), self.pool.v(layer.layer_id)
         b, max_len = q.shape[0], meta.max_seq_len
         pages = meta.block_tables[:, : -(-max_len // meta.page_size)]  # [B, n]
