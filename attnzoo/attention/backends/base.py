@@ -20,17 +20,28 @@ same for EXTEND steps (every new token of the step comes after the shared pages)
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
 from attnzoo.attention.backends.capabilities import BackendCapabilities, gpu_of
-from attnzoo.attention.kv_cache import KVPool
-from attnzoo.attention.kv_layout import KVLayout
+from attnzoo.attention.kv_cache import KVLayout, KVPool
 from attnzoo.attention.metadata import BatchMetadata
 
-if TYPE_CHECKING:
-    from attnzoo.attention.layer import Attention
+class AttentionLayer(Protocol):
+    """What a backend reads of the layer it serves (``attnzoo.attention.layer.Attention``): the contract
+    names these fields rather than importing the layer, which imports this module."""
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    scale: float
+    sliding_window: int | None
+    logit_softcap: float | None
+    kind: str  # "mha" or "mla"
+    index_head_dim: int  # NSA: its indexer key width; 0 otherwise
 
 
 class AttentionBackend(ABC):
@@ -66,7 +77,7 @@ class AttentionBackend(ABC):
                                        page_size=self.pool.page_size, kv_cache_dtype=self.pool.kv_cache_dtype,
                                        fix=self.fix)
 
-    def check_layer(self, phase: str, layer: "Attention"):
+    def check_layer(self, phase: str, layer: "AttentionLayer"):
         """The declared kernel that serves ``layer`` in ``phase`` here, or the BackendError saying why none.
         extend/decode call it; the policy's check of the model's profile is the same ``capabilities.check``."""
         return self.capabilities.require_layer(phase, layer, gpu=self.gpu, kv_cache_dtype=self.pool.kv_cache_dtype,
@@ -76,11 +87,11 @@ class AttentionBackend(ABC):
         """Once per step, before the model runs. Default: nothing to plan."""
 
     @abstractmethod
-    def extend(self, layer: "Attention", q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+    def extend(self, layer: "AttentionLayer", q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, v_head_dim]."""
 
     @abstractmethod
-    def decode(self, layer: "Attention", q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+    def decode(self, layer: "AttentionLayer", q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         """q: [num_reqs, num_heads, head_dim] -> [num_reqs, num_heads, v_head_dim]."""
 
     def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
