@@ -115,8 +115,6 @@ class Decision:
     device_gpu: str | None = None  # what was detected or given, before mapping to a class
     kernels: dict[str, str] = field(default_factory=dict)  # phase -> kernel that runs it
     notes: list[str] = field(default_factory=list)
-    block_table_multiple: int = 1  # block-table column count must be a multiple of this
-    kv_layouts: dict[str, str] = field(default_factory=dict)  # phase -> KV layout its backend reads
     policy_files: list[str] = field(default_factory=list)
     # Weight format and linear-layer GEMM path, filled in by load_model once the weights are planned.
     weights: dict[str, str] = field(default_factory=dict)
@@ -142,8 +140,6 @@ class Decision:
             "adjustments": list(self.adjustments),
             "notes": list(self.notes),
             "planned": self.planned,
-            "block_table_multiple": self.block_table_multiple,
-            "kv_layouts": dict(self.kv_layouts),
             "kv_cache_dtype": self.kv_cache_dtype,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "profile": self.profile.to_dict(),
@@ -375,14 +371,11 @@ def resolve(
             kernels[phase] = k.name + (f" (the {k.runs_as} backend's kernel: {k.note})" if k.runs_as else "")
             if k.requires_env:
                 notes.append(f"{phase}: {k.note}")
-    multiple = 1
     for caps in {pre_caps.name: pre_caps, dec_caps.name: dec_caps}.values():
         m = caps.block_table_columns_multiple(page)
-        if m > 1:
+        if m > 1:  # the backend pads its own tables: said here, read by no one at run time
             notes.append(f"{caps.name}: block tables padded to a multiple of {m} columns "
                          f"({caps.block_table_pad_tokens}/page_size)")
-            multiple = multiple * m // _gcd(multiple, m)
-    layouts = {"prefill": pre_caps.layout_for(profile.kind), "decode": dec_caps.layout_for(profile.kind)}
     notes += kv_layout_notes(pre_caps, dec_caps, profile.kind)
     if profile.source != "config":
         notes.append(f"model profile {profile.source}; pass the model's config for an exact check")
@@ -394,7 +387,7 @@ def resolve(
         prefill_backend=values["prefill_backend"], decode_backend=values["decode_backend"], page_size=page,
         gpu=cls, architecture=arch, sources=sources, candidates=candidates, adjustments=adjustments,
         planned=planned, profile=profile, model_id=model_id, device_gpu=device_gpu, kernels=kernels, notes=notes,
-        block_table_multiple=multiple, kv_layouts=layouts, kv_cache_dtype=ov.kv_cache_dtype,
+        kv_cache_dtype=ov.kv_cache_dtype,
         policy_files=[str(p) for p in (shipped.path, user.path if user else None) if p],
         field_choice=field_choice, assumed_installed=sorted(assume),
     )
@@ -485,12 +478,6 @@ def model_patterns(gpu: str | None = None, policy_file: str | os.PathLike | None
                             "page_size": row.page_size, "reason": row.reason, "file": str(tbl.path),
                             "line": row.line})
     return out
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 def _profile(model, shipped: PolicyTable) -> ModelProfile:

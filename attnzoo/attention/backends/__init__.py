@@ -8,9 +8,9 @@ works without FlashInfer, Triton or a GPU.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 from attnzoo.errors import BackendError
+from attnzoo.lazy import import_object
 
 _REGISTRY: dict[str, str] = {
     "torch": "attnzoo.attention.backends.torch_ref:TorchBackend",
@@ -34,8 +34,7 @@ def get_backend_class(name: str):
             f"unknown attention backend {name!r}",
             fix=f"choose one of: {', '.join(backend_names())}",
         )
-    module, cls = _REGISTRY[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return import_object(_REGISTRY[name])
 
 
 def capabilities_of(name: str):

@@ -14,7 +14,6 @@ purpose), keyed by purpose because the purposes must not alias:
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -48,20 +47,6 @@ def load_flashinfer(backend_name: str) -> SimpleNamespace:
         merge_state=cascade.merge_state,
         trtllm_batch_decode_with_kv_cache_mla=mla.trtllm_batch_decode_with_kv_cache_mla,
     )
-
-
-class _LazyModule:
-    def __init__(self, name: str):
-        self._name = name
-
-    def __getattr__(self, attr: str):
-        return getattr(importlib.import_module(self._name), attr)
-
-
-def lazy_module(name: str) -> _LazyModule:
-    """Module ``name``, imported on first attribute access. The page-table kernels import Triton: a
-    backend module holding them this way stays importable (its declaration readable) without it."""
-    return _LazyModule(name)
 
 
 def workspace(device: torch.device, purpose: str) -> torch.Tensor:

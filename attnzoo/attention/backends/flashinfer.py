@@ -50,7 +50,6 @@ from attnzoo.attention.backends.fi_common import (
     LayerSignature,
     check_page_size,
     compute_capability,
-    lazy_module,
     load_flashinfer,
     sm_name,
     window_page_start,
@@ -59,6 +58,7 @@ from attnzoo.attention.backends.fi_common import (
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata, ForwardMode
 from attnzoo.errors import BackendError
+from attnzoo.lazy import lazy_module
 
 page_table = lazy_module("attnzoo.attention.kernels.page_table")  # Triton: imported on first use
 FA3_HEAD_DIMS = (64, 128, 256)

@@ -24,7 +24,6 @@ from attnzoo.attention.backends.fi_common import (
     LayerSignature,
     check_page_size,
     compute_capability,
-    lazy_module,
     load_flashinfer,
     sm_name,
     workspace,
@@ -32,6 +31,7 @@ from attnzoo.attention.backends.fi_common import (
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata, ForwardMode
 from attnzoo.errors import BackendError
+from attnzoo.lazy import lazy_module
 
 page_table = lazy_module("attnzoo.attention.kernels.page_table")  # Triton: imported on first use
 

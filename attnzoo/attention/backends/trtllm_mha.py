@@ -33,13 +33,13 @@ from attnzoo.attention.backends.fi_common import (
     LayerSignature,
     check_page_size,
     compute_capability,
-    lazy_module,
     load_flashinfer,
     workspace,
 )
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.errors import BackendError
+from attnzoo.lazy import lazy_module
 
 page_table = lazy_module("attnzoo.attention.kernels.page_table")  # Triton: imported on first use
 _TRTLLM_GEN = gpu_set("sm100", "sm103")  # SM100 (B200/GB200), SM103 (B300/GB300)
