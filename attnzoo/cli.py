@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 
+from attnzoo.attention.kv_cache import KV_CACHE_DTYPES
 from attnzoo.errors import AttnzooError
 
 
@@ -20,7 +21,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                    help="split the model over N GPUs (default: 1, or WORLD_SIZE under torchrun)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+    p.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
                    help="what the KV cache stores (auto: the model dtype; fp8_e4m3: per-tensor scales 1.0)")
 
 

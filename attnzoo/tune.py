@@ -159,9 +159,8 @@ def tune(model: str, *, device=None, dtype=None, backends: list[str] | None = No
     """Time every runnable backend for MODEL's layers, write the policy file, return the result as a dict."""
     from tqdm import tqdm
 
-    from attnzoo.attention.backends import backend_names, get_backend_class
+    from attnzoo.attention.backends import backend_names, capabilities_of, get_backend_class
     from attnzoo.defaults import detect_gpu, gpu_class
-    from attnzoo.defaults.capabilities import CAPABILITIES
     from attnzoo.defaults.table import SHIPPED_POLICY, load_table
     from attnzoo.engine.llm import _pick_device, _pick_dtype
     from attnzoo.models import loader
@@ -189,7 +188,7 @@ def tune(model: str, *, device=None, dtype=None, backends: list[str] | None = No
                             "unless --backends names it"})
             continue
         for phase in PHASES:
-            if not CAPABILITIES[name].kernels(phase):
+            if not capabilities_of(name).kernels(phase):
                 continue
             try:
                 runnable[(name, phase)] = _page_size_for(config, gpu, phase, name, dtype_name)

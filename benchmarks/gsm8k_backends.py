@@ -24,11 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from attnzoo.attention.kv_cache import KV_CACHE_DTYPES  # noqa: E402
 from attnzoo.errors import AttnzooError  # noqa: E402
 from attnzoo.evals import run_eval  # noqa: E402
 
 BACKENDS = ("torch", "triton", "flashinfer", "trtllm_mha")
-KV_DTYPES = ("auto", "fp8_e4m3")
+KV_DTYPES = tuple(KV_CACHE_DTYPES)
 
 
 def _runnable(backend: str, kv: str, gpu: str) -> str | None:

@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import math
@@ -26,7 +25,6 @@ pytest.importorskip("lm_eval")
 
 from attnzoo.attention import backends as backend_registry  # noqa: E402
 from attnzoo.attention.backends.torch_ref import TorchBackend  # noqa: E402
-from attnzoo.defaults import capabilities  # noqa: E402
 from attnzoo.errors import AttnzooError, BackendError, EvalError  # noqa: E402
 from attnzoo.evals import report as report_mod  # noqa: E402
 from attnzoo.evals import run_eval, stats  # noqa: E402
@@ -209,9 +207,8 @@ class ScaledScoresBackend(TorchBackend):
 
 @pytest.fixture
 def scaled_backend(monkeypatch):
+    # One registry line: the subclass runs under TorchBackend's declared capabilities.
     monkeypatch.setitem(backend_registry._REGISTRY, "torch_scaled", f"{__name__}:ScaledScoresBackend")
-    monkeypatch.setitem(capabilities.CAPABILITIES, "torch_scaled",
-                        dataclasses.replace(capabilities.CAPABILITIES["torch"], name="torch_scaled"))
     return "torch_scaled"
 
 
@@ -421,8 +418,6 @@ class MildlyScaledScoresBackend(ScaledScoresBackend):
 
 def test_token_level_flags_mildly_perturbed_backend(tiny_model, tiny_data, tmp_path, monkeypatch):
     monkeypatch.setitem(backend_registry._REGISTRY, "torch_scaled09", f"{__name__}:MildlyScaledScoresBackend")
-    monkeypatch.setitem(capabilities.CAPABILITIES, "torch_scaled09",
-                        dataclasses.replace(capabilities.CAPABILITIES["torch"], name="torch_scaled09"))
     chart = tmp_path / "cmp.png"
     rep = _run(["gsm8k", "--model", tiny_model, "--data-dir", tiny_data, "--backend", "torch",
                 "--compare-to", "torch_scaled09", "--plot", chart, *TINY_ARGS])

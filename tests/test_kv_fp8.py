@@ -137,8 +137,10 @@ def test_triton_fp8_matches_torch_fp8_reference():
 
 def test_policy_declares_kv_dtypes(monkeypatch):
     from attnzoo.defaults import Overrides, resolve
-    from attnzoo.defaults import capabilities as caps_mod
-    from attnzoo.defaults.capabilities import CAPABILITIES
+    from attnzoo.attention.backends import all_capabilities
+    from attnzoo.attention.backends import capabilities as caps_mod
+
+    CAPABILITIES = all_capabilities()
 
     monkeypatch.setattr(caps_mod, "module_available", lambda m: True)  # as if FlashInfer were installed
 

@@ -3,8 +3,7 @@ reason, policy-file errors with file:line, the Decision's JSON, and `attnzoo pol
 
 Everything runs on CPU: GPUs are named explicitly (gpu="sm100"). Whether the FlashInfer package is
 installed is set per test (``flashinfer_installed`` / ``flashinfer_missing``) so that results do not
-depend on the machine, and a backend is removed from the registry with monkeypatch to test the
-"declared but not implemented in this build" path.
+depend on the machine.
 """
 from __future__ import annotations
 
@@ -15,14 +14,17 @@ from pathlib import Path
 import pytest
 
 from attnzoo.attention import backends as backend_registry
-from attnzoo.attention.backends import backend_names, get_backend_class
-from attnzoo.defaults import CAPABILITIES, GPUS, Overrides, ModelProfile, resolve
-from attnzoo.defaults import capabilities as caps_mod
+from attnzoo.attention.backends import all_capabilities, backend_names, get_backend_class
+from attnzoo.attention.backends import capabilities as caps_mod
+from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.defaults import GPUS, Overrides, ModelProfile, resolve
 from attnzoo.defaults.cli import main as policy_main
 from attnzoo.defaults.profile import profile_from_config
 from attnzoo.defaults.resolve import gpu_class, table_cells
 from attnzoo.defaults.table import SHIPPED_POLICY, load_table
 from attnzoo.errors import BackendError, PolicyError
+
+CAPABILITIES = all_capabilities()  # the backend classes' declarations, by name
 
 # The shipped table, written out: (prefill, decode, page size) per family and GPU. A change to
 # policy.toml must be made here too, on purpose.
@@ -324,18 +326,19 @@ def test_shipped_arch_entry_beats_family_default(tmp_path):
 
 def test_automatic_policy_falls_back_and_says_so(tmp_path, monkeypatch, flashinfer_installed):
     table = write(tmp_path, SMALL_TABLE)
-    # The row names trtllm_mha; were it not implemented in this build, the automatic policy walks the
-    # family's fallback list and records it.
-    monkeypatch.delitem(backend_registry._REGISTRY, "trtllm_mha")
+    # The row names trtllm_mha; were it unable to run here (FlashInfer missing), the automatic policy
+    # walks the family's fallback list and records it.
+    _pretend_modules(monkeypatch, flashinfer=False)
     d = resolve("LlamaForCausalLM", gpu="sm100", table=table)
     assert (d.prefill_backend, d.decode_backend) == ("triton", "triton")
-    assert len(d.adjustments) == 2 and all("not implemented yet" in a and "triton" in a for a in d.adjustments)
+    assert len(d.adjustments) == 2 and all("needs the Python package 'flashinfer'" in a and "triton" in a
+                                           for a in d.adjustments)
     assert d.sources["decode_backend"].level == "fallback"
     assert "adjustments made by the automatic policy" in d.explain()
     rejected = [c for c in d.candidates if c.name == "trtllm_mha"]
     assert rejected and not any(c.accepted for c in rejected)
-    # Registered, trtllm_mha runs, and the table's page size 8 is raised to what it needs.
-    monkeypatch.setitem(backend_registry._REGISTRY, "trtllm_mha", "attnzoo.attention.backends.trtllm_mha:TrtllmMHABackend")
+    # Installed, trtllm_mha runs, and the table's page size 8 is raised to what it needs.
+    _pretend_modules(monkeypatch, flashinfer=True)
     d = resolve("LlamaForCausalLM", gpu="sm100", table=table)
     assert (d.prefill_backend, d.decode_backend, d.page_size) == ("trtllm_mha", "trtllm_mha", 16)
     assert any("page size raised from 8" in a and "{16, 32, 64}" in a for a in d.adjustments)
@@ -350,7 +353,7 @@ def test_page_size_raised_for_trtllm_mla_and_block_table_padding(tmp_path, flash
     mla = profile("DeepseekV3ForCausalLM", "deepseek_mla", "mla", (576,), (512,), num_heads=128)
     d = resolve(mla, gpu="sm100", overrides=Overrides(prefill_backend="triton"))
     assert (d.prefill_backend, d.decode_backend, d.page_size) == ("triton", "trtllm_mla", 64)
-    assert d.block_table_multiple == 2 and any("multiple of 2 columns" in n for n in d.notes)
+    assert any("trtllm_mla: block tables padded to a multiple of 2 columns" in n for n in d.notes)
     table = write(tmp_path, """\
 [family.deepseek_mla]
 fallback = ["triton", "torch"]
@@ -361,7 +364,7 @@ decode = "torch"
 page_size = 1
 """, "table.toml")
     d = resolve(mla, gpu="sm100", overrides=Overrides(decode_backend="trtllm_mla"), table=table)
-    assert (d.prefill_backend, d.page_size, d.block_table_multiple) == ("torch", 32, 4)
+    assert (d.prefill_backend, d.page_size) == ("torch", 32) and any("multiple of 4 columns" in n for n in d.notes)
     assert any("raised from 1" in a and "trtllm_mla needs {32, 64}" in a for a in d.adjustments)
 
 
@@ -381,11 +384,20 @@ def test_reject_unknown_backend():
     assert "torch" in msg and "triton" in msg  # the valid choices
 
 
-def test_reject_declared_but_not_implemented(monkeypatch, flashinfer_installed):
-    monkeypatch.delitem(backend_registry._REGISTRY, "trtllm_mha")
-    msg = _reject(BackendError, "not implemented yet in this build", decode_backend="trtllm_mha")
-    assert "registered backends: " in msg and "valid decode backends for LlamaForCausalLM on sm90" in msg
-    assert "trtllm_mha" not in msg.split("Fix:")[1]
+class _Undeclared(AttentionBackend):  # states no capabilities
+    name = "undeclared"
+
+    def extend(self, layer, q, meta):
+        raise AssertionError("never run")
+
+    decode = extend
+
+
+def test_reject_registered_backend_without_declaration(monkeypatch):
+    # A backend is one file and one registry line; its class must carry the declaration.
+    monkeypatch.setitem(backend_registry._REGISTRY, "undeclared", f"{__name__}:_Undeclared")
+    msg = _reject(BackendError, "'undeclared' .* declares no capabilities", backend="torch", gpu="cpu")
+    assert "capabilities = BackendCapabilities" in msg
 
 
 def test_reject_missing_package(monkeypatch, flashinfer_missing):

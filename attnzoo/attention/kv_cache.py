@@ -10,16 +10,46 @@ write through padding lands in a page nobody reads.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
 
-from attnzoo.errors import KVCacheFullError, ModelLoadError
+from attnzoo.errors import BackendError, KVCacheFullError, ModelLoadError
 
 _ALIGN = 256  # byte alignment of every layer's slab in the pool
-# kv_cache_dtype names -> the element type the pool stores (None: the model's dtype).
+MAX_PAGE_SIZE = 128
+# kv_cache_dtype names -> the element type the pool stores (None: the model's dtype). The one list of
+# them: the policy, the backends' declarations and the command lines read it.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
-FP8_E4M3_MAX = 448.0
+FP8_E4M3_MAX = 448.0  # largest finite float8 e4m3fn value
+FP8_BLOCK = 128  # latent values per scale in KVLayout.FP8_NOPE_SCALED_BF16_ROPE
+
+
+# MLA cache entry layouts (attnzoo/attention/kv_layout.py describes them and converts between them). The
+# pool holds BF16 entries; the Triton kernels that read the others import the names from here.
+class KVLayout(enum.Enum):
+    BF16 = "bf16"
+    FP8_NOPE_FP8_ROPE = "fp8_nope_fp8_rope"
+    FP8_NOPE_SCALED_BF16_ROPE = "fp8_nope_scaled_bf16_rope"
+
+    def check(self, rank: int, rope: int) -> None:
+        """Raise if entries of this geometry cannot be stored in this layout."""
+        if self is KVLayout.FP8_NOPE_SCALED_BF16_ROPE and (rank % FP8_BLOCK or rope % 2):
+            raise BackendError(
+                f"KV layout {self.value} stores the latent in blocks of {FP8_BLOCK} values; this model has "
+                f"kv_lora_rank {rank} (rope {rope})",
+                fix=f"use a backend that reads the {KVLayout.BF16.value} layout (e.g. nsa_triton or torch)",
+            )
+
+    def row_bytes(self, rank: int, rope: int, dtype: torch.dtype) -> int:
+        """Bytes one token's entry takes in this layout (BF16: in ``dtype``, the model dtype)."""
+        self.check(rank, rope)
+        if self is KVLayout.BF16:
+            return (rank + rope) * torch.empty((), dtype=dtype).element_size()
+        if self is KVLayout.FP8_NOPE_FP8_ROPE:
+            return rank + rope
+        return rank + 4 * (rank // FP8_BLOCK) + 2 * rope
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -123,8 +153,8 @@ class KVPool:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ):
-        if not 1 <= page_size <= 128:
-            raise ValueError(f"page_size must be in 1..128, got {page_size}")
+        if not 1 <= page_size <= MAX_PAGE_SIZE:
+            raise ValueError(f"page_size must be in 1..{MAX_PAGE_SIZE}, got {page_size}")
         if not (k_scale > 0 and v_scale > 0):
             raise ModelLoadError(f"KV scales must be positive, got k_scale={k_scale}, v_scale={v_scale}",
                                  fix="pass positive floats (1.0 keeps values as they are)")

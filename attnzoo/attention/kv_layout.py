@@ -20,39 +20,12 @@ conversion kernels (``attnzoo/attention/kernels/kv_layout.py``).
 """
 from __future__ import annotations
 
-import enum
-
 import torch
 
-from attnzoo.attention.kv_cache import KVPool
+# The layouts themselves (KVLayout, FP8_BLOCK) live with the pool, below the Triton kernels that read them.
+from attnzoo.attention.kv_cache import FP8_BLOCK, KVLayout, KVPool
+from attnzoo.attention.kv_cache import FP8_E4M3_MAX as FP8_MAX
 from attnzoo.errors import BackendError
-
-FP8_MAX = 448.0  # largest finite float8 e4m3fn value
-FP8_BLOCK = 128  # latent values per scale in FP8_NOPE_SCALED_BF16_ROPE
-
-
-class KVLayout(enum.Enum):
-    BF16 = "bf16"
-    FP8_NOPE_FP8_ROPE = "fp8_nope_fp8_rope"
-    FP8_NOPE_SCALED_BF16_ROPE = "fp8_nope_scaled_bf16_rope"
-
-    def check(self, rank: int, rope: int) -> None:
-        """Raise if entries of this geometry cannot be stored in this layout."""
-        if self is KVLayout.FP8_NOPE_SCALED_BF16_ROPE and (rank % FP8_BLOCK or rope % 2):
-            raise BackendError(
-                f"KV layout {self.value} stores the latent in blocks of {FP8_BLOCK} values; this model has "
-                f"kv_lora_rank {rank} (rope {rope})",
-                fix=f"use a backend that reads the {KVLayout.BF16.value} layout (e.g. nsa_triton or torch)",
-            )
-
-    def row_bytes(self, rank: int, rope: int, dtype: torch.dtype) -> int:
-        """Bytes one token's entry takes in this layout (BF16: in ``dtype``, the model dtype)."""
-        self.check(rank, rope)
-        if self is KVLayout.BF16:
-            return (rank + rope) * torch.empty((), dtype=dtype).element_size()
-        if self is KVLayout.FP8_NOPE_FP8_ROPE:
-            return rank + rope
-        return rank + 4 * (rank // FP8_BLOCK) + 2 * rope
 
 
 def _to_fp8(x: torch.Tensor) -> torch.Tensor:

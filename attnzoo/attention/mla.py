@@ -27,10 +27,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnzoo.attention.backends.torch_ref import attention_reference
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.attention.metadata import BatchMetadata
+from attnzoo.attention.reference import attention_reference
 from attnzoo.errors import BackendError
 
 PREFILL_FORMS = ("absorbed", "expanded")

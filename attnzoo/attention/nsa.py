@@ -34,104 +34,24 @@ from __future__ import annotations
 import torch
 
 from attnzoo.attention.kv_layout import KVLayout
-from attnzoo.attention.layer import Attention, ForwardContext
+from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.attention.mla import MLAAttention, absorb_query, latent_to_values, split_kv_b
+from attnzoo.attention.reference import (  # noqa: F401  (the NSA backends' helpers, read as nsa.<name>)
+    entries_of,
+    indexer_scores_reference,
+    positions_to_slots,
+    select_topk,
+    sparse_mla_reference,
+    token_requests,
+    visible_positions,
+)
 from attnzoo.errors import BackendError, ModelLoadError
 
-NSA_BACKENDS = ("torch", "nsa_triton", "nsa_triton_fp8")
+def _nsa_backend_names() -> list[str]:
+    from attnzoo.attention.backends import all_capabilities  # imports every backend module: only on error
 
-
-def token_requests(meta: BatchMetadata) -> torch.Tensor:
-    """[num_tokens] int64: the request each row of the flat batch belongs to."""
-    dev = meta.positions.device
-    lens = torch.tensor(meta.q_lens_cpu, device=dev)
-    return torch.repeat_interleave(torch.arange(meta.num_reqs, device=dev), lens, output_size=meta.num_tokens)
-
-
-def _step_cached(meta: BatchMetadata, key: str, make):
-    """``make()``, computed once per step and shared by its layers. Not across a CUDA-graph capture's
-    start: a decode graph is captured right after an eager warm-up of the same step, and a tensor cached
-    there would be replayed with the warm-up's values; inside the capture it is recomputed (and recorded)."""
-    capturing = meta.positions.is_cuda and torch.cuda.is_current_stream_capturing()
-    hit = meta.backend_state.get(key)
-    if hit is None or hit[1] != capturing:
-        hit = meta.backend_state[key] = (make(), capturing)
-    return hit[0]
-
-
-def visible_positions(meta: BatchMetadata) -> torch.Tensor:
-    """[num_tokens, max_seq_len] int32: every position a token sees (j <= its position), -1 beyond.
-    Built once per step (every layer of a short-context step asks for the same matrix)."""
-    def make():
-        j = torch.arange(meta.max_seq_len, device=meta.positions.device, dtype=torch.int32)
-        return torch.where(j[None, :] <= meta.positions[:, None], j[None, :], -1)
-
-    return _step_cached(meta, "nsa:visible", make)
-
-
-def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """Index scores [T, S] float32 (-inf where not visible) -> [T, min(topk, S)] int32 positions, the
-    best first; -1 where fewer than topk tokens are visible."""
-    vals, idx = scores.topk(min(topk, scores.shape[-1]), dim=-1)
-    return idx.masked_fill(vals == float("-inf"), -1).to(torch.int32)
-
-
-def positions_to_slots(positions: torch.Tensor, meta: BatchMetadata, token_reqs: torch.Tensor | None = None
-                       ) -> torch.Tensor:
-    """Positions [T, k] (-1 = none) -> pool slots [T, k] int64 (page * page_size + offset; -1 = none).
-    ``token_reqs``: ``token_requests(meta)`` when the caller already has it."""
-    def make():
-        ps = meta.page_size
-        pos = positions.long()
-        clamped = pos.clamp_min(0)
-        reqs = token_requests(meta) if token_reqs is None else token_reqs
-        pages = meta.block_tables.long()[reqs[:, None], clamped // ps]
-        return torch.where(pos >= 0, pages * ps + clamped % ps, -1)
-
-    visible = meta.backend_state.get("nsa:visible")
-    if visible is not None and positions is visible[0]:  # the same for every layer of the step
-        return _step_cached(meta, "nsa:visible_slots", make)
-    return make()
-
-
-def indexer_scores_reference(
-    index_k: torch.Tensor,  # [num_pages, page_size, D] the pool's indexer keys
-    q: torch.Tensor,  # [T, Hi, D], roped
-    weights: torch.Tensor,  # [T, Hi] float32, already / sqrt(Hi)
-    meta: BatchMetadata,
-    *,
-    scale: float,  # 1 / sqrt(D)
-) -> torch.Tensor:  # [T, max_seq_len] float32, -inf where not visible
-    """The indexer's scores in float32, one request at a time, in the reference's order of operations."""
-    ps = meta.page_size
-    out = torch.full((q.shape[0], meta.max_seq_len), float("-inf"), dtype=torch.float32, device=q.device)
-    start = 0
-    for i, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.q_lens_cpu)):
-        pos = torch.arange(seq_len, device=q.device)
-        keys = index_k[meta.block_tables[i].long()[pos // ps], pos % ps].float()  # [S, D]
-        rows = slice(start, start + q_len)
-        s = torch.relu(torch.matmul(q[rows].float(), keys.T) * scale)  # [q_len, Hi, S]
-        scores = torch.matmul(weights[rows, None, :], s)[:, 0]  # [q_len, S]
-        visible = pos[None, :] <= meta.positions[rows, None]
-        out[rows, :seq_len] = scores.masked_fill(~visible, float("-inf"))
-        start += q_len
-    return out
-
-
-def sparse_mla_reference(
-    entries: torch.Tensor,  # [num_slots, rank + rope]: the cache's entries, flat by slot
-    q: torch.Tensor,  # [T, H, rank + rope], absorbed
-    slots: torch.Tensor,  # [T, k] int64 slots of the selected tokens, -1 = none
-    *,
-    rank: int,
-    scale: float,
-) -> torch.Tensor:  # [T, H, rank] float32
-    """Absorbed MLA of each query over its selected entries only, in float32."""
-    kv = entries[slots.clamp_min(0)].float()  # [T, k, rank + rope]
-    s = torch.einsum("thd,tkd->thk", q.float(), kv) * scale
-    s = s.masked_fill((slots < 0)[:, None, :], float("-inf"))
-    return torch.einsum("thk,tkr->thr", torch.softmax(s, dim=-1), kv[..., :rank])
+    return [name for name, caps in all_capabilities().items() if "nsa" in caps.kinds]
 
 
 def nsa_backend(backend) -> "object":
@@ -142,7 +62,7 @@ def nsa_backend(backend) -> "object":
         raise BackendError(
             f"backend {backend.name!r} cannot run sparse (NSA) attention: it declares no mla_kv_layout "
             "or lacks nsa_topk / nsa_sparse_mla",
-            fix=f"use one of the NSA backends: {', '.join(NSA_BACKENDS)}",
+            fix=f"use one of the NSA backends: {', '.join(_nsa_backend_names())}",
         )
     if layout is not KVLayout.BF16 and getattr(backend, "kv_copy", None) is None:
         raise BackendError(f"backend {backend.name!r} reads KV layout {layout.value} but keeps no kv_copy",
@@ -204,6 +124,3 @@ class NSAAttention(MLAAttention):
         return latent_to_values(o, w_uv).reshape(t, self.num_heads * self.v_head_dim)
 
 
-def entries_of(layer: Attention, pool) -> torch.Tensor:
-    """The pool's MLA entries of ``layer``, flat by slot: [num_pages * page_size, rank + rope]."""
-    return pool.k(layer.layer_id).view(-1, layer.head_dim)

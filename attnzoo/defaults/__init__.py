@@ -4,7 +4,7 @@
 backend, the decode backend and the KV page size, and explains why (``Decision.explain()``,
 ``Decision.to_dict()``). ``attnzoo policy show|explain`` is the command-line face (``defaults/cli.py``).
 """
-from attnzoo.defaults.capabilities import CAPABILITIES, GPUS, BackendCapabilities, Kernel, check_backend
+from attnzoo.attention.backends.capabilities import GPUS, BackendCapabilities, Kernel, check_backend
 from attnzoo.defaults.profile import ModelProfile, profile_from_config
 from attnzoo.defaults.resolve import (
     POLICY_ENV,
@@ -19,7 +19,7 @@ from attnzoo.defaults.resolve import (
 from attnzoo.defaults.table import SHIPPED_POLICY, PolicyTable, load_table
 
 __all__ = [
-    "CAPABILITIES", "GPUS", "BackendCapabilities", "Kernel", "check_backend",
+    "GPUS", "BackendCapabilities", "Kernel", "check_backend",
     "ModelProfile", "profile_from_config",
     "POLICY_ENV", "Candidate", "Decision", "Overrides", "Source", "detect_gpu", "gpu_class", "resolve",
     "SHIPPED_POLICY", "PolicyTable", "load_table",

@@ -18,16 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from attnzoo.defaults.capabilities import (
-    CAPABILITIES,
+from attnzoo.attention.backends import all_capabilities, backend_names
+from attnzoo.attention.backends.capabilities import (
+    GPU_CLASSES,
     GPUS,
-    KV_CACHE_DTYPES,
-    MAX_PAGE_SIZE,
     PHASES,
+    BackendCapabilities,
     Check,
     check_backend,
-    kv_layout_notes,
 )
+from attnzoo.attention.kv_cache import KV_CACHE_DTYPES, MAX_PAGE_SIZE
+from attnzoo.attention.kv_layout import KVLayout
 from attnzoo.defaults.profile import ModelProfile, architecture_of, profile_from_config, profile_from_table
 from attnzoo.defaults.table import SHIPPED_POLICY, UNMEASURED, Match, PolicyTable, load_table
 from attnzoo.errors import BackendError, PolicyError
@@ -114,8 +115,6 @@ class Decision:
     device_gpu: str | None = None  # what was detected or given, before mapping to a class
     kernels: dict[str, str] = field(default_factory=dict)  # phase -> kernel that runs it
     notes: list[str] = field(default_factory=list)
-    block_table_multiple: int = 1  # block-table column count must be a multiple of this
-    kv_layouts: dict[str, str] = field(default_factory=dict)  # phase -> KV layout its backend reads
     policy_files: list[str] = field(default_factory=list)
     # Weight format and linear-layer GEMM path, filled in by load_model once the weights are planned.
     weights: dict[str, str] = field(default_factory=dict)
@@ -141,8 +140,6 @@ class Decision:
             "adjustments": list(self.adjustments),
             "notes": list(self.notes),
             "planned": self.planned,
-            "block_table_multiple": self.block_table_multiple,
-            "kv_layouts": dict(self.kv_layouts),
             "kv_cache_dtype": self.kv_cache_dtype,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "profile": self.profile.to_dict(),
@@ -217,10 +214,6 @@ class Decision:
 
 # --------------------------------------------------------------------------------------------- GPUs
 
-_GPU_CLASSES = {(8, 0): "sm80", (8, 6): "sm80", (8, 7): "sm80", (8, 9): "sm89", (9, 0): "sm90",
-                (10, 0): "sm100", (10, 3): "sm103", (12, 0): "sm120", (12, 1): "sm120"}
-
-
 def detect_gpu(device=None) -> str:
     """"cpu", or the CUDA compute capability of ``device`` (default: the current one) as "smXY"."""
     import torch
@@ -239,8 +232,8 @@ def gpu_class(gpu: str) -> str:
     if g in GPUS:
         return g
     m = re.fullmatch(r"sm(\d+)(\d)", g)
-    if m and (int(m.group(1)), int(m.group(2))) in _GPU_CLASSES:
-        return _GPU_CLASSES[(int(m.group(1)), int(m.group(2)))]
+    if m and (int(m.group(1)), int(m.group(2))) in GPU_CLASSES:
+        return GPU_CLASSES[(int(m.group(1)), int(m.group(2)))]
     raise PolicyError(
         f"GPU {gpu!r} is not one the policy knows",
         fix=f"pass one of: {', '.join(GPUS)} (sm86/sm87 count as sm80, sm121 as sm120)",
@@ -272,8 +265,6 @@ def resolve(
     is matched against the model-id patterns of policy files. ``table`` replaces the shipped table
     (for tests of the table machinery).
     """
-    from attnzoo.attention.backends import backend_names
-
     ov = overrides or Overrides()
     shipped = load_table(table or SHIPPED_POLICY, shipped=True)
     profile = _profile(model, shipped)
@@ -321,23 +312,16 @@ def resolve(
             "caches keep their explicit layouts",
             fix="use kv_cache_dtype='auto' (MLA/NSA fp8 caches are backend layouts: e.g. backend nsa_triton_fp8)",
         )
-    registered = frozenset(backend_names())
+    capabilities = all_capabilities()
     dtype = _dtype_name(ov.dtype)
     assume = frozenset(ov.assume_installed)
     fallback = shipped.families[fam].fallback
     explicit_page = values["page_size"] if sources["page_size"].explicit else None
 
     def check(name: str, phase: str, page_bound: bool = True) -> Check:
-        chk = check_backend(
-            name, phase, gpu=cls, kind=profile.kind, head_dims=profile.head_dims, v_head_dims=profile.v_head_dims,
-            uses_sliding_window=profile.uses_sliding_window, uses_softcap=profile.uses_softcap,
-            uses_sinks=profile.uses_sinks, dtype=dtype, registered=registered, num_heads=profile.num_heads,
-            num_kv_heads=profile.num_kv_heads, assume_installed=assume, kv_cache_dtype=ov.kv_cache_dtype,
-        )
-        caps = CAPABILITIES.get(name)
-        if page_bound and explicit_page is not None and caps is not None and not caps.page_size_ok(explicit_page, cls):
-            chk.violations.append(f"page size {explicit_page} unsupported (supports {caps.page_sizes_text(cls)})")
-        return chk
+        return check_choice(name, phase, profile, gpu=cls, capabilities=capabilities, dtype=dtype,
+                            kv_cache_dtype=ov.kv_cache_dtype, assume_installed=assume,
+                            page_size=explicit_page if page_bound else None)
 
     checks: dict[str, Check] = {}
     first_choice: dict[str, str] = {}
@@ -352,7 +336,7 @@ def resolve(
             checks[phase] = chk
             continue
         if src.explicit:
-            raise _explicit_backend_error(name, phase, src, chk, profile, cls, check)
+            raise _explicit_backend_error(name, phase, src, chk, profile, cls, check, capabilities)
         for alt in fallback:
             alt_chk = check(alt, phase)
             if alt_chk.ok:
@@ -370,16 +354,16 @@ def resolve(
             raise BackendError(
                 f"no backend in the policy can run {phase} for {arch} on {cls}: {name} (from {src.detail}): "
                 f"{'; '.join(chk.violations)}",
-                fix=_valid_fix(phase, profile, cls, check),
+                fix=_valid_fix(phase, profile, cls, check, capabilities),
             )
 
-    page, page_adj = _settle_page_size(values, sources, cls)
+    page, page_adj = _settle_page_size(values, sources, cls, capabilities)
     if page_adj:
         adjustments.append(page_adj)
         sources["page_size"] = Source("fallback", f"adjusted from {sources['page_size'].detail}",
                                       reason=page_adj)
 
-    pre_caps, dec_caps = CAPABILITIES[values["prefill_backend"]], CAPABILITIES[values["decode_backend"]]
+    pre_caps, dec_caps = capabilities[values["prefill_backend"]], capabilities[values["decode_backend"]]
     kernels: dict[str, str] = {}
     for phase in PHASES:
         k = checks[phase].kernel
@@ -387,29 +371,42 @@ def resolve(
             kernels[phase] = k.name + (f" (the {k.runs_as} backend's kernel: {k.note})" if k.runs_as else "")
             if k.requires_env:
                 notes.append(f"{phase}: {k.note}")
-    multiple = 1
     for caps in {pre_caps.name: pre_caps, dec_caps.name: dec_caps}.values():
         m = caps.block_table_columns_multiple(page)
-        if m > 1:
+        if m > 1:  # the backend pads its own tables: said here, read by no one at run time
             notes.append(f"{caps.name}: block tables padded to a multiple of {m} columns "
                          f"({caps.block_table_pad_tokens}/page_size)")
-            multiple = multiple * m // _gcd(multiple, m)
-    layouts = {"prefill": pre_caps.layout_for(profile.kind), "decode": dec_caps.layout_for(profile.kind)}
     notes += kv_layout_notes(pre_caps, dec_caps, profile.kind)
     if profile.source != "config":
         notes.append(f"model profile {profile.source}; pass the model's config for an exact check")
     if dtype is None:
         notes.append("run dtype not given: backend dtypes not checked")
 
-    candidates = _candidates(values, first_choice, fallback, page, check, cls)
+    candidates = _candidates(values, first_choice, fallback, page, check, cls, capabilities)
     return Decision(
         prefill_backend=values["prefill_backend"], decode_backend=values["decode_backend"], page_size=page,
         gpu=cls, architecture=arch, sources=sources, candidates=candidates, adjustments=adjustments,
         planned=planned, profile=profile, model_id=model_id, device_gpu=device_gpu, kernels=kernels, notes=notes,
-        block_table_multiple=multiple, kv_layouts=layouts, kv_cache_dtype=ov.kv_cache_dtype,
+        kv_cache_dtype=ov.kv_cache_dtype,
         policy_files=[str(p) for p in (shipped.path, user.path if user else None) if p],
         field_choice=field_choice, assumed_installed=sorted(assume),
     )
+
+
+def check_choice(name: str, phase: str, profile: ModelProfile, *, gpu: str,
+                 capabilities: dict[str, BackendCapabilities], dtype: str | None = None,
+                 kv_cache_dtype: str = "auto", assume_installed: frozenset[str] = frozenset(),
+                 page_size: int | None = None) -> Check:
+    """The policy's view of backend ``name`` for ``phase`` of ``profile`` on ``gpu``: its declaration's
+    ``check`` (the one the backend runs on its own layers), its package, and the page size if given."""
+    caps = capabilities.get(name)
+    if caps is None:
+        return Check(name, phase, violations=[f"unknown backend (registered: {', '.join(capabilities)})"])
+    chk = check_backend(caps, phase, profile, gpu=gpu, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                        assume_installed=assume_installed)
+    if page_size is not None and not caps.page_size_ok(page_size, gpu):
+        chk.violations.append(f"page size {page_size} unsupported (supports {caps.page_sizes_text(gpu)})")
+    return chk
 
 
 def field_summary(matches) -> dict[str, Any] | None:
@@ -483,12 +480,6 @@ def model_patterns(gpu: str | None = None, policy_file: str | os.PathLike | None
     return out
 
 
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
-
-
 def _profile(model, shipped: PolicyTable) -> ModelProfile:
     if isinstance(model, ModelProfile):
         if shipped.family_of(model.architecture) is None:
@@ -544,12 +535,13 @@ def _check_page_size_value(page, src: Source) -> None:
                           fix="pass e.g. page_size=16")
 
 
-def _settle_page_size(values: dict[str, Any], sources: dict[str, Source], gpu: str) -> tuple[int, str | None]:
+def _settle_page_size(values: dict[str, Any], sources: dict[str, Source], gpu: str,
+                      capabilities: dict[str, BackendCapabilities]) -> tuple[int, str | None]:
     page, src = values["page_size"], sources["page_size"]
     allowed = set(range(1, MAX_PAGE_SIZE + 1))
     needs = []
     for phase in PHASES:
-        caps = CAPABILITIES[values[f"{phase}_backend"]]
+        caps = capabilities[values[f"{phase}_backend"]]
         sizes = caps.page_sizes_on(gpu)
         if sizes is not None:
             allowed &= sizes
@@ -572,41 +564,35 @@ def _settle_page_size(values: dict[str, Any], sources: dict[str, Source], gpu: s
     return new, f"page size {verb} from {page} ({src.detail}) to {new}: {'; '.join(needs)}"
 
 
-def _valid_backends(phase: str, check) -> list[str]:
-    return [n for n in sorted(CAPABILITIES) if check(n, phase).ok]
-
-
-def _valid_fix(phase: str, profile: ModelProfile, gpu: str, check) -> str:
-    valid = _valid_backends(phase, check)
+def _valid_fix(phase: str, profile: ModelProfile, gpu: str, check, capabilities) -> str:
+    valid = [n for n in capabilities if check(n, phase).ok]
     if valid:
         return f"valid {phase} backends for {profile.architecture} on {gpu} in this build: {', '.join(valid)}"
     return f"no registered backend can run {phase} for {profile.architecture} on {gpu}; use gpu='cpu' with the torch backend"
 
 
-def _explicit_backend_error(name, phase, src: Source, chk: Check, profile, gpu, check) -> BackendError:
-    if name not in CAPABILITIES:
-        from attnzoo.attention.backends import backend_names
-
+def _explicit_backend_error(name, phase, src: Source, chk: Check, profile, gpu, check, capabilities) -> BackendError:
+    if name not in capabilities:
         return BackendError(
             f"unknown attention backend {name!r} (from {src.detail})",
             fix=f"choose one of the registered backends: {', '.join(backend_names())}",
         )
     what = f"{phase} backend {name!r} (from {src.detail}) cannot run {profile.architecture} on {gpu}"
-    return BackendError(f"{what}: {'; '.join(chk.violations)}", fix=_valid_fix(phase, profile, gpu, check))
+    return BackendError(f"{what}: {'; '.join(chk.violations)}", fix=_valid_fix(phase, profile, gpu, check, capabilities))
 
 
-def _candidates(values, first_choice, fallback, page: int, check, gpu: str) -> list[Candidate]:
+def _candidates(values, first_choice, fallback, page: int, check, gpu: str, capabilities) -> list[Candidate]:
     out: list[Candidate] = []
     for phase in PHASES:
         chosen = values[f"{phase}_backend"]
-        order = [chosen, first_choice[phase], *fallback, *sorted(CAPABILITIES)]
+        order = [chosen, first_choice[phase], *fallback, *capabilities]
         seen: set[str] = set()
         for name in order:
             if name in seen:
                 continue
             seen.add(name)
             chk = check(name, phase)
-            caps = CAPABILITIES.get(name)
+            caps = capabilities.get(name)
             notes = []
             if caps is not None and not caps.page_size_ok(page, gpu):
                 notes.append(f"needs page size {caps.page_sizes_text(gpu)}; this decision uses {page}")
@@ -615,3 +601,26 @@ def _candidates(values, first_choice, fallback, page: int, check, gpu: str) -> l
             out.append(Candidate(name, phase, chk.ok, chk.reasons, chosen=name == chosen,
                                  kernel=chk.kernel.name if chk.kernel else None, notes=notes))
     return out
+
+
+POOL_MLA_LAYOUT = KVLayout.BF16.value  # what KVPool holds for MLA/NSA layers: model-dtype [latent | rope] entries
+
+
+def kv_layout_notes(prefill: BackendCapabilities, decode: BackendCapabilities, kind: str) -> list[str]:
+    """What the Decision says about KV layouts: a mismatch between the phases, and every conversion."""
+    pre, dec = prefill.layout_for(kind), decode.layout_for(kind)
+    notes = []
+    if pre != dec:
+        notes.append(f"prefill ({prefill.name}) reads KV layout {pre} and decode ({decode.name}) reads {dec}: "
+                     "the cache is converted between them")
+    if kind == "mha":
+        return notes
+    phases = {"prefill and decode": prefill} if prefill.name == decode.name else {"prefill": prefill, "decode": decode}
+    for phase, caps in phases.items():
+        if caps.mla_kv_layout != POOL_MLA_LAYOUT:
+            notes.append(
+                f"{phase} backend {caps.name} reads KV layout {caps.mla_kv_layout}: the pool keeps "
+                f"{POOL_MLA_LAYOUT} (model dtype) entries and a Triton kernel (attnzoo/attention/kernels/kv_layout.py) "
+                f"converts each token once, when its layer stores it, into {caps.name}'s {caps.mla_kv_layout} copy"
+            )
+    return notes

@@ -37,7 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from attnzoo.defaults.capabilities import CAPABILITIES, GPUS, MAX_PAGE_SIZE
+from attnzoo.attention.backends import backend_names
+from attnzoo.attention.backends.capabilities import GPUS
+from attnzoo.attention.kv_cache import MAX_PAGE_SIZE
 from attnzoo.errors import PolicyError
 
 SHIPPED_POLICY = Path(__file__).with_name("policy.toml")
@@ -331,8 +333,8 @@ class _Parser:
         return body
 
     def backend_name(self, value, kp: tuple[str, ...]) -> str:
-        if not isinstance(value, str) or value not in CAPABILITIES:
-            raise self.fail(kp, f"unknown backend {value!r}", f"use one of: {', '.join(sorted(CAPABILITIES))}")
+        if not isinstance(value, str) or value not in backend_names():
+            raise self.fail(kp, f"unknown backend {value!r}", f"use one of: {', '.join(backend_names())}")
         return value
 
     def profile(self, body: dict, kp: tuple[str, ...]) -> dict:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from attnzoo.attention.kv_cache import KV_CACHE_DTYPES
 from attnzoo.errors import AttnzooError, EvalError
 
 log = logging.getLogger("attnzoo")
@@ -70,11 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-to", default=None, metavar="B2",
                    help="a second backend to run on the same questions, or a report JSON saved by --output")
     p.add_argument("--compare-page-size", type=int, default=None, help="page size for the --compare-to backend")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+    p.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
                    help="what the KV cache stores (auto: the model dtype)")
     p.add_argument("--k-scale", type=float, default=1.0, help="fp8 KV: per-tensor key scale (default 1.0, as vLLM's)")
     p.add_argument("--v-scale", type=float, default=1.0, help="fp8 KV: per-tensor value scale (default 1.0)")
-    p.add_argument("--compare-kv-cache-dtype", default=None, choices=("auto", "fp8_e4m3"),
+    p.add_argument("--compare-kv-cache-dtype", default=None, choices=tuple(KV_CACHE_DTYPES),
                    help="KV cache dtype of run B (default: run A's); without --compare-to, B uses A's backends")
     p.add_argument("--logit-compare-limit", type=int, default=None, metavar="N",
                    help="teacher-force the first N compared questions through both backends (KL, top-1); "

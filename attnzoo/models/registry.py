@@ -1,9 +1,8 @@
 """Hugging Face ``architectures`` name -> our model class, imported only when asked for."""
 from __future__ import annotations
 
-import importlib
-
 from attnzoo.errors import UnsupportedArchitectureError
+from attnzoo.lazy import import_object
 
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "attnzoo.models.llama:LlamaForCausalLM",
@@ -25,5 +24,4 @@ def model_class(architecture: str):
             f"architecture {architecture!r} is not implemented in attnzoo",
             fix=f"use a checkpoint of one of: {', '.join(supported_architectures())}",
         )
-    module, cls = _MODELS[architecture].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return import_object(_MODELS[architecture])

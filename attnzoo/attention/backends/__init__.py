@@ -1,13 +1,16 @@
 """Attention backends, registered by name and imported only when asked for.
 
-Adding a backend: one file in this folder with a subclass of ``AttentionBackend``, one line in
-``_REGISTRY``, and its capabilities in ``attnzoo/defaults/capabilities.py``.
+Adding a backend: one file in this folder with a subclass of ``AttentionBackend`` that declares its
+``capabilities`` (``capabilities.py``), and one line in ``_REGISTRY``. The policy reads the declarations
+through ``capabilities_of``; backend modules import their kernel libraries lazily, so that is cheap and
+works without FlashInfer, Triton or a GPU.
 """
 from __future__ import annotations
 
-import importlib
+import dataclasses
 
 from attnzoo.errors import BackendError
+from attnzoo.lazy import import_object
 
 _REGISTRY: dict[str, str] = {
     "torch": "attnzoo.attention.backends.torch_ref:TorchBackend",
@@ -31,5 +34,20 @@ def get_backend_class(name: str):
             f"unknown attention backend {name!r}",
             fix=f"choose one of: {', '.join(backend_names())}",
         )
-    module, cls = _REGISTRY[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return import_object(_REGISTRY[name])
+
+
+def capabilities_of(name: str):
+    """The declared capabilities of registered backend ``name`` (a ``BackendCapabilities``). A subclass
+    without a declaration of its own (a test's variant) runs under its parent's, by its own name."""
+    cls = get_backend_class(name)
+    caps = getattr(cls, "capabilities", None)
+    if caps is None:
+        raise BackendError(f"backend {name!r} ({_REGISTRY[name]}) declares no capabilities",
+                           fix="set `capabilities = BackendCapabilities(...)` on its class")
+    return caps if caps.name == name else dataclasses.replace(caps, name=name)
+
+
+def all_capabilities() -> dict:
+    """Every registered backend's capabilities, by name (sorted)."""
+    return {name: capabilities_of(name) for name in backend_names()}

@@ -4,50 +4,97 @@ Per step the engine calls ``prepare(meta)`` once (plan kernels, build index arra
 attention layer calls ``extend`` (EXTEND steps) or ``decode`` (DECODE steps). By the time either runs,
 the layer has already stored this step's k/v in the pool, so a backend only reads the cache.
 
-CUDA-graph hooks: a backend that can run inside a captured decode graph sets
-``supports_cuda_graph = True`` and implements ``init_graph_state`` (static buffers for the largest
-batch) and ``prepare_graph(meta, capturing)`` (refill those buffers in place for a replay). That ``meta``
-covers the batch-size bucket: its device tensors are the graph's static buffers, its host lists
-(``seq_lens_cpu``, ``q_lens_cpu``) the real step's padded to the bucket (padding rows: one token in
-page 0); at capture they are the worst case (every row at the graph's longest context).
+What a backend can run is its class's ``capabilities`` (``backends/capabilities.py``), stated once: the
+policy reads it through the registry, the backend's own checks call it, and ``name``,
+``supports_cuda_graph``, ``supports_cascade`` (and an NSA backend's ``mla_kv_layout``) follow from it.
+
+CUDA-graph hooks: a backend that can run inside a captured decode graph declares ``cuda_graph=True`` and
+implements ``init_graph_state`` (static buffers for the largest batch) and ``prepare_graph(meta,
+capturing)`` (refill those buffers in place for a replay). That ``meta`` covers the batch-size bucket: its
+device tensors are the graph's static buffers, its host lists (``seq_lens_cpu``, ``q_lens_cpu``) the real
+step's padded to the bucket (padding rows: one token in page 0); at capture they are the worst case
+(every row at the graph's longest context).
 
 Cascade attention: a backend that reads a prefix shared by every request of a DECODE step once for the
-whole batch (``meta.shared_prefix_len``) sets ``supports_cascade = True``; others ignore the field and
+whole batch (``meta.shared_prefix_len``) declares ``cascade=True``; others ignore the field and
 read every request's pages as usual, which gives the same result. ``supports_cascade_extend``: the
 same for EXTEND steps (every new token of the step comes after the shared pages).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
-from attnzoo.attention.kv_cache import KVPool
+from attnzoo.attention.backends.capabilities import BackendCapabilities, gpu_of
+from attnzoo.attention.kv_cache import KVLayout, KVPool
 from attnzoo.attention.metadata import BatchMetadata
 
-if TYPE_CHECKING:
-    from attnzoo.attention.layer import Attention
+class AttentionLayer(Protocol):
+    """What a backend reads of the layer it serves (``attnzoo.attention.layer.Attention``): the contract
+    names these fields rather than importing the layer, which imports this module."""
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    scale: float
+    sliding_window: int | None
+    logit_softcap: float | None
+    kind: str  # "mha" or "mla"
+    index_head_dim: int  # NSA: its indexer key width; 0 otherwise
 
 
 class AttentionBackend(ABC):
+    capabilities: ClassVar[BackendCapabilities]
     name: ClassVar[str]
     supports_cuda_graph: ClassVar[bool] = False
     supports_cascade: ClassVar[bool] = False
     supports_cascade_extend: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        caps = cls.__dict__.get("capabilities")
+        if caps is None:
+            return  # a variant of its parent (tests) runs under the parent's declaration
+        cls.name = caps.name
+        cls.supports_cuda_graph = caps.cuda_graph
+        cls.supports_cascade = caps.cascade
+        if "nsa" in caps.kinds:
+            cls.mla_kv_layout = KVLayout(caps.mla_kv_layout)
+
+    # What to choose instead when a check fails (the errors' ``fix``).
+    fix: ClassVar[str] = "choose backend='triton' or 'torch'"
+
     def __init__(self, pool: KVPool):
         self.pool = pool
+        # The GPU class the checks apply ("cpu" off CUDA); FlashInfer-based backends set it from the
+        # compute capability they query.
+        self.gpu = device_gpu(pool.device)
+
+    def require_pool(self) -> None:
+        """Raise unless the declaration allows this pool (dtype, page size, KV dtype) on ``self.gpu``."""
+        self.capabilities.require_pool(gpu=self.gpu, dtype=str(self.pool.dtype).removeprefix("torch."),
+                                       page_size=self.pool.page_size, kv_cache_dtype=self.pool.kv_cache_dtype,
+                                       fix=self.fix)
+
+    def check_layer(self, phase: str, layer: "AttentionLayer"):
+        """The declared kernel that serves ``layer`` in ``phase`` here, or the BackendError saying why none.
+        extend/decode call it; the policy's check of the model's profile is the same ``capabilities.check``."""
+        return self.capabilities.require_layer(phase, layer, gpu=self.gpu, kv_cache_dtype=self.pool.kv_cache_dtype,
+                                               fix=self.fix)
 
     def prepare(self, meta: BatchMetadata) -> None:
         """Once per step, before the model runs. Default: nothing to plan."""
 
     @abstractmethod
-    def extend(self, layer: "Attention", q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+    def extend(self, layer: "AttentionLayer", q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, v_head_dim]."""
 
     @abstractmethod
-    def decode(self, layer: "Attention", q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+    def decode(self, layer: "AttentionLayer", q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         """q: [num_reqs, num_heads, head_dim] -> [num_reqs, num_heads, v_head_dim]."""
 
     def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
@@ -55,3 +102,10 @@ class AttentionBackend(ABC):
 
     def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> None:
         raise NotImplementedError(f"backend {self.name!r} does not support CUDA graphs")
+
+
+def device_gpu(device: torch.device) -> str:
+    """The GPU class (``capabilities.GPUS``) of a device: "cpu" off CUDA."""
+    if device.type != "cuda":
+        return "cpu"
+    return gpu_of(torch.cuda.get_device_capability(device))

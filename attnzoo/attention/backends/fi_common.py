@@ -74,15 +74,6 @@ def sm_name(cc: tuple[int, int]) -> str:
     return f"sm{cc[0]}{cc[1]}"
 
 
-def check_dtype(backend_name: str, dtype: torch.dtype, allowed=(torch.bfloat16, torch.float16)) -> None:
-    if dtype not in allowed:
-        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
-        raise BackendError(
-            f"the {backend_name!r} backend runs {names} KV caches, not {str(dtype).removeprefix('torch.')}",
-            fix=f"load the model with dtype={names.split(', ')[0]}, or choose backend='triton' or 'torch'",
-        )
-
-
 def check_page_size(backend_name: str, meta_page_size: int, pool_page_size: int) -> None:
     if meta_page_size != pool_page_size:
         raise BackendError(

@@ -53,11 +53,11 @@ from dataclasses import dataclass, field
 import torch
 
 from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.backends.capabilities import ANY_CUDA, FP8_KV, HALF, BackendCapabilities, Kernel, gpu_of, gpu_set
 from attnzoo.attention.backends.fi_common import (
     CascadeSplit,
     LayerSignature,
     cascade_split,
-    check_dtype,
     check_page_size,
     compute_capability,
     load_flashinfer,
@@ -65,12 +65,12 @@ from attnzoo.attention.backends.fi_common import (
     window_page_start,
     workspace,
 )
-from attnzoo.attention.kernels import page_table
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata, ForwardMode
 from attnzoo.errors import BackendError
+from attnzoo.lazy import lazy_module
 
-HEAD_DIMS = (64, 128, 256, 512)
+page_table = lazy_module("attnzoo.attention.kernels.page_table")  # Triton: imported on first use
 FA3_HEAD_DIMS = (64, 128, 256)
 TENSOR_CORE_DECODE_MIN_GROUP = 4
 
@@ -162,10 +162,35 @@ class _GraphState:
 
 
 class FlashInferBackend(AttentionBackend):
-    name = "flashinfer"
-    supports_cuda_graph = True
-    supports_cascade = True
+    capabilities = BackendCapabilities(
+        name="flashinfer",
+        description="FlashInfer paged prefill/decode wrappers (FA2 everywhere, FA3 prefill on SM90)",
+        kinds=frozenset({"mha"}),
+        prefill=(
+            Kernel("FlashInfer FA3 prefill", gpu_set("sm90"), excluded_head_dims=frozenset({512}),
+                   no_fp8_kv_gpus=gpu_set("sm90"),
+                   note="FA3 prefill does not build for head dim 512, nor for an fp8 KV cache with bf16/fp16 queries"),
+            Kernel("FlashInfer FA2 prefill", ANY_CUDA, no_fp8_kv_gpus=gpu_set("sm80"),
+                   note="fp8 KV cache declared for SM89+ only"),
+        ),
+        decode=(Kernel("FlashInfer FA2 decode", ANY_CUDA, no_fp8_kv_gpus=gpu_set("sm80"),
+                       note="fp8 KV cache declared for SM89+ only"),),
+        head_dims=frozenset({64, 128, 256, 512}),
+        v_head_dims=frozenset({64, 128, 256, 512}),
+        dtypes=HALF,
+        kv_dtypes=HALF | FP8_KV,
+        sliding_window=True,
+        logit_softcap=True,
+        module="flashinfer",
+        extra="flashinfer",
+        cuda_graph=True,
+        cascade=True,
+        notes=("decode layers whose v head dim differs from q/k run through the prefill wrapper",
+               "cascade decode: the shared prefix through the prefill wrapper (all queries, not causal), "
+               "the rest through the decode wrapper, merged by log-sum-exp (merge_state)"),
+    )
     supports_cascade_extend = True
+    fix = "choose backend='triton' (any head dim up to 1024) or 'torch' (MLA models: 'flashinfer_mla')"
 
     def __init__(self, pool: KVPool, *, prefill_variant: str | None = None, decode_variant: str = "fa2"):
         """``prefill_variant``: None picks per layer (FA3 on SM90 where it builds, else FA2); "fa2" or
@@ -176,7 +201,8 @@ class FlashInferBackend(AttentionBackend):
         # The package first: without it nothing else matters, and the error names the extra.
         self._fi = load_flashinfer(self.name)
         self._cc = compute_capability(self.name, pool.device)
-        check_dtype(self.name, pool.dtype)
+        self.gpu = gpu_of(self._cc)
+        self.require_pool()
         if prefill_variant not in (None, "fa2", "fa3"):
             raise BackendError(f"unknown FlashInfer prefill variant {prefill_variant!r}", fix="use 'fa2', 'fa3' or None")
         if prefill_variant == "fa3" and self._cc[0] != 9:
@@ -327,24 +353,15 @@ class FlashInferBackend(AttentionBackend):
         step.indices[key] = idx
         return idx
 
-    def _check_layer(self, sig: LayerSignature, layer) -> None:
-        if layer is not None and layer.kind != "mha":
-            raise BackendError(
-                f"layer {layer.layer_id} is {layer.kind.upper()} attention; the flashinfer backend runs MHA/GQA/MQA only",
-                fix="use backend='flashinfer_mla' (or 'triton') for MLA models",
-            )
-        if sig.head_dim not in HEAD_DIMS or sig.v_head_dim not in HEAD_DIMS:
-            raise BackendError(
-                f"FlashInfer kernels are built here for head dims {HEAD_DIMS}; this layer has q/k "
-                f"{sig.head_dim}, v {sig.v_head_dim}",
-                fix="choose backend='triton' (any head dim up to 1024) or 'torch'",
-            )
+    def _check_layer(self, sig: LayerSignature, layer, mode: ForwardMode) -> None:
+        if layer is not None:  # a signature planned again by prepare() passed when its first layer ran
+            self.check_layer("prefill" if mode is ForwardMode.EXTEND else "decode", layer)
 
     def _uses_prefill_wrapper(self, mode: ForwardMode, sig: LayerSignature) -> bool:
         return mode is ForwardMode.EXTEND or sig.head_dim != sig.v_head_dim
 
     def _plan(self, meta: BatchMetadata, step: _Step, sig: LayerSignature, layer=None):
-        self._check_layer(sig, layer)
+        self._check_layer(sig, layer, step.mode)
         extend = step.mode is ForwardMode.EXTEND
         split = None
         if step.shared_pages and (extend or not self._uses_prefill_wrapper(step.mode, sig)):

@@ -29,19 +29,21 @@ from dataclasses import dataclass, field
 import torch
 
 from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.backends.capabilities import HALF, BackendCapabilities, Kernel, gpu_of, gpu_set
 from attnzoo.attention.backends.fi_common import (
     LayerSignature,
-    check_dtype,
     check_page_size,
     compute_capability,
     load_flashinfer,
     sm_name,
     workspace,
 )
-from attnzoo.attention.kernels import page_table
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata, ForwardMode
 from attnzoo.errors import BackendError
+from attnzoo.lazy import lazy_module
+
+page_table = lazy_module("attnzoo.attention.kernels.page_table")  # Triton: imported on first use
 
 
 @dataclass
@@ -74,23 +76,40 @@ def csr_plan_arrays(q_lens: list[int], seq_lens: list[int], page_size: int) -> t
 
 
 class FlashInferMLABackend(AttentionBackend):
-    name = "flashinfer_mla"
-    supports_cuda_graph = True
+    capabilities = BackendCapabilities(
+        name="flashinfer_mla",
+        description="FlashInfer BatchMLAPagedAttentionWrapper over the absorbed latent cache",
+        kinds=frozenset({"mla"}),
+        prefill=(
+            Kernel("FlashInfer MLA FA3", gpu_set("sm90")),
+            Kernel("FlashInfer MLA FA2", gpu_set("sm80", "sm89", "sm100", "sm103", "sm120")),
+        ),
+        decode=(
+            Kernel("FlashInfer MLA FA3", gpu_set("sm90")),
+            Kernel("FlashInfer MLA FA2", gpu_set("sm80", "sm89", "sm100", "sm103", "sm120")),
+        ),
+        mla_multiples=(128, 64),
+        dtypes=HALF,
+        kv_dtypes=HALF,
+        module="flashinfer",
+        extra="flashinfer",
+        cuda_graph=True,
+        notes=("dense MLA only: sparse (NSA) layers need an NSA backend",),
+    )
+    fix = "choose backend='triton' or 'torch' for this MLA shape (MHA models: 'flashinfer'; NSA layers: an NSA backend)"
 
     def __init__(self, pool: KVPool, *, variant: str | None = None):
         super().__init__(pool)
         # The package first: without it nothing else matters, and the error names the extra.
         self._fi = load_flashinfer(self.name)
         self._cc = compute_capability(self.name, pool.device)
-        check_dtype(self.name, pool.dtype)
+        self.gpu = gpu_of(self._cc)
+        self.require_pool()
         if variant not in (None, "fa2", "fa3"):
             raise BackendError(f"unknown FlashInfer MLA variant {variant!r}", fix="use 'fa2', 'fa3' or None")
         if variant == "fa3" and self._cc[0] != 9:
             raise BackendError(f"FlashInfer's FA3 MLA kernels run on SM90 only; this GPU is {sm_name(self._cc)}",
                                fix="use variant='fa2' or None")
-        if self._cc[0] < 8:
-            raise BackendError(f"FlashInfer's MLA kernels need SM80 or newer; this GPU is {sm_name(self._cc)}",
-                               fix="choose backend='triton' or 'torch'")
         self.variant = variant or ("fa3" if self._cc[0] == 9 else "fa2")
         # (signature, graph bucket or None for eager steps) -> wrapper
         self._wrappers: dict[tuple[LayerSignature, int | None], object] = {}
@@ -166,30 +185,8 @@ class FlashInferMLABackend(AttentionBackend):
             step = meta.backend_state[self._state_key]
         return step
 
-    @staticmethod
-    def _check_layer(layer, sig: LayerSignature) -> None:
-        if layer.kind != "mla":
-            raise BackendError(
-                f"layer {layer.layer_id} is {layer.kind.upper()} attention; flashinfer_mla serves MLA layers only",
-                fix="use backend='flashinfer' or 'trtllm_mha' for MHA/GQA models",
-            )
-        if layer.index_head_dim:
-            raise BackendError(
-                f"layer {layer.layer_id} is sparse (NSA) MLA; flashinfer_mla runs dense MLA, which would ignore "
-                "the indexer's top-k selection",
-                fix="choose an NSA backend (triton or torch)",
-            )
-        kpe = sig.head_dim - sig.v_head_dim
-        if sig.num_kv_heads != 1 or sig.v_head_dim % 128 or kpe <= 0 or kpe % 64:
-            raise BackendError(
-                f"FlashInfer MLA needs one latent KV head, a latent width that is a multiple of 128 and a rope "
-                f"width that is a positive multiple of 64; layer {layer.layer_id} has {sig.num_kv_heads} KV heads, "
-                f"latent {sig.v_head_dim}, rope {kpe}",
-                fix="choose backend='triton' or 'torch' for this MLA shape",
-            )
-        if sig.window or sig.softcap:
-            raise BackendError(f"layer {layer.layer_id}: FlashInfer MLA has no sliding window or soft-cap",
-                               fix="choose backend='triton' or 'torch'")
+    def _check_layer(self, layer, meta: BatchMetadata) -> None:
+        self.check_layer("decode" if meta.is_decode else "prefill", layer)
 
     def _wrapper(self, sig: LayerSignature, graph_batch: int | None):
         wrapper = self._wrappers.get((sig, graph_batch))
@@ -234,7 +231,7 @@ class FlashInferMLABackend(AttentionBackend):
         sig = LayerSignature.of(layer)
         wrapper = step.planned.get(sig)
         if wrapper is None:
-            self._check_layer(layer, sig)
+            self._check_layer(layer, meta)
             wrapper = self._plan(meta, step, sig)
             self._known[sig] = None
         cache = self.pool.k(layer.layer_id)  # [num_pages, 1, page_size, latent + rope]

@@ -22,15 +22,13 @@ of each decode row (row i is request i) comes from a static buffer, not from the
 """
 from __future__ import annotations
 
-import os
-from typing import ClassVar
-
 import torch
 
 from attnzoo.attention import nsa
 from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.backends.capabilities import CUDA_GPUS, BackendCapabilities, Kernel, gpu_set
 from attnzoo.attention.kv_cache import KVPool
-from attnzoo.attention.kv_layout import KVLayout, LayoutCache
+from attnzoo.attention.kv_layout import LayoutCache
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.errors import BackendError
 
@@ -47,18 +45,33 @@ def _import_kernels():
     return kernels
 
 
+_KERNELS = (
+    Kernel("triton indexer + sparse MLA", frozenset(CUDA_GPUS)),
+    Kernel("triton indexer + sparse MLA (interpreter)", gpu_set("cpu"), requires_env=("TRITON_INTERPRET", "1"),
+           note="CPU runs the Triton interpreter: for tests only, very slow"),
+)
+
+
 class NSATritonBackend(AttentionBackend):
-    name = "nsa_triton"
-    supports_cuda_graph = True
-    mla_kv_layout: ClassVar[KVLayout] = KVLayout.BF16
+    capabilities = BackendCapabilities(
+        name="nsa_triton",
+        description="attnzoo's Triton NSA kernels: indexer scores over the paged indexer cache, top-k, "
+                    "sparse MLA over the selected tokens (prefill and decode)",
+        kinds=frozenset({"nsa"}),
+        prefill=_KERNELS,
+        decode=_KERNELS,
+        max_head_dim=1024,
+        module="triton",
+        extra="triton",
+        cuda_graph=True,
+        mla_kv_layout="bf16",
+        notes=("sparse (NSA) layers only: DeepSeek-V3.2",),
+    )
+    fix = "use backend='torch' on CPU (or set TRITON_INTERPRET=1 before importing attnzoo, for tests)"
 
     def __init__(self, pool: KVPool):
         super().__init__(pool)
-        if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise BackendError(
-                f"the {self.name} backend runs on CUDA GPUs; the KV cache is on {pool.device}",
-                fix="use backend='torch' on CPU (or set TRITON_INTERPRET=1 before importing attnzoo, for tests)",
-            )
+        self.require_pool()
         self._kernels = _import_kernels()
         self.kv_copy = self._make_copy(pool)
         self._graph_reqs: torch.Tensor | None = None  # [max_batch] int64, device: row i -> request i
@@ -114,8 +127,24 @@ class NSATritonBackend(AttentionBackend):
 
 
 class NSATritonFP8Backend(NSATritonBackend):
-    name = "nsa_triton_fp8"
-    mla_kv_layout: ClassVar[KVLayout] = KVLayout.FP8_NOPE_SCALED_BF16_ROPE
+    capabilities = BackendCapabilities(
+        name="nsa_triton_fp8",
+        description="nsa_triton's kernels reading the FlashMLA sparse layout: fp8 latent with one scale per "
+                    "128 values, bf16 rope (656 bytes per token for DeepSeek)",
+        kinds=frozenset({"nsa"}),
+        prefill=_KERNELS,
+        decode=_KERNELS,
+        mla_multiples=(128, 2),
+        module="triton",
+        extra="triton",
+        cuda_graph=True,
+        mla_kv_layout="fp8_nope_scaled_bf16_rope",
+        notes=(
+            "sparse (NSA) layers only: DeepSeek-V3.2",
+            "keeps an fp8 copy of the MLA cache beside the pool's model-dtype entries (memory on top of the "
+            "KV budget); attention reads fp8 values: expect fp8-level differences from the bf16 backends",
+        ),
+    )
 
     def _make_copy(self, pool: KVPool) -> LayoutCache:
         return LayoutCache(pool, self.mla_kv_layout)

@@ -10,54 +10,40 @@ from __future__ import annotations
 import torch
 
 from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.backends.capabilities import ALL_DTYPES, FP8_KV, GPUS, BackendCapabilities, Kernel
 from attnzoo.attention.kv_cache import KVPool
-from attnzoo.attention.kv_layout import KVLayout
 from attnzoo.attention.metadata import BatchMetadata
-
-
-def gather_kv(cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[num_pages, heads, page_size, dim] pool view + a request's page ids -> [seq_len, heads, dim]."""
-    g = cache[pages]  # [n, heads, page_size, dim]
-    return g.permute(0, 2, 1, 3).reshape(-1, g.shape[1], g.shape[3])[:seq_len]
-
-
-def attention_reference(
-    q: torch.Tensor,  # [q_len, num_heads, head_dim]
-    k: torch.Tensor,  # [kv_len, num_kv_heads, head_dim]
-    v: torch.Tensor,  # [kv_len, num_kv_heads, v_head_dim]
-    q_positions: torch.Tensor,  # [q_len] absolute positions of the queries (keys sit at 0..kv_len-1)
-    *,
-    scale: float,
-    sliding_window: int | None = None,
-    logit_softcap: float | None = None,
-) -> torch.Tensor:  # [q_len, num_heads, v_head_dim], float32
-    group = q.shape[1] // k.shape[1]
-    qf = q.float().transpose(0, 1)  # [H, q, D]
-    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, kv, D]
-    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = (qf @ kf.transpose(1, 2)) * scale  # [H, q, kv]
-    if logit_softcap:
-        scores = logit_softcap * torch.tanh(scores / logit_softcap)
-    kpos = torch.arange(k.shape[0], device=q.device)
-    qpos = q_positions.to(q.device).view(-1, 1)
-    visible = kpos.view(1, -1) <= qpos
-    if sliding_window:
-        visible &= kpos.view(1, -1) > qpos - sliding_window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ vf).transpose(0, 1)
-
-
-def dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """A gathered fp8 pool slice as float32 values (other dtypes pass through)."""
-    return x.float() * scale if x.dtype == torch.float8_e4m3fn else x
+from attnzoo.attention.reference import (
+    attention_reference,
+    dequantize,
+    entries_of,
+    gather_kv,
+    indexer_scores_reference,
+    positions_to_slots,
+    select_topk,
+    sparse_mla_reference,
+)
 
 
 class TorchBackend(AttentionBackend):
-    name = "torch"
-    mla_kv_layout = KVLayout.BF16  # NSA layers: it reads the pool's own entries
+    capabilities = BackendCapabilities(
+        name="torch",
+        description="exact float32-accumulating reference over gathered pages; the correctness oracle",
+        kinds=frozenset({"mha", "mla", "nsa"}),
+        prefill=(Kernel("torch reference", frozenset(GPUS)),),
+        decode=(Kernel("torch reference", frozenset(GPUS)),),
+        max_head_dim=1024,
+        kv_dtypes=ALL_DTYPES | FP8_KV,
+        sliding_window=True,
+        logit_softcap=True,
+        module="torch",
+        mla_kv_layout="bf16",  # NSA layers: it reads the pool's own entries
+        notes=("fp8_e4m3 KV cache: quantize-dequantize in float32 (per-tensor scales)",),
+    )
 
     def __init__(self, pool: KVPool):
         super().__init__(pool)
+        self.require_pool()
 
     def _run(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         k_cache, v_cache = self.pool.k(layer.layer_id), self.pool.v(layer.layer_id)
@@ -78,10 +64,12 @@ class TorchBackend(AttentionBackend):
         return out
 
     def extend(self, layer, q, meta):
+        self.check_layer("prefill", layer)
         return self._run(layer, q, meta)
 
     def decode(self, layer, q, meta):
         """All requests at once (one query each), padded to the longest context and masked."""
+        self.check_layer("decode", layer)
         k_cache, v_cache = self.pool.k(layer.layer_id), self.pool.v(layer.layer_id)
         b, max_len = q.shape[0], meta.max_seq_len
         pages = meta.block_tables[:, : -(-max_len // meta.page_size)]  # [B, n]
@@ -104,16 +92,12 @@ class TorchBackend(AttentionBackend):
         out = torch.softmax(scores, dim=-1) @ v  # [B, Hkv, group, Dv]
         return out.reshape(b, layer.num_heads, layer.v_head_dim).to(q.dtype)
 
-    # ---- NSA (DeepSeek-V3.2) layers: the reference indexer and sparse MLA of attention/nsa.py ----
+    # ---- NSA (DeepSeek-V3.2) layers: the reference indexer and sparse MLA (attention/reference.py) ----
     def nsa_topk(self, layer, q, weights, meta, *, topk, scale):
-        from attnzoo.attention import nsa  # nsa builds on mla, which imports this module
-
-        scores = nsa.indexer_scores_reference(self.pool.index_k(layer.layer_id), q, weights, meta, scale=scale)
-        return nsa.select_topk(scores, topk)
+        scores = indexer_scores_reference(self.pool.index_k(layer.layer_id), q, weights, meta, scale=scale)
+        return select_topk(scores, topk)
 
     def nsa_sparse_mla(self, layer, q, positions, meta):
-        from attnzoo.attention import nsa
-
-        slots = nsa.positions_to_slots(positions, meta)
-        entries = nsa.entries_of(layer, self.pool)
-        return nsa.sparse_mla_reference(entries, q, slots, rank=layer.v_head_dim, scale=layer.scale).to(q.dtype)
+        slots = positions_to_slots(positions, meta)
+        entries = entries_of(layer, self.pool)
+        return sparse_mla_reference(entries, q, slots, rank=layer.v_head_dim, scale=layer.scale).to(q.dtype)

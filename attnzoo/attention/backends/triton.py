@@ -22,12 +22,12 @@ this backend ignores it, so a captured graph always holds the plain path.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
 from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.backends.capabilities import ALL_DTYPES, ANY_CUDA, FP8_KV, BackendCapabilities, Kernel, gpu_set
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.errors import BackendError
@@ -54,18 +54,42 @@ class _StepPlan:
     scratch: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
+_INTERPRETER = "CPU runs the Triton interpreter: for tests only, very slow"
+_NO_FP8 = "Triton has no fp8 e4m3 conversions before SM89"
+
+
 class TritonBackend(AttentionBackend):
-    name = "triton"
-    supports_cuda_graph = True
-    supports_cascade = True
+    capabilities = BackendCapabilities(
+        name="triton",
+        description="attnzoo's own Triton paged extend/decode kernels (split-K decode)",
+        kinds=frozenset({"mha", "mla"}),
+        prefill=(
+            Kernel("triton extend", ANY_CUDA, no_fp8_kv_gpus=gpu_set("sm80"), note=_NO_FP8),
+            Kernel("triton extend (interpreter)", gpu_set("cpu"), requires_env=("TRITON_INTERPRET", "1"),
+                   note=_INTERPRETER),
+        ),
+        decode=(
+            Kernel("triton split-K decode", ANY_CUDA, no_fp8_kv_gpus=gpu_set("sm80"), note=_NO_FP8),
+            Kernel("triton split-K decode (interpreter)", gpu_set("cpu"), requires_env=("TRITON_INTERPRET", "1"),
+                   note=_INTERPRETER),
+        ),
+        # The kernels tile any width up to 1024 (attention/kernels/common.py MAX_HEAD_DIM); tuned
+        # for 64..512 and MLA's 576/512.
+        max_head_dim=1024,
+        kv_dtypes=ALL_DTYPES | FP8_KV,
+        sliding_window=True,
+        logit_softcap=True,
+        module="triton",
+        extra="triton",
+        cuda_graph=True,
+        cascade=True,
+        notes=("tuned for head dims 64..512 (MHA) and 576/512 (MLA); smaller dims run padded",),
+    )
+    fix = "use backend='torch' on CPU (or set TRITON_INTERPRET=1 before importing attnzoo, for tests)"
 
     def __init__(self, pool: KVPool):
         super().__init__(pool)
-        if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise BackendError(
-                f"the triton backend runs on CUDA GPUs; the KV cache is on {pool.device}",
-                fix="use backend='torch' on CPU (or set TRITON_INTERPRET=1 before importing attnzoo, for tests)",
-            )
+        self.require_pool()
         self._decode_mod, self._extend_mod = _import_kernels()
         if pool.device.type == "cuda":
             self._num_sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
@@ -99,6 +123,7 @@ class TritonBackend(AttentionBackend):
 
     # ---- per layer ----
     def extend(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        self.check_layer("prefill", layer)
         plan = self._plan(meta)
         lid = layer.layer_id
         return self._extend_mod.extend_attention(
@@ -109,6 +134,7 @@ class TritonBackend(AttentionBackend):
         )
 
     def decode(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        self.check_layer("decode", layer)
         plan = self._plan(meta)
         dec = self._decode_mod
         lid = layer.layer_id

@@ -8,7 +8,8 @@ extend (prefill): split by GPU, explicitly (``extend_runs_as``):
   - SM100/SM103: ``flashinfer.prefill.trtllm_batch_context_with_kv_cache`` (trtllm-gen context kernels);
   - elsewhere there is no TRT-LLM context kernel, so extend runs the ``flashinfer`` backend's paged
     prefill (FA3 on SM90 where it builds, else FA2), planned and run by an inner ``FlashInferBackend``.
-  The policy's capability declaration names the same split (``Kernel.runs_as``), and the Decision shows it.
+  The class's capability declaration states the split (``Kernel.runs_as``); the backend and the
+  Decision both read it there.
 
 fp8 KV cache: decode passes the pool's scales as the kernels' fused scales (bmm1 = softmax scale x
 k_scale, bmm2 = v_scale) with bf16/fp16 queries (XQA reads fp8 pages natively). The trtllm-gen
@@ -26,26 +27,25 @@ from dataclasses import dataclass
 import torch
 
 from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.backends.capabilities import FP8_KV, HALF, BackendCapabilities, Kernel, gpu_of, gpu_set
 from attnzoo.attention.backends.fi_common import (
     GraphBlockTable,
     LayerSignature,
-    check_dtype,
     check_page_size,
     compute_capability,
     load_flashinfer,
-    sm_name,
     workspace,
 )
-from attnzoo.attention.kernels import page_table
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.errors import BackendError
+from attnzoo.lazy import lazy_module
 
-PAGE_SIZES = (16, 32, 64)  # trtllm-gen
-XQA_PAGE_SIZES = (16, 32, 64, 128)  # FlashInfer 0.7.2 jit/xqa.py
-TRTLLM_GEN_SMS = ((10, 0), (10, 3))  # SM100 (B200/GB200), SM103 (B300/GB300)
-XQA_SMS = ((9, 0), (12, 0), (12, 1))
-HEAD_DIMS = (64, 128, 256, 512)
+page_table = lazy_module("attnzoo.attention.kernels.page_table")  # Triton: imported on first use
+_TRTLLM_GEN = gpu_set("sm100", "sm103")  # SM100 (B200/GB200), SM103 (B300/GB300)
+_TRTLLM_GEN_PAGES = frozenset({16, 32, 64})
+_NOT_WIRED = "not wired for an fp8 KV cache with bf16/fp16 queries"
+_HEAD_DIMS = frozenset({64, 128, 256, 512})
 
 
 @dataclass
@@ -58,47 +58,70 @@ class _Step:
 
 
 class TrtllmMHABackend(AttentionBackend):
-    name = "trtllm_mha"
-    supports_cuda_graph = True
+    capabilities = BackendCapabilities(
+        name="trtllm_mha",
+        description="TRT-LLM attention through FlashInfer: trtllm-gen on SM100/SM103, XQA decode on SM90/SM120",
+        kinds=frozenset({"mha"}),
+        prefill=(
+            Kernel("trtllm-gen context (trtllm_batch_context_with_kv_cache)", _TRTLLM_GEN,
+                   page_sizes=_TRTLLM_GEN_PAGES, no_fp8_kv_gpus=_TRTLLM_GEN, note=_NOT_WIRED, label="trtllm-gen"),
+            Kernel("FlashInfer FA3 prefill", gpu_set("sm90"), excluded_head_dims=frozenset({512}),
+                   runs_as="flashinfer", no_fp8_kv_gpus=gpu_set("sm90"),
+                   note="trtllm-gen context kernels are SM100/SM103 only; FA3 takes no fp8 KV with bf16 queries"),
+            Kernel("FlashInfer FA2 prefill", gpu_set("sm90", "sm120"), runs_as="flashinfer",
+                   note="trtllm-gen context kernels are SM100/SM103 only"),
+        ),
+        decode=(
+            Kernel("trtllm-gen decode (trtllm_batch_decode_with_kv_cache)", _TRTLLM_GEN,
+                   page_sizes=_TRTLLM_GEN_PAGES, no_fp8_kv_gpus=_TRTLLM_GEN, note=_NOT_WIRED,
+                   label="trtllm-gen", variant="trtllm-gen"),
+            # FlashInfer 0.7.2 jit/xqa.py builds XQA for 16, 32, 64 and 128 tokens per page.
+            Kernel("XQA decode (trtllm_batch_decode_with_kv_cache)", gpu_set("sm90", "sm120"),
+                   max_group_above=(256, 16), page_sizes=frozenset({16, 32, 64, 128}), label="XQA", variant="xqa"),
+        ),
+        head_dims=_HEAD_DIMS,
+        v_head_dims=_HEAD_DIMS,
+        same_qk_v_head_dim=True,
+        dtypes=HALF,
+        kv_dtypes=HALF | FP8_KV,
+        sliding_window=True,
+        logit_softcap=False,  # the trtllm kernels take no soft-cap argument
+        # trtllm-gen and XQA take per-head sinks (`sinks=`), but the shared Attention layer carries no
+        # sink parameter and no model here (Llama, Gemma 4, DeepSeek) has one, and the torch oracle does
+        # not implement them: a pass-through could not be tested, so sinks stay undeclared.
+        attention_sinks=False,
+        module="flashinfer",
+        extra="flashinfer",
+        cuda_graph=True,
+        notes=("MHA/GQA models only",
+               "trtllm-gen also has page-128 kernels for GQA (SGLang 0.5.23 allows page 128 for trtllm_mha); "
+               "not declared on SM100/SM103: unverified here"),
+    )
+    fix = "choose backend='flashinfer' or 'triton' for this model on this GPU (MLA models: 'trtllm_mla' or 'flashinfer_mla')"
 
     def __init__(self, pool: KVPool):
         super().__init__(pool)
         # The package first: without it nothing else matters, and the error names the extra.
         self._fi = load_flashinfer(self.name)
         self._cc = compute_capability(self.name, pool.device)
-        check_dtype(self.name, pool.dtype)
-        if self._cc not in TRTLLM_GEN_SMS + XQA_SMS:
-            raise BackendError(
-                f"trtllm_mha decode runs on SM90/SM120 (XQA) and SM100/SM103 (trtllm-gen); this GPU is {sm_name(self._cc)}",
-                fix="choose backend='flashinfer' or 'triton'",
-            )
-        pages = PAGE_SIZES if self._cc in TRTLLM_GEN_SMS else XQA_PAGE_SIZES
-        if pool.page_size not in pages:
-            sizes = ", ".join(map(str, pages))
-            raise BackendError(
-                f"trtllm_mha on {sm_name(self._cc)} needs page size {sizes}; the KV pool has {pool.page_size}",
-                fix=f"load the model with page_size one of {sizes}",
-            )
-        if pool.is_fp8 and self._cc in TRTLLM_GEN_SMS:
-            raise BackendError(
-                f"trtllm_mha on {sm_name(self._cc)} (trtllm-gen) is not wired for an fp8 KV cache with "
-                f"{str(pool.dtype).removeprefix('torch.')} queries",
-                fix="use kv_cache_dtype='auto', or backend='flashinfer' or 'triton' for an fp8 KV cache",
-            )
+        self.gpu = gpu_of(self._cc)
+        self.require_pool()
         # Off Blackwell the extend path is FlashInfer's prefill, run by a backend of our own.
-        self._prefill = None if self._cc in TRTLLM_GEN_SMS else _flashinfer_backend(pool)
+        self._prefill = None if self.extend_runs_as(self._cc) == self.name else _flashinfer_backend(pool)
         self._state_key = f"{self.name}:{id(self)}"
         self._graph: GraphBlockTable | None = None
 
     # ---------------------------------------------------------------- kernel choice (reported)
 
-    @staticmethod
-    def extend_runs_as(cc: tuple[int, int]) -> str:
-        """The backend whose kernels run extend on a GPU of compute capability ``cc``."""
-        return "trtllm_mha" if tuple(cc) in TRTLLM_GEN_SMS else "flashinfer"
+    @classmethod
+    def extend_runs_as(cls, cc: tuple[int, int]) -> str:
+        """The backend whose kernels run extend on a GPU of compute capability ``cc`` (the declaration's)."""
+        kernel = cls.capabilities.kernel_on("prefill", gpu_of(cc))
+        return (kernel.runs_as if kernel else None) or cls.name
 
     def decode_kernel(self) -> str:
-        return "trtllm-gen" if self._cc in TRTLLM_GEN_SMS else "xqa"
+        """FlashInfer's name for the kernel family that decodes on this GPU (the declaration's variant)."""
+        return self.capabilities.kernel_on("decode", self.gpu).variant
 
     def kernels_for(self, layer) -> dict[str, str]:
         """The kernels this backend runs for ``layer``, per phase, for reports and the Decision."""
@@ -152,37 +175,15 @@ class TrtllmMHABackend(AttentionBackend):
 
     # ---------------------------------------------------------------- per layer
 
-    def _check_layer(self, layer) -> LayerSignature:
-        sig = LayerSignature.of(layer)
-        if layer.kind != "mha":
-            raise BackendError(
-                f"layer {layer.layer_id} is {layer.kind.upper()} attention; trtllm_mha serves MHA/GQA/MQA models only",
-                fix="use backend='trtllm_mla' (SM100) or 'flashinfer_mla' for MLA models",
-            )
-        if sig.softcap:
-            raise BackendError(
-                f"layer {layer.layer_id} uses attention logit soft-capping ({sig.softcap}), which the TRT-LLM kernels do not implement",
-                fix="choose backend='flashinfer' or 'triton' for this model",
-            )
-        if sig.head_dim != sig.v_head_dim or sig.head_dim not in HEAD_DIMS:
-            raise BackendError(
-                f"trtllm_mha serves equal q/k and v head dims in {HEAD_DIMS}; layer {layer.layer_id} has "
-                f"q/k {sig.head_dim}, v {sig.v_head_dim}",
-                fix="choose backend='flashinfer' or 'triton'",
-            )
-        if self.decode_kernel() == "xqa" and sig.head_dim > 256 and sig.group > 16:
-            raise BackendError(
-                f"XQA serves head dims above 256 only with at most 16 query heads per KV head; layer "
-                f"{layer.layer_id} has head dim {sig.head_dim} with {sig.group}",
-                fix="choose backend='flashinfer' or 'triton' for this model on this GPU",
-            )
-        return sig
+    def _check_layer(self, layer, phase: str) -> LayerSignature:
+        self.check_layer(phase, layer)
+        return LayerSignature.of(layer)
 
     def extend(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         if self._prefill is not None:
-            self._check_layer(layer)
+            self._check_layer(layer, "prefill")
             return self._prefill.extend(layer, q, meta)
-        sig = self._check_layer(layer)
+        sig = self._check_layer(layer, "prefill")
         step = self._step(meta)
         lid = layer.layer_id
         return self._fi.trtllm_batch_context_with_kv_cache(
@@ -204,7 +205,7 @@ class TrtllmMHABackend(AttentionBackend):
         )
 
     def decode(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-        sig = self._check_layer(layer)
+        sig = self._check_layer(layer, "decode")
         step = self._step(meta)
         lid = layer.layer_id
         return self._fi.trtllm_batch_decode_with_kv_cache(

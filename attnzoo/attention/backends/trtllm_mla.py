@@ -21,27 +21,21 @@ from dataclasses import dataclass
 import torch
 
 from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.backends.capabilities import BackendCapabilities, Kernel, gpu_of, gpu_set
 from attnzoo.attention.backends.fi_common import (
     GraphBlockTable,
     LayerSignature,
-    check_dtype,
     check_page_size,
     compute_capability,
     load_flashinfer,
-    sm_name,
     workspace,
 )
-from attnzoo.attention.kernels import page_table
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.errors import BackendError
+from attnzoo.lazy import lazy_module
 
-PAGE_SIZES = (32, 64)  # trtllm-gen
-XQA_PAGE_SIZES = (16, 32, 64, 128)  # FlashInfer 0.7.2 jit/xqa.py gen_xqa_module_mla
-TRTLLM_GEN_SMS = ((10, 0), (10, 3))
-XQA_SMS = ((12, 0), (12, 1))
-XQA_NUM_HEADS = 128  # XQA-MLA builds for a head group of 128 only
-BLOCK_TABLE_PAD_TOKENS = 128  # the kernel wants columns * page_size to be a multiple of 128
+page_table = lazy_module("attnzoo.attention.kernels.page_table")  # Triton: imported on first use
 # DeepSeek's non-absorbed q/k nope width. The kernel computes in the absorbed space and does not use
 # it; FlashInfer only keys its tuning cache on it, and our layer (absorbed) does not carry it.
 _QK_NOPE_HEAD_DIM = 128
@@ -55,38 +49,59 @@ class _Step:
 
 def block_table_columns(max_pages: int, page_size: int) -> int:
     """Columns of the padded block table for a step whose longest request spans ``max_pages`` pages."""
-    return page_table.padded_block_table_width(max_pages, BLOCK_TABLE_PAD_TOKENS // page_size)
+    return page_table.padded_block_table_width(
+        max_pages, TrtllmMLABackend.capabilities.block_table_columns_multiple(page_size))
 
 
 class TrtllmMLABackend(AttentionBackend):
-    name = "trtllm_mla"
-    supports_cuda_graph = True
+    capabilities = BackendCapabilities(
+        name="trtllm_mla",
+        description="TRT-LLM MLA decode through FlashInfer (trtllm_batch_decode_with_kv_cache_mla): "
+                    "trtllm-gen on SM100/SM103, XQA-MLA on SM120",
+        kinds=frozenset({"mla"}),  # dense decode; the V3.2 sparse decode is planned
+        prefill=(),
+        decode=(
+            Kernel("trtllm-gen MLA decode", gpu_set("sm100", "sm103"), page_sizes=frozenset({32, 64}),
+                   label="trtllm-gen", variant="trtllm-gen"),
+            # FlashInfer 0.7.2 jit/xqa.py gen_xqa_module_mla builds pages of 16..128 and a head group of 128.
+            Kernel("XQA-MLA decode", gpu_set("sm120"), page_sizes=frozenset({16, 32, 64, 128}),
+                   num_heads=frozenset({128}), note="XQA-MLA builds for 128 query heads only",
+                   label="XQA-MLA", variant="xqa"),
+        ),
+        mla_dims=frozenset({(576, 512)}),  # DeepSeek absorbed MLA: kv_lora_rank 512 + rope 64, values 512
+        excluded_num_heads=(65, 127),
+        dtypes=frozenset({"bfloat16"}),  # FlashInfer allocates and checks a bfloat16 output
+        kv_dtypes=frozenset({"bfloat16"}),
+        module="flashinfer",
+        extra="flashinfer",
+        cuda_graph=True,
+        block_table_pad_tokens=128,  # the kernel wants columns * page_size to be a multiple of 128
+        notes=(
+            "decode only: pair it with an MLA prefill backend",
+            "block table column count padded to a multiple of 128/page_size",
+            # Kernel capabilities we do not use, and why (FlashInfer 0.7.2 mla/_core.py):
+            "unused: the kernel also takes MLA dims 320/256 (latent 256 + rope 64) and 512/512 (latent 512, "
+            "no rope), and fp8 KV (trtllm-gen; XQA-MLA fp8 q and KV); attnzoo's MLA models (DeepSeek-V2/V3) "
+            "are 576/512 and the pool holds model-dtype (bf16) entries, so only that is declared",
+            "unused: sinks (trtllm-gen MLA only; XQA-MLA refuses them): no model here has them",
+        ),
+    )
+    fix = ("choose backend='flashinfer_mla' or 'triton' (a prefill backend: pair it with one, e.g. "
+           "prefill_backend='flashinfer_mla'; sparse NSA layers: nsa_triton or torch)")
 
     def __init__(self, pool: KVPool):
         super().__init__(pool)
         # The package first: without it nothing else matters, and the error names the extra.
         self._fi = load_flashinfer(self.name)
         self._cc = compute_capability(self.name, pool.device)
-        if self._cc not in TRTLLM_GEN_SMS + XQA_SMS:
-            raise BackendError(
-                f"trtllm_mla runs on SM100/SM103 (trtllm-gen) and SM120/SM121 (XQA-MLA); this GPU is "
-                f"{sm_name(self._cc)}",
-                fix="choose backend='flashinfer_mla' or 'triton'",
-            )
-        check_dtype(self.name, pool.dtype, allowed=(torch.bfloat16,))
-        pages = PAGE_SIZES if self._cc in TRTLLM_GEN_SMS else XQA_PAGE_SIZES
-        if pool.page_size not in pages:
-            sizes = ", ".join(map(str, pages))
-            raise BackendError(
-                f"trtllm_mla on {sm_name(self._cc)} needs page size {sizes}; the KV pool has {pool.page_size}",
-                fix=f"load the model with page_size one of {sizes}",
-            )
+        self.gpu = gpu_of(self._cc)
+        self.require_pool()
         self._state_key = f"{self.name}:{id(self)}"
         self._graph: GraphBlockTable | None = None
 
     def decode_kernel(self) -> str:
-        """FlashInfer's name for the kernel family that decodes on this GPU."""
-        return "trtllm-gen" if self._cc in TRTLLM_GEN_SMS else "xqa"
+        """FlashInfer's name for the kernel family that decodes on this GPU (the declaration's variant)."""
+        return self.capabilities.kernel_on("decode", self.gpu).variant
 
     def kernels_for(self, layer) -> dict[str, str]:
         return {"prefill": "none (decode-only backend)",
@@ -119,38 +134,13 @@ class TrtllmMLABackend(AttentionBackend):
     # ---------------------------------------------------------------- per layer
 
     def extend(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-        raise BackendError(
-            "trtllm_mla is a decode-only backend: it has no extend (prefill) kernel",
-            fix="pair it with an MLA prefill backend, e.g. prefill_backend='flashinfer_mla' (or 'triton'), "
-                "decode_backend='trtllm_mla'",
-        )
+        self.check_layer("prefill", layer)  # raises: the declaration has no prefill kernel
+        raise AssertionError("unreachable: trtllm_mla declares no prefill kernel")
 
     def decode(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        self.check_layer("decode", layer)
         sig = LayerSignature.of(layer)
         rope = sig.head_dim - sig.v_head_dim
-        if layer.kind != "mla" or (sig.v_head_dim, rope) != (512, 64):
-            raise BackendError(
-                f"trtllm_mla serves DeepSeek MLA layers (latent 512, rope 64); layer {layer.layer_id} is "
-                f"{layer.kind} with q/k {sig.head_dim}, v {sig.v_head_dim}",
-                fix="choose backend='flashinfer_mla' or 'triton'",
-            )
-        if layer.index_head_dim:
-            raise BackendError(
-                f"layer {layer.layer_id} is sparse (NSA) MLA; trtllm_mla runs dense MLA decode here, which would "
-                "ignore the indexer's top-k selection",
-                fix="choose an NSA decode backend (triton or torch)",
-            )
-        if 64 < sig.num_heads < 128:
-            raise BackendError(
-                f"trtllm-gen MLA decode does not run {sig.num_heads} query heads (64 < heads < 128)",
-                fix="choose backend='flashinfer_mla' or 'triton'",
-            )
-        if self.decode_kernel() == "xqa" and sig.num_heads != XQA_NUM_HEADS:
-            raise BackendError(
-                f"XQA-MLA ({sm_name(self._cc)}) runs {XQA_NUM_HEADS} query heads only; layer {layer.layer_id} has "
-                f"{sig.num_heads}",
-                fix="choose backend='triton' on this GPU",
-            )
         step = meta.backend_state.get(self._state_key)
         if step is None:
             self.prepare(meta)

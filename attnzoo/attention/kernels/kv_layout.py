@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnzoo.attention.kv_layout import FP8_BLOCK, KVLayout
+from attnzoo.attention.kv_cache import FP8_BLOCK, KVLayout
 from attnzoo.errors import BackendError
 
 _LAYOUT_ID = {KVLayout.FP8_NOPE_FP8_ROPE: 1, KVLayout.FP8_NOPE_SCALED_BF16_ROPE: 2}

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from attnzoo.attention.kernels.common import MIN_TILE, dot_args, launch
 from attnzoo.attention.kernels.kv_layout import fp8_value
-from attnzoo.attention.kv_layout import FP8_BLOCK, KVLayout
+from attnzoo.attention.kv_cache import FP8_BLOCK, KVLayout
 from attnzoo.errors import BackendError
 
 _LAYOUT_ID = {KVLayout.BF16: 0, KVLayout.FP8_NOPE_FP8_ROPE: 1, KVLayout.FP8_NOPE_SCALED_BF16_ROPE: 2}

@@ -1,0 +1,145 @@
+"""Reference attention math in plain float32 torch: the oracle every kernel is tested against.
+
+It sits below the backends and the attention layers (the torch backend, the MLA and NSA layers and the
+tests build on it) and imports nothing of attnzoo's but the batch metadata type, so no import circle
+can pass through it: dense paged attention, and NSA's indexer scores, top-k selection and sparse MLA.
+"""
+from __future__ import annotations
+
+import torch
+
+from attnzoo.attention.metadata import BatchMetadata
+
+
+def gather_kv(cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[num_pages, heads, page_size, dim] pool view + a request's page ids -> [seq_len, heads, dim]."""
+    g = cache[pages]  # [n, heads, page_size, dim]
+    return g.permute(0, 2, 1, 3).reshape(-1, g.shape[1], g.shape[3])[:seq_len]
+
+
+def attention_reference(
+    q: torch.Tensor,  # [q_len, num_heads, head_dim]
+    k: torch.Tensor,  # [kv_len, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [kv_len, num_kv_heads, v_head_dim]
+    q_positions: torch.Tensor,  # [q_len] absolute positions of the queries (keys sit at 0..kv_len-1)
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:  # [q_len, num_heads, v_head_dim], float32
+    group = q.shape[1] // k.shape[1]
+    qf = q.float().transpose(0, 1)  # [H, q, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, kv, D]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = (qf @ kf.transpose(1, 2)) * scale  # [H, q, kv]
+    if logit_softcap:
+        scores = logit_softcap * torch.tanh(scores / logit_softcap)
+    kpos = torch.arange(k.shape[0], device=q.device)
+    qpos = q_positions.to(q.device).view(-1, 1)
+    visible = kpos.view(1, -1) <= qpos
+    if sliding_window:
+        visible &= kpos.view(1, -1) > qpos - sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ vf).transpose(0, 1)
+
+
+def dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """A gathered fp8 pool slice as float32 values (other dtypes pass through)."""
+    return x.float() * scale if x.dtype == torch.float8_e4m3fn else x
+
+
+def token_requests(meta: BatchMetadata) -> torch.Tensor:
+    """[num_tokens] int64: the request each row of the flat batch belongs to."""
+    dev = meta.positions.device
+    lens = torch.tensor(meta.q_lens_cpu, device=dev)
+    return torch.repeat_interleave(torch.arange(meta.num_reqs, device=dev), lens, output_size=meta.num_tokens)
+
+
+def _step_cached(meta: BatchMetadata, key: str, make):
+    """``make()``, computed once per step and shared by its layers. Not across a CUDA-graph capture's
+    start: a decode graph is captured right after an eager warm-up of the same step, and a tensor cached
+    there would be replayed with the warm-up's values; inside the capture it is recomputed (and recorded)."""
+    capturing = meta.positions.is_cuda and torch.cuda.is_current_stream_capturing()
+    hit = meta.backend_state.get(key)
+    if hit is None or hit[1] != capturing:
+        hit = meta.backend_state[key] = (make(), capturing)
+    return hit[0]
+
+
+def visible_positions(meta: BatchMetadata) -> torch.Tensor:
+    """[num_tokens, max_seq_len] int32: every position a token sees (j <= its position), -1 beyond.
+    Built once per step (every layer of a short-context step asks for the same matrix)."""
+    def make():
+        j = torch.arange(meta.max_seq_len, device=meta.positions.device, dtype=torch.int32)
+        return torch.where(j[None, :] <= meta.positions[:, None], j[None, :], -1)
+
+    return _step_cached(meta, "nsa:visible", make)
+
+
+def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """Index scores [T, S] float32 (-inf where not visible) -> [T, min(topk, S)] int32 positions, the
+    best first; -1 where fewer than topk tokens are visible."""
+    vals, idx = scores.topk(min(topk, scores.shape[-1]), dim=-1)
+    return idx.masked_fill(vals == float("-inf"), -1).to(torch.int32)
+
+
+def positions_to_slots(positions: torch.Tensor, meta: BatchMetadata, token_reqs: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+    """Positions [T, k] (-1 = none) -> pool slots [T, k] int64 (page * page_size + offset; -1 = none).
+    ``token_reqs``: ``token_requests(meta)`` when the caller already has it."""
+    def make():
+        ps = meta.page_size
+        pos = positions.long()
+        clamped = pos.clamp_min(0)
+        reqs = token_requests(meta) if token_reqs is None else token_reqs
+        pages = meta.block_tables.long()[reqs[:, None], clamped // ps]
+        return torch.where(pos >= 0, pages * ps + clamped % ps, -1)
+
+    visible = meta.backend_state.get("nsa:visible")
+    if visible is not None and positions is visible[0]:  # the same for every layer of the step
+        return _step_cached(meta, "nsa:visible_slots", make)
+    return make()
+
+
+def indexer_scores_reference(
+    index_k: torch.Tensor,  # [num_pages, page_size, D] the pool's indexer keys
+    q: torch.Tensor,  # [T, Hi, D], roped
+    weights: torch.Tensor,  # [T, Hi] float32, already / sqrt(Hi)
+    meta: BatchMetadata,
+    *,
+    scale: float,  # 1 / sqrt(D)
+) -> torch.Tensor:  # [T, max_seq_len] float32, -inf where not visible
+    """The indexer's scores in float32, one request at a time, in the reference's order of operations."""
+    ps = meta.page_size
+    out = torch.full((q.shape[0], meta.max_seq_len), float("-inf"), dtype=torch.float32, device=q.device)
+    start = 0
+    for i, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.q_lens_cpu)):
+        pos = torch.arange(seq_len, device=q.device)
+        keys = index_k[meta.block_tables[i].long()[pos // ps], pos % ps].float()  # [S, D]
+        rows = slice(start, start + q_len)
+        s = torch.relu(torch.matmul(q[rows].float(), keys.T) * scale)  # [q_len, Hi, S]
+        scores = torch.matmul(weights[rows, None, :], s)[:, 0]  # [q_len, S]
+        visible = pos[None, :] <= meta.positions[rows, None]
+        out[rows, :seq_len] = scores.masked_fill(~visible, float("-inf"))
+        start += q_len
+    return out
+
+
+def sparse_mla_reference(
+    entries: torch.Tensor,  # [num_slots, rank + rope]: the cache's entries, flat by slot
+    q: torch.Tensor,  # [T, H, rank + rope], absorbed
+    slots: torch.Tensor,  # [T, k] int64 slots of the selected tokens, -1 = none
+    *,
+    rank: int,
+    scale: float,
+) -> torch.Tensor:  # [T, H, rank] float32
+    """Absorbed MLA of each query over its selected entries only, in float32."""
+    kv = entries[slots.clamp_min(0)].float()  # [T, k, rank + rope]
+    s = torch.einsum("thd,tkd->thk", q.float(), kv) * scale
+    s = s.masked_fill((slots < 0)[:, None, :], float("-inf"))
+    return torch.einsum("thk,tkr->thr", torch.softmax(s, dim=-1), kv[..., :rank])
+
+
+def entries_of(layer, pool) -> torch.Tensor:
+    """The pool's MLA entries of ``layer``, flat by slot: [num_pages * page_size, rank + rope]."""
+    return pool.k(layer.layer_id).view(-1, layer.head_dim)

@@ -1,0 +1,25 @@
+"""Imports deferred until first use: the registries' "module:Name" entries (models, attention backends),
+and modules whose import pulls in an optional kernel library (Triton)."""
+from __future__ import annotations
+
+import importlib
+
+
+def import_object(spec: str):
+    """``"package.module:Name"`` -> that object, importing its module now (registries call this on use)."""
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class _LazyModule:
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
+
+
+def lazy_module(name: str) -> _LazyModule:
+    """Module ``name``, imported on first attribute access. The page-table kernels import Triton: a
+    backend module holding them this way stays importable (its declaration readable) without it."""
+    return _LazyModule(name)
