@@ -132,6 +132,8 @@ def test_bad_tile_tables_are_clear_errors(tmp_path):
     key = tile_key(64, 1408, 2048, "fp8")
     with pytest.raises(BackendError, match="cannot run"):  # FP8 K tiles must stay inside one scale group
         write_tile_table(tmp_path / "t.json", "GPU", "90", {key: {1: MoEConfig(16, 64, 256)}})
+    with pytest.raises(BackendError, match="cannot run"):  # an 8-bit tl.dot needs K >= 32 on the GPU
+        write_tile_table(tmp_path / "t.json", "GPU", "90", {key: {1: MoEConfig(16, 64, 16)}})
     assert not (tmp_path / "t.json").exists()
     (tmp_path / "u.json").write_text('{"device": "GPU", "sm": "90", "configs": {"k": {"1": {"block_m": 16}}}}')
     with pytest.raises(BackendError, match="unreadable"):
