@@ -29,7 +29,8 @@ class RecordingWrapper:
     def reset_workspace_buffer(self, *, float_workspace_buffer, int_workspace_buffer):
         self.int_workspace = int_workspace_buffer
 
-    def run(self, *, q, paged_kv_cache, return_lse=False):
+    def run(self, *, q, paged_kv_cache, return_lse=False, **scales):
+        self.scales = scales
         out = torch.zeros_like(q)
         return (out, torch.zeros(q.shape[:2])) if return_lse else out
 
@@ -240,3 +241,28 @@ def test_graph_steps_plan_bucket_wrappers_over_shared_static_buffers(monkeypatch
         a, b = wrappers[4][sig], wrappers[2][sig]
         assert a is not b and a.int_workspace is b.int_workspace
         assert a.kwargs["paged_kv_indices_buffer"].data_ptr() == b.kwargs["paged_kv_indices_buffer"].data_ptr()
+
+
+def test_fp8_pool_plans_fp8_kv_and_runs_with_the_pool_scales(monkeypatch):
+    """fp8 KV: every wrapper (the cascade's shared and rest ones too) is planned with kv_data_type
+    float8_e4m3fn and bf16 queries, and run with the pool's k_scale/v_scale (FlashInfer's run() keywords)."""
+    layer = Attention(0, 8, 2, 64)
+    fake = SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=RecordingWrapper,
+                           BatchDecodeWithPagedKVCacheWrapper=RecordingWrapper, merge_state=merge_state)
+    monkeypatch.setattr(fi_backend, "load_flashinfer", lambda name: fake)
+    monkeypatch.setattr(fi_backend, "compute_capability", lambda name, device: (9, 0))
+    pool = KVPool([layer.kv_cache_spec()], num_pages=16, page_size=16, dtype=torch.bfloat16, device="cpu",
+                  kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=2.0)
+    with pytest.raises(BackendError, match="fp8 KV cache"):
+        fi_backend.FlashInferBackend(pool, decode_variant="fa3")
+    be = fi_backend.FlashInferBackend(pool)
+    tables = [[3, 4, 5, 9], [3, 4, 5, 10, 11], [3, 4, 5, 12]]
+    meta = build_metadata(prefix_lens=[49, 69, 48], q_lens=[1, 1, 1], block_tables=tables, page_size=16,
+                          device="cpu", detect_shared_prefix=True)
+    be.prepare(meta)
+    be.decode(layer, torch.randn(3, 8, 64, dtype=torch.bfloat16), meta)
+    shared, rest = (next(iter(d.values())) for d in be._cascade_wrappers[fi_backend.LayerSignature.of(layer)])
+    for w in (shared, rest):
+        assert w.plans[-1]["kv_data_type"] == torch.float8_e4m3fn and w.plans[-1]["q_data_type"] == torch.bfloat16
+        assert w.scales == {"k_scale": 0.5, "v_scale": 2.0}
+    assert be.prefill_kernel(64, 64) == "fa2"  # FA3 prefill takes fp8 KV only with fp8 queries

@@ -132,6 +132,8 @@ def test_bad_tile_tables_are_clear_errors(tmp_path):
     key = tile_key(64, 1408, 2048, "fp8")
     with pytest.raises(BackendError, match="cannot run"):  # FP8 K tiles must stay inside one scale group
         write_tile_table(tmp_path / "t.json", "GPU", "90", {key: {1: MoEConfig(16, 64, 256)}})
+    with pytest.raises(BackendError, match="cannot run"):  # an 8-bit tl.dot needs K >= 32 on the GPU
+        write_tile_table(tmp_path / "t.json", "GPU", "90", {key: {1: MoEConfig(16, 64, 16)}})
     assert not (tmp_path / "t.json").exists()
     (tmp_path / "u.json").write_text('{"device": "GPU", "sm": "90", "configs": {"k": {"1": {"block_m": 16}}}}')
     with pytest.raises(BackendError, match="unreadable"):
@@ -372,6 +374,28 @@ def test_gpu_realistic_shapes(t, shape):
         assert not out.any()
     else:
         assert rel_err(out, ref) < 1e-2
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("held,start", [(256, 0), (32, 64)])
+def test_gpu_align_at_the_largest_chunk(held, start):
+    """The sort at MAX_CHUNK_TOKENS x top-8 of 256 experts (32768 assignments, tl.histogram over 512 bins),
+    all experts held or 32 of them (an expert-parallel share): every local assignment once, in its
+    expert's blocks, padding the sentinel."""
+    t, k, e, bm = 4096, 8, 256, 64
+    _, ids = routing(t, k, e, seed=1)
+    sorted_ids, expert_ids, total = moe_align_block_size(ids, bm, held, expert_start=start)
+    flat = ids.flatten().cpu() - start
+    local = (flat >= 0) & (flat < held)
+    counts = torch.bincount(flat[local], minlength=held)
+    n = int(total)
+    assert n == int(((counts + bm - 1) // bm * bm).sum())
+    rows, owner = sorted_ids[:n].cpu().long(), expert_ids[: n // bm].cpu().long().repeat_interleave(bm)
+    real = rows < t * k
+    assert torch.equal(rows[real].sort().values, torch.nonzero(local).flatten())
+    assert (rows[~real] == t * k).all()
+    assert torch.equal(flat[rows[real]], owner[real])
 
 
 @gpu

@@ -67,6 +67,11 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
+        # The capture's host lists say every row holds max_context tokens (_meta): the device lengths must
+        # agree, or a backend that sizes page lists from the host and fills them from the device (FlashInfer's
+        # kv_indices) leaves entries unwritten, which the eager warm-up then reads as page ids. The block
+        # tables are all page 0 here, so every row reads page 0.
+        self.seq_lens.fill_(self.max_context)
         for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
             meta = self.metas[bs] = self._meta(bs)
             # The backend's per-step preparation runs eagerly, outside the graph, before capture and

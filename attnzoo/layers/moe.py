@@ -261,13 +261,14 @@ def gpu_slug(name: str) -> str:
 
 def check_config(cfg: MoEConfig, fp8: bool, where: str) -> MoEConfig:
     """A tile the kernels can run: powers of two, BLOCK_M >= 16 (tensor-core rows), FP8 K tiles inside one
-    128-channel scale group."""
+    128-channel scale group and >= 32 (Triton's smallest K for an 8-bit tl.dot on NVIDIA GPUs)."""
     ints = [cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_warps, cfg.num_stages]
     pow2 = all(isinstance(v, int) and v > 0 and v & (v - 1) == 0 for v in ints[:5])
     if not (pow2 and isinstance(cfg.num_stages, int) and 1 <= cfg.num_stages <= 8 and cfg.block_m >= 16
-            and cfg.block_n >= 16 and cfg.block_k >= 16 and (not fp8 or QUANT_GROUP % cfg.block_k == 0)):
+            and cfg.block_n >= 16 and cfg.block_k >= 16
+            and (not fp8 or (QUANT_GROUP % cfg.block_k == 0 and cfg.block_k >= 32))):
         raise BackendError(f"MoE tile config {cfg} in {where} cannot run", fix=(
-            "use powers of two (BLOCK_M/N/K >= 16; FP8 BLOCK_K dividing 128) and 1-8 stages, or delete the entry "
+            "use powers of two (BLOCK_M/N/K >= 16; FP8 BLOCK_K 32, 64 or 128) and 1-8 stages, or delete the entry "
             "and re-run benchmarks/moe.py --sweep"))
     return cfg
 

@@ -217,6 +217,10 @@ class FlashInferBackend(AttentionBackend):
                 f"FlashInfer's FA3 kernels run on SM90 only; this GPU is {sm_name(self._cc)}",
                 fix="use decode_variant='fa2'",
             )
+        if decode_variant == "fa3" and pool.is_fp8:  # as for prefill: FA3 takes fp8 KV only with fp8 queries
+            raise BackendError("FlashInfer's FA3 decode variant does not read an fp8 KV cache with "
+                               f"{str(pool.dtype).removeprefix('torch.')} queries",
+                               fix="use decode_variant='fa2' with kv_cache_dtype='fp8_e4m3'")
         self._prefill_variant = prefill_variant
         self._decode_variant = decode_variant
         self._prefill_wrappers: dict[LayerSignature, object] = {}

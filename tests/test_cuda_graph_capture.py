@@ -1,0 +1,71 @@
+"""DecodeGraphs' capture and replay metadata, on CPU with torch.cuda's graph calls replaced by no-ops.
+
+The contract (attention/backends/base.py): the meta a backend sees under prepare_graph holds the static
+device buffers and host lists padded to the bucket; here we check that the two agree at capture and at
+replay, since backends size page lists from the host lists and fill them from the device tensors.
+"""
+import contextlib
+from types import SimpleNamespace
+
+import torch
+
+from attnzoo.attention.metadata import build_metadata
+from attnzoo.engine import cuda_graph
+
+
+class _Stream:
+    def wait_stream(self, other):
+        pass
+
+
+class _Graph:
+    def replay(self):
+        pass
+
+
+def _no_cuda_graphs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+
+class RecordingBackend:
+    def __init__(self):
+        self.seen = []
+
+    def init_graph_state(self, max_batch_size, max_pages_per_req):
+        self.sizes = (max_batch_size, max_pages_per_req)
+
+    def prepare_graph(self, meta, capturing):
+        self.seen.append((capturing, meta.num_reqs, meta.seq_lens.tolist(), list(meta.seq_lens_cpu),
+                          meta.block_tables.shape))
+
+
+class TinyModel:
+    def __call__(self, ids, positions, ctx):
+        return torch.zeros(ids.shape[0], 4)
+
+
+def test_capture_and_replay_device_lengths_match_the_host_lists(monkeypatch):
+    _no_cuda_graphs(monkeypatch)
+    pool = SimpleNamespace(device=torch.device("cpu"), page_size=16)
+    backend = RecordingBackend()
+    graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, backend, max_batch=4, max_context=40, buckets=(1, 2))
+    assert backend.sizes == (4, 3) and graphs.max_context == 48
+    captured = [s for s in backend.seen if s[0]]
+    assert [s[1] for s in captured] == [4, 2, 1]  # largest bucket first
+    for _, bs, dev, host, table in captured:
+        assert dev == host == [48] * bs and table == (bs, 3)  # every row at the longest context, in page 0
+    backend.seen.clear()
+    meta = build_metadata(prefix_lens=[20, 33, 5], q_lens=[1, 1, 1], block_tables=[[5, 6], [7, 8, 9], [4]],
+                          page_size=16, device="cpu")
+    hidden = graphs.replay(torch.tensor([1, 2, 3]), meta)
+    assert hidden.shape == (3, 4)
+    (capturing, bs, dev, host, _), = backend.seen
+    assert not capturing and bs == 4
+    assert dev == host == [21, 34, 6, 1]  # padding row: one token in page 0
+    assert graphs.block_tables[:4].tolist() == [[5, 6, 0], [7, 8, 9], [4, 0, 0], [0, 0, 0]]
