@@ -194,7 +194,8 @@ def warm_up(llm, prompts) -> dict:
     the first decode step's logits are finite: a run on NaNs would still report tokens/s."""
     t0 = time.perf_counter()
     outs = llm.generate(prompts[:2], max_new_tokens=4, ignore_eos=True, return_logits=True)
-    torch.cuda.synchronize()
+    if llm.device.type == "cuda":
+        torch.cuda.synchronize()
     first = torch.stack([o.logits[1] for o in outs])  # logits[0]: the prefill's; [1]: the first decode step's
     res = {"first_generate_s": round(time.perf_counter() - t0, 2),
            "first_decode_logits_finite": bool(torch.isfinite(first).all()),

@@ -452,7 +452,7 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
     model.eval()
     tokenizer = loader.load_tokenizer(src) if src else None
     timings["weights_s"] = lap()
-    say(f"loaded in {time.perf_counter() - t0:.1f} s")
+    say(f"loaded in {time.perf_counter() - t0:.1f} s (model built in {timings['build_s']:.1f} s)")
 
     text_config = getattr(config, "text_config", None) or config
     context_len = int(getattr(text_config, "max_position_embeddings", 4096))
