@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DeepseekV3Config
@@ -16,7 +17,7 @@ from attnzoo.layers.moe import FusedMoE
 from attnzoo.layers.parallel import TPContext
 from attnzoo.models.quantization import plan_weights
 from attnzoo.models.registry import model_class
-from test_fp8 import QUANT, TINY_V3
+from test_fp8 import QUANT, TINY_V3, _needs_fp8_gpu
 from test_tensor_parallel import FP8_ALIGNED
 
 E, H, I = 8, 200, 72  # routed experts, hidden, expert intermediate (partial 128-blocks on both sides)
@@ -138,3 +139,21 @@ def test_random_fp8_v3_at_tp2_over_gloo():
         assert set(info["load_timings"]) == {"build_s", "weights_s", "kv_cache_s"}
     finally:
         llm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_random_fp8_v3_is_drawn_on_the_gpu_deterministic_and_finite():
+    """On the GPU: codes drawn there (CUDA RNG), the same per seed, the fused FP8 MoE and FP8 GEMMs give
+    finite logits with CUDA graphs on, and each load phase is timed."""
+    _needs_fp8_gpu()
+    kw = dict(load_format="random", backend="triton", device="cuda", dtype="bfloat16", kv_cache_tokens=4096,
+              max_running=8)
+    a, b = (attnzoo.load_model(DeepseekV3Config(**CONFIG), seed=3, **kw) for _ in range(2))
+    moe = a.model.model.layers[1].mlp.experts
+    assert moe.w13.is_cuda and moe.w13.dtype == FP8
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    assert all(torch.equal(_bits(pa[n]), _bits(pb[n])) for n in pa)
+    out = a.generate([[5, 6, 7, 8]], max_new_tokens=4, ignore_eos=True, return_logits=True)[0]
+    assert torch.isfinite(out.logits).all() and a.engine.graphs is not None
+    assert set(a.info()["load_timings"]) == {"build_s", "weights_s", "kv_cache_s", "cuda_graphs_s"}
