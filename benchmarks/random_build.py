@@ -93,14 +93,14 @@ def main():
     if prof:
         prof.disable()
     seconds = time.perf_counter() - t0
+    peak = (torch.cuda.max_memory_allocated(dev) if dev.type == "cuda"  # the process's, on a CPU
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     have = param_bytes(model)
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters() if p.element_size() > 1)
     del model
     full = param_bytes(build(config_for(args.shape, None, None, args.weights), tp=args.tp, device=torch.device("meta"),
                              plan_device=dev))
     scale = sum(full.values()) / sum(have.values())
-    peak = (torch.cuda.max_memory_allocated(dev) if dev.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     out = {"shape": args.shape, "layers": config.num_hidden_layers, "experts": getattr(config, "n_routed_experts", None),
            "weights": args.weights, "tp": args.tp, "device": str(dev), "build_s": round(seconds, 2),
            "param_gib": round(sum(have.values()) / 2**30, 3), "expert_gib": round(have["expert"] / 2**30, 3),
