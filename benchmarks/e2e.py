@@ -189,6 +189,33 @@ def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: b
     return total
 
 
+def warm_up(llm, prompts) -> dict:
+    """The first generate (two prompts, 4 tokens: the kernels' JIT happens here), timed, and a check that
+    the first decode step's logits are finite: a run on NaNs would still report tokens/s."""
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts[:2], max_new_tokens=4, ignore_eos=True, return_logits=True)
+    if llm.device.type == "cuda":
+        torch.cuda.synchronize()
+    first = torch.stack([o.logits[1] for o in outs])  # logits[0]: the prefill's; [1]: the first decode step's
+    res = {"first_generate_s": round(time.perf_counter() - t0, 2),
+           "first_decode_logits_finite": bool(torch.isfinite(first).all()),
+           "first_decode_logits_absmax": round(float(first.abs().max()), 3),
+           "first_decode_logits_std": round(float(first.std()), 3)}
+    print(f"first generate (JIT included): {res['first_generate_s']} s; first decode logits finite: "
+          f"{res['first_decode_logits_finite']} (max |logit| {res['first_decode_logits_absmax']}, "
+          f"std {res['first_decode_logits_std']})", flush=True)
+    if not res["first_decode_logits_finite"]:
+        raise SystemExit("the first decode step's logits are not all finite: the numbers would be measured on NaNs")
+    return res
+
+
+def load_timings(llm, load_s: float) -> dict:
+    """load_model's phases (this process's rank), printed as they are the first thing a short GPU call needs."""
+    timings = {"load_s": round(load_s, 2), **llm.info()["load_timings"]}
+    print(f"load_model: {json.dumps(timings)}", flush=True)
+    return timings
+
+
 def run_transformers(config, prompts, new_tokens, batch_size) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -216,22 +243,30 @@ def run_transformers(config, prompts, new_tokens, batch_size) -> dict:
 
 
 def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, cascade: bool | None,
-                extra: dict | None = None) -> dict:
-    """One engine run of the workload. backend "default": the policy's choice; max_running None: the engine's."""
+                extra: dict | None = None, dry_run: bool = False) -> dict:
+    """One engine run of the workload. backend "default": the policy's choice; max_running None: the engine's.
+    ``dry_run``: load and warm up only (the timings of each phase, the logits check)."""
     import attnzoo
 
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    kwargs = dict(extra or {})
+    kwargs = {"progress": True, **(extra or {})}  # progress: each load phase's line in the log, as it ends
     if max_running is not None:
         kwargs["max_running"] = max_running
+    t_load = time.perf_counter()
     llm = attnzoo.load_model(config, load_format="random", backend=None if backend == "default" else backend,
                              dtype="bfloat16", device="cuda", cascade=cascade, **kwargs)
+    timings = load_timings(llm, time.perf_counter() - t_load)
     # Warm-up: kernels compile here, the cascade ones too (two requests sharing the prefix).
     threshold, llm.engine.cascade_min_saved_tokens = llm.engine.cascade_min_saved_tokens, 1
-    llm.generate(prompts[:2], max_new_tokens=4, ignore_eos=True)
+    timings.update(warm_up(llm, prompts))
     llm.engine.cascade_min_saved_tokens = threshold
+    if dry_run:
+        info = llm.info()
+        return {"engine": "attnzoo", "backend": f"attnzoo prefill={info['prefill_backend']} decode={info['decode_backend']}",
+                "dry_run": True, **timings, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "kv_cache_tokens": info["kv_cache_tokens"], "weights": info["weights"]}
     llm.engine.graph_stats = dict.fromkeys(llm.engine.graph_stats, 0)
     llm.engine.step_log = []
     torch.cuda.synchronize()
@@ -264,6 +299,7 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
         "roofline_s": roof, "roofline_fraction": roof / wall, "roofline_plain_s": roof_plain,
         "weights_gib": (prof["dense_bytes"] + prof["expert_bytes"]) / 2**30,
         "prefix_cache_pages": len(llm.engine.prefix_cache) if llm.engine.prefix_cache is not None else 0,
+        **timings,
     }
     for key in ("weights", "kv_cache_dtype", "tensor_parallel_size"):
         if key in info:
@@ -308,6 +344,9 @@ def main(argv=None):
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
                     help="fp8: DeepSeek-V3's block-scaled FP8 format (quantization_config as in the official checkpoints)")
     ap.add_argument("--load-kwargs", default="{}", help="extra load_model keywords as JSON, e.g. '{\"page_size\": 64}'")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="load and warm up only: print each load phase's time, the first generate's (JIT) and the "
+                         "logits check, no workload, no transformers baseline")
     ap.add_argument("--index-topk", type=int, default=None,
                     help="dsv32: tokens the indexer selects per query (the model's 2048 exceeds every context of "
                          "this workload, where selection keeps them all; a smaller value measures the sparse path)")
@@ -323,15 +362,16 @@ def main(argv=None):
         args.prompts, args.hf_prompts = 200, min(args.hf_prompts, 64)
     prompts, data = load_prompts(args.prompts)
 
-    limits = device_limits()
-    print(f"device {torch.cuda.get_device_name()}: copy {limits['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
-          f"bf16 matmul {limits['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    limits = {} if args.dry_run else device_limits()  # the roofline's: a dry run has none to compute
+    if limits:
+        print(f"device {torch.cuda.get_device_name()}: copy {limits['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+              f"bf16 matmul {limits['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     results = []
     hf = None
     if args.hf_baseline:
         hf = next(r for r in json.loads(Path(args.hf_baseline).read_text())["results"] if r["backend"].startswith("transformers"))
         hf["reused_from"] = args.hf_baseline
-    elif args.hf_prompts:
+    elif args.hf_prompts and not args.dry_run:
         hf = run_transformers(config, prompts[: args.hf_prompts], args.new_tokens, args.hf_batch)
     if hf is not None:
         print(json.dumps(hf), flush=True)
@@ -346,8 +386,8 @@ def main(argv=None):
         elif b == "default" and args.cascade != "auto":
             modes = {"both": [False, None], "on": [None], "off": [False]}[args.cascade]
         for cascade in modes:
-            r = run_attnzoo(config, prompts, args.new_tokens, b, args.max_running, limits, cascade, extra)
-            if hf is not None:
+            r = run_attnzoo(config, prompts, args.new_tokens, b, args.max_running, limits, cascade, extra, args.dry_run)
+            if hf is not None and not args.dry_run:
                 r["vs_transformers"] = r["output_tok_per_s"] / hf["output_tok_per_s"]
             print(json.dumps(r), flush=True)
             results.append(r)
@@ -359,6 +399,8 @@ def main(argv=None):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    if args.dry_run:
+        return results
     print_table(results)
     try:
         import matplotlib

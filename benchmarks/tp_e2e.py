@@ -19,6 +19,11 @@ layers, 64 heads / 8 KV heads; does not fit one GPU with a useful KV cache, so r
     python benchmarks/tp_e2e.py --shape llama70b --tp 2 --out benchmarks/results/tp_e2e_llama70b_2xh200
     python benchmarks/tp_e2e.py --shape dsv3 --weights fp8 --tp 8 --out benchmarks/results/tp_e2e_dsv3_fp8_8xh200
     python benchmarks/tp_e2e.py --shape dsv3 --layers 8 --weights fp8 --tp 2 ...   # reduced depth on 2 GPUs
+
+Every run prints load_model's phases as they end (build: random weights drawn on each rank's GPU; KV cache:
+rank 0 also waits there for the slowest rank; CUDA graphs: capture and the decode kernels' JIT), then the
+first generate's time (the prefill kernels' JIT) and whether the first decode step's logits are finite.
+``--dry-run`` stops there (no workload, no roofline measurement): where a short GPU call's minutes go.
 """
 from __future__ import annotations
 
@@ -36,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from attention_triton import versions  # noqa: E402
-from e2e import FP8_BLOCK_CONFIG, SHAPE_NAMES, device_limits, model_profile, roofline_seconds  # noqa: E402
+from e2e import (  # noqa: E402
+    FP8_BLOCK_CONFIG, SHAPE_NAMES, device_limits, load_timings, model_profile, roofline_seconds, warm_up,
+)
 from e2e import make_config as e2e_make_config  # noqa: E402
 
 LABELS = {"llama70b": "Llama-3.1-70B-shaped", "gemma4-31b": "Gemma-4-31B-shaped (text model)",
@@ -74,7 +81,8 @@ def gpu_used_gib() -> list[float]:
     return out
 
 
-def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_running: int, limits: dict) -> dict:
+def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_running: int, limits: dict,
+        dry_run: bool = False) -> dict:
     import attnzoo
 
     gc.collect()
@@ -82,14 +90,21 @@ def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_r
     torch.cuda.reset_peak_memory_stats()
     t_load = time.perf_counter()
     llm = attnzoo.load_model(config, load_format="random", backend=backend, dtype="bfloat16", device="cuda",
-                             max_running=max_running, tensor_parallel_size=tp)
+                             max_running=max_running, tensor_parallel_size=tp, progress=True)
     load_s = time.perf_counter() - t_load
     try:
+        timings = load_timings(llm, load_s)
         weights = llm.info()["weights"]
         for key in ("dequantized_at_load", "split_blocks"):  # FP8 runs: every FP8 layer stays FP8 on every rank
             if key in weights:
                 raise SystemExit(f"{key}: {weights[key]}")
-        llm.generate(prompts[:2], max_new_tokens=4, ignore_eos=True)  # warm-up: kernels compile
+        timings.update(warm_up(llm, prompts))  # kernels compile
+        if dry_run:
+            info = llm.info()
+            return {"tensor_parallel_size": tp, "dry_run": True, **timings, "prefill_backend": info["prefill_backend"],
+                    "decode_backend": info["decode_backend"], "kv_cache_tokens": info["kv_cache_tokens"],
+                    "rank0_peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "gpu_used_gib": gpu_used_gib(),
+                    "weights": weights}
         llm.engine.graph_stats = dict.fromkeys(llm.engine.graph_stats, 0)
         llm.engine.step_log = []
         torch.cuda.synchronize()
@@ -114,7 +129,7 @@ def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_r
             "rank_weights_gib": (prof["dense_bytes"] + prof["expert_bytes"]) / 2**30,
             "roofline_s": roof, "roofline_fraction": roof / wall, "steps": len(llm.engine.step_log),
             "graph_steps": llm.engine.graph_stats["replayed"], "eager_steps": llm.engine.graph_stats["eager"],
-            "max_running": max_running, "decision_profile": info["decision"]["profile"],
+            "max_running": max_running, "decision_profile": info["decision"]["profile"], **timings,
         }
     finally:
         llm.close()
@@ -135,6 +150,8 @@ def main():
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
                     help="fp8: DeepSeek-V3's block-scaled FP8 format (as e2e.py --weights fp8)")
     ap.add_argument("--layers", type=int, default=None, help="reduce depth (a quick check of the setup)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="load and warm up only: each load phase's time, the first generate's (JIT), the logits check")
     args = ap.parse_args()
 
     config, label = make_config(args.shape, args.layers)
@@ -143,15 +160,15 @@ def main():
     data = json.loads((Path(__file__).parent / "data" / "gsm8k_8shot_tokens.json").read_text())
     prompts = [data["prefix"] + q for q in data["questions"]][: args.prompts]
     results = []
-    limits = device_limits()
+    limits = {} if args.dry_run else device_limits()
     for tp in (int(t) for t in args.tp.split(",")):
         r = run(config, prompts, tp=tp, new_tokens=args.new_tokens, backend=args.backend, max_running=args.max_running,
-                limits=limits)
+                limits=limits, dry_run=args.dry_run)
         print(json.dumps({k: v for k, v in r.items() if k != "decision_profile"}), flush=True)
         results.append(r)
     base = next((r for r in results if r["tensor_parallel_size"] == 1), None)
     for r in results:
-        if base is not None:
+        if base is not None and not args.dry_run:
             r["speedup_vs_tp1"] = r["output_tok_per_s"] / base["output_tok_per_s"]
             r["kv_capacity_vs_tp1"] = r["kv_cache_tokens"] / base["kv_cache_tokens"]
 
@@ -162,6 +179,8 @@ def main():
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
+    if args.dry_run:
+        return
     print(f"\n{label}, {meta['device']}")
     print(f"{'TP':>3s} {'decode':>12s} {'tok/s':>9s} {'x TP1':>6s} {'TTFT s':>7s} {'TPOT ms':>8s} {'KV tokens':>10s} "
           f"{'peak GiB':>8s} {'roofline':>8s}  GPU used GiB")

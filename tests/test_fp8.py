@@ -12,7 +12,7 @@ import attnzoo
 from attnzoo.errors import ModelLoadError, WeightError
 from attnzoo.layers.fp8 import (
     FP8, GEMM_TRITON, Fp8Format, Fp8Linear, Fp8MergedLinear, act_quant, act_quant_reference, dequantize, quantize_weight, w8a8_block_matmul,
-    w8a8_block_matmul_reference,
+    w8a8_block_matmul_reference, CODE_RMS,
 )
 from helpers import random_prompts
 
@@ -246,10 +246,13 @@ def test_random_weight_fp8_model_and_dtype_moves():
     cfg = DeepseekV3Config(**TINY_V3, quantization_config=QUANT, architectures=["DeepseekV3ForCausalLM"])
     llm = attnzoo.load_model(cfg, load_format="random", backend="torch", device="cpu", fp8_weights="fp8")
     lin = llm.model.model.layers[0].self_attn.q_kv_a_proj
-    assert isinstance(lin, Fp8Linear) and lin.weight.float().abs().max() == 448
-    gate_up = llm.model.model.layers[0].mlp.gate_up_proj  # quantized part by part: 3 blocks of rows each
+    # Random codes +-[1, 1.875] drawn as FP8, one factor per block: nn.Linear's spread, 1 / sqrt(3 * 200).
+    codes = lin.weight.float().abs()
+    assert isinstance(lin, Fp8Linear) and codes.min() == 1 and codes.max() == 1.875
+    assert torch.allclose(lin.weight_scale_inv, torch.full_like(lin.weight_scale_inv, 600**-0.5 / CODE_RMS))
+    assert abs(float(lin.dequantized(torch.float32).std()) * 600**0.5 - 1) < 0.02
+    gate_up = llm.model.model.layers[0].mlp.gate_up_proj  # parts blocked apart: 3 blocks of rows each
     assert isinstance(gate_up, Fp8MergedLinear) and gate_up.weight_scale_inv.shape == (6, 2)
-    assert all(gate_up.weight[r].float().abs().max() == 448 for r in gate_up.part_rows().values())
     assert llm.info()["weights"]["format"] == "fp8 block 128x128, e4m3 (random weights)"
     lin.to(torch.bfloat16)  # model.to(dtype) must not turn codes or factors into bf16 numbers
     assert lin.weight.dtype == FP8 and lin.weight_scale_inv.dtype == torch.float32

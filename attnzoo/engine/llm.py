@@ -87,7 +87,7 @@ def _tensor_parallel_call(method):
 
 class LLM:
     def __init__(self, *, model, tokenizer, config, architecture, source, decision, pool, engine, dtype, device,
-                 progress: bool = False, tp=None):
+                 progress: bool = False, tp=None, load_timings: dict | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -99,6 +99,7 @@ class LLM:
         self.dtype = dtype
         self.device = device
         self.tp = tp  # TPGroup when tensor parallel, else None
+        self.load_timings = dict(load_timings or {})  # seconds per load_model phase (this rank's)
         self.progress = progress  # status lines on stderr (generate's progress when no on_finish is given)
         # One engine runs one batch at a time: concurrent calls would over-commit its KV reservations.
         self._lock = threading.RLock()  # re-entered by a tensor-parallel call (_tensor_parallel_call)
@@ -307,6 +308,9 @@ class LLM:
             # > 1: kv_bytes_per_token and the KV capacity are per rank (each holds its own heads)
             "tensor_parallel_size": 1 if self.tp is None else self.tp.ctx.world_size,
             "weights": dict(self.decision.weights),
+            # build_s (model construction; random weights drawn), weights_s (checkpoint read, GEMMs chosen),
+            # kv_cache_s (rank 0: waits for the slowest rank too), cuda_graphs_s (capture, decode kernels' JIT)
+            "load_timings": dict(self.load_timings),
             "decision": self.decision.to_dict(),
         }
 
@@ -430,6 +434,7 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
                            checkpoint_names=loader.checkpoint_tensor_names(src) if load_format == "auto" else None)
 
     t0 = time.perf_counter()
+    lap, timings = _stopwatch(dev), {}
     say(f"loading {src.name if src else arch} ({arch}, {str(dt).replace('torch.', '')}) on {dev} ...")
 
     # Seeded random init (load_format="random") without touching the caller's global RNG state.
@@ -437,6 +442,7 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
         torch.manual_seed(seed)
         with torch.device(dev), _default_dtype(dt):  # build in place: no float32 copy of a large model
             model = weights.build(cls if tp is None else functools.partial(cls, tp=tp.ctx), config)
+    timings["build_s"] = lap()
     if load_format == "auto":
         model.load_weights(weights.tensors(model, loader.iter_weights(src, config)))
     else:
@@ -445,7 +451,8 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
     decision.weights = weights.describe()
     model.eval()
     tokenizer = loader.load_tokenizer(src) if src else None
-    say(f"loaded in {time.perf_counter() - t0:.1f} s")
+    timings["weights_s"] = lap()
+    say(f"loaded in {time.perf_counter() - t0:.1f} s (model built in {timings['build_s']:.1f} s)")
 
     text_config = getattr(config, "text_config", None) or config
     context_len = int(getattr(text_config, "max_position_embeddings", 4096))
@@ -468,17 +475,19 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
         max_batch_tokens=max_batch_tokens if max_batch_tokens is not None else (8192 if dev.type == "cuda" else 2048), max_running=max_running,
         prefix_caching=prefix_caching, cascade=cascade,
     )
+    timings["kv_cache_s"] = lap()
     if cuda_graph is None:
         cuda_graph = dev.type == "cuda" and dec.supports_cuda_graph
     if cuda_graph:
         say("capturing CUDA graphs for decode ...")
         engine.enable_cuda_graphs(max_batch=engine.max_running, max_context=min(context_len, cuda_graph_max_context))
+        timings["cuda_graphs_s"] = lap()
     if src is None:
         src = loader.CheckpointSource(f"random-weight {arch}", None)
     say(f"ready in {time.perf_counter() - t0:.1f} s (prefill {decision.prefill_backend}, decode {decision.decode_backend})")
     engine.tp = tp
     return LLM(model=model, tokenizer=tokenizer, config=config, architecture=arch, source=src, decision=decision,
-               pool=pool, engine=engine, dtype=dt, device=dev, progress=say is _say, tp=tp)
+               pool=pool, engine=engine, dtype=dt, device=dev, progress=say is _say, tp=tp, load_timings=timings)
 
 
 def _check_graph_and_cascade(decision, dev, cuda_graph, cascade, prefix_caching) -> None:
@@ -520,6 +529,21 @@ class _GenerationProgress:
         tokens = sum(len(o.token_ids) for o in outs)
         print("\r" if self.tty else "", end="", file=sys.stderr)
         _say(f"generated {tokens} tokens for {self.total} sequence(s) in {dt:.1f} s ({tokens / max(dt, 1e-9):.1f} tok/s)")
+
+
+def _stopwatch(dev: torch.device) -> Callable[[], float]:
+    """-> a function giving the seconds since its last call (or since now), once the device's queued work
+    is done: a GPU builds and fills weights asynchronously, and the time belongs to the phase that queued it."""
+    last = [time.perf_counter()]
+
+    def lap() -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        now = time.perf_counter()
+        seconds, last[0] = now - last[0], now
+        return round(seconds, 3)
+
+    return lap
 
 
 @contextlib.contextmanager

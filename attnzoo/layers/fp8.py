@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,9 @@ FP8_MAX = 448.0
 GROUP = 128
 # DeepSeek's act_quant clamps the group maximum so an all-zero group gets a finite scale.
 MIN_AMAX = 1e-4
+# Random-weight models draw FP8 codes directly (``random_codes_``): a random sign and mantissa at exponent 0,
+# +-[1, 1.875], whose root mean square this is; a block factor of std / CODE_RMS gives weights of that std.
+CODE_RMS = math.sqrt(sum((1 + m / 8) ** 2 for m in range(8)) / 8)
 
 
 # ------------------------------------------------------------------------------------------ format
@@ -87,7 +91,7 @@ class Fp8Format:
 
 def quantize_weight(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
     """W [N, K] -> (W8 float8_e4m3fn [N, K], scale_inv float32 [ceil(N/bn), ceil(K/bk)]), as the
-    checkpoints store it (random-weight models and tests)."""
+    checkpoints store it (tests and benchmarks make FP8 checkpoints with it)."""
     n, k = w.shape
     bn, bk = block
     nb, kb = -(-n // bn), -(-k // bk)
@@ -95,6 +99,20 @@ def quantize_weight(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tup
     scale = padded.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / FP8_MAX  # [nb, kb]
     q = (padded / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(nb * bn, kb * bk)[:n, :k].contiguous(), scale
+
+
+def random_codes_(w8: torch.Tensor) -> torch.Tensor:
+    """Fill a contiguous float8_e4m3fn tensor in place with random codes +-[1, 1.875] (sign and 3 mantissa
+    bits uniform; never NaN) from its device's RNG: 64 random bits per 8 codes, then two bitwise passes and
+    no temporary, so a whole stack of experts takes three passes over its bytes on its own device."""
+    b = w8.view(torch.uint8).view(-1)
+    whole = b.numel() // 8 * 8
+    if whole:
+        b[:whole].view(torch.int64).random_(-(2**63), None)  # every bit uniform (the full int64 range)
+    if whole < b.numel():
+        b[whole:].random_(0, 256)
+    b.bitwise_and_(0x87).bitwise_or_(0x38)  # keep sign and mantissa; exponent field 7 (2^0)
+    return w8
 
 
 def dequantize(w8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128), *,
@@ -278,19 +296,25 @@ class Fp8Linear(nn.Module):
         self._scale_t = None  # weight scales in cuBLAS's layout, for GEMM_SCALED_MM
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, fmt: Fp8Format, *, quantize: bool) -> Fp8Linear:
-        """An FP8 layer of ``linear``'s shape; ``quantize`` its weights (random-weight models), else left
-        for the checkpoint to fill."""
+    def from_linear(cls, linear: nn.Linear, fmt: Fp8Format, *, random: bool) -> Fp8Linear:
+        """An FP8 layer of ``linear``'s shape (its bias kept); ``random`` weights (``init_random_``, random-weight
+        models), else left for the checkpoint to fill. ``linear``'s own weight is never read."""
         dev = linear.weight.device
         mod = cls(linear.in_features, linear.out_features, linear.bias is not None, fmt, device=dev)
         if linear.bias is not None:
             mod.bias = linear.bias
-        if quantize and dev.type != "meta":
-            with torch.no_grad():
-                w8, s = quantize_weight(linear.weight, mod.block)
-                mod.weight.copy_(w8)
-                mod.weight_scale_inv.copy_(s)
+        if random and dev.type != "meta":
+            mod.init_random_()
         return mod
+
+    def init_random_(self, std: float | None = None) -> Fp8Linear:
+        """Random FP8 codes and one factor for every block, drawn on the weight's device, giving weights of
+        standard deviation ``std`` (None: nn.Linear's default init, 1 / sqrt(3 * in_features))."""
+        std = (3 * self.in_features) ** -0.5 if std is None else std
+        with torch.no_grad():
+            random_codes_(self.weight)
+            self.weight_scale_inv.fill_(std / CODE_RMS)
+        return self
 
     def _apply(self, fn, recurse=True):
         # model.to(dtype) converts floating-point parameters; FP8 codes and their float32 factors must
@@ -374,17 +398,13 @@ class Fp8MergedLinear(Fp8Linear):
         self.cuts, self.scale_cuts = dict.fromkeys(parts), dict.fromkeys(parts)
 
     @classmethod
-    def from_linear(cls, linear, fmt: Fp8Format, *, quantize: bool) -> Fp8MergedLinear:
+    def from_linear(cls, linear, fmt: Fp8Format, *, random: bool) -> Fp8MergedLinear:
         dev = linear.weight.device
         mod = cls(linear.in_features, linear.parts, linear.bias is not None, fmt, device=dev)
         if linear.bias is not None:
             mod.bias = linear.bias
-        if quantize and dev.type != "meta":
-            with torch.no_grad():
-                for rows, srows in zip(mod.part_rows().values(), mod.scale_rows().values()):
-                    w8, s = quantize_weight(linear.weight[rows], mod.block)
-                    mod.weight[rows].copy_(w8)
-                    mod.weight_scale_inv[srows].copy_(s)
+        if random and dev.type != "meta":
+            mod.init_random_()
         return mod
 
     def part_rows(self) -> dict[str, slice]:

@@ -38,6 +38,8 @@ fused path is tested against. The Triton kernels also run on CPU under ``TRITON_
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
 import logging
@@ -52,7 +54,7 @@ from torch import nn
 
 from attnzoo.errors import BackendError, ModelLoadError, WeightError
 from attnzoo.layers.fp8 import GROUP as QUANT_GROUP
-from attnzoo.layers.fp8 import MIN_AMAX, act_quant, act_quant_reference
+from attnzoo.layers.fp8 import CODE_RMS, MIN_AMAX, act_quant, act_quant_reference, random_codes_
 
 log = logging.getLogger("attnzoo")
 
@@ -467,6 +469,22 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
 # ----------------------------------------------------------------------------------------------
 # Module
 
+# The weight format of the FusedMoE layers a model builds unquantized, set by ``build_experts_as``.
+_BUILD_AS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("attnzoo_fused_moe_build_as", default=None)
+
+
+@contextlib.contextmanager
+def build_experts_as(**kwargs):
+    """FusedMoE layers constructed without ``quant`` inside this block take ``kwargs`` (quant, block, ue8m0)
+    instead: an FP8 weight plan builds a model's experts FP8 from the start, so no float copy of an expert
+    stack is ever allocated (models.quantization)."""
+    token = _BUILD_AS.set(kwargs)
+    try:
+        yield
+    finally:
+        _BUILD_AS.reset(token)
+
+
 # checkpoint projection -> (stacked parameter, which half of w13)
 _PROJECTIONS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
 _STACKED = {"gate_up_proj": "w13", "down_proj": "w2"}  # transformers' stacked expert tensors (Gemma 4)
@@ -485,6 +503,9 @@ class FusedMoE(nn.Module):
                  experts: range | None = None, quant: str | None = None, block=(128, 128), ue8m0: bool = False,
                  init_std: float = 0.02):
         super().__init__()
+        build_as = _BUILD_AS.get()
+        if quant is None and build_as is not None:
+            quant, block, ue8m0 = build_as["quant"], build_as.get("block", block), build_as.get("ue8m0", ue8m0)
         experts = range(num_experts) if experts is None else experts
         if not (isinstance(experts, range) and experts.step == 1 and len(experts)
                 and 0 <= experts.start and experts.stop <= num_experts):
@@ -504,14 +525,11 @@ class FusedMoE(nn.Module):
                 # Initialised (not torch.empty) so that load_format="random" models compute finite numbers.
                 setattr(self, name, nn.Parameter(torch.empty(shape).normal_(0, init_std)))
             else:
-                # Standard-normal FP8 values times init_std block multipliers; built one expert at a time
-                # (a full-size float copy of a DeepSeek-V3 layer would not fit).
-                w = torch.empty(shape, dtype=FP8)
-                for e in range(shape[0]):
-                    w[e] = torch.randn(shape[1:]).to(FP8)
-                setattr(self, name, nn.Parameter(w, requires_grad=False))
+                # Random FP8 codes drawn for the whole stack at once, on its device, and block multipliers
+                # giving the float experts' spread (init_std): no float copy of the stack, no loop over experts.
+                setattr(self, name, nn.Parameter(random_codes_(torch.empty(shape, dtype=FP8)), requires_grad=False))
                 setattr(self, name + "_scale_inv", nn.Parameter(
-                    torch.full(self._scale_shape(name), init_std, dtype=torch.float32), requires_grad=False))
+                    torch.full(self._scale_shape(name), init_std / CODE_RMS, dtype=torch.float32), requires_grad=False))
         self._loaded: set[tuple[str, int, int]] = set()
 
     def _scale_shape(self, name: str) -> tuple[int, int, int]:

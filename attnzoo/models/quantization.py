@@ -20,6 +20,7 @@ unsplit FP8 layer. Dequantized shards are dequantized from the covering blocks o
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from typing import Iterable, Iterator
 
@@ -28,9 +29,9 @@ from torch import nn
 
 from attnzoo.errors import ModelLoadError, WeightError
 from attnzoo.layers.fp8 import (
-    FP8, Fp8Format, Fp8Linear, Fp8MergedLinear, dequantize, fp8_gemm_supported, quantize_weight,
+    FP8, Fp8Format, Fp8Linear, Fp8MergedLinear, dequantize, fp8_gemm_supported,
 )
-from attnzoo.layers.moe import FusedMoE
+from attnzoo.layers.moe import FusedMoE, build_experts_as
 from attnzoo.layers.parallel import ColumnParallelLinear, Fp8RowParallelLinear, RowParallelLinear, mark_shard
 from attnzoo.models.common import MergedLinear
 
@@ -153,11 +154,12 @@ class Fp8Plan(WeightPlan):
                         block=(self.fmt.block_n, self.fmt.block_k), ue8m0=self.fmt.ue8m0)
 
     def _fp8_linear(self, leaf: str, sub: nn.Module) -> Fp8Linear | None:
-        """The FP8 form of a float linear layer; None for a tensor-parallel shard not made of whole blocks."""
-        quantize = self.scaled is None and sub.weight.device.type != "meta"
+        """The FP8 form of a float linear layer; None for a tensor-parallel shard not made of whole blocks.
+        Random weights (no checkpoint) are drawn as FP8 codes on the layer's device, a rank's own shard only."""
+        random = self.scaled is None and sub.weight.device.type != "meta"
         cut = getattr(sub.weight, "tp_shard", None)
         if cut is None:
-            return Fp8Linear.from_linear(sub, self.fmt, quantize=quantize)
+            return Fp8Linear.from_linear(sub, self.fmt, random=random)
         blocks = cut.blocks(self.fmt.block_n if cut.dim == 0 else self.fmt.block_k)
         if blocks is None:
             what = "output rows" if cut.dim == 0 else "input features"
@@ -169,13 +171,10 @@ class Fp8Plan(WeightPlan):
                                        reduce=sub.reduce, cut=cut, device=sub.weight.device)
             if sub.bias is not None and not sub.tp.rank:
                 mod.bias.data = sub.bias.data
-            if quantize:
-                with torch.no_grad():
-                    w8, s = quantize_weight(sub.weight, mod.block)
-                    mod.weight.copy_(w8)
-                    mod.weight_scale_inv.copy_(s)
+            if random:
+                mod.init_random_()
         else:  # column parallel: the bias keeps its cut
-            mod = Fp8Linear.from_linear(sub, self.fmt, quantize=quantize)
+            mod = Fp8Linear.from_linear(sub, self.fmt, random=random)
             mark_shard(mod.weight, cut)
             mark_shard(mod.weight_scale_inv, blocks)
         self.shards[leaf] += 1
@@ -190,7 +189,7 @@ class Fp8Plan(WeightPlan):
             self.split_blocks.setdefault(name, f"{split[0]}: {cut.size} of {cut.full_size} output rows per rank, "
                                                f"from {cut.start}: not whole {self.fmt.block_n}-blocks")
             return None
-        mod = Fp8MergedLinear.from_linear(sub, self.fmt, quantize=self.scaled is None and sub.weight.device.type != "meta")
+        mod = Fp8MergedLinear.from_linear(sub, self.fmt, random=self.scaled is None and sub.weight.device.type != "meta")
         mod.cuts, mod.scale_cuts = dict(sub.cuts), blocks
         if any(cut is not None for cut in sub.cuts.values()):
             self.shards[name] += 1
@@ -227,9 +226,13 @@ class Fp8Plan(WeightPlan):
                 return self._fp8_moe(sub)
             return None
 
+        # FP8 experts are built FP8 from the start: a float stack first would put a float copy of each
+        # layer's experts on the GPU (7.5 GB for 128 of V3's experts) before the swap above could drop it.
+        fp8_experts = build_experts_as(quant="fp8", block=(self.fmt.block_n, self.fmt.block_k), ue8m0=self.fmt.ue8m0)
         handle = nn.modules.module.register_module_module_registration_hook(swap)
         try:
-            model = cls(config)
+            with fp8_experts if experts else contextlib.nullcontext():
+                model = cls(config)
         finally:
             handle.remove()
         if self.scaled is not None:
