@@ -57,17 +57,12 @@ class LayerShape:
 
 def layer_shapes(config) -> dict[LayerShape, int]:
     """The model's distinct attention layer shapes and how many layers have each (built on the meta device)."""
-    from attnzoo.attention.layer import Attention
     from attnzoo.models import loader
     from attnzoo.models.registry import model_class
 
     arch = loader.architecture_of(config)
-    with torch.device("meta"):  # shapes only: no memory, no weights
-        model = model_class(arch)(config)
     counts: dict[LayerShape, int] = {}
-    for m in model.modules():
-        if not isinstance(m, Attention):
-            continue
+    for m in model_class(arch).shapes_only(config).attention_layers():
         if m.index_head_dim:
             raise PolicyError(f"{arch} has sparse (NSA) attention layers, which `attnzoo tune` does not time yet",
                               fix="time NSA backends with benchmarks/ scripts, and write the policy file by hand")

@@ -86,7 +86,7 @@ class NSAAttention(MLAAttention):
         if index_topk < 1:
             raise ModelLoadError(f"index_topk must be a positive token count, the config has {index_topk}",
                                  fix="set index_topk in config.json (2048 in the released models)")
-        self.index_topk = index_topk
+        self.index_topk, self.index_n_heads = index_topk, index_n_heads
         self.index_scale = index_head_dim**-0.5
         self.index_weight_scale = index_n_heads**-0.5
 
