@@ -121,9 +121,8 @@ class NSATritonBackend(AttentionBackend):
 
     def nsa_sparse_mla(self, layer, q, positions, meta):
         slots = nsa.positions_to_slots(positions, meta, self._token_reqs(meta))
-        scale = self.kv_copy.scale if self.kv_copy is not None else 1.0
         return self._kernels.sparse_mla(q, self._kv_rows(layer), slots, self.mla_kv_layout, rank=layer.v_head_dim,
-                                        scale=layer.scale, kv_scale=scale)
+                                        scale=layer.scale)
 
 
 class NSATritonFP8Backend(NSATritonBackend):
