@@ -360,17 +360,17 @@ def test_graph_state_selects_and_attends_as_eager():
     kw = dict(topk=4, scale=0.25)
 
     eager = _meta(prefix, [1, 1], tables, 4, mode=ForwardMode.DECODE)
-    be.prepare(eager)
-    pos_e = be.nsa_topk(layer, q_idx[:2], w[:2], eager, **kw)
-    out_e = be.nsa_sparse_mla(layer, q[:2], pos_e, eager)
+    plan = be.prepare(eager)
+    pos_e = be.nsa_topk(layer, q_idx[:2], w[:2], eager, plan, **kw)
+    out_e = be.nsa_sparse_mla(layer, q[:2], pos_e, eager, plan)
 
     graph = _meta(prefix + [0], [1, 1, 1], tables + [[0]], 4, mode=ForwardMode.DECODE)  # one padding row
     graph.seq_lens_cpu = [16] * 3  # as at capture: the graph's longest context
-    be.prepare_graph(graph, capturing=True)
-    assert be._token_reqs(graph).data_ptr() == be._graph_reqs.data_ptr()
-    pos_g = be.nsa_topk(layer, q_idx, w, graph, **kw)
+    plan = be.prepare_graph(graph, capturing=True)
+    assert plan.token_reqs.data_ptr() == be._graph_reqs.data_ptr()
+    pos_g = be.nsa_topk(layer, q_idx, w, graph, plan, **kw)
     assert pos_g[:2].tolist() == pos_e.tolist() and (pos_g[2, 1:] == -1).all()
-    out_g = be.nsa_sparse_mla(layer, q, pos_g, graph)
+    out_g = be.nsa_sparse_mla(layer, q, pos_g, graph, plan)
     assert _rel(out_g[:2], out_e) <= 1e-6
     with pytest.raises(BackendError, match="decode steps only"):
         be.prepare_graph(_meta([0], [3], [[1]], 4), capturing=False)
