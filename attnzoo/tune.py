@@ -57,17 +57,12 @@ class LayerShape:
 
 def layer_shapes(config) -> dict[LayerShape, int]:
     """The model's distinct attention layer shapes and how many layers have each (built on the meta device)."""
-    from attnzoo.attention.layer import Attention
     from attnzoo.models import loader
     from attnzoo.models.registry import model_class
 
     arch = loader.architecture_of(config)
-    with torch.device("meta"):  # shapes only: no memory, no weights
-        model = model_class(arch)(config)
     counts: dict[LayerShape, int] = {}
-    for m in model.modules():
-        if not isinstance(m, Attention):
-            continue
+    for m in model_class(arch).shapes_only(config).attention_layers():
         if m.index_head_dim:
             raise PolicyError(f"{arch} has sparse (NSA) attention layers, which `attnzoo tune` does not time yet",
                               fix="time NSA backends with benchmarks/ scripts, and write the policy file by hand")
@@ -101,9 +96,15 @@ class _Case:
         tokens = batch * (1 if decode else ctx)
         self.q = torch.randn(tokens, shape.num_heads, shape.head_dim, generator=gen).to(device=device, dtype=dtype)
 
-    def run(self, backend):
+    def backend(self, cls):
+        """``cls``'s backend for this phase over the case's pool (a declared substitute's where it has one)."""
+        from attnzoo.attention.backends.hybrid import HybridBackend
+
+        return HybridBackend.create(cls.name, cls.name, self.pool).for_step(self.meta)
+
+    def run(self, backend, plan):
         fn = backend.decode if self.phase == "decode" else backend.extend
-        return fn(self.layer, self.q, self.meta)
+        return fn(self.layer, self.q, self.meta, plan)
 
 
 def time_ms(fn, device: torch.device, *, warmup: int = 2, iters: int = 5, flush: torch.Tensor | None = None) -> float:
@@ -145,9 +146,8 @@ def _check(backend_cls, shape: LayerShape, phase: str, point, page_size: int, dt
     case = _Case(shape, phase, *point, page_size, dtype, device, seed=1)
     outs = []
     for cls in (backend_cls, TorchBackend):
-        be = cls(case.pool)
-        be.prepare(case.meta)
-        outs.append(case.run(be).float())
+        be = case.backend(cls)
+        outs.append(case.run(be, be.prepare(case.meta)).float())
     out, ref = outs
     err = ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
     tol = 1e-2 if dtype != torch.float32 else 1e-3
@@ -211,9 +211,9 @@ def tune(model: str, *, device=None, dtype=None, backends: list[str] | None = No
             total, prepare_ms = 0.0, 0.0
             for s, count in shapes.items():
                 case = _Case(s, phase, *pt, ps, dt, dev)
-                be = cls(case.pool)
-                be.prepare(case.meta)
-                total += count * time_ms(lambda: case.run(be), dev, warmup=warmup, iters=iters, flush=flush)
+                be = case.backend(cls)
+                plan = be.prepare(case.meta)
+                total += count * time_ms(lambda: case.run(be, plan), dev, warmup=warmup, iters=iters, flush=flush)
                 # One prepare per step plans every layer signature: the per-shape planning times add up.
                 prepare_ms += time_ms(lambda: be.prepare(case.meta), dev, warmup=1, iters=iters, flush=flush)
         except Exception as e:  # a backend that fails here is reported; the others are still timed

@@ -124,11 +124,11 @@ def check_variant(v: Variant, shape, mode: str, page_size: int, dtype, device) -
     try:
         case = Case(shape, mode, 3, 300 if mode == "decode" else 160, page_size, dtype, device, seed=1)
         backend = v.make(case.pool)
-        backend.prepare(case.meta)
-        out = case.run(backend).float()
+        plan = backend.prepare(case.meta)
+        out = case.run(backend, plan).float()
         ref_be = TorchBackend(case.pool)
-        ref_be.prepare(case.meta)
-        ref = case.run(ref_be).float()
+        plan = ref_be.prepare(case.meta)
+        ref = case.run(ref_be, plan).float()
         kernel = kernel_of(backend, case.layer, mode)
     except AttnzooError as e:
         return False, f"cannot run here: {e}"
@@ -289,10 +289,10 @@ def main(argv=None) -> int:
                         continue
                     backend = v.make(case.pool)
                     t0 = time.perf_counter()
-                    backend.prepare(case.meta)
+                    plan = backend.prepare(case.meta)
                     prepare_ms = (time.perf_counter() - t0) * 1e3
                     slow = v.label == "torch"
-                    ms = time_cuda(lambda: case.run(backend), warmup=1 if slow else args.warmup,
+                    ms = time_cuda(lambda: case.run(backend, plan), warmup=1 if slow else args.warmup,
                                    iters=max(3, args.iters // 10) if slow else args.iters, flush=flush)
                     gbps = case.bytes_moved() / (ms * 1e-3) / 1e9
                     tflops = case.flops() / (ms * 1e-3) / 1e12

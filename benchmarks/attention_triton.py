@@ -99,10 +99,10 @@ class Case:
         tokens = sum(q_lens)
         self.q = torch.randn(tokens, shape.heads, shape.head_dim, device=device, dtype=dtype)
 
-    def run(self, backend):
+    def run(self, backend, plan):
         if self.mode == "decode":
-            return backend.decode(self.layer, self.q, self.meta)
-        return backend.extend(self.layer, self.q, self.meta)
+            return backend.decode(self.layer, self.q, self.meta, plan)
+        return backend.extend(self.layer, self.q, self.meta, plan)
 
     def bytes_moved(self) -> int:
         """q read + the KV each query needs read once + output written."""
@@ -168,11 +168,11 @@ def check_backend(name: str, shape: Shape, mode: str, page_size: int, dtype, dev
     try:
         case = Case(shape, mode, 3, 300 if mode == "decode" else 160, page_size, dtype, device, seed=1)
         backend = make_backend(name, case.pool)
-        backend.prepare(case.meta)
-        out = case.run(backend).float()
+        plan = backend.prepare(case.meta)
+        out = case.run(backend, plan).float()
         ref_be = TorchBackend(case.pool)
-        ref_be.prepare(case.meta)
-        ref = case.run(ref_be).float()
+        plan = ref_be.prepare(case.meta)
+        ref = case.run(ref_be, plan).float()
     except AttnzooError as e:
         return False, f"cannot run: {e}"
     except Exception as e:  # a crashing backend is reported, and the benchmark goes on with the others
@@ -282,10 +282,10 @@ def main(argv=None) -> int:
                             continue
                         backend = make_backend(b, case.pool)
                         t0 = time.perf_counter()
-                        backend.prepare(case.meta)
+                        plan = backend.prepare(case.meta)
                         prepare_ms = (time.perf_counter() - t0) * 1e3
                         iters = args.iters if b != "torch" else max(3, args.iters // 10)
-                        ms = time_cuda(lambda: case.run(backend), warmup=args.warmup if b != "torch" else 1,
+                        ms = time_cuda(lambda: case.run(backend, plan), warmup=args.warmup if b != "torch" else 1,
                                        iters=iters, flush=flush)
                         gbps = case.bytes_moved() / (ms * 1e-3) / 1e9
                         tflops = case.flops() / (ms * 1e-3) / 1e12

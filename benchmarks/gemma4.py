@@ -68,8 +68,8 @@ def step(llm, ids: list[int], prefix_lens, q_lens, tables, backends=None) -> tor
     pre, dec = backends or (llm.engine.prefill_backend, llm.engine.decode_backend)
     meta = build_metadata(prefix_lens=prefix_lens, q_lens=q_lens, block_tables=tables,
                           page_size=llm.pool.page_size, device=llm.device)
-    (dec if meta.is_decode else pre).prepare(meta)
-    hidden = llm.model(torch.tensor(ids, device=llm.device), meta.positions, ForwardContext(meta, llm.pool, pre, dec))
+    ctx = ForwardContext(meta, llm.pool, pre, dec)  # plans the step on the step's backend
+    hidden = llm.model(torch.tensor(ids, device=llm.device), meta.positions, ctx)
     return hidden, llm.model.compute_logits(hidden[meta.last_token_rows])
 
 

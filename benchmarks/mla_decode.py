@@ -74,11 +74,11 @@ class Case:
         w_uk, _ = split_kv_b(self.kv_b, HEADS, NOPE)
         self.q = torch.cat([absorb_query(self.q_nope, w_uk), self.q_pe], dim=-1).contiguous()  # [B, H, 576]
 
-    def attention(self, backend):
-        return backend.decode(self.core.attn, self.q, self.meta)
+    def attention(self, backend, plan):
+        return backend.decode(self.core.attn, self.q, self.meta, plan)
 
-    def mla_core(self, backend):
-        ctx = ForwardContext(self.meta, self.pool, backend, backend)
+    def mla_core(self, backend, plan):
+        ctx = ForwardContext(self.meta, self.pool, backend, backend, plan)
         return self.core(self.q_nope, self.q_pe, self.latent, self.k_pe, self.kv_b, ctx)
 
     def bytes_moved(self, component: str, elt: int) -> int:
@@ -99,10 +99,8 @@ def check_backend(name: str, page_size: int, dtype, device) -> tuple[bool, str]:
         backend = get_backend_class(name)(case.pool)
         errs = []
         for run in (case.attention, case.mla_core):
-            ref_backend.prepare(case.meta)
-            ref = run(ref_backend).float()
-            backend.prepare(case.meta)
-            out = run(backend).float()
+            ref = run(ref_backend, ref_backend.prepare(case.meta)).float()
+            out = run(backend, backend.prepare(case.meta)).float()
             if out.isnan().any():
                 return False, f"NaN in {run.__name__} output"
             errs.append(((out - ref).norm() / ref.norm()).item())
@@ -177,9 +175,9 @@ def main(argv=None) -> int:
                         continue
                     backend = get_backend_class(b)(case.pool)
                     fn = getattr(case, component)
-                    backend.prepare(case.meta)  # once per step, as the engine does: not per layer
+                    plan = backend.prepare(case.meta)  # once per step, as the engine does: not per layer
                     slow = b == "torch"
-                    ms = time_cuda(lambda: fn(backend), warmup=1 if slow else args.warmup,
+                    ms = time_cuda(lambda: fn(backend, plan), warmup=1 if slow else args.warmup,
                                    iters=max(3, args.iters // 10) if slow else args.iters, flush=flush)
                     torch_ms = ms if b == "torch" else torch_ms
                     nbytes = case.bytes_moved(component, elt)

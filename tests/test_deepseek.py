@@ -1,4 +1,4 @@
-"""DeepSeek-V2/V3 (MLA, MoE) on CPU against transformers, and the absorbed vs expanded MLA forms."""
+"""DeepSeek-V2/V3 (MLA, MoE) on CPU against transformers, and the absorbed MLA form against the expanded one."""
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -10,10 +10,9 @@ from attnzoo.attention.backends.torch_ref import TorchBackend
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.metadata import ForwardMode, build_metadata
-from attnzoo.attention.mla import (
-    MLAAttention, gather_context, mla_absorbed, mla_expanded, prefill_form, ragged_attention_reference, split_kv_b,
-)
-from attnzoo.errors import BackendError, ModelLoadError, WeightError
+from attnzoo.attention.mla import MLAAttention, absorb_query, latent_to_values, split_kv_b
+from attnzoo.attention.reference import attention_reference, gather_kv
+from attnzoo.errors import ModelLoadError, WeightError
 from attnzoo.layers.moe import FusedMoE, fused_moe
 from attnzoo.models.deepseek_v2 import DeepseekV3ForCausalLM as DeepseekV3ForCausalLM_ours
 from helpers import assert_matches_hf, random_prompts, save_checkpoint
@@ -127,30 +126,29 @@ def test_fused_moe_equals_per_expert_reference():
                                rtol=1e-5, atol=1e-6)
 
 
-class ExpandedTorch(TorchBackend):
-    """The torch reference, asking for expanded MLA prefill (as a vendor ragged-prefill backend would)."""
-
-    name = "torch_expanded"
-    mla_prefill = "expanded"
-
-    def __init__(self, pool):
-        super().__init__(pool)
-        self.ragged_calls = 0
-
-    def extend_ragged(self, q, k, v, kv_indptr, meta, *, scale):
-        self.ragged_calls += 1
-        return ragged_attention_reference(q, k, v, kv_indptr, meta, scale=scale)
-
-
-def test_expanded_prefill_matches_transformers(tmp_path):
+def test_chunked_prefill_over_a_cached_prefix_matches_transformers(tmp_path):
     hf = tiny_v3(num_hidden_layers=2)
     save_checkpoint(hf, tmp_path)
-    # A 6-token budget splits prompts into chunks, so expanded prefill also runs over a cached prefix.
+    # A 6-token budget splits prompts into chunks: absorbed prefill also runs over a cached prefix.
     llm = attnzoo.load_model(tmp_path, page_size=4, backend="torch", max_batch_tokens=6, device="cpu")
-    expanded = ExpandedTorch(llm.pool)
-    llm.engine.prefill_backend = expanded
     assert_matches_hf(llm, hf, random_prompts(VOCAB, [7, 21], seed=5), steps=8)
-    assert expanded.ragged_calls > 0
+
+
+def mla_expanded(q_nope, q_pe, latent, k_pe, w_uk, w_uv, q_positions, *, scale):
+    """One sequence, contiguous, in the reference models' expanded form: per-head keys [S, H, nope + rope]
+    and values [S, H, v] from the latents, then plain attention (keys at positions 0..S-1)."""
+    k_nope = torch.einsum("sr,hnr->shn", latent, w_uk)
+    v = torch.einsum("sr,hvr->shv", latent, w_uv)
+    k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, w_uk.shape[0], -1)], dim=-1)
+    return attention_reference(torch.cat([q_nope, q_pe], dim=-1), k, v, q_positions, scale=scale).to(q_nope.dtype)
+
+
+def mla_absorbed(q_nope, q_pe, latent, k_pe, w_uk, w_uv, q_positions, *, scale):
+    """The same sequence in the absorbed form the attention layer runs (MQA over [latent | k_pe])."""
+    q = torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)
+    kv = torch.cat([latent, k_pe], dim=-1)[:, None]
+    o = attention_reference(q, kv, kv[..., : latent.shape[-1]], q_positions, scale=scale)
+    return latent_to_values(o.to(q_nope.dtype), w_uv)
 
 
 def _mla_step(dtype, seed=0):
@@ -184,21 +182,16 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_absorbed_and_expanded_agree(dtype, tol):
+    """The paged absorbed step (what every backend runs) against both one-sequence forms over the same
+    cached context: the reference models' expanded form and the absorbed one."""
     core, pool, meta, inputs = _mla_step(dtype)
     absorbed = _run(core, pool, meta, inputs, TorchBackend(pool))
-    expanded_backend = ExpandedTorch(pool)
-    expanded = _run(core, pool, meta, inputs, expanded_backend)
-    assert expanded_backend.ragged_calls == 1
-    assert not torch.isnan(absorbed).any() and not torch.isnan(expanded).any()
-    assert _rel(absorbed, expanded) <= tol
-
-    # The contiguous one-sequence forms, over the same cached context, agree with both paths.
-    entries, indptr = gather_context(pool, 0, meta)
+    assert not torch.isnan(absorbed).any()
     w_uk, w_uv = split_kv_b(inputs["kv_b_weight"], core.num_heads, core.qk_nope_head_dim)
-    bounds, start = indptr.tolist(), 0
+    start = 0
     for i, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.q_lens_cpu)):
         rows = slice(start, start + q_len)
-        ctx_entries = entries[bounds[i] : bounds[i + 1]].to(dtype)
+        ctx_entries = gather_kv(pool.k(0), meta.block_tables[i, : -(-seq_len // meta.page_size)], seq_len)[:, 0]
         args = (inputs["q_nope"][rows], inputs["q_pe"][rows], ctx_entries[:, :64], ctx_entries[:, 64:], w_uk, w_uv,
                 torch.arange(seq_len - q_len, seq_len))
         a = mla_absorbed(*args, scale=core.scale)
@@ -211,9 +204,8 @@ def test_absorbed_and_expanded_agree(dtype, tol):
 def test_bf16_absorbed_matches_float32():
     core32, pool32, meta32, inputs32 = _mla_step(torch.float32, seed=3)
     core16, pool16, meta16, inputs16 = _mla_step(torch.bfloat16, seed=3)
-    ref = _run(core32, pool32, meta32, inputs32, ExpandedTorch(pool32))
-    for backend in (TorchBackend(pool16), ExpandedTorch(pool16)):
-        assert _rel(_run(core16, pool16, meta16, inputs16, backend), ref) <= 1e-2
+    ref = _run(core32, pool32, meta32, inputs32, TorchBackend(pool32))
+    assert _rel(_run(core16, pool16, meta16, inputs16, TorchBackend(pool16)), ref) <= 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -250,19 +242,9 @@ def test_extra_mtp_layers_are_skipped_and_fp8_is_refused(tmp_path, v3_dir):
         attnzoo.load_model(tmp_path, backend="torch", device="cpu")
 
 
-def test_bad_configs_and_declarations_are_clear_errors(tmp_path):
+def test_bad_configs_are_clear_errors(tmp_path):
     hf = tiny_v2(q_lora_rank=None, topk_method="greedy", num_hidden_layers=2)
     hf.config.topk_method = "noaux_tc"
     save_checkpoint(hf, tmp_path)
     with pytest.raises(ModelLoadError, match="topk_method"):
         attnzoo.load_model(tmp_path, backend="torch", device="cpu")
-
-    class Bogus(TorchBackend):
-        mla_prefill = "expanded"  # but no extend_ragged
-
-    pool = KVPool([None], num_pages=2, page_size=1, dtype=torch.float32, device="cpu")
-    with pytest.raises(BackendError, match="extend_ragged"):
-        prefill_form(Bogus(pool))
-    Bogus.mla_prefill = "sparse"
-    with pytest.raises(BackendError, match="mla_prefill"):
-        prefill_form(Bogus(pool))

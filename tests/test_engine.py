@@ -260,10 +260,10 @@ def test_cascade_extend_through_the_engine_matches_plain(tiny_dir):
         supports_cascade_extend = True
         cascade_steps = 0
 
-        def extend(self, layer, q, meta):
+        def extend(self, layer, q, meta, plan):
             n = meta.shared_prefix_len
             if not n:
-                return super().extend(layer, q, meta)
+                return super().extend(layer, q, meta, plan)
             CascadeExtend.cascade_steps += layer.layer_id == 0
             kc, vc, ps = self.pool.k(layer.layer_id), self.pool.v(layer.layer_id), meta.page_size
             shared = meta.block_tables[0, : n // ps]
@@ -288,7 +288,7 @@ def test_cascade_extend_through_the_engine_matches_plain(tiny_dir):
     llm = attnzoo.load_model(tiny_dir, backend="torch", dtype="float32", page_size=4, max_batch_tokens=10)
     assert not llm.engine.cascade_extend  # the torch backend has no cascade path
     e = llm.engine
-    e.prefill_backend, e.cascade_extend, e.cascade_min_saved_tokens = CascadeExtend(llm.pool), True, 1
+    e.backends.prefill_backend, e.cascade_extend, e.cascade_min_saved_tokens = CascadeExtend(llm.pool), True, 1
     e.step_log = []
     a = ref.generate(prompts, max_new_tokens=5, ignore_eos=True, return_logits=True)
     b = llm.generate(prompts, max_new_tokens=5, ignore_eos=True, return_logits=True)

@@ -198,11 +198,11 @@ class ScaledScoresBackend(TorchBackend):
     name = "torch_scaled"
     factor = 0.25
 
-    def extend(self, layer, q, meta):
-        return super().extend(layer, q * self.factor, meta)
+    def extend(self, layer, q, meta, plan):
+        return super().extend(layer, q * self.factor, meta, plan)
 
-    def decode(self, layer, q, meta):
-        return super().decode(layer, q * self.factor, meta)
+    def decode(self, layer, q, meta, plan):
+        return super().decode(layer, q * self.factor, meta, plan)
 
 
 @pytest.fixture

@@ -58,8 +58,7 @@ def test_cascade_step_plans_shared_pages_once_and_the_rest_per_request(monkeypat
     meta = build_metadata(prefix_lens=[s - 1 for s in seq], q_lens=[1, 1, 1], block_tables=tables, page_size=16,
                           device="cpu", detect_shared_prefix=True)
     assert meta.shared_prefix_len == 48
-    be.prepare(meta)
-    out = be.decode(layer, torch.randn(3, 8, 64, dtype=torch.bfloat16), meta)
+    out = be.decode(layer, torch.randn(3, 8, 64, dtype=torch.bfloat16), meta, be.prepare(meta))
     assert out.shape == (3, 8, 64)
 
     (shared_w, rest_w) = (next(iter(d.values())) for d in be._cascade_wrappers[fi_backend.LayerSignature.of(layer)])
@@ -79,8 +78,7 @@ def test_cascade_step_plans_shared_pages_once_and_the_rest_per_request(monkeypat
     # The same batch without a shared prefix plans one decode over every page of every request.
     plain = build_metadata(prefix_lens=[s - 1 for s in seq], q_lens=[1, 1, 1], block_tables=tables,
                            page_size=16, device="cpu")
-    be.prepare(plain)
-    be.decode(layer, torch.randn(3, 8, 64, dtype=torch.bfloat16), plain)
+    be.decode(layer, torch.randn(3, 8, 64, dtype=torch.bfloat16), plain, be.prepare(plain))
     full = next(iter(be._decode_wrappers.values())).plans[-1]
     assert full["indptr"].tolist() == [0, 4, 9, 13]
     assert full["indices"].tolist() == [3, 4, 5, 9, 3, 4, 5, 10, 11, 3, 4, 5, 12]
@@ -93,8 +91,7 @@ def test_sliding_window_layers_past_the_prefix_keep_the_plain_path(monkeypatch):
     meta = build_metadata(prefix_lens=[40, 35], q_lens=[1, 1], block_tables=tables, page_size=16, device="cpu",
                           detect_shared_prefix=True)
     assert meta.shared_prefix_len == 32
-    be.prepare(meta)
-    be.decode(layer, torch.randn(2, 4, 64, dtype=torch.bfloat16), meta)
+    be.decode(layer, torch.randn(2, 4, 64, dtype=torch.bfloat16), meta, be.prepare(meta))
     assert not be._cascade_wrappers  # request 0's window starts at key 22: no shared page in every window
     plan = next(iter(be._decode_wrappers.values())).plans[-1]
     # Only pages a query can see under the window: keys from position 41 - 20 + 1 = 22 (page 1) onwards.
@@ -113,9 +110,8 @@ def test_sliding_window_cascade_plans_the_shared_segment_once(monkeypatch, exten
     meta = build_metadata(prefix_lens=prefix, q_lens=q_lens, block_tables=tables, page_size=8, device="cpu",
                           detect_shared_prefix=True)
     assert meta.shared_prefix_len == 40
-    be.prepare(meta)
     q = torch.randn(sum(q_lens), 4, 64, dtype=torch.bfloat16)
-    (be.extend if extend else be.decode)(layer, q, meta)
+    (be.extend if extend else be.decode)(layer, q, meta, be.prepare(meta))
     sig = fi_backend.LayerSignature.of(layer)
     shared = be._cascade_wrappers[sig][0][sig].plans[-1]
     assert shared["paged_kv_indices"].tolist() == [3, 4, 5] and shared["paged_kv_indptr"].tolist() == [0, 3]
@@ -156,8 +152,7 @@ def test_trtllm_graph_block_table_is_refilled_in_place(monkeypatch, name, cc, pa
     for step in range(2):
         meta = build_metadata(prefix_lens=[s - 1 for s in seq], q_lens=[1] * 3, block_tables=tables,
                               page_size=page_size, device="cpu")
-        be.prepare_graph(meta, capturing=step == 0)
-        state = meta.backend_state[be._state_key]
+        state = be.prepare_graph(meta, capturing=step == 0)
         assert state.block_table.data_ptr() == be._graph.table.data_ptr()
         assert state.block_table.shape == (3, columns)
         assert state.block_table.tolist() == [row + [0] * (columns - len(row)) for row in tables]
@@ -178,8 +173,7 @@ def test_cascade_extend_plans_shared_pages_once_and_the_rest_causal(monkeypatch)
     meta = build_metadata(prefix_lens=prefix, q_lens=q_lens, block_tables=tables, page_size=16, device="cpu",
                           detect_shared_prefix=True)
     assert not meta.is_decode and meta.shared_prefix_len == 48
-    be.prepare(meta)
-    out = be.extend(layer, torch.randn(26, 8, 64, dtype=torch.bfloat16), meta)
+    out = be.extend(layer, torch.randn(26, 8, 64, dtype=torch.bfloat16), meta, be.prepare(meta))
     assert out.shape == (26, 8, 64)
 
     sig = fi_backend.LayerSignature.of(layer)
@@ -201,8 +195,7 @@ def test_cascade_extend_plans_shared_pages_once_and_the_rest_causal(monkeypatch)
     first = build_metadata(prefix_lens=[0, 48], q_lens=[50, 5], block_tables=tables[1:], page_size=16,
                            device="cpu", detect_shared_prefix=True)
     assert first.shared_prefix_len == 0
-    be.prepare(first)
-    be.extend(layer, torch.randn(55, 8, 64, dtype=torch.bfloat16), first)
+    be.extend(layer, torch.randn(55, 8, 64, dtype=torch.bfloat16), first, be.prepare(first))
     plain = next(iter(be._prefill_wrappers.values())).plans[-1]
     assert plain["paged_kv_indptr"].tolist() == [0, 4, 8] and plain["causal"] is True
 
@@ -221,9 +214,9 @@ def test_graph_steps_plan_bucket_wrappers_over_shared_static_buffers(monkeypatch
         meta = build_metadata(prefix_lens=[50, 70] + [0] * (bucket - 2), q_lens=[1] * bucket, block_tables=rows,
                               page_size=16, device="cpu", mode=fi_backend.ForwardMode.DECODE,
                               detect_shared_prefix=True)
-        be.prepare_graph(meta, capturing=bucket == 4)
+        plan = be.prepare_graph(meta, capturing=bucket == 4)
         for layer in (sliding, glob):
-            be.decode(layer, torch.randn(bucket, 4, 64, dtype=torch.bfloat16), meta)
+            be.decode(layer, torch.randn(bucket, 4, 64, dtype=torch.bfloat16), meta, plan)
         assert not be._cascade_wrappers and not be._decode_wrappers  # plain, and only graph-mode wrappers
         wrappers[bucket] = be._graph.decode(bucket)
         for sig, w in wrappers[bucket].items():

@@ -21,6 +21,7 @@ pytest.importorskip("flashinfer", reason='FlashInfer is not installed (pip insta
 
 import attnzoo  # noqa: E402
 from attnzoo.attention.backends import get_backend_class  # noqa: E402
+from attnzoo.attention.backends.hybrid import HybridBackend  # noqa: E402
 from attnzoo.attention.backends.torch_ref import attention_reference, gather_kv  # noqa: E402
 from attnzoo.attention.kv_cache import KVPool  # noqa: E402
 from attnzoo.attention.layer import Attention  # noqa: E402
@@ -106,8 +107,8 @@ def reference(layer, pool, meta, q) -> torch.Tensor:
 
 
 def run_backend(backend, layer, meta, q) -> torch.Tensor:
-    backend.prepare(meta)
-    return backend.decode(layer, q, meta) if meta.is_decode else backend.extend(layer, q, meta)
+    plan = backend.prepare(meta)
+    return backend.decode(layer, q, meta, plan) if meta.is_decode else backend.extend(layer, q, meta, plan)
 
 
 def assert_close(out, ref):
@@ -121,7 +122,8 @@ def assert_close(out, ref):
 def check(name, case, page_size, mode, batch, **backend_kw):
     prefix, qlens = (DECODE_BATCHES if mode is ForwardMode.DECODE else EXTEND_BATCHES)[batch]
     layer, pool, meta, q = make_step(page_size=page_size, prefix_lens=prefix, q_lens=qlens, mode=mode, **case)
-    backend = get_backend_class(name)(pool, **backend_kw)
+    # The phase's backend as load_model builds it (trtllm_mha's extend off Blackwell: flashinfer's).
+    backend = HybridBackend.create(name, name, pool, **backend_kw).for_step(meta)
     out = run_backend(backend, layer, meta, q)
     assert_close(out, reference(layer, pool, meta, q))
     # A second step re-plans the signature in prepare(); it must give the same answer. Not bitwise:
@@ -189,7 +191,7 @@ def check_cascade_equals_plain(layer, pool, meta, q) -> None:
     out = run_backend(backend, layer, meta, q)
     assert backend._cascade_wrappers, "the step did not take the cascade path"
     assert_close(out, reference(layer, pool, meta, q))
-    meta.shared_prefix_len, meta.backend_state = 0, {}
+    meta.shared_prefix_len = 0
     plain = run_backend(backend, layer, meta, q)
     assert ((out.float() - plain.float()).norm() / plain.float().norm()).item() < 5e-3
 
@@ -256,11 +258,11 @@ def test_flashinfer_gemma4_like_mixed_layers_share_one_step():
     meta = build_metadata(prefix_lens=prefix, q_lens=qlens, block_tables=pages, page_size=ps, device=DEV)
     be = get_backend_class("flashinfer")(pool)
     for step in range(2):  # step 0 learns the signatures lazily, step 1 plans them in prepare()
-        be.prepare(meta)
+        plan = be.prepare(meta)
         for layer in (sliding, glob, sliding):
             q = torch.randn(sum(qlens), layer.num_heads, layer.head_dim, device=DEV, dtype=DTYPE)
-            assert_close(be.extend(layer, q, meta), reference(layer, pool, meta, q))
-    assert len(meta.backend_state[be._state_key].planned) == 2
+            assert_close(be.extend(layer, q, meta, plan), reference(layer, pool, meta, q))
+    assert len(plan.planned) == 2
 
 
 # ------------------------------------------------------------------------------------------ trtllm_mha
@@ -303,9 +305,9 @@ def test_trtllm_mha_rejects_softcap_and_bad_page_size():
     case = dict(heads=8, kv_heads=2, head_dim=128, softcap=20.0)
     layer, pool, meta, q = make_step(page_size=16, prefix_lens=[5], q_lens=[1], mode=ForwardMode.DECODE, **case)
     be = get_backend_class("trtllm_mha")(pool)
-    be.prepare(meta)
+    plan = be.prepare(meta)
     with pytest.raises(BackendError, match="soft-capping"):
-        be.decode(layer, q, meta)
+        be.decode(layer, q, meta, plan)
     _, pool8, _, _ = make_step(page_size=8, prefix_lens=[5], q_lens=[1], mode=ForwardMode.DECODE, **case)
     with pytest.raises(BackendError, match="needs page size 16, 32, 64"):
         get_backend_class("trtllm_mha")(pool8)
@@ -353,15 +355,15 @@ def _graph_replay(name, case, page_size, batch=4):
     be = get_backend_class(name)(pool)
     be.init_graph_state(batch, width)
     bind(meta0, q0)
-    be.prepare_graph(meta0, capturing=True)
+    plan = be.prepare_graph(meta0, capturing=True)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture: JIT builds, workspace allocation
-        be.decode(layer, static["q"], meta0)
+        be.decode(layer, static["q"], meta0, plan)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = be.decode(layer, static["q"], meta0)
+        out = be.decode(layer, static["q"], meta0, plan)
     bind(meta1, q1)
     be.prepare_graph(meta1, capturing=False)
     graph.replay()

@@ -65,8 +65,7 @@ def test_graph_wrapper_per_bucket_replanned_with_real_lengths(monkeypatch):
 
     # Capture of bucket 4: the layer's first run learns its signature and builds the bucket's wrapper.
     cap = graph_step([17, 40, 2], [[3, 4], [5, 6, 7], [8]], bucket=4)
-    be.prepare_graph(cap, capturing=True)
-    out = be.decode(layer, q, cap)
+    out = be.decode(layer, q, cap, be.prepare_graph(cap, capturing=True))
     assert out.shape == (4, 16, 512)
     (key, w4), = be._wrappers.items()
     assert key[1] == 4
@@ -94,16 +93,15 @@ def test_graph_wrapper_per_bucket_replanned_with_real_lengths(monkeypatch):
 
     # Bucket 2 gets its own wrapper (FlashInfer fixes a graph wrapper's batch size), planned up front.
     b2 = graph_step([5], [[13]], bucket=2)
-    be.prepare_graph(b2, capturing=True)
+    plan2 = be.prepare_graph(b2, capturing=True)
     w2 = be._wrappers[(key[0], 2)]
     assert w2 is not w4 and w2.kwargs["qo_indptr"].shape == (3,) and len(w2.plans) == 1
-    be.decode(layer, q[:2], b2)
+    be.decode(layer, q[:2], b2, plan2)
     assert w2.runs == 1 and w4.runs == 1
 
     # Eager steps keep their own wrapper, without graph buffers.
     eager = build_metadata(prefix_lens=[20], q_lens=[1], block_tables=[[1, 2]], page_size=PS, device="cpu")
-    be.prepare(eager)
-    be.decode(layer, q[:1], eager)
+    be.decode(layer, q[:1], eager, be.prepare(eager))
     assert "use_cuda_graph" not in be._wrappers[(key[0], None)].kwargs
 
 

@@ -222,12 +222,12 @@ def test_trtllm_mla_runtime_xqa_mla_on_sm120(monkeypatch, heads, cc, page, fails
         return
     be = cls(pool)
     meta = _decode_meta(page)
-    be.prepare(meta)
+    plan = be.prepare(meta)
     if fails_at == "decode":
         with pytest.raises(BackendError, match=error):
-            be.decode(layer, q, meta)
+            be.decode(layer, q, meta, plan)
         return
-    assert be.decode(layer, q, meta).shape == (2, heads, 512)
+    assert be.decode(layer, q, meta, plan).shape == (2, heads, 512)
     call = rec.calls[-1]
     assert call["backend"] == "xqa" and call["block_tables"].shape[1] % (128 // page) == 0
     assert be.kernels_for(layer)["decode"].startswith("xqa MLA decode")
@@ -245,8 +245,7 @@ def test_trtllm_mha_runtime_page_128_on_xqa_only(monkeypatch, cc, ok):
         return
     be = cls(pool)
     meta = _decode_meta(128, seq=(130, 200))
-    be.prepare(meta)
-    be.decode(layer, torch.zeros(2, 8, 64, dtype=torch.bfloat16), meta)
+    be.decode(layer, torch.zeros(2, 8, 64, dtype=torch.bfloat16), meta, be.prepare(meta))
     assert rec.calls[-1]["backend"] == "xqa" and rec.calls[-1]["block_tables"].shape == (2, 2)
 
 
@@ -256,8 +255,7 @@ def test_flashinfer_fa3_decode_variant(monkeypatch):
     pool = KVPool([layer.kv_cache_spec()], num_pages=8, page_size=16, dtype=torch.bfloat16, device="cpu")
     be = cls(pool, decode_variant="fa3")
     meta = _decode_meta(16)
-    be.prepare(meta)
-    be.decode(layer, torch.zeros(2, 8, 128, dtype=torch.bfloat16), meta)
+    be.decode(layer, torch.zeros(2, 8, 128, dtype=torch.bfloat16), meta, be.prepare(meta))
     wrapper = next(iter(be._decode_wrappers.values()))
     assert wrapper.kwargs["backend"] == "fa3" and wrapper.kwargs["use_tensor_cores"]
     assert "fa3 paged kernel" in be.kernels_for(layer)["decode"]

@@ -414,23 +414,24 @@ def test_decode_cuda_graph_replay_follows_metadata():
                               page_size=page_size, device=DEVICE)
 
     static = meta_for([100, 5, 1000, 17])
-    backend.prepare_graph(static, capturing=True)
+    plan = backend.prepare_graph(static, capturing=True)
     q = torch.randn(batch, 32, 128, device=DEVICE, dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        backend.decode(layer, q, static)  # warm-up compiles outside the capture
+        backend.decode(layer, q, static, plan)  # warm-up compiles outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = backend.decode(layer, q, static)
+        out = backend.decode(layer, q, static, plan)
     for lens in ([100, 5, 1000, 17], [1024, 300, 2, 999]):
         new = meta_for(lens)
         static.seq_lens.copy_(new.seq_lens)
         backend.prepare_graph(static, capturing=False)
         q.normal_()
         graph.replay()
-        ref = TorchBackend(pool).decode(layer, q, new)
+        ref_be = TorchBackend(pool)
+        ref = ref_be.decode(layer, q, new, ref_be.prepare(new))
         assert rel_err(out, ref) <= 1e-2
 
 

@@ -30,7 +30,6 @@ FP8_BLOCK = 128  # latent values per scale in KVLayout.FP8_NOPE_SCALED_BF16_ROPE
 # pool holds BF16 entries; the Triton kernels that read the others import the names from here.
 class KVLayout(enum.Enum):
     BF16 = "bf16"
-    FP8_NOPE_FP8_ROPE = "fp8_nope_fp8_rope"
     FP8_NOPE_SCALED_BF16_ROPE = "fp8_nope_scaled_bf16_rope"
 
     def check(self, rank: int, rope: int) -> None:
@@ -47,8 +46,6 @@ class KVLayout(enum.Enum):
         self.check(rank, rope)
         if self is KVLayout.BF16:
             return (rank + rope) * torch.empty((), dtype=dtype).element_size()
-        if self is KVLayout.FP8_NOPE_FP8_ROPE:
-            return rank + rope
         return rank + 4 * (rank // FP8_BLOCK) + 2 * rope
 
 

@@ -5,8 +5,6 @@ shared RoPE key (``rope`` values). Kernels disagree on how that entry is stored:
 
   BF16                       the model dtype, [latent | rope]: what the KV pool holds and every dense MLA
                              kernel reads. (Named for the serving dtype; a float32 model stores float32.)
-  FP8_NOPE_FP8_ROPE          the TRT-LLM MLA decode layout: fp8 e4m3 latent, then fp8 e4m3 rope, both
-                             divided by one per-tensor scale: rank + rope bytes per token.
   FP8_NOPE_SCALED_BF16_ROPE  the FlashMLA sparse layout: fp8 e4m3 latent with one float32 scale per 128
                              values (amax / 448), the scales, then the rope part in bf16:
                              rank + 4 * rank / 128 + 2 * rope bytes (512 + 16 + 128 = 656 for DeepSeek).
@@ -15,8 +13,7 @@ Every NSA backend declares the layout it reads (``mla_kv_layout``); nothing infe
 pool always holds BF16 entries (the shared attention layer writes them); a backend that reads another
 layout keeps a ``LayoutCache``, into which each token is converted once, when its layer stores it.
 
-The torch functions here (``pack``, ``unpack``, ``convert``) are the reference for the Triton
-conversion kernels (``attnzoo/attention/kernels/kv_layout.py``).
+The torch functions here (``pack``, ``unpack``) are the reference for the Triton conversion kernel (``attnzoo/attention/kernels/kv_layout.py``).
 """
 from __future__ import annotations
 
@@ -37,19 +34,16 @@ def _from_fp8(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float8_e4m3fn).float()
 
 
-def pack(entries: torch.Tensor, layout: KVLayout, *, rank: int, scale: float = 1.0) -> torch.Tensor:
+def pack(entries: torch.Tensor, layout: KVLayout, *, rank: int) -> torch.Tensor:
     """Entries [N, rank + rope] (any float dtype) -> [N, row_bytes] uint8 in ``layout``.
 
-    BF16 returns the entries themselves (that layout is the model dtype). ``scale`` is the per-tensor
-    scale of FP8_NOPE_FP8_ROPE (stored value = entry / scale); the other layouts ignore it.
+    BF16 returns the entries themselves (that layout is the model dtype).
     """
     rope = entries.shape[-1] - rank
     layout.check(rank, rope)
     if layout is KVLayout.BF16:
         return entries
     x = entries.float()
-    if layout is KVLayout.FP8_NOPE_FP8_ROPE:
-        return _to_fp8(x / scale)
     n = x.shape[0]
     blocks = x[:, :rank].reshape(n, rank // FP8_BLOCK, FP8_BLOCK)
     scales = (blocks.abs().amax(-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # [N, rank / 128]
@@ -61,27 +55,16 @@ def pack(entries: torch.Tensor, layout: KVLayout, *, rank: int, scale: float = 1
     ], dim=-1)
 
 
-def unpack(rows: torch.Tensor, layout: KVLayout, *, rank: int, rope: int, dtype: torch.dtype,
-           scale: float = 1.0) -> torch.Tensor:
+def unpack(rows: torch.Tensor, layout: KVLayout, *, rank: int, rope: int, dtype: torch.dtype) -> torch.Tensor:
     """[N, row_bytes] uint8 in ``layout`` (BF16: entries) -> entries [N, rank + rope] in ``dtype``."""
     layout.check(rank, rope)
     if layout is KVLayout.BF16:
         return rows.to(dtype)
-    if layout is KVLayout.FP8_NOPE_FP8_ROPE:
-        return (_from_fp8(rows) * scale).to(dtype)
     n, nb = rows.shape[0], rank // FP8_BLOCK
     scales = rows[:, rank : rank + 4 * nb].contiguous().view(torch.float32)  # [N, nb]
     latent = _from_fp8(rows[:, :rank]).reshape(n, nb, FP8_BLOCK) * scales[..., None]
     rope_part = rows[:, rank + 4 * nb :].contiguous().view(torch.bfloat16).float()
     return torch.cat([latent.reshape(n, rank), rope_part], dim=-1).to(dtype)
-
-
-def convert(rows: torch.Tensor, src: KVLayout, dst: KVLayout, *, rank: int, rope: int,
-            src_scale: float = 1.0, dst_scale: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Rows in ``src`` -> rows in ``dst``, through float32 (``dtype``: the BF16 layout's dtype)."""
-    x = unpack(rows, src, rank=rank, rope=rope, dtype=torch.float32, scale=src_scale)
-    out = pack(x, dst, rank=rank, scale=dst_scale)
-    return out.to(dtype) if dst is KVLayout.BF16 else out
 
 
 class LayoutCache:
@@ -93,11 +76,11 @@ class LayoutCache:
     converted once, from values the layer already holds, and decode never re-reads the pool for it.
     """
 
-    def __init__(self, pool: KVPool, layout: KVLayout, *, scale: float = 1.0):
+    def __init__(self, pool: KVPool, layout: KVLayout):
         if layout is KVLayout.BF16:
             raise BackendError("the BF16 layout is the pool itself and needs no copy",
                                fix="read pool.k(layer) directly")
-        self.pool, self.layout, self.scale = pool, layout, float(scale)
+        self.pool, self.layout = pool, layout
         self.rank: dict[int, int] = {}
         self._rows: dict[int, torch.Tensor] = {}
         for lid, spec in enumerate(pool.specs):
@@ -118,5 +101,4 @@ class LayoutCache:
         from attnzoo.attention.kernels.kv_layout import pack_rows
 
         rows = self._rows[layer_id]
-        pack_rows(entries, rows.view(-1, rows.shape[-1]), self.layout, rank=self.rank[layer_id],
-                  scale=self.scale, slots=slot_mapping)
+        pack_rows(entries, rows.view(-1, rows.shape[-1]), self.layout, rank=self.rank[layer_id], slots=slot_mapping)

@@ -10,31 +10,33 @@ is multi-query attention with head dims (kv_lora_rank + rope_dim, kv_lora_rank).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from attnzoo.attention.backends.base import AttentionBackend, StepPlan
+from attnzoo.attention.backends.hybrid import HybridBackend
 from attnzoo.attention.kv_cache import KVCacheSpec, KVPool
 from attnzoo.attention.metadata import BatchMetadata
-
-if TYPE_CHECKING:
-    from attnzoo.attention.backends.base import AttentionBackend
 
 
 @dataclass
 class ForwardContext:
-    """What a model's forward needs besides its inputs: the step's metadata, the pool, the backends."""
+    """What a model's forward needs besides its inputs: the step's metadata, the pool, the backends
+    (``backends`` decides which one serves the step) and the step's plan."""
 
     meta: BatchMetadata
     pool: KVPool
-    prefill_backend: "AttentionBackend"
-    decode_backend: "AttentionBackend"
+    prefill_backend: AttentionBackend
+    decode_backend: AttentionBackend
+    plan: StepPlan | None = None  # what backends.prepare(meta) returned; None: prepared here, once
+    backends: HybridBackend = field(init=False)
 
-    @property
-    def backend(self) -> "AttentionBackend":
-        return self.decode_backend if self.meta.is_decode else self.prefill_backend
+    def __post_init__(self):
+        self.backends = HybridBackend(self.prefill_backend, self.decode_backend)
+        if self.plan is None:
+            self.plan = self.backends.prepare(self.meta)
 
 
 class Attention(nn.Module):
@@ -90,7 +92,5 @@ class Attention(nn.Module):
         meta = ctx.meta
         if self.kv_shared_from is None:
             ctx.pool.store(self.layer_id, meta.slot_mapping, k, v)
-        backend = ctx.backend
-        run = backend.decode if meta.is_decode else backend.extend
-        out = run(self, q, meta)
+        out = ctx.backends.run(self, q, meta, ctx.plan)
         return out.reshape(q.shape[0], self.num_heads * self.v_head_dim)

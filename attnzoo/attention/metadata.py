@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -45,8 +44,6 @@ class BatchMetadata:
     # them once for the whole batch instead of once per request; the pages are
     # ``block_tables[0, :shared_prefix_len // page_size]``. Host int.
     shared_prefix_len: int = 0
-    # Per-backend planned state (wrappers, indptr arrays, ...), filled by Backend.prepare().
-    backend_state: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

@@ -21,21 +21,18 @@ Per layer and step (``NSAAttention.forward``):
 This follows transformers' ``models/deepseek_v32`` (its indexer is the bf16 equivalent of DeepSeek's
 FP8 reference; the Hadamard rotation there preserves dot products and is skipped, as transformers does).
 
-The NSA backend contract (the torch reference backend, ``nsa_triton``, ``nsa_triton_fp8``)::
-
-    mla_kv_layout: KVLayout                       # the layout nsa_sparse_mla reads; no flag infers it
-    kv_copy: LayoutCache                          # only when mla_kv_layout is not BF16
-    nsa_topk(layer, q [T, Hi, D], weights [T, Hi] float32 (already / sqrt(Hi)), meta, *, topk, scale)
-        -> [T, min(topk, max_seq_len)] int32 positions in the request's sequence, -1 = none
-    nsa_sparse_mla(layer, q [T, H, rank + rope], positions [T, k] int32, meta) -> [T, H, rank]
+The NSA backends (the torch reference backend, ``nsa_triton``, ``nsa_triton_fp8``) derive from
+``backends.base.NSABackend``: ``mla_kv_layout`` (the layout their sparse MLA reads, declared), ``kv_copy``
+(where that layout is not the pool's), and the hooks ``nsa_topk`` / ``nsa_sparse_mla``, which take the
+step's ``NSAPlan`` (where the step's shared matrices are kept).
 """
 from __future__ import annotations
 
 import torch
 
+from attnzoo.attention.backends.base import NSABackend, NSAPlan
 from attnzoo.attention.kv_layout import KVLayout
 from attnzoo.attention.layer import ForwardContext
-from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.attention.mla import MLAAttention, absorb_query, latent_to_values, split_kv_b
 from attnzoo.attention.reference import (  # noqa: F401  (the NSA backends' helpers, read as nsa.<name>)
     entries_of,
@@ -54,18 +51,15 @@ def _nsa_backend_names() -> list[str]:
     return [name for name, caps in all_capabilities().items() if "nsa" in caps.kinds]
 
 
-def nsa_backend(backend) -> "object":
-    """The backend itself, once checked to serve NSA layers (its declared layout and both hooks)."""
-    layout = getattr(backend, "mla_kv_layout", None)
-    hooks = all(callable(getattr(backend, h, None)) for h in ("nsa_topk", "nsa_sparse_mla"))
-    if not isinstance(layout, KVLayout) or not hooks:
+def nsa_backend(backend) -> NSABackend:
+    """The backend itself, once checked to serve NSA layers (an NSABackend, with its layout's copy)."""
+    if not isinstance(backend, NSABackend):
         raise BackendError(
-            f"backend {backend.name!r} cannot run sparse (NSA) attention: it declares no mla_kv_layout "
-            "or lacks nsa_topk / nsa_sparse_mla",
+            f"backend {backend.name!r} cannot run sparse (NSA) attention",
             fix=f"use one of the NSA backends: {', '.join(_nsa_backend_names())}",
         )
-    if layout is not KVLayout.BF16 and getattr(backend, "kv_copy", None) is None:
-        raise BackendError(f"backend {backend.name!r} reads KV layout {layout.value} but keeps no kv_copy",
+    if backend.mla_kv_layout is not KVLayout.BF16 and backend.kv_copy is None:
+        raise BackendError(f"backend {backend.name!r} reads KV layout {backend.mla_kv_layout.value} but keeps no kv_copy",
                            fix="create its LayoutCache in the backend's __init__")
     return backend
 
@@ -86,7 +80,7 @@ class NSAAttention(MLAAttention):
         if index_topk < 1:
             raise ModelLoadError(f"index_topk must be a positive token count, the config has {index_topk}",
                                  fix="set index_topk in config.json (2048 in the released models)")
-        self.index_topk = index_topk
+        self.index_topk, self.index_n_heads = index_topk, index_n_heads
         self.index_scale = index_head_dim**-0.5
         self.index_weight_scale = index_n_heads**-0.5
 
@@ -105,22 +99,26 @@ class NSAAttention(MLAAttention):
     ) -> torch.Tensor:  # [T, H * v_head_dim]
         meta, layer = ctx.meta, self.attn
         t = q_nope.shape[0]
-        backend = nsa_backend(ctx.backend)
+        backend, plan = nsa_backend(ctx.backends.for_step(meta)), ctx.plan
+        if not isinstance(plan, NSAPlan):
+            raise BackendError(f"the step's plan is a {type(plan).__name__}, not the NSAPlan of {backend.name!r}",
+                               fix="prepare the step with the backends that run it (HybridBackend.prepare)")
         entry = torch.cat([latent, k_pe], dim=-1)  # [T, rank + rope]
         ctx.pool.store(layer.layer_id, meta.slot_mapping, entry[:, None, :], None, index_k=index_k)
         # Both backends of the engine, not just this step's: a token stored by prefill is read by decode
         # later, in the decode backend's layout. Converting now reads it once, from values in hand.
-        for b in {id(b): b for b in (ctx.prefill_backend, ctx.decode_backend)}.values():
+        for b in ctx.backends.distinct():
             if nsa_backend(b).mla_kv_layout is not KVLayout.BF16:
                 b.kv_copy.store(layer.layer_id, meta.slot_mapping, entry)
         if meta.max_seq_len <= self.index_topk:
-            positions = visible_positions(meta)
+            positions = visible_positions(meta, plan.shared)
         else:
             weights = index_weights.float() * self.index_weight_scale
-            positions = backend.nsa_topk(layer, index_q, weights, meta, topk=self.index_topk, scale=self.index_scale)
+            positions = backend.nsa_topk(layer, index_q, weights, meta, plan, topk=self.index_topk,
+                                         scale=self.index_scale)
         w_uk, w_uv = split_kv_b(kv_b_weight, self.num_heads, self.qk_nope_head_dim)
         q = torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)  # [T, H, rank + rope]
-        o = backend.nsa_sparse_mla(layer, q, positions, meta).to(q_nope.dtype)  # [T, H, rank]
+        o = backend.nsa_sparse_mla(layer, q, positions, meta, plan).to(q_nope.dtype)  # [T, H, rank]
         return latent_to_values(o, w_uv).reshape(t, self.num_heads * self.v_head_dim)
 
 

@@ -6,6 +6,8 @@ can pass through it: dense paged attention, and NSA's indexer scores, top-k sele
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from attnzoo.attention.metadata import BatchMetadata
@@ -55,25 +57,38 @@ def token_requests(meta: BatchMetadata) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(meta.num_reqs, device=dev), lens, output_size=meta.num_tokens)
 
 
-def _step_cached(meta: BatchMetadata, key: str, make):
-    """``make()``, computed once per step and shared by its layers. Not across a CUDA-graph capture's
-    start: a decode graph is captured right after an eager warm-up of the same step, and a tensor cached
-    there would be replayed with the warm-up's values; inside the capture it is recomputed (and recorded)."""
+@dataclass
+class NSAStepCache:
+    """Matrices every NSA layer of one step reads alike, kept on the step's plan (``base.NSAPlan``) by
+    the first layer that asks. Each is (tensor, made while a CUDA graph was being captured)."""
+
+    visible: tuple[torch.Tensor, bool] | None = None  # visible_positions: [num_tokens, max_seq_len] int32, device
+    visible_slots: tuple[torch.Tensor, bool] | None = None  # their pool slots: [num_tokens, max_seq_len] int64, device
+
+
+def _step_cached(meta: BatchMetadata, cache: NSAStepCache | None, name: str, make):
+    """``make()``, computed once per step and shared by its layers (``cache`` None: not kept). Not across
+    a CUDA-graph capture's start: a decode graph is captured right after an eager warm-up of the same step,
+    and a tensor cached there would be replayed with the warm-up's values; inside the capture it is
+    recomputed (and recorded)."""
+    if cache is None:
+        return make()
     capturing = meta.positions.is_cuda and torch.cuda.is_current_stream_capturing()
-    hit = meta.backend_state.get(key)
+    hit = getattr(cache, name)
     if hit is None or hit[1] != capturing:
-        hit = meta.backend_state[key] = (make(), capturing)
+        hit = (make(), capturing)
+        setattr(cache, name, hit)
     return hit[0]
 
 
-def visible_positions(meta: BatchMetadata) -> torch.Tensor:
+def visible_positions(meta: BatchMetadata, cache: NSAStepCache | None = None) -> torch.Tensor:
     """[num_tokens, max_seq_len] int32: every position a token sees (j <= its position), -1 beyond.
-    Built once per step (every layer of a short-context step asks for the same matrix)."""
+    Built once per step with ``cache`` (every layer of a short-context step asks for the same matrix)."""
     def make():
         j = torch.arange(meta.max_seq_len, device=meta.positions.device, dtype=torch.int32)
         return torch.where(j[None, :] <= meta.positions[:, None], j[None, :], -1)
 
-    return _step_cached(meta, "nsa:visible", make)
+    return _step_cached(meta, cache, "visible", make)
 
 
 def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -83,10 +98,11 @@ def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     return idx.masked_fill(vals == float("-inf"), -1).to(torch.int32)
 
 
-def positions_to_slots(positions: torch.Tensor, meta: BatchMetadata, token_reqs: torch.Tensor | None = None
-                       ) -> torch.Tensor:
+def positions_to_slots(positions: torch.Tensor, meta: BatchMetadata, token_reqs: torch.Tensor | None = None,
+                       cache: NSAStepCache | None = None) -> torch.Tensor:
     """Positions [T, k] (-1 = none) -> pool slots [T, k] int64 (page * page_size + offset; -1 = none).
-    ``token_reqs``: ``token_requests(meta)`` when the caller already has it."""
+    ``token_reqs``: ``token_requests(meta)`` when the caller already has it; ``cache``: the step's, where
+    the slots of ``visible_positions`` are kept for its other layers."""
     def make():
         ps = meta.page_size
         pos = positions.long()
@@ -95,9 +111,8 @@ def positions_to_slots(positions: torch.Tensor, meta: BatchMetadata, token_reqs:
         pages = meta.block_tables.long()[reqs[:, None], clamped // ps]
         return torch.where(pos >= 0, pages * ps + clamped % ps, -1)
 
-    visible = meta.backend_state.get("nsa:visible")
-    if visible is not None and positions is visible[0]:  # the same for every layer of the step
-        return _step_cached(meta, "nsa:visible_slots", make)
+    if cache is not None and cache.visible is not None and positions is cache.visible[0]:
+        return _step_cached(meta, cache, "visible_slots", make)  # the same for every layer of the step
     return make()
 
 

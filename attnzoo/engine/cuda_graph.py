@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from attnzoo.attention.backends.base import StepPlan
+from attnzoo.attention.backends.hybrid import HybridBackend
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.metadata import BatchMetadata, ForwardMode
 
@@ -24,8 +26,9 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 
 
 
 class DecodeGraphs:
-    def __init__(self, model, pool, backend, *, max_batch: int, max_context: int, buckets=DEFAULT_BUCKETS):
-        self.model, self.pool, self.backend = model, pool, backend
+    def __init__(self, model, pool, backends: HybridBackend, *, max_batch: int, max_context: int,
+                 buckets=DEFAULT_BUCKETS):
+        self.model, self.pool, self.backends = model, pool, backends
         dev, ps = pool.device, pool.page_size
         self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
         self.max_batch = self.buckets[-1]
@@ -44,7 +47,8 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # bucket -> static output [bucket, hidden]
         self.metas: dict[int, BatchMetadata] = {}  # bucket -> the capture's metadata over the static buffers
-        backend.init_graph_state(self.max_batch, self.max_pages)
+        self.plans: dict[int, StepPlan] = {}  # bucket -> the capture's plan (its tensors: the backend's static ones)
+        backends.init_graph_state(self.max_batch, self.max_pages)
         self._capture_all()
 
     def _meta(self, bs: int, seq_lens_cpu: list[int] | None = None) -> BatchMetadata:
@@ -59,9 +63,9 @@ class DecodeGraphs:
             q_lens_cpu=[1] * bs, last_token_rows=self.rows[:bs],
         )
 
-    def _run(self, meta: BatchMetadata) -> torch.Tensor:
+    def _run(self, meta: BatchMetadata, plan: StepPlan) -> torch.Tensor:
         bs = meta.num_reqs
-        ctx = ForwardContext(meta, self.pool, self.backend, self.backend)
+        ctx = ForwardContext(meta, self.pool, self.backends.prefill_backend, self.backends.decode_backend, plan)
         return self.model(self.ids[:bs], self.positions[:bs], ctx)
 
     @torch.inference_mode()
@@ -76,15 +80,15 @@ class DecodeGraphs:
             meta = self.metas[bs] = self._meta(bs)
             # The backend's per-step preparation runs eagerly, outside the graph, before capture and
             # before every replay (the contract of AttentionBackend.prepare_graph).
-            self.backend.prepare_graph(meta, capturing=True)
+            plan = self.plans[bs] = self.backends.prepare_graph(meta, capturing=True)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._run(meta)  # warm-up: kernels compile, allocator settles
+                self._run(meta, plan)  # warm-up: kernels compile, allocator settles
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.hidden[bs] = self._run(meta)
+                self.hidden[bs] = self._run(meta, plan)
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
@@ -109,7 +113,8 @@ class DecodeGraphs:
         self.seq_lens[n:bs].fill_(1)
         self.prefix_lens[n:bs].zero_()
         self.block_tables[n:bs].zero_()
-        # refill the backend's static state; host-planned backends read the step's lengths
-        self.backend.prepare_graph(self._meta(bs, meta.seq_lens_cpu), capturing=False)
+        # refill the backend's static state (the graph reads it, not the returned plan); host-planned
+        # backends read the step's lengths
+        self.backends.prepare_graph(self._meta(bs, meta.seq_lens_cpu), capturing=False)
         self.graphs[bs].replay()
         return self.hidden[bs][:n]

@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from attnzoo.attention.backends.hybrid import HybridBackend
 from attnzoo.attention.kv_cache import KVPool, PageAllocator
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.metadata import BatchMetadata, build_metadata
@@ -96,8 +97,7 @@ class Engine:
         self,
         model,
         pool: KVPool,
-        prefill_backend,
-        decode_backend,
+        backends: HybridBackend,
         *,
         tokenizer=None,
         eos_token_ids: set[int] = frozenset(),
@@ -111,8 +111,7 @@ class Engine:
         self.model = model
         self.pool = pool
         self.allocator = PageAllocator(pool.num_pages)
-        self.prefill_backend = prefill_backend
-        self.decode_backend = decode_backend
+        self.backends = backends  # which backend serves a step: the prefill one or the decode one
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
         self.context_len = context_len
@@ -126,21 +125,29 @@ class Engine:
         # reads them once. A cascade step runs eagerly (its kernels differ from the captured graph's),
         # so it is used only where it saves more KV reads than a graph replay saves launches:
         # at least ``cascade_min_saved_tokens`` = shared tokens x (requests - 1) per layer.
-        can = check_cascade(type(decode_backend), prefix_caching, cascade)
+        can = check_cascade(type(backends.decode_backend), prefix_caching, cascade)
         self.cascade = can if cascade is None else cascade
         # Extend steps too (prompt chunks after a cached few-shot prefix, beside decode rows), where the
         # prefill backend can: there every request re-reads the prefix, however few queries it brings.
-        self.cascade_extend = cascade is not False and prefix_caching and prefill_backend.supports_cascade_extend
+        self.cascade_extend = cascade is not False and prefix_caching and backends.prefill_backend.supports_cascade_extend
         self.cascade_min_saved_tokens = cascade_min_saved_tokens
         self.step_log: list[dict] | None = None  # set to [] to record one summary per step (benchmarks)
         self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs()
         self.graph_stats = {"replayed": 0, "eager": 0, "cascade": 0}
         self.tp = None  # TPGroup (attnzoo.engine.tensor_parallel): rank 0 publishes each step to the others
 
+    @property
+    def prefill_backend(self):
+        return self.backends.prefill_backend
+
+    @property
+    def decode_backend(self):
+        return self.backends.decode_backend
+
     def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
         from attnzoo.engine.cuda_graph import DecodeGraphs
 
-        self.graphs = DecodeGraphs(self.model, self.pool, self.decode_backend, max_batch=max_batch, max_context=max_context)
+        self.graphs = DecodeGraphs(self.model, self.pool, self.backends, max_batch=max_batch, max_context=max_context)
 
     # ---------------------------------------------------------------- public
 
@@ -399,9 +406,8 @@ class Engine:
         return logits, meta.shared_prefix_len
 
     def _forward(self, ids: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-        backend = self.decode_backend if meta.is_decode else self.prefill_backend
-        backend.prepare(meta)
-        ctx = ForwardContext(meta, self.pool, self.prefill_backend, self.decode_backend)
+        b = self.backends
+        ctx = ForwardContext(meta, self.pool, b.prefill_backend, b.decode_backend, plan=b.prepare(meta))
         return self.model(ids, meta.positions, ctx)
 
     # ---------------------------------------------------------------- results

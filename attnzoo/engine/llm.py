@@ -14,6 +14,7 @@ import torch
 from transformers import PretrainedConfig
 
 from attnzoo.attention.backends import get_backend_class
+from attnzoo.attention.backends.hybrid import HybridBackend
 from attnzoo.attention.kv_cache import KVPool, kv_storage_dtype
 from attnzoo.engine.engine import Completion, Engine, check_cascade
 from attnzoo.engine.sampling import SamplingParams
@@ -467,17 +468,16 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
                   k_scale=k_scale, v_scale=v_scale)
     say(f"allocating the KV cache: {num_pages} pages of {ps} tokens "
         f"({num_pages * KVPool.bytes_per_page(specs, ps, kv_dt) / 2**30:.2f} GiB, {kv_cache_dtype}) ...")
-    pre = get_backend_class(decision.prefill_backend)(pool)
-    dec = pre if decision.decode_backend == decision.prefill_backend else get_backend_class(decision.decode_backend)(pool)
+    backends = HybridBackend.create(decision.prefill_backend, decision.decode_backend, pool)
     eos = _eos_ids(config, tokenizer)
     engine = Engine(
-        model, pool, pre, dec, tokenizer=tokenizer, eos_token_ids=eos, context_len=context_len,
+        model, pool, backends, tokenizer=tokenizer, eos_token_ids=eos, context_len=context_len,
         max_batch_tokens=max_batch_tokens if max_batch_tokens is not None else (8192 if dev.type == "cuda" else 2048), max_running=max_running,
         prefix_caching=prefix_caching, cascade=cascade,
     )
     timings["kv_cache_s"] = lap()
     if cuda_graph is None:
-        cuda_graph = dev.type == "cuda" and dec.supports_cuda_graph
+        cuda_graph = dev.type == "cuda" and backends.supports_cuda_graph
     if cuda_graph:
         say("capturing CUDA graphs for decode ...")
         engine.enable_cuda_graphs(max_batch=engine.max_running, max_context=min(context_len, cuda_graph_max_context))

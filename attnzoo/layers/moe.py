@@ -249,7 +249,6 @@ def default_config(num_assignments: int, num_local: int, fp8: bool) -> MoEConfig
 #   {"device": "NVIDIA H200", "sm": "90", "configs": {"E=64,N=1408,K=2048,dtype=fp8": {"1": {MoEConfig}, ...}}}
 # E = experts held here, N = moe intermediate, K = hidden, the inner keys the token counts M swept.
 TILE_TABLES = Path(__file__).with_name("moe_configs")
-TILE_DTYPES = ("bf16", "fp8")
 
 
 def tile_key(num_local: int, intermediate: int, hidden: int, dtype: str) -> str:

@@ -137,6 +137,14 @@ class CausalLM(nn.Module):
     # Names of nn.Linear layers whose weight the model reads as a matrix instead of calling the layer
     # (quantized checkpoints dequantize these at load).
     matrix_weights: tuple[str, ...] = ()
+    softcap: float | None = None  # final-logit soft-cap (not an attention one)
+
+    @classmethod
+    def shapes_only(cls, config) -> "CausalLM":
+        """The model built on the meta device: every module and shape, no memory, no weights. What reads a
+        model's structure without running it (the policy's profile, ``attnzoo tune``) reads this."""
+        with torch.device("meta"):
+            return cls(config)
 
     def attention_layers(self) -> list[Attention]:
         return sorted((m for m in self.modules() if isinstance(m, Attention)), key=lambda a: a.layer_id)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from attnzoo.errors import ModelLoadError, WeightError
+from attnzoo.models import registry
 
 log = logging.getLogger("attnzoo")
 
@@ -182,13 +183,10 @@ def load_tokenizer(src: CheckpointSource):
 
 
 def architecture_of(config) -> str:
-    archs = getattr(config, "architectures", None) or []
-    # GGUF configs carry only a model_type; each GGUF architecture is a single causal-LM class.
-    if not archs and getattr(config, "model_type", None) == "llama":
-        archs = ["LlamaForCausalLM"]
-    if not archs:
+    arch = registry.architecture_of(config)
+    if not arch:
         raise ModelLoadError("config.json names no architectures", fix="add an 'architectures' entry, e.g. ['LlamaForCausalLM']")
-    return archs[0]
+    return arch
 
 
 # ----------------------------------------------------------------------------------------------

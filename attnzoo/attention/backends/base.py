@@ -1,19 +1,24 @@
 """The backend contract: what every attention backend implements, and nothing more.
 
-Per step the engine calls ``prepare(meta)`` once (plan kernels, build index arrays); then every
-attention layer calls ``extend`` (EXTEND steps) or ``decode`` (DECODE steps). By the time either runs,
-the layer has already stored this step's k/v in the pool, so a backend only reads the cache.
+Per step ``HybridBackend`` (``backends/hybrid.py``) picks the step's backend (the prefill backend for
+EXTEND steps, the decode backend for DECODE steps) and calls its ``prepare(meta)`` once (plan kernels,
+build index arrays), which returns the step's plan: a ``StepPlan`` subclass of the backend's own, whose
+fields say what lives on the host and what on the device. Every attention layer then calls ``extend``
+(EXTEND steps) or ``decode`` (DECODE steps) with that plan. By the time either runs, the layer has
+already stored this step's k/v in the pool, so a backend only reads the cache.
 
 What a backend can run is its class's ``capabilities`` (``backends/capabilities.py``), stated once: the
 policy reads it through the registry, the backend's own checks call it, and ``name``,
 ``supports_cuda_graph``, ``supports_cascade`` (and an NSA backend's ``mla_kv_layout``) follow from it.
+A backend that serves sparse (NSA) layers derives from ``NSABackend``, whose hooks ``NSAAttention``
+calls (``attention/nsa.py``).
 
 CUDA-graph hooks: a backend that can run inside a captured decode graph declares ``cuda_graph=True`` and
 implements ``init_graph_state`` (static buffers for the largest batch) and ``prepare_graph(meta,
-capturing)`` (refill those buffers in place for a replay). That ``meta`` covers the batch-size bucket: its
-device tensors are the graph's static buffers, its host lists (``seq_lens_cpu``, ``q_lens_cpu``) the real
-step's padded to the bucket (padding rows: one token in page 0); at capture they are the worst case
-(every row at the graph's longest context).
+capturing)`` (refill those buffers in place for a replay; it returns the step's plan, built outside the
+graph). That ``meta`` covers the batch-size bucket: its device tensors are the graph's static buffers,
+its host lists (``seq_lens_cpu``, ``q_lens_cpu``) the real step's padded to the bucket (padding rows: one
+token in page 0); at capture they are the worst case (every row at the graph's longest context).
 
 Cascade attention: a backend that reads a prefix shared by every request of a DECODE step once for the
 whole batch (``meta.shared_prefix_len``) declares ``cascade=True``; others ignore the field and
@@ -23,13 +28,36 @@ same for EXTEND steps (every new token of the step comes after the shared pages)
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import torch
 
 from attnzoo.attention.backends.capabilities import BackendCapabilities, gpu_of
 from attnzoo.attention.kv_cache import KVLayout, KVPool
+from attnzoo.attention.kv_layout import LayoutCache
 from attnzoo.attention.metadata import BatchMetadata
+from attnzoo.attention.reference import NSAStepCache
+from attnzoo.errors import BackendError
+
+
+@dataclass
+class StepPlan:
+    """One step's plan: what a backend's ``prepare`` (or ``prepare_graph``) computed once for the step,
+    handed back to the ``extend`` / ``decode`` (and NSA hooks) of every layer of that step. Each backend
+    that plans returns a subclass with its own fields; this base, holding nothing, is the plan of a
+    backend with nothing to plan."""
+
+
+@dataclass
+class NSAPlan(StepPlan):
+    """The plan of a backend serving sparse (NSA) layers."""
+
+    # [num_tokens] int64, device: the request of each row of the flat batch (graph steps: rows of a
+    # static buffer, row i is request i); None: computed from the step's host lengths where needed.
+    token_reqs: torch.Tensor | None = None
+    # Matrices every NSA layer of the step reads alike, computed by the first layer that asks.
+    shared: NSAStepCache = field(default_factory=NSAStepCache)
 
 class AttentionLayer(Protocol):
     """What a backend reads of the layer it serves (``attnzoo.attention.layer.Attention``): the contract
@@ -63,6 +91,9 @@ class AttentionBackend(ABC):
         cls.supports_cuda_graph = caps.cuda_graph
         cls.supports_cascade = caps.cascade
         if "nsa" in caps.kinds:
+            if not issubclass(cls, NSABackend):
+                raise BackendError(f"backend {caps.name!r} declares NSA layers but does not derive from NSABackend",
+                                   fix="derive the class from attnzoo.attention.backends.base.NSABackend")
             cls.mla_kv_layout = KVLayout(caps.mla_kv_layout)
 
     # What to choose instead when a check fails (the errors' ``fix``).
@@ -86,22 +117,48 @@ class AttentionBackend(ABC):
         return self.capabilities.require_layer(phase, layer, gpu=self.gpu, kv_cache_dtype=self.pool.kv_cache_dtype,
                                                fix=self.fix)
 
-    def prepare(self, meta: BatchMetadata) -> None:
-        """Once per step, before the model runs. Default: nothing to plan."""
+    def prepare(self, meta: BatchMetadata) -> StepPlan:
+        """Once per step, before the model runs: the step's plan. Default: nothing to plan."""
+        return StepPlan()
 
     @abstractmethod
-    def extend(self, layer: "AttentionLayer", q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+    def extend(self, layer: "AttentionLayer", q: torch.Tensor, meta: BatchMetadata, plan: StepPlan) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, v_head_dim]."""
 
     @abstractmethod
-    def decode(self, layer: "AttentionLayer", q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+    def decode(self, layer: "AttentionLayer", q: torch.Tensor, meta: BatchMetadata, plan: StepPlan) -> torch.Tensor:
         """q: [num_reqs, num_heads, head_dim] -> [num_reqs, num_heads, v_head_dim]."""
 
     def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
         raise NotImplementedError(f"backend {self.name!r} does not support CUDA graphs")
 
-    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> None:
+    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> StepPlan:
         raise NotImplementedError(f"backend {self.name!r} does not support CUDA graphs")
+
+
+class NSABackend(AttentionBackend):
+    """A backend that serves sparse (NSA) layers: the hooks ``NSAAttention`` calls (``attention/nsa.py``),
+    after it stored the step's entries and indexer keys. Every class whose capabilities include "nsa"
+    derives from this; its plans are ``NSAPlan``s."""
+
+    mla_kv_layout: ClassVar[KVLayout] = KVLayout.BF16  # the entry layout nsa_sparse_mla reads (declared)
+    # Its copy of the MLA cache in ``mla_kv_layout``, where that is not the pool's own (BF16) layout:
+    # NSAAttention converts each stored token into it.
+    kv_copy: LayoutCache | None = None
+
+    def prepare(self, meta: BatchMetadata) -> NSAPlan:
+        return NSAPlan()
+
+    @abstractmethod
+    def nsa_topk(self, layer: "AttentionLayer", q: torch.Tensor, weights: torch.Tensor, meta: BatchMetadata,
+                 plan: NSAPlan, *, topk: int, scale: float) -> torch.Tensor:
+        """Indexer query q [T, Hi, D], weights [T, Hi] float32 (already / sqrt(Hi)) -> the ``topk`` best
+        positions of each token's request: [T, min(topk, max_seq_len)] int32, -1 = none."""
+
+    @abstractmethod
+    def nsa_sparse_mla(self, layer: "AttentionLayer", q: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata,
+                       plan: NSAPlan) -> torch.Tensor:
+        """Absorbed query q [T, H, rank + rope] over the entries at ``positions`` [T, k] int32 -> [T, H, rank]."""
 
 
 def device_gpu(device: torch.device) -> str:

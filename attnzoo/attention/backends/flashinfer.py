@@ -39,7 +39,7 @@ float8_e4m3fn and run with the pool's k_scale/v_scale (FlashInfer folds k_scale 
 scale and multiplies the output by v_scale); the queries stay in the model dtype. Prefill then runs
 FA2: FlashInfer's FA3 kernels take fp8 only with fp8 queries.
 
-Planning: ``prepare(meta)`` builds the page indices once per step (one set per sliding-window size:
+Planning: ``prepare(meta)`` builds the page indices once per step (its ``FlashInferPlan``) (one set per sliding-window size:
 pages wholly outside the window are skipped) and plans one wrapper per distinct layer signature
 (heads, KV heads, head dims, window, soft-cap, scale); every layer of that signature reuses it. The
 backend learns the signatures from the layers it serves: on the first step each signature is planned
@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.backends.base import AttentionBackend, StepPlan
 from attnzoo.attention.backends.capabilities import ANY_CUDA, FP8_KV, HALF, BackendCapabilities, Kernel, gpu_of, gpu_set
 from attnzoo.attention.backends.fi_common import (
     CascadeSplit,
@@ -85,7 +85,9 @@ class _PageIndex:
 
 
 @dataclass
-class _Step:
+class FlashInferPlan(StepPlan):
+    """One step's planned wrappers and the page indices they were planned over."""
+
     mode: ForwardMode
     qo_indptr: torch.Tensor  # [num_reqs + 1] int32, host
     shared_pages: int = 0  # cascade: leading pages every request shares (0: no cascade)
@@ -228,7 +230,6 @@ class FlashInferBackend(AttentionBackend):
         self._cascade_wrappers: dict[LayerSignature, tuple[object, object]] = {}
         self._cascade_extend_rest: dict[LayerSignature, object] = {}  # the rest's prefill wrappers
         self._known: dict[LayerSignature, None] = {}  # insertion-ordered set of signatures seen
-        self._state_key = f"{self.name}:{id(self)}"
         self._graph: _GraphState | None = None  # set by init_graph_state
 
     # ---------------------------------------------------------------- kernel choice (reported)
@@ -272,20 +273,20 @@ class FlashInferBackend(AttentionBackend):
 
     # ---------------------------------------------------------------- per step
 
-    def prepare(self, meta: BatchMetadata, graph_bucket: int | None = None) -> None:
+    def prepare(self, meta: BatchMetadata, graph_bucket: int | None = None) -> FlashInferPlan:
         check_page_size(self.name, meta.page_size, self.pool.page_size)
         qo = torch.zeros(meta.num_reqs + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(meta.q_lens_cpu, dtype=torch.int32), 0, dtype=torch.int32, out=qo[1:])
-        step = _Step(mode=meta.mode, qo_indptr=qo,
-                     shared_pages=meta.shared_prefix_len // meta.page_size, graph_bucket=graph_bucket)
-        meta.backend_state[self._state_key] = step
+        step = FlashInferPlan(mode=meta.mode, qo_indptr=qo,
+                              shared_pages=meta.shared_prefix_len // meta.page_size, graph_bucket=graph_bucket)
         for sig in self._known:
             self._plan(meta, step, sig)
+        return step
 
     def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
         self._graph = _GraphState(max_batch_size, max_pages_per_req, self.pool.device)
 
-    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> None:
+    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> FlashInferPlan:
         """Plan a captured decode step: the bucket's (``meta.num_reqs``) wrappers, built with
         ``use_cuda_graph=True`` over static index buffers that ``plan()`` refills with this step's lengths
         and pages before every replay; the graph holds their ``run()``. Graph steps run the plain path:
@@ -295,16 +296,9 @@ class FlashInferBackend(AttentionBackend):
         if not meta.is_decode:
             raise BackendError(f"{self.name} captures decode steps only", fix="run extend steps eagerly")
         meta.shared_prefix_len = 0
-        self.prepare(meta, graph_bucket=meta.num_reqs)
+        return self.prepare(meta, graph_bucket=meta.num_reqs)
 
-    def _step(self, meta: BatchMetadata) -> _Step:
-        step = meta.backend_state.get(self._state_key)
-        if step is None or step.mode is not meta.mode:  # a caller that skipped prepare()
-            self.prepare(meta)
-            step = meta.backend_state[self._state_key]
-        return step
-
-    def _page_index(self, meta: BatchMetadata, step: _Step, window: int | None) -> _PageIndex:
+    def _page_index(self, meta: BatchMetadata, step: FlashInferPlan, window: int | None) -> _PageIndex:
         """Each request's pages, minus those wholly outside ``window``."""
         idx = step.indices.get(window)
         if idx is not None:
@@ -326,7 +320,7 @@ class FlashInferBackend(AttentionBackend):
         step.indices[window] = idx
         return idx
 
-    def _rest_index(self, meta: BatchMetadata, step: _Step, window: int | None, split: CascadeSplit) -> _PageIndex:
+    def _rest_index(self, meta: BatchMetadata, step: FlashInferPlan, window: int | None, split: CascadeSplit) -> _PageIndex:
         """A cascade step's rest (``cascade_split``): each request's pages ``[rest_start, shared_start)``
         then those after the shared prefix, one list per request."""
         key = ("rest", window)
@@ -364,7 +358,7 @@ class FlashInferBackend(AttentionBackend):
     def _uses_prefill_wrapper(self, mode: ForwardMode, sig: LayerSignature) -> bool:
         return mode is ForwardMode.EXTEND or sig.head_dim != sig.v_head_dim
 
-    def _plan(self, meta: BatchMetadata, step: _Step, sig: LayerSignature, layer=None):
+    def _plan(self, meta: BatchMetadata, step: FlashInferPlan, sig: LayerSignature, layer=None):
         self._check_layer(sig, layer, step.mode)
         extend = step.mode is ForwardMode.EXTEND
         split = None
@@ -403,7 +397,7 @@ class FlashInferBackend(AttentionBackend):
         step.planned[sig] = planned
         return planned
 
-    def _split(self, meta: BatchMetadata, step: _Step, window: int | None) -> CascadeSplit | None:
+    def _split(self, meta: BatchMetadata, step: FlashInferPlan, window: int | None) -> CascadeSplit | None:
         """The step's cascade split for one window size (None: the layer runs plain), computed once."""
         if window not in step.splits:
             step.splits[window] = cascade_split(meta.seq_lens_cpu, meta.q_lens_cpu, step.shared_pages,
@@ -485,8 +479,7 @@ class FlashInferBackend(AttentionBackend):
 
     # ---------------------------------------------------------------- per layer
 
-    def _run(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-        step = self._step(meta)
+    def _run(self, layer, q: torch.Tensor, meta: BatchMetadata, step: FlashInferPlan) -> torch.Tensor:
         sig = LayerSignature.of(layer)
         wrapper = step.planned.get(sig)
         if wrapper is None:
@@ -500,8 +493,8 @@ class FlashInferBackend(AttentionBackend):
         """run() keywords for an fp8 pool (none otherwise: a scale of 1.0 would still cost a multiply)."""
         return {"k_scale": self.pool.k_scale, "v_scale": self.pool.v_scale} if self.pool.is_fp8 else {}
 
-    def extend(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-        return self._run(layer, q, meta)
+    def extend(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: FlashInferPlan) -> torch.Tensor:
+        return self._run(layer, q, meta, plan)
 
-    def decode(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-        return self._run(layer, q, meta)
+    def decode(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: FlashInferPlan) -> torch.Tensor:
+        return self._run(layer, q, meta, plan)

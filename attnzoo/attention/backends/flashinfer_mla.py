@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.backends.base import AttentionBackend, StepPlan
 from attnzoo.attention.backends.capabilities import HALF, BackendCapabilities, Kernel, gpu_of, gpu_set
 from attnzoo.attention.backends.fi_common import (
     LayerSignature,
@@ -47,7 +47,9 @@ page_table = lazy_module("attnzoo.attention.kernels.page_table")  # Triton: impo
 
 
 @dataclass
-class _Step:
+class FlashInferMLAPlan(StepPlan):
+    """One step's plan metadata and the wrappers planned with it."""
+
     mode: ForwardMode
     metadata: object  # flashinfer.mla.MLAPlanMetadata (CSR form): host indptrs/lengths, device page ids
     planned: dict[LayerSignature, object] = field(default_factory=dict)
@@ -114,7 +116,6 @@ class FlashInferMLABackend(AttentionBackend):
         # (signature, graph bucket or None for eager steps) -> wrapper
         self._wrappers: dict[tuple[LayerSignature, int | None], object] = {}
         self._known: dict[LayerSignature, None] = {}
-        self._state_key = f"{self.name}:{id(self)}"
         self._graph: _GraphBuffers | None = None
 
     def kernels_for(self, layer) -> dict[str, str]:
@@ -123,7 +124,7 @@ class FlashInferMLABackend(AttentionBackend):
 
     # ---------------------------------------------------------------- per step
 
-    def prepare(self, meta: BatchMetadata) -> None:
+    def prepare(self, meta: BatchMetadata) -> FlashInferMLAPlan:
         check_page_size(self.name, meta.page_size, self.pool.page_size)
         qo, kv, kv_len = csr_plan_arrays(meta.q_lens_cpu, meta.seq_lens_cpu, meta.page_size)
         kv_indptr = torch.tensor(kv, dtype=torch.int32)
@@ -131,19 +132,19 @@ class FlashInferMLABackend(AttentionBackend):
             meta.block_tables, meta.seq_lens, kv_indptr.to(self.pool.device, non_blocking=True), meta.page_size,
             num_indices=kv[-1],
         )
-        self._publish(meta, qo, kv_indptr, kv_indices, kv_len, graph_batch=None)
+        return self._publish(meta, qo, kv_indptr, kv_indices, kv_len, graph_batch=None)
 
-    def _publish(self, meta, qo, kv_indptr, kv_indices, kv_len, *, graph_batch: int | None) -> None:
+    def _publish(self, meta, qo, kv_indptr, kv_indices, kv_len, *, graph_batch: int | None) -> FlashInferMLAPlan:
         metadata = self._fi.MLAPlanMetadata.csr(
             qo_indptr=torch.tensor(qo, dtype=torch.int32),  # host copies: planning reads them without a sync
             kv_indptr=kv_indptr,
             kv_indices=kv_indices,
             kv_len_arr=torch.tensor(kv_len, dtype=torch.int32),
         )
-        step = _Step(mode=meta.mode, metadata=metadata, graph_batch=graph_batch)
-        meta.backend_state[self._state_key] = step
+        step = FlashInferMLAPlan(mode=meta.mode, metadata=metadata, graph_batch=graph_batch)
         for sig in self._known:
             self._plan(meta, step, sig)
+        return step
 
     def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
         def buf(n, fill):
@@ -156,7 +157,7 @@ class FlashInferMLABackend(AttentionBackend):
         for key in [k for k in self._wrappers if k[1] is not None]:  # wrappers over an older set of buffers
             del self._wrappers[key]
 
-    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> None:
+    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> FlashInferMLAPlan:
         g = self._graph
         if g is None:
             raise BackendError("prepare_graph before init_graph_state", fix="call init_graph_state first")
@@ -176,14 +177,7 @@ class FlashInferMLABackend(AttentionBackend):
         # Written in place: the plan then finds the page ids already where the captured kernels read them.
         kv_indices = page_table.create_kv_indices(meta.block_tables, meta.seq_lens, g.kv_indptr[: n + 1],
                                                   meta.page_size, num_indices=kv[-1], out=g.kv_indices)
-        self._publish(meta, qo, kv_indptr, kv_indices, kv_len, graph_batch=n)
-
-    def _step(self, meta: BatchMetadata) -> _Step:
-        step = meta.backend_state.get(self._state_key)
-        if step is None or step.mode is not meta.mode:
-            self.prepare(meta)
-            step = meta.backend_state[self._state_key]
-        return step
+        return self._publish(meta, qo, kv_indptr, kv_indices, kv_len, graph_batch=n)
 
     def _check_layer(self, layer, meta: BatchMetadata) -> None:
         self.check_layer("decode" if meta.is_decode else "prefill", layer)
@@ -205,7 +199,7 @@ class FlashInferMLABackend(AttentionBackend):
         self._wrappers[(sig, graph_batch)] = wrapper
         return wrapper
 
-    def _plan(self, meta: BatchMetadata, step: _Step, sig: LayerSignature):
+    def _plan(self, meta: BatchMetadata, step: FlashInferMLAPlan, sig: LayerSignature):
         wrapper = self._wrapper(sig, step.graph_batch)
         wrapper.plan(
             metadata=step.metadata,
@@ -226,8 +220,7 @@ class FlashInferMLABackend(AttentionBackend):
 
     # ---------------------------------------------------------------- per layer
 
-    def _run(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-        step = self._step(meta)
+    def _run(self, layer, q: torch.Tensor, meta: BatchMetadata, step: FlashInferMLAPlan) -> torch.Tensor:
         sig = LayerSignature.of(layer)
         wrapper = step.planned.get(sig)
         if wrapper is None:
@@ -238,8 +231,8 @@ class FlashInferMLABackend(AttentionBackend):
         out = torch.empty(q.shape[0], sig.num_heads, sig.v_head_dim, dtype=q.dtype, device=q.device)
         return wrapper.run(query=q, kv_cache=cache[:, 0], out=out)  # -> [tokens, heads, latent]
 
-    def extend(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-        return self._run(layer, q, meta)
+    def extend(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: FlashInferMLAPlan) -> torch.Tensor:
+        return self._run(layer, q, meta, plan)
 
-    def decode(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-        return self._run(layer, q, meta)
+    def decode(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: FlashInferMLAPlan) -> torch.Tensor:
+        return self._run(layer, q, meta, plan)

@@ -8,8 +8,9 @@ its own copy of the cache, into which each token is converted once when its laye
 with a BF16 prefill backend is the mixed prefill/decode configuration of the field (the policy's
 Decision names the conversion).
 
-They serve NSA layers only (``mla_kv_layout`` + ``nsa_topk`` / ``nsa_sparse_mla``, the contract in
-``attnzoo/attention/nsa.py``); dense MHA/MLA layers belong to the ``triton`` backend.
+They serve NSA layers only (``base.NSABackend``: ``mla_kv_layout`` + ``nsa_topk`` / ``nsa_sparse_mla``,
+called by ``attnzoo/attention/nsa.py``); dense MHA/MLA layers belong to the ``triton`` backend. Their plan
+(``NSAPlan``) holds the request of each row of the step.
 
 CUDA graphs (decode): every launch shape is set by host ints that a captured step fixes (rows, the
 score width, top-k), and the kernels read positions, block tables and slots on the device: no host
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from attnzoo.attention import nsa
-from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.backends.base import NSABackend, NSAPlan
 from attnzoo.attention.backends.capabilities import CUDA_GPUS, BackendCapabilities, Kernel, gpu_set
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.kv_layout import LayoutCache
@@ -52,7 +53,7 @@ _KERNELS = (
 )
 
 
-class NSATritonBackend(AttentionBackend):
+class NSATritonBackend(NSABackend):
     capabilities = BackendCapabilities(
         name="nsa_triton",
         description="attnzoo's Triton NSA kernels: indexer scores over the paged indexer cache, top-k, "
@@ -79,32 +80,31 @@ class NSATritonBackend(AttentionBackend):
     def _make_copy(self, pool: KVPool) -> LayoutCache | None:
         return None  # BF16: it reads the pool itself
 
-    def prepare(self, meta: BatchMetadata) -> None:
-        meta.backend_state[self.name] = nsa.token_requests(meta)
+    def prepare(self, meta: BatchMetadata) -> NSAPlan:
+        return NSAPlan(token_reqs=nsa.token_requests(meta))
 
     def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
         self._graph_reqs = torch.arange(max_batch_size, device=self.pool.device)
 
-    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> None:
+    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> NSAPlan:
         if self._graph_reqs is None:
             raise BackendError("prepare_graph before init_graph_state", fix="call init_graph_state first")
         if not meta.is_decode:
             raise BackendError(f"{self.name} captures decode steps only", fix="run extend steps eagerly")
-        meta.backend_state[self.name] = self._graph_reqs[: meta.num_reqs]
+        return NSAPlan(token_reqs=self._graph_reqs[: meta.num_reqs])
 
-    def _token_reqs(self, meta: BatchMetadata) -> torch.Tensor:
-        reqs = meta.backend_state.get(self.name)
-        return reqs if reqs is not None else nsa.token_requests(meta)
+    def _token_reqs(self, meta: BatchMetadata, plan: NSAPlan) -> torch.Tensor:
+        return plan.token_reqs if plan.token_reqs is not None else nsa.token_requests(meta)
 
-    def extend(self, layer, q, meta):
+    def extend(self, layer, q, meta, plan):
         raise BackendError(f"the {self.name} backend runs sparse (NSA) layers only, not dense {layer.kind} attention",
                            fix="use the triton or torch backend for models without an indexer")
 
     decode = extend
 
     # ---- NSA hooks ----
-    def nsa_topk(self, layer, q, weights, meta, *, topk, scale):
-        reqs = self._token_reqs(meta)
+    def nsa_topk(self, layer, q, weights, meta, plan: NSAPlan, *, topk, scale):
+        reqs = self._token_reqs(meta, plan)
         width = meta.max_seq_len
         rows = max(1, SCORE_BYTES // (4 * width))
         index_k = self.pool.index_k(layer.layer_id)
@@ -119,11 +119,10 @@ class NSATritonBackend(AttentionBackend):
     def _kv_rows(self, layer) -> torch.Tensor:
         return nsa.entries_of(layer, self.pool)
 
-    def nsa_sparse_mla(self, layer, q, positions, meta):
-        slots = nsa.positions_to_slots(positions, meta, self._token_reqs(meta))
-        scale = self.kv_copy.scale if self.kv_copy is not None else 1.0
+    def nsa_sparse_mla(self, layer, q, positions, meta, plan: NSAPlan):
+        slots = nsa.positions_to_slots(positions, meta, self._token_reqs(meta, plan), plan.shared)
         return self._kernels.sparse_mla(q, self._kv_rows(layer), slots, self.mla_kv_layout, rank=layer.v_head_dim,
-                                        scale=layer.scale, kv_scale=scale)
+                                        scale=layer.scale)
 
 
 class NSATritonFP8Backend(NSATritonBackend):

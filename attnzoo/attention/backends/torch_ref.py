@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.backends.base import NSABackend, NSAPlan, StepPlan
 from attnzoo.attention.backends.capabilities import ALL_DTYPES, FP8_KV, GPUS, BackendCapabilities, Kernel
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata
@@ -25,7 +25,7 @@ from attnzoo.attention.reference import (
 )
 
 
-class TorchBackend(AttentionBackend):
+class TorchBackend(NSABackend):
     capabilities = BackendCapabilities(
         name="torch",
         description="exact float32-accumulating reference over gathered pages; the correctness oracle",
@@ -63,11 +63,11 @@ class TorchBackend(AttentionBackend):
             start += q_len
         return out
 
-    def extend(self, layer, q, meta):
+    def extend(self, layer, q, meta, plan: StepPlan):
         self.check_layer("prefill", layer)
         return self._run(layer, q, meta)
 
-    def decode(self, layer, q, meta):
+    def decode(self, layer, q, meta, plan: StepPlan):
         """All requests at once (one query each), padded to the longest context and masked."""
         self.check_layer("decode", layer)
         k_cache, v_cache = self.pool.k(layer.layer_id), self.pool.v(layer.layer_id)
@@ -93,11 +93,11 @@ class TorchBackend(AttentionBackend):
         return out.reshape(b, layer.num_heads, layer.v_head_dim).to(q.dtype)
 
     # ---- NSA (DeepSeek-V3.2) layers: the reference indexer and sparse MLA (attention/reference.py) ----
-    def nsa_topk(self, layer, q, weights, meta, *, topk, scale):
+    def nsa_topk(self, layer, q, weights, meta, plan: NSAPlan, *, topk, scale):
         scores = indexer_scores_reference(self.pool.index_k(layer.layer_id), q, weights, meta, scale=scale)
         return select_topk(scores, topk)
 
-    def nsa_sparse_mla(self, layer, q, positions, meta):
-        slots = positions_to_slots(positions, meta)
+    def nsa_sparse_mla(self, layer, q, positions, meta, plan: NSAPlan):
+        slots = positions_to_slots(positions, meta, plan.token_reqs, plan.shared)
         entries = entries_of(layer, self.pool)
         return sparse_mla_reference(entries, q, slots, rank=layer.v_head_dim, scale=layer.scale).to(q.dtype)

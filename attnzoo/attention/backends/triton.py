@@ -5,8 +5,8 @@ interpreter with ``TRITON_INTERPRET=1``, for tests). Supports MHA/GQA/MQA and ab
 values inside the key), head dims up to 1024 (q/k and v may differ), page sizes 1..128, sliding
 windows, logit soft-capping, a custom scale, float16/bfloat16/float32.
 
-Per step, ``prepare`` records the host-side facts the launches need (longest context, longest extend)
-so that no layer syncs with the device; per layer, the decode split count is plain integer arithmetic
+Per step, ``prepare`` records the host-side facts the launches need (longest context, longest extend) in
+its plan (``TritonPlan``), so that no layer syncs with the device; per layer, the decode split count is plain integer arithmetic
 and the split-K scratch is allocated once per step and shape, then shared by every layer of that shape.
 
 CUDA graphs (decode): the kernels read ``meta.seq_lens`` and ``meta.block_tables`` on the device, so a
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.backends.base import AttentionBackend, StepPlan
 from attnzoo.attention.backends.capabilities import ALL_DTYPES, ANY_CUDA, FP8_KV, BackendCapabilities, Kernel, gpu_set
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata
@@ -45,12 +45,15 @@ def _import_kernels():
 
 
 @dataclass
-class _StepPlan:
-    max_seq_len: int
-    max_q_len: int
+class TritonPlan(StepPlan):
+    """Host facts the launches need, so that no layer syncs with the device, and the step's scratch."""
+
+    max_seq_len: int  # host: the longest KV length of the step
+    max_q_len: int  # host: the longest extend of the step
     num_reqs: int
     graph_max_kv_len: int | None = None  # set under CUDA graphs: splits depend on this, not the step
-    # (batch, heads, splits, v_dim) -> (partial [b, h, s, dv] float32, lse [b, h, s] float32)
+    # Split-K decode scratch, device, float32, allocated once per step and shape, shared by the layers:
+    # (batch, heads, splits, v_dim) -> (partial [b, h, s, dv], lse [b, h, s]). Graph steps use the backend's.
     scratch: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -99,32 +102,23 @@ class TritonBackend(AttentionBackend):
         self._graph_scratch: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ---- per step ----
-    def prepare(self, meta: BatchMetadata) -> None:
-        meta.backend_state[self.name] = _StepPlan(
-            max_seq_len=max(meta.seq_lens_cpu), max_q_len=max(meta.q_lens_cpu), num_reqs=meta.num_reqs
-        )
+    def prepare(self, meta: BatchMetadata) -> TritonPlan:
+        return TritonPlan(max_seq_len=max(meta.seq_lens_cpu), max_q_len=max(meta.q_lens_cpu), num_reqs=meta.num_reqs)
 
     def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
         self._graph_max_kv_len = max_pages_per_req * self.pool.page_size
         self._graph_scratch.clear()
 
-    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> None:
+    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> TritonPlan:
         if self._graph_max_kv_len is None:
             raise BackendError("prepare_graph before init_graph_state", fix="call init_graph_state first")
-        self.prepare(meta)
-        meta.backend_state[self.name].graph_max_kv_len = self._graph_max_kv_len
-
-    def _plan(self, meta: BatchMetadata) -> _StepPlan:
-        plan = meta.backend_state.get(self.name)
-        if plan is None:  # a caller that skipped prepare(): planning is host-only and cheap
-            self.prepare(meta)
-            plan = meta.backend_state[self.name]
+        plan = self.prepare(meta)
+        plan.graph_max_kv_len = self._graph_max_kv_len
         return plan
 
     # ---- per layer ----
-    def extend(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+    def extend(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: TritonPlan) -> torch.Tensor:
         self.check_layer("prefill", layer)
-        plan = self._plan(meta)
         lid = layer.layer_id
         return self._extend_mod.extend_attention(
             q, self.pool.k(lid), self.pool.v(lid), meta.block_tables, meta.q_indptr, meta.prefix_lens,
@@ -133,9 +127,8 @@ class TritonBackend(AttentionBackend):
             k_scale=self.pool.k_scale, v_scale=self.pool.v_scale,
         )
 
-    def decode(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+    def decode(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: TritonPlan) -> torch.Tensor:
         self.check_layer("decode", layer)
-        plan = self._plan(meta)
         dec = self._decode_mod
         lid = layer.layer_id
         k_cache, v_cache = self.pool.k(lid), self.pool.v(lid)
@@ -170,7 +163,7 @@ class TritonBackend(AttentionBackend):
                                             shared_len=shared, num_kv_splits=splits,
                                             num_shared_splits=shared_splits, partial=partial, lse=lse, **kw)
 
-    def _scratch(self, plan: _StepPlan, batch, heads, splits, v_dim, device):
+    def _scratch(self, plan: TritonPlan, batch, heads, splits, v_dim, device):
         key = (batch, heads, splits, v_dim)
         # Graph replays write into the buffers captured at capture time: they must outlive the step.
         store = self._graph_scratch if plan.graph_max_kv_len is not None else plan.scratch

@@ -7,8 +7,9 @@ decode: ``flashinfer.decode.trtllm_batch_decode_with_kv_cache`` over the HND poo
 extend (prefill): split by GPU, explicitly (``extend_runs_as``):
   - SM100/SM103: ``flashinfer.prefill.trtllm_batch_context_with_kv_cache`` (trtllm-gen context kernels);
   - elsewhere there is no TRT-LLM context kernel, so extend runs the ``flashinfer`` backend's paged
-    prefill (FA3 on SM90 where it builds, else FA2), planned and run by an inner ``FlashInferBackend``.
-  The class's capability declaration states the split (``Kernel.runs_as``); the backend and the
+    prefill (FA3 on SM90 where it builds, else FA2): ``HybridBackend.create`` builds that backend for
+    the prefill phase, and this class's own ``extend`` refuses those GPUs.
+  The class's capability declaration states the split (``Kernel.runs_as``); the hybrid backend and the
   Decision both read it there.
 
 fp8 KV cache: decode passes the pool's scales as the kernels' fused scales (bmm1 = softmax scale x
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.backends.base import AttentionBackend, StepPlan
 from attnzoo.attention.backends.capabilities import FP8_KV, HALF, BackendCapabilities, Kernel, gpu_of, gpu_set
 from attnzoo.attention.backends.fi_common import (
     GraphBlockTable,
@@ -49,7 +50,9 @@ _HEAD_DIMS = frozenset({64, 128, 256, 512})
 
 
 @dataclass
-class _Step:
+class TrtllmMHAPlan(StepPlan):
+    """The step's block table (graph steps: the static one, refilled) and the lengths the kernels need."""
+
     block_table: torch.Tensor  # [num_reqs, num_cols] int32, device
     max_seq_len: int  # host: the longest KV length the kernels schedule for
     max_q_len: int
@@ -106,9 +109,6 @@ class TrtllmMHABackend(AttentionBackend):
         self._cc = compute_capability(self.name, pool.device)
         self.gpu = gpu_of(self._cc)
         self.require_pool()
-        # Off Blackwell the extend path is FlashInfer's prefill, run by a backend of our own.
-        self._prefill = None if self.extend_runs_as(self._cc) == self.name else _flashinfer_backend(pool)
-        self._state_key = f"{self.name}:{id(self)}"
         self._graph: GraphBlockTable | None = None
 
     # ---------------------------------------------------------------- kernel choice (reported)
@@ -125,22 +125,22 @@ class TrtllmMHABackend(AttentionBackend):
 
     def kernels_for(self, layer) -> dict[str, str]:
         """The kernels this backend runs for ``layer``, per phase, for reports and the Decision."""
-        if self._prefill is None:
+        runs_as = self.extend_runs_as(self._cc)
+        if runs_as == self.name:
             prefill = "trtllm-gen context (trtllm_batch_context_with_kv_cache)"
         else:
-            prefill = "runs as flashinfer: " + self._prefill.kernels_for(layer)["prefill"]
+            prefill = f"runs as {runs_as}: " + self.check_layer("prefill", layer).name
         return {"prefill": prefill, "decode": f"{self.decode_kernel()} (trtllm_batch_decode_with_kv_cache)"}
 
     # ---------------------------------------------------------------- per step
 
-    def prepare(self, meta: BatchMetadata) -> None:
+    def prepare(self, meta: BatchMetadata) -> TrtllmMHAPlan:
         check_page_size(self.name, meta.page_size, self.pool.page_size)
-        if not meta.is_decode and self._prefill is not None:
-            self._prefill.prepare(meta)
-            return
+        if not meta.is_decode:
+            self._require_context_kernel()
         ps = meta.page_size
         max_pages = -(-meta.max_seq_len // ps)
-        step = _Step(
+        step = TrtllmMHAPlan(
             block_table=page_table.create_block_table(
                 meta.block_tables, meta.seq_lens, ps, num_cols=max_pages, pad_value=0, max_pages=max_pages,
             ),
@@ -153,25 +153,27 @@ class TrtllmMHABackend(AttentionBackend):
                 kv.append(kv[-1] + s)
             step.cum_seq_lens_q = meta.q_indptr
             step.cum_seq_lens_kv = torch.tensor(kv, dtype=torch.int32).to(self.pool.device, non_blocking=True)
-        meta.backend_state[self._state_key] = step
+        return step
 
     def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
         self._graph = GraphBlockTable(self.name, max_batch_size, max_pages_per_req,
                                       num_cols=max_pages_per_req,
                                       page_size=self.pool.page_size, device=self.pool.device)
 
-    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> None:
+    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> TrtllmMHAPlan:
         if self._graph is None:
             raise BackendError("prepare_graph before init_graph_state", fix="call init_graph_state first")
         table = self._graph.fill(meta)
-        meta.backend_state[self._state_key] = _Step(block_table=table, max_seq_len=self._graph.max_seq_len, max_q_len=1)
+        return TrtllmMHAPlan(block_table=table, max_seq_len=self._graph.max_seq_len, max_q_len=1)
 
-    def _step(self, meta: BatchMetadata) -> _Step:
-        step = meta.backend_state.get(self._state_key)
-        if step is None:  # a caller that skipped prepare(): planning is cheap
-            self.prepare(meta)
-            step = meta.backend_state[self._state_key]
-        return step
+    def _require_context_kernel(self) -> None:
+        runs_as = self.extend_runs_as(self._cc)
+        if runs_as != self.name:
+            raise BackendError(
+                f"{self.name} has no context kernel on {self.gpu}: its extend runs as the {runs_as} backend there",
+                fix="build the step's backends with HybridBackend.create (load_model does), which runs "
+                    f"{runs_as} for prefill",
+            )
 
     # ---------------------------------------------------------------- per layer
 
@@ -179,12 +181,10 @@ class TrtllmMHABackend(AttentionBackend):
         self.check_layer(phase, layer)
         return LayerSignature.of(layer)
 
-    def extend(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-        if self._prefill is not None:
-            self._check_layer(layer, "prefill")
-            return self._prefill.extend(layer, q, meta)
+    def extend(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: TrtllmMHAPlan) -> torch.Tensor:
+        self._require_context_kernel()
         sig = self._check_layer(layer, "prefill")
-        step = self._step(meta)
+        step = plan
         lid = layer.layer_id
         return self._fi.trtllm_batch_context_with_kv_cache(
             query=q,  # [num_tokens, heads, head_dim]
@@ -204,9 +204,9 @@ class TrtllmMHABackend(AttentionBackend):
             causal=True,
         )
 
-    def decode(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+    def decode(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: TrtllmMHAPlan) -> torch.Tensor:
         sig = self._check_layer(layer, "decode")
-        step = self._step(meta)
+        step = plan
         lid = layer.layer_id
         return self._fi.trtllm_batch_decode_with_kv_cache(
             query=q,  # [num_reqs, heads, head_dim]: one query token per request
@@ -223,8 +223,3 @@ class TrtllmMHABackend(AttentionBackend):
             q_len_per_req=1,
         )
 
-
-def _flashinfer_backend(pool: KVPool):
-    from attnzoo.attention.backends.flashinfer import FlashInferBackend
-
-    return FlashInferBackend(pool)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo.attention.backends.base import AttentionBackend
+from attnzoo.attention.backends.base import AttentionBackend, StepPlan
 from attnzoo.attention.backends.capabilities import BackendCapabilities, Kernel, gpu_of, gpu_set
 from attnzoo.attention.backends.fi_common import (
     GraphBlockTable,
@@ -42,9 +42,11 @@ _QK_NOPE_HEAD_DIM = 128
 
 
 @dataclass
-class _Step:
+class TrtllmMLAPlan(StepPlan):
+    """A decode step's block table (graph steps: the static one, refilled) and longest context."""
+
     block_table: torch.Tensor  # [num_reqs, num_cols] int32, device; num_cols % (128 / page_size) == 0
-    max_seq_len: int
+    max_seq_len: int  # host: the longest KV length the kernel schedules for
 
 
 def block_table_columns(max_pages: int, page_size: int) -> int:
@@ -96,7 +98,6 @@ class TrtllmMLABackend(AttentionBackend):
         self._cc = compute_capability(self.name, pool.device)
         self.gpu = gpu_of(self._cc)
         self.require_pool()
-        self._state_key = f"{self.name}:{id(self)}"
         self._graph: GraphBlockTable | None = None
 
     def decode_kernel(self) -> str:
@@ -109,42 +110,38 @@ class TrtllmMLABackend(AttentionBackend):
 
     # ---------------------------------------------------------------- per step
 
-    def prepare(self, meta: BatchMetadata) -> None:
+    def prepare(self, meta: BatchMetadata) -> StepPlan:
         check_page_size(self.name, meta.page_size, self.pool.page_size)
         if not meta.is_decode:
-            return  # extend() raises: this backend has no prefill path
+            return StepPlan()  # extend() raises: this backend has no prefill path
         max_pages = -(-meta.max_seq_len // meta.page_size)
         table = page_table.create_block_table(
             meta.block_tables, meta.seq_lens, meta.page_size,
             num_cols=block_table_columns(max_pages, meta.page_size), pad_value=0, max_pages=max_pages,
         )
-        meta.backend_state[self._state_key] = _Step(block_table=table, max_seq_len=meta.max_seq_len)
+        return TrtllmMLAPlan(block_table=table, max_seq_len=meta.max_seq_len)
 
     def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
         self._graph = GraphBlockTable(self.name, max_batch_size, max_pages_per_req,
                                       num_cols=block_table_columns(max_pages_per_req, self.pool.page_size),
                                       page_size=self.pool.page_size, device=self.pool.device)
 
-    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> None:
+    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> TrtllmMLAPlan:
         if self._graph is None:
             raise BackendError("prepare_graph before init_graph_state", fix="call init_graph_state first")
         table = self._graph.fill(meta)
-        meta.backend_state[self._state_key] = _Step(block_table=table, max_seq_len=self._graph.max_seq_len)
+        return TrtllmMLAPlan(block_table=table, max_seq_len=self._graph.max_seq_len)
 
     # ---------------------------------------------------------------- per layer
 
-    def extend(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+    def extend(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: StepPlan) -> torch.Tensor:
         self.check_layer("prefill", layer)  # raises: the declaration has no prefill kernel
         raise AssertionError("unreachable: trtllm_mla declares no prefill kernel")
 
-    def decode(self, layer, q: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+    def decode(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: TrtllmMLAPlan) -> torch.Tensor:
         self.check_layer("decode", layer)
         sig = LayerSignature.of(layer)
         rope = sig.head_dim - sig.v_head_dim
-        step = meta.backend_state.get(self._state_key)
-        if step is None:
-            self.prepare(meta)
-            step = meta.backend_state[self._state_key]
         out = self._fi.trtllm_batch_decode_with_kv_cache_mla(
             query=q.unsqueeze(1),  # [num_reqs, 1 query token, heads, latent + rope]
             kv_cache=self.pool.k(layer.layer_id),  # [num_pages, 1, page_size, latent + rope]
@@ -152,9 +149,9 @@ class TrtllmMLABackend(AttentionBackend):
             qk_nope_head_dim=_QK_NOPE_HEAD_DIM,
             kv_lora_rank=sig.v_head_dim,
             qk_rope_head_dim=rope,
-            block_tables=step.block_table,
+            block_tables=plan.block_table,
             seq_lens=meta.seq_lens,
-            max_seq_len=step.max_seq_len,
+            max_seq_len=plan.max_seq_len,
             bmm1_scale=sig.scale,  # the full softmax scale (bf16 q and cache: no quantisation scales)
             bmm2_scale=1.0,
             backend=self.decode_kernel(),

@@ -2,13 +2,13 @@
 
 ``pack_rows``: model-dtype entries -> a packed layout, written at given slots (or row by row); this is
 what runs once per token when a layer stores its entries and a backend keeps a copy in another layout.
-``unpack_rows``: packed rows -> entries in a float dtype. One program per token.
+One program per token; the sparse attention kernel reads the packed rows back in registers.
 
 The bf16 rope part is rounded with integer arithmetic (round to nearest even) rather than a cast:
 Triton's interpreter does not round float32 -> bfloat16 to nearest, and the torch reference does.
 Divisions use ``div_rn`` (IEEE) so the fp8 bytes match the torch reference on the GPU too.
-fp8 values are encoded and decoded with integer arithmetic (``fp8_bytes`` / ``fp8_value``, shared
-with the sparse attention kernel), so the kernels also run on GPUs without fp8 support.
+fp8 values are encoded and decoded with integer arithmetic (``fp8_bytes`` here, ``fp8_value`` for the
+sparse attention kernel), so the kernels also run on GPUs without fp8 support.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import triton.language as tl
 from attnzoo.attention.kv_cache import FP8_BLOCK, KVLayout
 from attnzoo.errors import BackendError
 
-_LAYOUT_ID = {KVLayout.FP8_NOPE_FP8_ROPE: 1, KVLayout.FP8_NOPE_SCALED_BF16_ROPE: 2}
+_CONVERTED = (KVLayout.FP8_NOPE_SCALED_BF16_ROPE,)  # the layouts these kernels write and read
 
 
 @triton.jit
@@ -64,11 +64,9 @@ def _bf16_bits(x):
 def _pack_kernel(
     SRC, DST, SLOTS,
     stride_sn, stride_sd, stride_dn,
-    scale,
-    LAYOUT: tl.constexpr,  # 1: FP8_NOPE_FP8_ROPE, 2: FP8_NOPE_SCALED_BF16_ROPE
     RANK: tl.constexpr,
     ROPE: tl.constexpr,
-    NB: tl.constexpr,  # latent blocks of FP8_BLOCK values (layout 2)
+    NB: tl.constexpr,  # latent blocks of FP8_BLOCK values
     BLOCK_NB: tl.constexpr,
     FP8_BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -85,72 +83,27 @@ def _pack_kernel(
     offs_p = tl.arange(0, BLOCK_P)
     p_ok = offs_p < ROPE
     rope = tl.load(src + (RANK + offs_p) * stride_sd, mask=p_ok, other=0.0).to(tl.float32)
-    if LAYOUT == 1:
-        offs_r = tl.arange(0, BLOCK_R)
-        r_ok = offs_r < RANK
-        lat = tl.load(src + offs_r * stride_sd, mask=r_ok, other=0.0).to(tl.float32)
-        tl.store(dst + offs_r, fp8_bytes(tl.math.div_rn(lat, scale)), mask=r_ok)
-        tl.store(dst + RANK + offs_p, fp8_bytes(tl.math.div_rn(rope, scale)), mask=p_ok)
-    else:
-        offs_b = tl.arange(0, BLOCK_NB)
-        offs_c = tl.arange(0, FP8_BLOCK_C)
-        b_ok = offs_b < NB
-        offs = offs_b[:, None] * FP8_BLOCK_C + offs_c[None, :]  # [BLOCK_NB, 128]
-        lat = tl.load(src + offs * stride_sd, mask=b_ok[:, None], other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(lat), 1)
-        # float32 tiny as the floor: an all-zero block must not divide by zero (as in the reference).
-        s = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)  # [BLOCK_NB]
-        q = tl.math.div_rn(lat, s[:, None])
-        tl.store(dst + offs, fp8_bytes(q), mask=b_ok[:, None])
-        tl.store((dst + RANK).to(tl.pointer_type(tl.float32)) + offs_b, s, mask=b_ok)
-        tl.store((dst + RANK + 4 * NB).to(tl.pointer_type(tl.uint16)) + offs_p, _bf16_bits(rope), mask=p_ok)
-
-
-@triton.jit
-def _unpack_kernel(
-    SRC, DST, SLOTS,
-    stride_sn, stride_dn, stride_dd,
-    scale,
-    LAYOUT: tl.constexpr,
-    RANK: tl.constexpr,
-    ROPE: tl.constexpr,
-    NB: tl.constexpr,
-    FP8_BLOCK_C: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    HAS_SLOTS: tl.constexpr,
-):
-    i = tl.program_id(0)
-    if HAS_SLOTS:
-        row = tl.load(SLOTS + i).to(tl.int64)
-    else:
-        row = i.to(tl.int64)
-    src = SRC + row * stride_sn
-    dst = DST + i.to(tl.int64) * stride_dn
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < RANK
-    offs_p = tl.arange(0, BLOCK_P)
-    p_ok = offs_p < ROPE
-    lat = fp8_value(tl.load(src + offs_r, mask=r_ok, other=0))
-    if LAYOUT == 1:
-        lat = lat * scale
-        rope = fp8_value(tl.load(src + RANK + offs_p, mask=p_ok, other=0)) * scale
-    else:
-        s = tl.load((src + RANK).to(tl.pointer_type(tl.float32)) + offs_r // FP8_BLOCK_C, mask=r_ok, other=0.0)
-        lat = lat * s
-        rope = tl.load((src + RANK + 4 * NB).to(tl.pointer_type(tl.bfloat16)) + offs_p, mask=p_ok, other=0.0)
-        rope = rope.to(tl.float32)
-    tl.store(dst + offs_r * stride_dd, lat.to(DST.dtype.element_ty), mask=r_ok)
-    tl.store(dst + (RANK + offs_p) * stride_dd, rope.to(DST.dtype.element_ty), mask=p_ok)
+    offs_b = tl.arange(0, BLOCK_NB)
+    offs_c = tl.arange(0, FP8_BLOCK_C)
+    b_ok = offs_b < NB
+    offs = offs_b[:, None] * FP8_BLOCK_C + offs_c[None, :]  # [BLOCK_NB, 128]
+    lat = tl.load(src + offs * stride_sd, mask=b_ok[:, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(lat), 1)
+    # float32 tiny as the floor: an all-zero block must not divide by zero (as in the reference).
+    s = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)  # [BLOCK_NB]
+    q = tl.math.div_rn(lat, s[:, None])
+    tl.store(dst + offs, fp8_bytes(q), mask=b_ok[:, None])
+    tl.store((dst + RANK).to(tl.pointer_type(tl.float32)) + offs_b, s, mask=b_ok)
+    tl.store((dst + RANK + 4 * NB).to(tl.pointer_type(tl.uint16)) + offs_p, _bf16_bits(rope), mask=p_ok)
 
 
 def _geometry(layout: KVLayout, rank: int, rope: int) -> dict:
-    if layout not in _LAYOUT_ID:
+    if layout not in _CONVERTED:
         raise BackendError(f"no conversion kernel for KV layout {layout.value}: it is the model dtype itself",
                            fix="use the entries as they are")
     layout.check(rank, rope)
     nb = rank // FP8_BLOCK
-    return dict(LAYOUT=_LAYOUT_ID[layout], RANK=rank, ROPE=rope, NB=nb, FP8_BLOCK_C=FP8_BLOCK,
+    return dict(RANK=rank, ROPE=rope, NB=nb, FP8_BLOCK_C=FP8_BLOCK,
                 BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=triton.next_power_of_2(max(rope, 1)))
 
 
@@ -160,7 +113,6 @@ def pack_rows(
     layout: KVLayout,
     *,
     rank: int,
-    scale: float = 1.0,
     slots: torch.Tensor | None = None,  # [N] int64: out row of each entry; None: row i
 ) -> None:
     n = entries.shape[0]
@@ -174,27 +126,5 @@ def pack_rows(
     _pack_kernel[(n,)](
         entries, out, slots if slots is not None else out,
         entries.stride(0), entries.stride(1), out.stride(0),
-        float(scale), BLOCK_NB=triton.next_power_of_2(max(geo["NB"], 1)), HAS_SLOTS=slots is not None, **geo,
+        BLOCK_NB=triton.next_power_of_2(max(geo["NB"], 1)), HAS_SLOTS=slots is not None, **geo,
     )
-
-
-def unpack_rows(
-    rows: torch.Tensor,  # [R, row_bytes] uint8
-    layout: KVLayout,
-    *,
-    rank: int,
-    rope: int,
-    dtype: torch.dtype,
-    scale: float = 1.0,
-    slots: torch.Tensor | None = None,  # [N] int64: rows to read; None: all rows in order
-) -> torch.Tensor:  # [N, rank + rope] dtype
-    geo = _geometry(layout, rank, rope)
-    n = rows.shape[0] if slots is None else slots.shape[0]
-    out = torch.empty(n, rank + rope, dtype=dtype, device=rows.device)
-    if n:
-        _unpack_kernel[(n,)](
-            rows, out, slots if slots is not None else rows,
-            rows.stride(0), out.stride(0), out.stride(1),
-            float(scale), HAS_SLOTS=slots is not None, **geo,
-        )
-    return out

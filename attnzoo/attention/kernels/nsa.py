@@ -23,7 +23,7 @@ from attnzoo.attention.kernels.kv_layout import fp8_value
 from attnzoo.attention.kv_cache import FP8_BLOCK, KVLayout
 from attnzoo.errors import BackendError
 
-_LAYOUT_ID = {KVLayout.BF16: 0, KVLayout.FP8_NOPE_FP8_ROPE: 1, KVLayout.FP8_NOPE_SCALED_BF16_ROPE: 2}
+_LAYOUT_ID = {KVLayout.BF16: 0, KVLayout.FP8_NOPE_SCALED_BF16_ROPE: 1}
 
 
 def _tile(n: int) -> int:
@@ -102,7 +102,7 @@ def index_scores(
 
 
 @triton.jit
-def _load_entries(KV, slot, ok, offs_r, offs_p, stride_kn, stride_kd, kv_scale,
+def _load_entries(KV, slot, ok, offs_r, offs_p, stride_kn, stride_kd,
                   LAYOUT: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, NB: tl.constexpr,
                   FP8_BLOCK_C: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Entries of ``slot`` [BLOCK_N] -> latent [BLOCK_N, BLOCK_R], rope [BLOCK_N, BLOCK_P] in DOT_DTYPE."""
@@ -113,9 +113,6 @@ def _load_entries(KV, slot, ok, offs_r, offs_p, stride_kn, stride_kd, kv_scale,
         # Straight from memory in the cache dtype (a no-op cast on the GPU), as decode.py's tiles are.
         lat = tl.load(row + offs_r[None, :] * stride_kd, mask=r_mask, other=0.0).to(DOT_DTYPE)
         rope = tl.load(row + (RANK + offs_p[None, :]) * stride_kd, mask=p_mask, other=0.0).to(DOT_DTYPE)
-    elif LAYOUT == 1:
-        lat = fp8_value(tl.load(row + offs_r[None, :], mask=r_mask, other=0)) * kv_scale
-        rope = fp8_value(tl.load(row + RANK + offs_p[None, :], mask=p_mask, other=0)) * kv_scale
     else:
         s = tl.load((row + RANK).to(tl.pointer_type(tl.float32)) + offs_r[None, :] // FP8_BLOCK_C,
                     mask=r_mask, other=0.0)
@@ -132,7 +129,7 @@ def _sparse_mla_kernel(
     stride_kn, stride_kd,
     stride_st, stride_sk,
     stride_ot, stride_oh, stride_od,
-    num_selected, sm_scale, kv_scale,
+    num_selected, sm_scale,
     NUM_HEADS: tl.constexpr,
     LAYOUT: tl.constexpr,
     RANK: tl.constexpr,
@@ -166,7 +163,7 @@ def _sparse_mla_kernel(
         slot = tl.load(SLOTS + t * stride_st + offs_n * stride_sk, mask=offs_n < num_selected, other=-1)
         ok = slot >= 0
         lat, rope = _load_entries(KV, tl.where(ok, slot, 0).to(tl.int64), ok, offs_r, offs_p, stride_kn, stride_kd,
-                                  kv_scale, LAYOUT, RANK, ROPE, NB, FP8_BLOCK_C, DOT_DTYPE)
+                                  LAYOUT, RANK, ROPE, NB, FP8_BLOCK_C, DOT_DTYPE)
         qk = tl.dot(lat, q_lat, input_precision=DOT_PREC)
         qk += tl.dot(rope, q_rope, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_H]
         qk = tl.where(ok[:, None], qk * qk_scale, float("-inf"))
@@ -190,7 +187,6 @@ def sparse_mla(
     *,
     rank: int,
     scale: float,
-    kv_scale: float = 1.0,  # FP8_NOPE_FP8_ROPE's per-tensor scale
 ) -> torch.Tensor:  # [T, H, rank], q's dtype
     t, heads, dim = q.shape
     rope = dim - rank
@@ -208,7 +204,7 @@ def sparse_mla(
         block_n = MIN_TILE
     args = (q, kv, slots, out, q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
             slots.stride(0), slots.stride(1), out.stride(0), out.stride(1), out.stride(2),
-            slots.shape[1], float(scale), float(kv_scale))
+            slots.shape[1], float(scale))
     constexprs = dict(NUM_HEADS=heads, LAYOUT=_LAYOUT_ID[layout], RANK=rank, ROPE=rope, NB=rank // FP8_BLOCK,
                       FP8_BLOCK_C=FP8_BLOCK, BLOCK_R=_tile(rank), BLOCK_P=_tile(rope), **dot_args(q))
     cfg = {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": 8 if wide and block_h > MIN_TILE else 4,
