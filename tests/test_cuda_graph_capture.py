@@ -9,6 +9,8 @@ from types import SimpleNamespace
 
 import torch
 
+from attnzoo.attention.backends.base import StepPlan
+from attnzoo.attention.backends.hybrid import HybridBackend
 from attnzoo.attention.metadata import build_metadata
 from attnzoo.engine import cuda_graph
 
@@ -43,6 +45,7 @@ class RecordingBackend:
     def prepare_graph(self, meta, capturing):
         self.seen.append((capturing, meta.num_reqs, meta.seq_lens.tolist(), list(meta.seq_lens_cpu),
                           meta.block_tables.shape))
+        return StepPlan()
 
 
 class TinyModel:
@@ -54,7 +57,7 @@ def test_capture_and_replay_device_lengths_match_the_host_lists(monkeypatch):
     _no_cuda_graphs(monkeypatch)
     pool = SimpleNamespace(device=torch.device("cpu"), page_size=16)
     backend = RecordingBackend()
-    graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, backend, max_batch=4, max_context=40, buckets=(1, 2))
+    graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(backend, backend), max_batch=4, max_context=40, buckets=(1, 2))
     assert backend.sizes == (4, 3) and graphs.max_context == 48
     captured = [s for s in backend.seen if s[0]]
     assert [s[1] for s in captured] == [4, 2, 1]  # largest bucket first

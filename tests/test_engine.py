@@ -217,7 +217,9 @@ def test_metadata_of_a_mixed_step_from_lists_or_arrays():
 
 def test_cascade_is_explained_and_refused_where_it_cannot_run(tiny_dir):
     llm = attnzoo.load_model(tiny_dir, backend="torch", dtype="float32")
-    assert llm.info()["cascade"].startswith("off: decode backend 'torch' has no cascade path")
+    assert llm.info()["cascade"] == "off: decode backend 'torch' has no cascade path"
+    llm.engine.cascade_extend = True  # a prefill backend that cascades extend steps (trtllm_mha's off Blackwell)
+    assert llm.info()["cascade"].endswith("; extend steps: on (prefill backend 'torch')")
     with pytest.raises(attnzoo.errors.BackendError, match="cascade attention needs prefix caching") as e:
         attnzoo.load_model(tiny_dir, backend="torch", dtype="float32", cascade=True)
     assert "Fix:" in str(e.value)

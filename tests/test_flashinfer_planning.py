@@ -252,8 +252,7 @@ def test_fp8_pool_plans_fp8_kv_and_runs_with_the_pool_scales(monkeypatch):
     tables = [[3, 4, 5, 9], [3, 4, 5, 10, 11], [3, 4, 5, 12]]
     meta = build_metadata(prefix_lens=[49, 69, 48], q_lens=[1, 1, 1], block_tables=tables, page_size=16,
                           device="cpu", detect_shared_prefix=True)
-    be.prepare(meta)
-    be.decode(layer, torch.randn(3, 8, 64, dtype=torch.bfloat16), meta)
+    be.decode(layer, torch.randn(3, 8, 64, dtype=torch.bfloat16), meta, be.prepare(meta))
     shared, rest = (next(iter(d.values())) for d in be._cascade_wrappers[fi_backend.LayerSignature.of(layer)])
     for w in (shared, rest):
         assert w.plans[-1]["kv_data_type"] == torch.float8_e4m3fn and w.plans[-1]["q_data_type"] == torch.bfloat16

@@ -278,7 +278,9 @@ class LLM:
         if e.prefix_cache is None:
             return "off: prefix caching is off"
         if not e.decode_backend.supports_cascade:
-            return f"off: decode backend {e.decode_backend.name!r} has no cascade path"
+            # trtllm_mha off Blackwell: its prefill is the flashinfer backend, which cascades extend steps
+            extend = (f"; extend steps: on (prefill backend {e.prefill_backend.name!r})" if e.cascade_extend else "")
+            return f"off: decode backend {e.decode_backend.name!r} has no cascade path" + extend
         return "off: turned off (cascade=False)"
 
     def info(self) -> dict[str, Any]:
