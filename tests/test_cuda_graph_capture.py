@@ -72,3 +72,50 @@ def test_capture_and_replay_device_lengths_match_the_host_lists(monkeypatch):
     assert not capturing and bs == 4
     assert dev == host == [21, 34, 6, 1]  # padding row: one token in page 0
     assert graphs.block_tables[:4].tolist() == [[5, 6, 0], [7, 8, 9], [4, 0, 0], [0, 0, 0]]
+
+
+def test_nsa_step_cache_is_recomputed_inside_the_capture(monkeypatch):
+    """The NSA matrices shared by a step's layers live on its plan (NSAPlan.shared). DecodeGraphs hands
+    the warm-up and the capture of a bucket the same plan: what the warm-up cached must be made again
+    inside the capture (recorded in the graph), then reused by the capture's other layers."""
+    from attnzoo.attention.backends.base import NSAPlan
+    from attnzoo.attention.reference import _step_cached
+
+    _no_cuda_graphs(monkeypatch)
+    capturing = [False]
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        capturing[0] = True
+        yield
+        capturing[0] = False
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    on_gpu = SimpleNamespace(positions=SimpleNamespace(is_cuda=True))  # _step_cached reads only this
+    made, seen = [], []
+
+    class NSARecording(RecordingBackend):
+        def prepare_graph(self, meta, capturing):
+            super().prepare_graph(meta, capturing)
+            return NSAPlan()
+
+    class TwoLayers:
+        def __call__(self, ids, positions, ctx):
+            for _ in range(2):
+                t = _step_cached(on_gpu, ctx.plan.shared, "visible",
+                                 lambda: made.append((ids.shape[0], capturing[0])) or torch.zeros(ids.shape[0]))
+                seen.append((id(ctx.plan), capturing[0], id(t)))
+            return torch.zeros(ids.shape[0], 4)
+
+    pool = SimpleNamespace(device=torch.device("cpu"), page_size=16)
+    backend = NSARecording()
+    cuda_graph.DecodeGraphs(TwoLayers(), pool, HybridBackend(backend, backend), max_batch=2, max_context=16,
+                            buckets=(1,))
+    # per bucket (2 then 1): made once in the warm-up, once more inside the capture
+    assert made == [(2, False), (2, True), (1, False), (1, True)]
+    for bucket in (seen[:4], seen[4:]):
+        assert len({plan for plan, _, _ in bucket}) == 1  # warm-up and capture share the bucket's plan
+        warm, capture = bucket[:2], bucket[2:]
+        assert warm[0][2] == warm[1][2] and capture[0][2] == capture[1][2] and warm[0][2] != capture[0][2]
+    assert seen[0][0] != seen[4][0]  # each bucket its own plan
