@@ -91,3 +91,30 @@ def test_flashinfer_gemma4_graph_and_windowed_cascade_match_eager_plain(tmp_path
         assert [x.token_ids for x in runs[name][0]] == [x.token_ids for x in runs["eager"][0]], name
         for x, y in zip(runs[name][0], runs["eager"][0]):
             assert (x.logits - y.logits).abs().max().item() < 5e-2, name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() not in ((9, 0), (12, 0)),
+                    reason="trtllm_mha's prefill is flashinfer's on SM90/SM120 (XQA decode)")
+def test_trtllm_mha_off_blackwell_cascades_extend_through_its_flashinfer_prefill(tiny_dir):
+    """trtllm_mha off Blackwell: HybridBackend builds the flashinfer backend for prefill, whose cascade
+    extend (the shared prefix read once per mixed step) is on by default, while decode (XQA, no cascade)
+    replays CUDA graphs; the tokens equal cascade=False's and info() says which steps cascade."""
+    pytest.importorskip("flashinfer")
+    prefix = random_prompts(160, [150], seed=7)[0]
+    prompts = [prefix + p for p in random_prompts(160, [3, 20, 1, 9, 33, 5], seed=8)]
+    runs = []
+    for cascade in (False, None):
+        llm = attnzoo.load_model(tiny_dir, backend="trtllm_mha", dtype="bfloat16", page_size=16, cascade=cascade)
+        assert llm.engine.prefill_backend.name == "flashinfer" and llm.engine.decode_backend.name == "trtllm_mha"
+        assert llm.info()["cascade"].startswith("off: decode backend 'trtllm_mha' has no cascade path")
+        assert llm.info()["cascade"].endswith("extend steps: on (prefill backend 'flashinfer')") == (cascade is None)
+        llm.engine.cascade_min_saved_tokens = 1
+        llm.engine.step_log = []
+        runs.append(llm.generate(prompts, max_new_tokens=12, ignore_eos=True, return_logits=True))
+        extend_shared = [s["shared_prefix_len"] for s in llm.engine.step_log if s["new_tokens"] != s["num_reqs"]]
+        assert any(extend_shared) == (cascade is None), extend_shared
+        assert llm.engine.graph_stats["replayed"] > 0
+    plain, casc = runs
+    assert [x.token_ids for x in plain] == [x.token_ids for x in casc]
+    for x, y in zip(plain, casc):
+        assert (x.logits - y.logits).abs().max().item() < 5e-2
