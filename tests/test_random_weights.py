@@ -29,7 +29,8 @@ EXPERT_SHAPES = {(E, 2 * I, H), (E, H, I), (2 * I, H), (H, I), (I, H)}
 
 
 class _FloatAllocations(TorchDispatchMode):
-    """Records (shape, dtype) of every floating-point tensor any torch op returns (FP8 codes excluded)."""
+    """Records (shape, dtype) of every floating-point tensor any torch op returns (FP8 codes and meta
+    tensors excluded)."""
 
     def __init__(self):
         super().__init__()
@@ -38,7 +39,8 @@ class _FloatAllocations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != FP8:
+            # Meta tensors hold no memory: the policy builds the model on the meta device for its profile.
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != FP8 and not t.is_meta:
                 self.seen.add((tuple(t.shape), t.dtype))
         return out
 
