@@ -571,21 +571,25 @@ def test_num_return_sequences(llm):
     assert len({tuple(o.token_ids) for o in outs[:3]}) > 1  # distinct seeds, distinct samples
 
 
-def test_missing_gguf_package_is_named(monkeypatch, tmp_path):
-    """Without the gguf package a GGUF load says so, instead of calling the file corrupt."""
+def _without_package(monkeypatch, package: str) -> None:
+    """Make ``import package`` (and its submodules) fail, as on a machine without it installed."""
     import builtins
-
-    from attnzoo.errors import ModelLoadError
-    from attnzoo.models import loader
 
     real_import = builtins.__import__
 
-    def no_gguf(name, *a, **k):
-        if name == "gguf" or name.startswith("gguf."):
-            raise ImportError("No module named 'gguf'")
+    def guarded(name, *a, **k):
+        if name == package or name.startswith(package + "."):
+            raise ImportError(f"No module named {package!r}")
         return real_import(name, *a, **k)
 
-    monkeypatch.setattr(builtins, "__import__", no_gguf)
+    monkeypatch.setattr(builtins, "__import__", guarded)
+
+
+def test_missing_gguf_package_is_named(monkeypatch, tmp_path):
+    """Without the gguf package a GGUF load says so, instead of calling the file corrupt."""
+    from attnzoo.models import loader
+
+    _without_package(monkeypatch, "gguf")
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     src = loader.CheckpointSource(name="m.gguf", directory=tmp_path, gguf_file="m.gguf")
     with pytest.raises(ModelLoadError) as e:
@@ -595,18 +599,9 @@ def test_missing_gguf_package_is_named(monkeypatch, tmp_path):
 
 def test_missing_lm_eval_is_named(monkeypatch):
     """run_eval without lm-eval names the extra to install before it loads any model."""
-    import builtins
-
     from attnzoo.evals.tasks import require_lm_eval
 
-    real_import = builtins.__import__
-
-    def no_lm_eval(name, *a, **k):
-        if name == "lm_eval" or name.startswith("lm_eval."):
-            raise ImportError("No module named 'lm_eval'")
-        return real_import(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_lm_eval)
+    _without_package(monkeypatch, "lm_eval")
     with pytest.raises(EvalError) as e:
         require_lm_eval()
     assert "lm-eval" in str(e.value) and "[evals]" in str(e.value)
