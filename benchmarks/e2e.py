@@ -209,6 +209,17 @@ def warm_up(llm, prompts) -> dict:
     return res
 
 
+def timed_generate(llm, prompts, new_tokens: int) -> tuple[list, float]:
+    """The measured generate, on fresh step and graph counters: (outputs, wall seconds)."""
+    llm.engine.graph_stats = dict.fromkeys(llm.engine.graph_stats, 0)
+    llm.engine.step_log = []
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+    torch.cuda.synchronize()
+    return outs, time.perf_counter() - t0
+
+
 def load_timings(llm, load_s: float) -> dict:
     """load_model's phases (this process's rank), printed as they are the first thing a short GPU call needs."""
     timings = {"load_s": round(load_s, 2), **llm.info()["load_timings"]}
@@ -267,13 +278,7 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
         return {"engine": "attnzoo", "backend": f"attnzoo prefill={info['prefill_backend']} decode={info['decode_backend']}",
                 "dry_run": True, **timings, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
                 "kv_cache_tokens": info["kv_cache_tokens"], "weights": info["weights"]}
-    llm.engine.graph_stats = dict.fromkeys(llm.engine.graph_stats, 0)
-    llm.engine.step_log = []
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
+    outs, wall = timed_generate(llm, prompts, new_tokens)
     n_out = sum(len(o.token_ids) for o in outs)
     assert len(outs) == len(prompts) and all(len(o.token_ids) == new_tokens for o in outs)
     info = llm.info()

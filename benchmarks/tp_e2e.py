@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from attention_triton import versions  # noqa: E402
 from e2e import (  # noqa: E402
-    FP8_BLOCK_CONFIG, SHAPE_NAMES, device_limits, load_timings, model_profile, roofline_seconds, warm_up,
+    FP8_BLOCK_CONFIG, SHAPE_NAMES, device_limits, load_timings, model_profile, roofline_seconds, timed_generate,
+    warm_up,
 )
 from e2e import make_config as e2e_make_config  # noqa: E402
 
@@ -105,13 +106,7 @@ def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_r
                     "decode_backend": info["decode_backend"], "kv_cache_tokens": info["kv_cache_tokens"],
                     "rank0_peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "gpu_used_gib": gpu_used_gib(),
                     "weights": weights}
-        llm.engine.graph_stats = dict.fromkeys(llm.engine.graph_stats, 0)
-        llm.engine.step_log = []
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        outs, wall = timed_generate(llm, prompts, new_tokens)
         info = llm.info()
         n_out = sum(len(o.token_ids) for o in outs)
         ttft = [o.time_to_first_token for o in outs]

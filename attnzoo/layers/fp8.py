@@ -300,12 +300,16 @@ class Fp8Linear(nn.Module):
         """An FP8 layer of ``linear``'s shape (its bias kept); ``random`` weights (``init_random_``, random-weight
         models), else left for the checkpoint to fill. ``linear``'s own weight is never read."""
         dev = linear.weight.device
-        mod = cls(linear.in_features, linear.out_features, linear.bias is not None, fmt, device=dev)
+        mod = cls._shaped_like(linear, fmt, dev)
         if linear.bias is not None:
             mod.bias = linear.bias
         if random and dev.type != "meta":
             mod.init_random_()
         return mod
+
+    @classmethod
+    def _shaped_like(cls, linear, fmt: Fp8Format, device) -> Fp8Linear:
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, fmt, device=device)
 
     def init_random_(self, std: float | None = None) -> Fp8Linear:
         """Random FP8 codes and one factor for every block, drawn on the weight's device, giving weights of
@@ -398,14 +402,8 @@ class Fp8MergedLinear(Fp8Linear):
         self.cuts, self.scale_cuts = dict.fromkeys(parts), dict.fromkeys(parts)
 
     @classmethod
-    def from_linear(cls, linear, fmt: Fp8Format, *, random: bool) -> Fp8MergedLinear:
-        dev = linear.weight.device
-        mod = cls(linear.in_features, linear.parts, linear.bias is not None, fmt, device=dev)
-        if linear.bias is not None:
-            mod.bias = linear.bias
-        if random and dev.type != "meta":
-            mod.init_random_()
-        return mod
+    def _shaped_like(cls, linear, fmt: Fp8Format, device) -> Fp8MergedLinear:
+        return cls(linear.in_features, linear.parts, linear.bias is not None, fmt, device=device)
 
     def part_rows(self) -> dict[str, slice]:
         return _stacked(self.parts)
