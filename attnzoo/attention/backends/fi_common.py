@@ -49,15 +49,31 @@ def load_flashinfer(backend_name: str) -> SimpleNamespace:
     )
 
 
-def workspace(device: torch.device, purpose: str) -> torch.Tensor:
-    """The device's workspace for ``purpose`` ("wrappers" or "trtllm"), allocated on first request."""
+def workspace(device: torch.device, purpose: str, min_bytes: int = 0) -> torch.Tensor:
+    """The device's workspace for ``purpose`` ("wrappers" or "trtllm"), allocated on first request and
+    replaced by a larger one when ``min_bytes`` asks for more (wrappers holding the old one keep it)."""
     key = (str(device), purpose)
     buf = _workspaces.get(key)
-    if buf is None:
+    if buf is None or buf.numel() < min_bytes:
         # zeros, not empty: XQA's semaphores must start at zero, and zeroing the rest once is free.
-        buf = torch.zeros(_WORKSPACE_BYTES[purpose], dtype=torch.uint8, device=device)
+        buf = torch.zeros(max(_WORKSPACE_BYTES[purpose], min_bytes), dtype=torch.uint8, device=device)
         _workspaces[key] = buf
     return buf
+
+
+def graph_float_workspace_bytes(specs, max_batch: int, num_sms: int) -> int:
+    """An upper bound on the float workspace FlashInfer's split-KV decode needs when planned for CUDA
+    graphs at ``max_batch`` requests: its partial outputs are sized for the padded work list, not the step.
+
+    FlashInfer 0.7.2 (scheduler.cuh): the tensor-core path (PrefillPlan) takes num_kv_heads x
+    padded_batch x cta_tile_q x head_dim_vo floats, with padded_batch = max(2 x SMs / kv_heads,
+    ceil(rows x group / cta_tile_q) + batch - 1) <= 2 x batch + 2 x SMs and cta_tile_q <= 16 for one
+    query per request; the CUDA-core path (DecodePlan) num_qo_heads x max(2 x SMs, batch) x head_dim
+    floats, within the same bound for groups up to 16. The log-sum-exp adds 1/head_dim of that."""
+    rows = 2 * max_batch + 2 * num_sms
+    per_row = max((16 * s.num_kv_heads * (s.v_head_dim + 1) * 4 for s in specs
+                   if s is not None and s.shared_from is None), default=0)
+    return rows * per_row
 
 
 def compute_capability(backend_name: str, device: torch.device) -> tuple[int, int]:

@@ -59,6 +59,7 @@ from attnzoo.attention.backends.fi_common import (
     LayerSignature,
     cascade_split,
     check_page_size,
+    graph_float_workspace_bytes,
     compute_capability,
     load_flashinfer,
     sm_name,
@@ -285,6 +286,10 @@ class FlashInferBackend(AttentionBackend):
 
     def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
         self._graph = _GraphState(max_batch_size, max_pages_per_req, self.pool.device)
+        # Graph plans size split-KV partials for the padded batch: 128 MiB overflows from a few hundred
+        # requests up (Gemma 4's 512-wide global layers at 4096 need 0.8 GB), so grow it now, once.
+        sms = torch.cuda.get_device_properties(self.pool.device).multi_processor_count
+        workspace(self.pool.device, "wrappers", graph_float_workspace_bytes(self.pool.specs, max_batch_size, sms))
 
     def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> FlashInferPlan:
         """Plan a captured decode step: the bucket's (``meta.num_reqs``) wrappers, built with
