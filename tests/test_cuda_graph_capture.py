@@ -36,6 +36,8 @@ def _no_cuda_graphs(monkeypatch):
 
 
 class RecordingBackend:
+    supports_cascade_graph = False
+
     def __init__(self):
         self.seen = []
 

@@ -202,8 +202,8 @@ def test_cascade_extend_plans_shared_pages_once_and_the_rest_causal(monkeypatch)
 
 def test_graph_steps_plan_bucket_wrappers_over_shared_static_buffers(monkeypatch):
     """prepare_graph plans the bucket's graph-mode wrappers from the step's padded host lengths (padding
-    rows: one token in page 0); buckets share one set of static buffers per signature; a graph step runs
-    plain even when the step shares a prefix."""
+    rows: one token in page 0); buckets share one set of static buffers per signature; a graph step whose
+    meta says no shared prefix (the engine's choice) runs plain even where the tables share pages."""
     sliding, glob = Attention(0, 4, 2, 64, sliding_window=20), Attention(1, 4, 2, 64)
     be = make_backend(monkeypatch, [sliding, glob], 16, 16)
     be.init_graph_state(max_batch_size=4, max_pages_per_req=6)
@@ -212,8 +212,7 @@ def test_graph_steps_plan_bucket_wrappers_over_shared_static_buffers(monkeypatch
     for bucket in (4, 2):
         rows = tables + [[0]] * (bucket - 2)
         meta = build_metadata(prefix_lens=[50, 70] + [0] * (bucket - 2), q_lens=[1] * bucket, block_tables=rows,
-                              page_size=16, device="cpu", mode=fi_backend.ForwardMode.DECODE,
-                              detect_shared_prefix=True)
+                              page_size=16, device="cpu", mode=fi_backend.ForwardMode.DECODE)
         plan = be.prepare_graph(meta, capturing=bucket == 4)
         for layer in (sliding, glob):
             be.decode(layer, torch.randn(bucket, 4, 64, dtype=torch.bfloat16), meta, plan)
