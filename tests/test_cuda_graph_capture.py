@@ -195,3 +195,65 @@ def test_cascade_graphs_are_captured_lazily_per_key_up_to_the_cap(monkeypatch):
     no = RecordingBackend()
     assert cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(no, no), max_batch=2, max_context=64,
                                    buckets=(1,)).cascade_ready(meta) is None  # the backend has no cascade graphs
+
+
+def test_engine_replays_cascade_graphs_where_they_pay_and_counts_them(monkeypatch, tmp_path):
+    """The engine's choice on CPU: a decode backend declaring cascade graphs (the torch reference, which
+    reads every request's pages whatever the shared prefix: its numbers cannot change with the choice;
+    its key: the rounded split of a window of 16) under graphs whose replay runs the step again over the
+    static buffers and the padded metadata the backend was handed (padding rows included). Greedy tokens
+    equal a run without graphs; steps saving enough replay cascade graphs, the others plain ones; keys past
+    the cap run as plain graphs, or eagerly with cascade where that pays by the eager threshold."""
+    import attnzoo
+    from attnzoo.attention.backends.fi_common import cascade_graph_key
+    from attnzoo.attention.backends.torch_ref import TorchBackend
+    from helpers import random_prompts, save_checkpoint
+    from test_llama import tiny_llama
+
+    _no_cuda_graphs(monkeypatch)
+
+    class CascadeGraphTorch(TorchBackend):
+        supports_cascade_graph = True
+
+        def init_graph_state(self, max_batch_size, max_pages_per_req):
+            pass
+
+        def prepare_graph(self, meta, capturing):
+            self.step_meta = meta
+            return StepPlan()
+
+        def cascade_graph_key(self, meta):
+            return cascade_graph_key(meta.seq_lens_cpu, meta.q_lens_cpu, meta.shared_prefix_len // meta.page_size,
+                                     meta.page_size, [16])
+
+    def capture(self, meta, plan):
+        hidden = self._run(meta, plan)
+        backend = self.backends.decode_backend
+        return SimpleNamespace(replay=lambda: hidden.copy_(self._run(backend.step_meta, plan))), hidden
+
+    monkeypatch.setattr(cuda_graph.DecodeGraphs, "_capture", capture)
+    path = save_checkpoint(tiny_llama(kv_heads=2, heads=4), tmp_path / "llama")
+    prefix = random_prompts(160, [24], seed=3)[0]  # 6 pages of 4
+    prompts = [prefix + p for p in random_prompts(160, [2, 5, 3, 7, 1], seed=4)]
+    kw = dict(backend="torch", dtype="float32", page_size=4, max_running=3)
+    want = [c.token_ids for c in attnzoo.load_model(path, **kw).generate(prompts, max_new_tokens=8, ignore_eos=True)]
+    llm = attnzoo.load_model(path, **kw)
+    e = llm.engine
+    e.backends.decode_backend, e.cascade = CascadeGraphTorch(llm.pool), True
+    e.graphs = cuda_graph.DecodeGraphs(e.model, e.pool, e.backends, max_batch=4, max_context=64, buckets=(1, 2),
+                                       max_cascade_graphs=1)
+    e.cascade_graph_min_saved_tokens, e.cascade_min_saved_tokens = 48, 10**9  # 24 shared x 2 others; eager never
+    e.step_log = []
+    assert [c.token_ids for c in llm.generate(prompts, max_new_tokens=8, ignore_eos=True)] == want
+    stats = dict(e.graph_stats)
+    decode = [s for s in e.step_log if s["new_tokens"] == s["num_reqs"]]
+    three = [s for s in decode if s["num_reqs"] == 3]
+    assert three and all(s["shared_prefix_len"] == 24 for s in three[:stats["cascade_replayed"]])
+    assert len(e.graphs.cascade_graphs) == 1 and stats["cascade_over_cap"] > 0 and stats["cascade"] == 0
+    assert stats["cascade_replayed"] + stats["cascade_over_cap"] == len(three)  # every 3-request step asked
+    assert stats["replayed"] == len(decode) - stats["cascade_replayed"]  # the rest: plain graphs
+    # Where the eager threshold says so, the steps past the cap cascade eagerly instead.
+    e.cascade_min_saved_tokens = 48
+    e.graph_stats = dict.fromkeys(e.graph_stats, 0)
+    assert [c.token_ids for c in llm.generate(prompts, max_new_tokens=8, ignore_eos=True)] == want
+    assert e.graph_stats["cascade"] == e.graph_stats["cascade_over_cap"] > 0 and e.graph_stats["cascade_replayed"] > 0
