@@ -295,6 +295,8 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
         "backend_arg": backend, "decision": info["decision"].get("reason") if isinstance(info.get("decision"), dict) else None,
         "cascade": info["cascade"], "cascade_steps": llm.engine.graph_stats["cascade"],
         "graph_steps": llm.engine.graph_stats["replayed"],
+        "cascade_graph_steps": llm.engine.graph_stats["cascade_replayed"],
+        "cascade_graphs": len(llm.engine.graphs.cascade_graphs) if llm.engine.graphs is not None else 0,
         "page_size": info["page_size"], "prompts": len(prompts), "output_tokens": n_out, "wall_s": wall,
         "output_tok_per_s": n_out / wall, "ttft_mean_s": statistics.mean(ttft), "ttft_p50_s": statistics.median(ttft),
         "tpot_mean_ms": 1e3 * statistics.mean(tpot), "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from attnzoo.attention.backends.fi_common import cascade_split
+from attnzoo.attention.backends.fi_common import cascade_graph_key, cascade_split, gap_quantum_pages, split_kv_fits_workspace
 from attnzoo.attention.backends.torch_ref import attention_reference, gather_kv
 from attnzoo.errors import BackendError
 
@@ -51,9 +51,9 @@ def merge(o_a, s_a, o_b, s_b):
     return (o_a * wa[..., None] + o_b * wb[..., None]) / (wa + wb)[..., None]
 
 
-def run_cascade(q, k_cache, v_cache, tables, seq_lens, q_lens, shared_pages, page_size, window, scale):
+def run_cascade(q, k_cache, v_cache, tables, seq_lens, q_lens, shared_pages, page_size, window, scale, quantum=1):
     """The backend's cascade step, as planned by cascade_split, through the simulator (None: plain)."""
-    split = cascade_split(seq_lens, q_lens, shared_pages, page_size, window)
+    split = cascade_split(seq_lens, q_lens, shared_pages, page_size, window, quantum_pages=quantum)
     if split is None:
         return None, None
     qo = [0]
@@ -156,3 +156,67 @@ def test_split_of_the_gsm8k_shape():
     assert cascade_split(seq, [1, 1], 0, 16, 1024) is None
     with pytest.raises(BackendError, match="longer than a request's cached prefix"):
         cascade_split([1320, 1400], [10, 1], 82, 16, 1024)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_rounded_graph_split_with_padding_rows_equals_the_reference(page_size):
+    """A CUDA-graph cascade step: the gap rounded down to a multiple of ``quantum`` pages, and the bucket's
+    padding rows (one token after the shared prefix: its pages, then page 0) planned with the real ones.
+    The real rows' outputs are the reference's; the padding rows neither move the split nor the key."""
+    rng = random.Random(40 + page_size)
+    gen = torch.Generator().manual_seed(page_size)
+    seen = {"rounded": 0, "plain": 0}
+    for trial in range(40):
+        window = rng.choice([20, 37, 64] if page_size == 1 else [77, 150, 260])
+        quantum = rng.choice([2, 3, gap_quantum_pages(window, page_size)])
+        shared_tokens = rng.choice([3 * page_size + rng.randint(0, page_size - 1), 2 * window + 5, window])
+        tables, seq, q_lens, shared_pages, num_pages = random_step(rng, page_size, max(shared_tokens, page_size),
+                                                                   window, extend=False)
+        pad = rng.randint(0, 3)
+        P = shared_pages * page_size
+        padded_tables = tables + [tables[0][:shared_pages] + [0]] * pad
+        padded_seq, padded_q = seq + [P + 1] * pad, q_lens + [1] * pad
+        k = torch.randn(num_pages, 1, page_size, 8, generator=gen, dtype=torch.float64)
+        v = torch.randn(num_pages, 1, page_size, 8, generator=gen, dtype=torch.float64)
+        q = torch.randn(len(padded_seq), 2, 8, generator=gen, dtype=torch.float64)
+        out, split = run_cascade(q, k, v, padded_tables, padded_seq, padded_q, shared_pages, page_size, window, 0.3,
+                                 quantum=quantum)
+        real = cascade_split(seq, q_lens, shared_pages, page_size, window, quantum_pages=quantum)
+        assert split == (None if real is None else
+                         type(real)(real.shared_start, real.shared_end, real.rest_start + split.rest_start[len(seq):],
+                                    real.window_left))
+        assert cascade_graph_key(seq, q_lens, shared_pages, page_size, [window]) == \
+            cascade_graph_key(padded_seq, padded_q, shared_pages, page_size, [window])
+        if split is None:
+            seen["plain"] += 1
+            continue
+        seen["rounded"] += 1
+        exact = cascade_split(seq, q_lens, shared_pages, page_size, window)
+        assert (split.shared_end - split.shared_start) % quantum == 0 and split.shared_start >= exact.shared_start
+        assert 0 <= exact.window_left <= split.window_left
+        ref = reference(q[: len(seq)], k, v, tables, seq, q_lens, page_size, window, 0.3)
+        assert torch.allclose(out[: len(seq)], ref, atol=2e-6), (trial, split, seq)
+        assert torch.isfinite(out).all()  # padding rows too (dropped, but they must not poison anything)
+    assert seen["rounded"] >= 10 and seen["plain"] >= 1, seen
+
+
+def test_graph_keys_take_few_values_over_a_gsm8k_like_run():
+    """256 decode steps of a batch over the 82-page 8-shot prefix, window 1024: the exact split's rest
+    window_left changes with nearly every page the longest request grows, the graphs' (rounded to 8 pages:
+    128 tokens) at most window / 128 times; windowless layers add nothing to the key."""
+    assert gap_quantum_pages(1024, 16) == 8 and gap_quantum_pages(128, 16) == 1 and gap_quantum_pages(20, 16) == 1
+    tails = [1, 40, 150, 250]
+    exact, keys = set(), set()
+    for t in range(256):
+        seq = [1313 + n + t + 1 for n in tails]
+        split = cascade_split(seq, [1] * 4, 82, 16, 1024)
+        exact.add(None if split is None else split.window_left)
+        keys.add(cascade_graph_key(seq, [1] * 4, 82, 16, [1024]))
+    assert len(exact) >= 16 and 2 <= len(keys) <= 1024 // 128, (len(exact), keys)
+    assert all(wl is None or (1023 - wl) % 128 == 0 for (_, wl), in keys)
+    assert cascade_graph_key(seq, [1] * 4, 82, 16, []) == ()
+
+
+def test_a_graph_shared_part_splits_the_kv_only_where_its_partials_fit_the_workspace():
+    assert split_kv_fits_workspace(1024, 32, 128) and split_kv_fits_workspace(256, 32, 512)
+    assert not split_kv_fits_workspace(4096, 32, 512) and not split_kv_fits_workspace(4096, 32, 256)

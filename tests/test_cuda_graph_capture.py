@@ -36,6 +36,8 @@ def _no_cuda_graphs(monkeypatch):
 
 
 class RecordingBackend:
+    supports_cascade_graph = False
+
     def __init__(self):
         self.seen = []
 
@@ -119,3 +121,139 @@ def test_nsa_step_cache_is_recomputed_inside_the_capture(monkeypatch):
         warm, capture = bucket[:2], bucket[2:]
         assert warm[0][2] == warm[1][2] and capture[0][2] == capture[1][2] and warm[0][2] != capture[0][2]
     assert seen[0][0] != seen[4][0]  # each bucket its own plan
+
+
+class CascadeRecording(RecordingBackend):
+    """Declares cascade graphs; its key: the longest request's page count (a stand-in for a window_left)."""
+
+    supports_cascade_graph = True
+
+    def prepare_graph(self, meta, capturing):
+        self.seen.append((capturing, meta.num_reqs, meta.seq_lens.tolist(), list(meta.seq_lens_cpu),
+                          meta.shared_prefix_len, meta.block_tables.tolist(), meta.positions.tolist()))
+        return StepPlan()
+
+    def cascade_graph_key(self, meta):
+        return -(-max(meta.seq_lens_cpu) // meta.page_size)
+
+
+def test_cascade_graphs_are_captured_lazily_per_key_up_to_the_cap(monkeypatch):
+    _no_cuda_graphs(monkeypatch)
+    made = []
+
+    class Graph(_Graph):
+        def __init__(self):
+            made.append(self)
+            self.replays = 0
+
+        def replay(self):
+            self.replays += 1
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    pool = SimpleNamespace(device=torch.device("cpu"), page_size=16)
+    backend = CascadeRecording()
+    graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(backend, backend), max_batch=4, max_context=64,
+                                     buckets=(1, 2), max_cascade_graphs=2)
+    assert len(made) == 3 and not graphs.cascade_graphs  # the plain buckets 4, 2, 1; no cascade graph yet
+    backend.seen.clear()
+
+    def step(seq, shared=32):
+        tables = [[5, 6] + list(range(10 + 4 * i, 10 + 4 * i + (-(-s // 16) - 2))) for i, s in enumerate(seq)]
+        meta = build_metadata(prefix_lens=[s - 1 for s in seq], q_lens=[1] * len(seq), block_tables=tables,
+                              page_size=16, device="cpu", detect_shared_prefix=True)
+        assert meta.shared_prefix_len == shared
+        return meta
+
+    meta = step([40, 50, 35])
+    assert graphs.cascade_ready(meta) is True
+    assert graphs.replay(torch.tensor([1, 2, 3]), meta).shape == (3, 4)
+    assert len(made) == 4 and list(graphs.cascade_graphs) == [(4, 4)] and made[-1].replays == 1
+    (capturing, bs, dev, host, shared, table, positions), = backend.seen
+    assert capturing and bs == 4 and shared == 32
+    assert dev == host == [40, 50, 35, 33]  # padding row: one token after the 2 shared pages
+    assert table[3] == [5, 6, 0, 0] and positions[3] == 32  # its pages: the prefix's, then page 0
+    # the same key replays what was captured; another key is captured; past the cap, none is
+    graphs.replay(torch.tensor([1, 2, 3]), step([41, 51, 36]))
+    assert len(made) == 4 and made[-1].replays == 2 and backend.seen[-1][0] is False
+    graphs.replay(torch.tensor([1, 2]), step([60, 45]))
+    assert len(made) == 5 and set(graphs.cascade_graphs) == {(4, 4), (2, 4)}
+    assert graphs.cascade_hidden[(2, 4)] is not graphs.cascade_hidden[(4, 4)]
+    assert graphs.cascade_ready(step([64, 45])) is True  # (2, 4): captured
+    assert graphs.cascade_ready(step([40, 50, 35, 62])) is True  # (4, 4)
+    assert graphs.cascade_ready(step([20, 45], shared=16)) is False  # (2, 3): over the cap
+    assert graphs.cascade_ready(step([64, 45, 60, 61, 62], shared=32)) is None  # 5 requests: no bucket
+    plain = build_metadata(prefix_lens=[20, 30], q_lens=[1, 1], block_tables=[[1, 2], [3, 4]], page_size=16,
+                           device="cpu")
+    assert graphs.cascade_ready(plain) is None
+    graphs.replay(torch.tensor([1, 2]), plain)  # a plain step afterwards: padding rows back to page 0
+    assert graphs.seq_lens[:2].tolist() == [21, 31] and graphs.block_tables[1, :2].tolist() == [3, 4]
+    assert graphs.block_tables[3].tolist() == [5, 6, 0, 0]  # bucket 4's padding row, from the cascade steps
+    graphs.replay(torch.tensor([1, 2, 3]), build_metadata(prefix_lens=[20, 30, 5], q_lens=[1, 1, 1],
+                                                          block_tables=[[1, 2], [3, 4], [7]], page_size=16, device="cpu"))
+    assert graphs.seq_lens.tolist() == [21, 31, 6, 1] and graphs.block_tables[3].tolist() == [0, 0, 0, 0]
+    assert graphs.positions[3].item() == 0 and graphs.prefix_lens[3].item() == 0
+    no = RecordingBackend()
+    assert cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(no, no), max_batch=2, max_context=64,
+                                   buckets=(1,)).cascade_ready(meta) is None  # the backend has no cascade graphs
+
+
+def test_engine_replays_cascade_graphs_where_they_pay_and_counts_them(monkeypatch, tmp_path):
+    """The engine's choice on CPU: a decode backend declaring cascade graphs (the torch reference, which
+    reads every request's pages whatever the shared prefix: its numbers cannot change with the choice;
+    its key: the rounded split of a window of 16) under graphs whose replay runs the step again over the
+    static buffers and the padded metadata the backend was handed (padding rows included). Greedy tokens
+    equal a run without graphs; steps saving enough replay cascade graphs, the others plain ones; keys past
+    the cap run as plain graphs, or eagerly with cascade where that pays by the eager threshold."""
+    import attnzoo
+    from attnzoo.attention.backends.fi_common import cascade_graph_key
+    from attnzoo.attention.backends.torch_ref import TorchBackend
+    from helpers import random_prompts, save_checkpoint
+    from test_llama import tiny_llama
+
+    _no_cuda_graphs(monkeypatch)
+
+    class CascadeGraphTorch(TorchBackend):
+        supports_cascade_graph = True
+
+        def init_graph_state(self, max_batch_size, max_pages_per_req):
+            pass
+
+        def prepare_graph(self, meta, capturing):
+            self.step_meta = meta
+            return StepPlan()
+
+        def cascade_graph_key(self, meta):
+            return cascade_graph_key(meta.seq_lens_cpu, meta.q_lens_cpu, meta.shared_prefix_len // meta.page_size,
+                                     meta.page_size, [16])
+
+    def capture(self, meta, plan):
+        hidden = self._run(meta, plan)
+        backend = self.backends.decode_backend
+        return SimpleNamespace(replay=lambda: hidden.copy_(self._run(backend.step_meta, plan))), hidden
+
+    monkeypatch.setattr(cuda_graph.DecodeGraphs, "_capture", capture)
+    path = save_checkpoint(tiny_llama(kv_heads=2, heads=4), tmp_path / "llama")
+    prefix = random_prompts(160, [24], seed=3)[0]  # 6 pages of 4
+    prompts = [prefix + p for p in random_prompts(160, [2, 5, 3, 7, 1], seed=4)]
+    kw = dict(backend="torch", dtype="float32", page_size=4, max_running=3)
+    want = [c.token_ids for c in attnzoo.load_model(path, **kw).generate(prompts, max_new_tokens=8, ignore_eos=True)]
+    llm = attnzoo.load_model(path, **kw)
+    e = llm.engine
+    e.backends.decode_backend, e.cascade = CascadeGraphTorch(llm.pool), True
+    e.graphs = cuda_graph.DecodeGraphs(e.model, e.pool, e.backends, max_batch=4, max_context=64, buckets=(1, 2),
+                                       max_cascade_graphs=1)
+    e.cascade_graph_min_saved_tokens, e.cascade_min_saved_tokens = 48, 10**9  # 24 shared x 2 others; eager never
+    e.step_log = []
+    assert [c.token_ids for c in llm.generate(prompts, max_new_tokens=8, ignore_eos=True)] == want
+    stats = dict(e.graph_stats)
+    decode = [s for s in e.step_log if s["new_tokens"] == s["num_reqs"]]
+    three = [s for s in decode if s["num_reqs"] == 3]
+    assert three and all(s["shared_prefix_len"] == 24 for s in three[:stats["cascade_replayed"]])
+    assert len(e.graphs.cascade_graphs) == 1 and stats["cascade_over_cap"] > 0 and stats["cascade"] == 0
+    assert stats["cascade_replayed"] + stats["cascade_over_cap"] == len(three)  # every 3-request step asked
+    assert stats["replayed"] == len(decode) - stats["cascade_replayed"]  # the rest: plain graphs
+    # Where the eager threshold says so, the steps past the cap cascade eagerly instead.
+    e.cascade_min_saved_tokens = 48
+    e.graph_stats = dict.fromkeys(e.graph_stats, 0)
+    assert [c.token_ids for c in llm.generate(prompts, max_new_tokens=8, ignore_eos=True)] == want
+    assert e.graph_stats["cascade"] == e.graph_stats["cascade_over_cap"] > 0 and e.graph_stats["cascade_replayed"] > 0

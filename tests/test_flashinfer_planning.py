@@ -202,8 +202,8 @@ def test_cascade_extend_plans_shared_pages_once_and_the_rest_causal(monkeypatch)
 
 def test_graph_steps_plan_bucket_wrappers_over_shared_static_buffers(monkeypatch):
     """prepare_graph plans the bucket's graph-mode wrappers from the step's padded host lengths (padding
-    rows: one token in page 0); buckets share one set of static buffers per signature; a graph step runs
-    plain even when the step shares a prefix."""
+    rows: one token in page 0); buckets share one set of static buffers per signature; a graph step whose
+    meta says no shared prefix (the engine's choice) runs plain even where the tables share pages."""
     sliding, glob = Attention(0, 4, 2, 64, sliding_window=20), Attention(1, 4, 2, 64)
     be = make_backend(monkeypatch, [sliding, glob], 16, 16)
     be.init_graph_state(max_batch_size=4, max_pages_per_req=6)
@@ -212,8 +212,7 @@ def test_graph_steps_plan_bucket_wrappers_over_shared_static_buffers(monkeypatch
     for bucket in (4, 2):
         rows = tables + [[0]] * (bucket - 2)
         meta = build_metadata(prefix_lens=[50, 70] + [0] * (bucket - 2), q_lens=[1] * bucket, block_tables=rows,
-                              page_size=16, device="cpu", mode=fi_backend.ForwardMode.DECODE,
-                              detect_shared_prefix=True)
+                              page_size=16, device="cpu", mode=fi_backend.ForwardMode.DECODE)
         plan = be.prepare_graph(meta, capturing=bucket == 4)
         for layer in (sliding, glob):
             be.decode(layer, torch.randn(bucket, 4, 64, dtype=torch.bfloat16), meta, plan)
@@ -258,3 +257,59 @@ def test_fp8_pool_plans_fp8_kv_and_runs_with_the_pool_scales(monkeypatch):
         assert w.plans[-1]["kv_data_type"] == torch.float8_e4m3fn and w.plans[-1]["q_data_type"] == torch.bfloat16
         assert w.scales == {"k_scale": 0.5, "v_scale": 2.0}
     assert be.prefill_kernel(64, 64) == "fa2"  # FA3 prefill takes fp8 KV only with fp8 queries
+
+
+def test_cascade_graph_step_plans_graph_wrappers_with_the_rounded_split(monkeypatch):
+    """A cascade graph's step (bucket 4: three requests and a padding row one token after the 10-page shared
+    prefix, page size 4): the shared part through a graph-mode prefill wrapper over its own 2-entry buffers
+    and int workspace, all four queries as one request; the rest through a graph-mode decode wrapper per
+    (bucket, window_left) over the signature's plain buffers. The sliding layer (window 64: gap rounded to
+    2 pages) reads pages 4..9 once, not the exact split's 3..9; its key names that window_left."""
+    sliding, glob = Attention(0, 4, 2, 64, sliding_window=64), Attention(1, 4, 2, 64)
+    be = make_backend(monkeypatch, [sliding, glob], 32, 4)
+    be.init_graph_state(max_batch_size=4, max_pages_per_req=20)
+    shared = list(range(1, 11))
+    tables = [shared + list(range(11, 19)), shared + list(range(19, 28)), shared + [28, 29, 30]]
+    seq = [70, 75, 50]
+    rows = tables + [shared + [0]]  # the padding row, as DecodeGraphs fills it
+    meta = build_metadata(prefix_lens=[s - 1 for s in seq] + [40], q_lens=[1] * 4, block_tables=rows, page_size=4,
+                          device="cpu", mode=fi_backend.ForwardMode.DECODE)
+    meta.shared_prefix_len = 40
+    assert be.cascade_graph_key(meta) == ()  # no layer has run yet: no window known
+    plan = be.prepare_graph(meta, capturing=True)
+    for layer in (sliding, glob):
+        be.decode(layer, torch.randn(4, 4, 64, dtype=torch.bfloat16), meta, plan)
+    # longest request 75: keys from 11 on, page 3 (exact gap 7 pages); rounded to 6: pages 4..9, window_left 63 - 24
+    assert be.cascade_graph_key(meta) == ((64, 39),)
+    assert not be._cascade_wrappers and not be._decode_wrappers and not be._prefill_wrappers  # graph-mode only
+    sig_s, sig_g = fi_backend.LayerSignature.of(sliding), fi_backend.LayerSignature.of(glob)
+    shared_w = be._graph.prefill((4, "shared"))
+    for sig, first in ((sig_s, 4), (sig_g, 0)):
+        w = shared_w[sig]
+        assert w.kwargs["use_cuda_graph"] is True and w.kwargs["qo_indptr_buf"].shape == (2,)
+        assert w.kwargs["paged_kv_indices_buf"].shape == (20,)
+        p = w.plans[-1]
+        assert p["qo_indptr"].tolist() == [0, 4] and p["causal"] is False and "disable_split_kv" not in p
+        assert p["paged_kv_indices"].tolist() == shared[first:] and p["paged_kv_indptr"].tolist() == [0, 10 - first]
+    rest_s, rest_g = be._graph.decode((4, "rest", 39))[sig_s], be._graph.decode((4, "rest", -1))[sig_g]
+    starts = [max(0, s - 64) // 4 for s in seq] + [0]  # each request's first page in its window
+    ends = [-(-s // 4) for s in seq] + [11]
+    for w, sig, lo, wl in ((rest_s, sig_s, starts, 39), (rest_g, sig_g, [0] * 4, -1)):
+        assert w.kwargs["use_cuda_graph"] is True
+        assert w.kwargs["paged_kv_indices_buffer"].data_ptr() == be._graph._of(sig)["kv_indices"].data_ptr()
+        assert w.int_workspace is be._graph._of(sig)["int_workspace"]
+        assert w.int_workspace is not shared_w[sig].int_workspace
+        p = w.plans[-1]
+        cut = 4 if sig.window else 0  # the shared segment's start
+        want = [page for row, a, b in zip(rows, lo, ends) for page in row[a:cut] + row[10:b]]
+        assert p["indices"].tolist() == want and p["window_left"] == wl
+        assert p["last_page_len"].tolist() == [2, 3, 2, 1]
+    # A shared part of many rows (bucket 1024, Gemma 4's d512 global shape) plans without splitting the KV.
+    big = Attention(0, 32, 4, 512)
+    be2 = make_backend(monkeypatch, big, 8, 16)
+    be2.init_graph_state(max_batch_size=1024, max_pages_per_req=4)
+    meta = build_metadata(prefix_lens=[17] * 1024, q_lens=[1] * 1024, block_tables=[[1, 2]] * 1024, page_size=16,
+                          device="cpu", detect_shared_prefix=True)
+    assert meta.shared_prefix_len == 16
+    be2.decode(big, torch.randn(1024, 32, 512, dtype=torch.bfloat16), meta, be2.prepare_graph(meta, capturing=True))
+    assert be2._graph.prefill((1024, "shared"))[fi_backend.LayerSignature.of(big)].plans[-1]["disable_split_kv"] is True

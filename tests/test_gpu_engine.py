@@ -93,6 +93,45 @@ def test_flashinfer_gemma4_graph_and_windowed_cascade_match_eager_plain(tmp_path
             assert (x.logits - y.logits).abs().max().item() < 5e-2, name
 
 
+@pytest.mark.parametrize("model", ["llama", "gemma4"])
+def test_flashinfer_cascade_graphs_match_eager_cascade_and_cascade_off(tiny_dir, tmp_path, model):
+    """Cascade decode steps replayed as CUDA graphs (flashinfer), captured on first use per bucket and, for
+    Gemma 4's sliding layers (window 64), per rest window_left: the longest request's window start moves
+    through the 9-page shared prefix (gaps of 2, then 1 page) and past it (those layers then run plain in
+    the graph, the global ones still cascade). Greedy tokens equal eager cascade's and cascade off's."""
+    pytest.importorskip("flashinfer")
+    if model == "llama":
+        path = tiny_dir
+    else:
+        from test_gpu_backends import tiny_gemma4
+
+        path = tiny_gemma4(tmp_path / "gemma4", window=64)
+    prefix = random_prompts(160, [150], seed=7)[0]
+    prompts = [prefix + p for p in random_prompts(160, [3, 20, 1, 9, 12, 5], seed=8)]
+    runs = {}
+    for name, kw in (("off", dict(cascade=False)), ("eager", dict(cuda_graph=False, cascade=True)),
+                     ("graph", dict(cuda_graph=True, cascade=True))):
+        llm = attnzoo.load_model(path, backend="flashinfer", dtype="bfloat16", page_size=16, max_running=8, **kw)
+        llm.engine.cascade_min_saved_tokens = llm.engine.cascade_graph_min_saved_tokens = 1
+        runs[name] = (llm.generate(prompts, max_new_tokens=40, ignore_eos=True, return_logits=True),
+                      dict(llm.engine.graph_stats), llm)
+    off, eager, graph = (runs[n][1] for n in ("off", "eager", "graph"))
+    assert off["cascade"] == off["cascade_replayed"] == 0 and off["replayed"] > 0
+    assert eager["cascade"] > 0 and eager["replayed"] == eager["cascade_replayed"] == 0
+    assert graph["cascade_replayed"] >= 30 and graph["cascade"] == graph["cascade_over_cap"] == 0
+    engine = runs["graph"][2].engine
+    assert runs["graph"][2].info()["cascade"].startswith("on: decode steps whose requests share >= 1 page read it once (as CUDA graphs")
+    keys = {key for _, key in engine.graphs.cascade_graphs}
+    if model == "llama":
+        assert keys == {()}  # no sliding layer: one cascade graph per bucket
+    else:  # window_left 63 - 32, 63 - 16, then the window past the prefix
+        assert {wl for key in keys for _, wl in key} == {31, 47, None}, keys
+    for name in ("graph", "eager"):
+        assert [x.token_ids for x in runs[name][0]] == [x.token_ids for x in runs["off"][0]], name
+        for x, y in zip(runs[name][0], runs["off"][0]):
+            assert (x.logits - y.logits).abs().max().item() < 5e-2, name
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() not in ((9, 0), (12, 0)),
                     reason="trtllm_mha's prefill is flashinfer's on SM90/SM120 (XQA decode)")
 def test_trtllm_mha_off_blackwell_cascades_extend_through_its_flashinfer_prefill(tiny_dir):

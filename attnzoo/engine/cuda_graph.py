@@ -10,6 +10,15 @@ output alive in the graph pool (2.6 GB over the buckets up to 1024 at a 128k voc
 The graphs are sized for contexts up to ``max_context`` tokens and batches up to ``max_batch`` (the
 engine's max_running, always a bucket); a decode step with a longer request runs eagerly
 (``DecodeGraphs.fits`` decides, and the engine counts those steps in ``Engine.graph_stats``).
+
+Cascade decode steps (a shared prefix read once per step) replay graphs of their own where the decode
+backend declares ``supports_cascade_graph``: one per (bucket, the backend's ``cascade_graph_key``), captured
+on the first step that needs it (warm-up and capture on that step's data, into the plain graphs' memory
+pool, then its replay), at most ``max_cascade_graphs`` of them; a step whose graph is not there once the
+cap is reached runs without one (``cascade_ready``). Their padding rows hold one token after the shared
+prefix: the prefix's pages, then the token in page 0. So they are requests of the step like the others
+(the shared part serves their queries too, and the split is theirs as well: a padding row's window starts
+no later than a real row's), read only pages that hold data, write only page 0, and are dropped.
 """
 from __future__ import annotations
 
@@ -23,11 +32,15 @@ from attnzoo.attention.metadata import BatchMetadata, ForwardMode
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024,
                    1280, 1536, 2048, 2560, 3072, 4096)
+# Cascade graphs are captured while generating (each costs a warm-up step and a capture once): the cap
+# bounds that time and the graph pool's growth. A workload with one few-shot prefix needs the buckets its
+# batch passes through times the window_left values of its sliding layers (fi_common.CASCADE_GRAPH_GAP_STEPS).
+DEFAULT_MAX_CASCADE_GRAPHS = 48
 
 
 class DecodeGraphs:
     def __init__(self, model, pool, backends: HybridBackend, *, max_batch: int, max_context: int,
-                 buckets=DEFAULT_BUCKETS):
+                 buckets=DEFAULT_BUCKETS, max_cascade_graphs: int = DEFAULT_MAX_CASCADE_GRAPHS):
         self.model, self.pool, self.backends = model, pool, backends
         dev, ps = pool.device, pool.page_size
         self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
@@ -48,19 +61,30 @@ class DecodeGraphs:
         self.hidden: dict[int, torch.Tensor] = {}  # bucket -> static output [bucket, hidden]
         self.metas: dict[int, BatchMetadata] = {}  # bucket -> the capture's metadata over the static buffers
         self.plans: dict[int, StepPlan] = {}  # bucket -> the capture's plan (its tensors: the backend's static ones)
+        self.cascade = backends.supports_cascade_graph
+        self.max_cascade_graphs = max_cascade_graphs
+        self.cascade_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (bucket, backend key) -> graph
+        self.cascade_hidden: dict[tuple, torch.Tensor] = {}  # (bucket, backend key) -> static output [bucket, hidden]
+        self._last_key: tuple[BatchMetadata | None, tuple | None] = (None, None)  # the last step's key, by identity
+        self._mempool = None
         backends.init_graph_state(self.max_batch, self.max_pages)
         self._capture_all()
 
-    def _meta(self, bs: int, seq_lens_cpu: list[int] | None = None) -> BatchMetadata:
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _meta(self, bs: int, seq_lens_cpu: list[int] | None = None, shared_prefix_len: int = 0) -> BatchMetadata:
         """The bucket's metadata over the static buffers. Host lists: the step's, padded to the bucket
-        (padding rows: one token in page 0); at capture (None) the worst case, every row at max_context."""
+        (padding rows: one token in page 0, after the shared prefix in a cascade step); at capture (None)
+        the worst case, every row at max_context."""
+        pad = shared_prefix_len + 1
         return BatchMetadata(
             mode=ForwardMode.DECODE, page_size=self.pool.page_size,
             positions=self.positions[:bs], slot_mapping=self.slots[:bs], q_indptr=self.q_indptr[: bs + 1],
             seq_lens=self.seq_lens[:bs], prefix_lens=self.prefix_lens[:bs],
             block_tables=self.block_tables[:bs],
-            seq_lens_cpu=[self.max_context] * bs if seq_lens_cpu is None else list(seq_lens_cpu) + [1] * (bs - len(seq_lens_cpu)),
-            q_lens_cpu=[1] * bs, last_token_rows=self.rows[:bs],
+            seq_lens_cpu=[self.max_context] * bs if seq_lens_cpu is None else list(seq_lens_cpu) + [pad] * (bs - len(seq_lens_cpu)),
+            q_lens_cpu=[1] * bs, last_token_rows=self.rows[:bs], shared_prefix_len=shared_prefix_len,
         )
 
     def _run(self, meta: BatchMetadata, plan: StepPlan) -> torch.Tensor:
@@ -68,9 +92,21 @@ class DecodeGraphs:
         ctx = ForwardContext(meta, self.pool, self.backends.prefill_backend, self.backends.decode_backend, plan)
         return self.model(self.ids[:bs], self.positions[:bs], ctx)
 
+    def _capture(self, meta: BatchMetadata, plan: StepPlan) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up, then capture one step into the shared pool: (graph, its static output)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._run(meta, plan)  # warm-up: kernels compile, allocator settles
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            hidden = self._run(meta, plan)
+        return graph, hidden
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        self._mempool = torch.cuda.graph_pool_handle()
         # The capture's host lists say every row holds max_context tokens (_meta): the device lengths must
         # agree, or a backend that sizes page lists from the host and fills them from the device (FlashInfer's
         # kv_indices) leaves entries unwritten, which the eager warm-up then reads as page ids. The block
@@ -81,24 +117,34 @@ class DecodeGraphs:
             # The backend's per-step preparation runs eagerly, outside the graph, before capture and
             # before every replay (the contract of AttentionBackend.prepare_graph).
             plan = self.plans[bs] = self.backends.prepare_graph(meta, capturing=True)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._run(meta, plan)  # warm-up: kernels compile, allocator settles
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.hidden[bs] = self._run(meta, plan)
-            self.graphs[bs] = graph
+            self.graphs[bs], self.hidden[bs] = self._capture(meta, plan)
         torch.cuda.synchronize()
 
     def fits(self, meta: BatchMetadata) -> bool:
         return meta.is_decode and meta.num_reqs <= self.max_batch and meta.max_seq_len <= self.max_context
 
+    def cascade_key(self, meta: BatchMetadata) -> tuple:
+        """(bucket, the backend's cascade_graph_key) of a cascade decode step. The key is taken over the real
+        rows: padding rows (one token after the prefix) end no later than any real row, so they move no
+        window split (``fi_common.cascade_split``: the shared segment starts after the longest request's
+        window start), and the backend's plan over the padded rows makes the split this key names."""
+        if self._last_key[0] is not meta:  # the engine asks before the replay does: compute it once a step
+            self._last_key = (meta, (self._bucket(meta.num_reqs), self.backends.cascade_graph_key(meta)))
+        return self._last_key[1]
+
+    def cascade_ready(self, meta: BatchMetadata) -> bool | None:
+        """For a decode step with ``shared_prefix_len`` > 0: True where a cascade graph replays it (captured,
+        or captured by this replay), False where the cap refuses a new one, None where none can (the
+        backend captures no cascade steps, or the step does not fit the graphs)."""
+        if not (self.cascade and meta.shared_prefix_len and self.fits(meta)):
+            return None
+        return self.cascade_key(meta) in self.cascade_graphs or len(self.cascade_graphs) < self.max_cascade_graphs
+
     def replay(self, ids: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-        """Final hidden states [num_reqs, hidden] for a decode step that ``fits``."""
-        n = meta.num_reqs
-        bs = next(b for b in self.buckets if b >= n)
+        """Final hidden states [num_reqs, hidden] for a decode step that ``fits`` (and, with
+        ``shared_prefix_len`` > 0, is ``cascade_ready``)."""
+        n, shared = meta.num_reqs, meta.shared_prefix_len
+        bs = self._bucket(n)
         width = meta.block_tables.shape[1]
         self.ids[:n].copy_(ids)
         self.positions[:n].copy_(meta.positions)
@@ -106,15 +152,31 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.prefix_lens[:n].copy_(meta.prefix_lens)
         self.block_tables[:n, :width].copy_(meta.block_tables)
-        # padding rows: one token at position 0 in page 0
+        # padding rows: one token at position `shared` (0 outside cascade steps) in page 0, after the shared
+        # prefix's pages in a cascade step
         self.ids[n:bs].zero_()
-        self.positions[n:bs].zero_()
+        self.positions[n:bs].fill_(shared)
         self.slots[n:bs].zero_()
-        self.seq_lens[n:bs].fill_(1)
-        self.prefix_lens[n:bs].zero_()
+        self.seq_lens[n:bs].fill_(shared + 1)
+        self.prefix_lens[n:bs].fill_(shared)
         self.block_tables[n:bs].zero_()
-        # refill the backend's static state (the graph reads it, not the returned plan); host-planned
-        # backends read the step's lengths
-        self.backends.prepare_graph(self._meta(bs, meta.seq_lens_cpu), capturing=False)
-        self.graphs[bs].replay()
-        return self.hidden[bs][:n]
+        if shared and bs > n:
+            sp = shared // self.pool.page_size
+            self.block_tables[n:bs, :sp].copy_(meta.block_tables[:1, :sp].expand(bs - n, sp))
+        step = self._meta(bs, meta.seq_lens_cpu, shared)
+        if not shared:
+            # refill the backend's static state (the graph reads it, not the returned plan); host-planned
+            # backends read the step's lengths
+            self.backends.prepare_graph(step, capturing=False)
+            self.graphs[bs].replay()
+            return self.hidden[bs][:n]
+        key = self.cascade_key(meta)
+        graph = self.cascade_graphs.get(key)
+        plan = self.backends.prepare_graph(step, capturing=graph is None)
+        if graph is None:
+            # The warm-up runs this very step (its KV stores write this step's k/v, which the replay writes
+            # again, the same); the capture itself runs nothing.
+            graph, self.cascade_hidden[key] = self._capture(step, plan)
+            self.cascade_graphs[key] = graph
+        graph.replay()
+        return self.cascade_hidden[key][:n]

@@ -122,18 +122,26 @@ class Engine:
         self.device = pool.device
         self.prefix_cache = PrefixCache(self.allocator, pool.page_size) if prefix_caching else None
         # Cascade decode (the shared prefix read once per step) needs shared pages and a backend that
-        # reads them once. A cascade step runs eagerly (its kernels differ from the captured graph's),
-        # so it is used only where it saves more KV reads than a graph replay saves launches:
-        # at least ``cascade_min_saved_tokens`` = shared tokens x (requests - 1) per layer.
+        # reads them once. Saved KV reads per layer: shared tokens x (requests - 1). A cascade step that
+        # runs eagerly gives up what a plain graph replay saves (the launches: ms per step on 60 layers),
+        # so it is used only from ``cascade_min_saved_tokens``. Where the decode backend captures cascade
+        # steps too (``supports_cascade_graph``), a graph-replayed cascade step costs the host what a plain
+        # replay does: only the GPU trade-off is left, the shared part and the merge (two small kernels per
+        # layer, a few us) against the reads saved (8192 tokens: 32 MiB per layer on Llama-8B's KV, ~7 us
+        # on an H200; an estimate, not a measurement), hence the lower ``cascade_graph_min_saved_tokens``.
         can = check_cascade(type(backends.decode_backend), prefix_caching, cascade)
         self.cascade = can if cascade is None else cascade
         # Extend steps too (prompt chunks after a cached few-shot prefix, beside decode rows), where the
         # prefill backend can: there every request re-reads the prefix, however few queries it brings.
         self.cascade_extend = cascade is not False and prefix_caching and backends.prefill_backend.supports_cascade_extend
         self.cascade_min_saved_tokens = cascade_min_saved_tokens
+        self.cascade_graph_min_saved_tokens = 8192
         self.step_log: list[dict] | None = None  # set to [] to record one summary per step (benchmarks)
         self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs()
-        self.graph_stats = {"replayed": 0, "eager": 0, "cascade": 0}
+        # replayed: plain decode graphs; eager: decode/sampling steps run eagerly, of which cascade: with a
+        # shared prefix; cascade_replayed: cascade decode graphs; cascade_over_cap: cascade steps whose graph
+        # was not captured for the cap on their number (those ran eagerly or as plain graphs)
+        self.graph_stats = {"replayed": 0, "eager": 0, "cascade": 0, "cascade_replayed": 0, "cascade_over_cap": 0}
         self.tp = None  # TPGroup (attnzoo.engine.tensor_parallel): rank 0 publishes each step to the others
 
     @property
@@ -380,14 +388,20 @@ class Engine:
             page_size=self.pool.page_size, device=self.device,
             detect_shared_prefix=(self.cascade or self.cascade_extend) and not decided,
         )
+        cascade_graph = False  # a cascade step a CUDA graph serves
         if decided:
             meta.shared_prefix_len = step["shared_prefix_len"]
-        else:
+        elif meta.shared_prefix_len:
             on = self.cascade if meta.is_decode else self.cascade_extend
-            if not on or meta.shared_prefix_len * (meta.num_reqs - 1) < self.cascade_min_saved_tokens:
+            saved = meta.shared_prefix_len * (meta.num_reqs - 1)
+            if on and self.graphs is not None and saved >= self.cascade_graph_min_saved_tokens:
+                ready = self.graphs.cascade_ready(meta)
+                cascade_graph = bool(ready)
+                self.graph_stats["cascade_over_cap"] += ready is False
+            if not on or (not cascade_graph and saved < self.cascade_min_saved_tokens):
                 meta.shared_prefix_len = 0
         graph = step["graph"] if decided else (
-            self.graphs is not None and not meta.shared_prefix_len and self.graphs.fits(meta))
+            self.graphs is not None and self.graphs.fits(meta) and (cascade_graph or not meta.shared_prefix_len))
         if self.tp is not None and self.tp.leader:
             self.tp.publish(("step", {**step, "shared_prefix_len": meta.shared_prefix_len, "graph": graph}))
         ids = torch.tensor(step["ids"], dtype=torch.int64, device=self.device)
@@ -396,7 +410,7 @@ class Engine:
             if graph:
                 hidden = self.graphs.replay(ids, meta)  # decode: row i is request i
                 logits = self.model.compute_logits(hidden[rows])
-                self.graph_stats["replayed"] += 1
+                self.graph_stats["cascade_replayed" if meta.shared_prefix_len else "replayed"] += 1
             else:
                 hidden = self._forward(ids, meta)
                 logits = self.model.compute_logits(hidden if rows is None else hidden[meta.last_token_rows[rows]])

@@ -272,8 +272,11 @@ class LLM:
     def _cascade_info(self) -> str:
         e = self.engine
         if e.cascade:
-            return (f"on: decode steps whose requests share >= 1 page read it once "
-                    f"(when shared tokens x (requests - 1) >= {e.cascade_min_saved_tokens}; such steps run eagerly)"
+            graphs = e.graphs is not None and e.graphs.cascade
+            when = (f"as CUDA graphs when shared tokens x (requests - 1) >= {e.cascade_graph_min_saved_tokens}, "
+                    f"eagerly when >= {e.cascade_min_saved_tokens} and no graph serves the step" if graphs else
+                    f"when shared tokens x (requests - 1) >= {e.cascade_min_saved_tokens}; such steps run eagerly")
+            return (f"on: decode steps whose requests share >= 1 page read it once ({when})"
                     + ("; extend steps too" if e.cascade_extend else ""))
         if e.prefix_cache is None:
             return "off: prefix caching is off"

@@ -20,6 +20,13 @@ graph). That ``meta`` covers the batch-size bucket: its device tensors are the g
 its host lists (``seq_lens_cpu``, ``q_lens_cpu``) the real step's padded to the bucket (padding rows: one
 token in page 0); at capture they are the worst case (every row at the graph's longest context).
 
+Cascade graphs: a backend whose cascade decode steps can be captured too declares
+``supports_cascade_graph`` and implements ``cascade_graph_key(meta)``: what such a graph bakes in beyond
+its bucket (launch arguments that vary with the step, e.g. a sliding layer's window), hashable; steps of
+equal bucket and key replay one graph. Its ``prepare_graph`` then also takes metas with
+``shared_prefix_len`` > 0, whose padding rows hold one token after the shared prefix (its pages, then the
+token in page 0). Such a graph is captured on the first step of its key, with that step's host lists.
+
 Cascade attention: a backend that reads a prefix shared by every request of a DECODE step once for the
 whole batch (``meta.shared_prefix_len``) declares ``cascade=True``; others ignore the field and
 read every request's pages as usual, which gives the same result. ``supports_cascade_extend``: the
@@ -81,6 +88,7 @@ class AttentionBackend(ABC):
     supports_cuda_graph: ClassVar[bool] = False
     supports_cascade: ClassVar[bool] = False
     supports_cascade_extend: ClassVar[bool] = False
+    supports_cascade_graph: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -134,6 +142,9 @@ class AttentionBackend(ABC):
 
     def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> StepPlan:
         raise NotImplementedError(f"backend {self.name!r} does not support CUDA graphs")
+
+    def cascade_graph_key(self, meta: BatchMetadata):
+        raise NotImplementedError(f"backend {self.name!r} does not capture cascade decode steps")
 
 
 class NSABackend(AttentionBackend):

@@ -110,7 +110,8 @@ class BackendCapabilities:
     module: str | None = None  # importable module the backend needs; None: nothing beyond torch
     extra: str | None = None  # pip extra that installs it: pip install "attnzoo[<extra>]"
     cuda_graph: bool = False
-    # Decode reads a prefix shared by the whole batch once per step (cascade attention; eager steps).
+    # Decode reads a prefix shared by the whole batch once per step (cascade attention; eager steps, or
+    # CUDA graphs where the backend class sets supports_cascade_graph).
     cascade: bool = False
     kv_layout: str = "HND"  # the KV layout it reads (kv_cache.KVPool writes HND)
     # MLA/NSA caches: the entry layout it reads (attnzoo.attention.kv_layout.KVLayout values). The pool

@@ -167,7 +167,7 @@ class CascadeSplit:
 
 
 def cascade_split(seq_lens: list[int], q_lens: list[int], shared_pages: int, page_size: int,
-                  window: int | None) -> CascadeSplit | None:
+                  window: int | None, quantum_pages: int = 1) -> CascadeSplit | None:
     """The shared segment and per-request rest of a cascade step for a layer with ``window`` (ours:
     query p sees keys j with p - window < j <= p; None: no window), or None when no page of the shared
     prefix is seen by every query (the layer then runs its plain path).
@@ -195,6 +195,14 @@ def cascade_split(seq_lens: list[int], q_lens: list[int], shared_pages: int, pag
       wl' >= 0: G <= P - S x page_size <= P - max(0, s_i - window) <= window - 1 for any request i, as
       P <= s_i - q_i (the prefix is cached) with q_i >= 1 and P <= s_i - 1; so wl' is a window
       (FlashInfer reads -1 as none, 0 as "the query's own position onwards").
+
+    ``quantum_pages`` = q > 1 (CUDA-graph steps, whose launches bake wl' in): the gap is rounded DOWN to
+    a multiple of q pages, G' = q x floor(G / (q x page_size)) x page_size, i.e. S' = shared_pages - G' /
+    page_size >= S. Still exact: the proof above uses only that every key from S x page_size on is in
+    every query's window (so from S' x page_size on too: a subset) and w_i <= S (so w_i <= S'); with
+    G' for G it goes through unchanged, and wl' = wl - G' >= wl - G >= 0. A gap rounded to 0 leaves no
+    shared segment: None (the plain path). So wl' depends on the step only through floor(G / q pages):
+    at most window / (q x page_size) values per window size, whatever the prefix length.
     """
     if shared_pages <= 0:
         return None
@@ -210,10 +218,43 @@ def cascade_split(seq_lens: list[int], q_lens: list[int], shared_pages: int, pag
     wl = window - 1
     reach = max(s - 1 - wl for s in seq_lens)  # the latest first visible key of any last query
     start = -(-max(reach, 0) // page_size)
-    if start >= shared_pages:
+    gap = (shared_pages - start) // quantum_pages * quantum_pages  # pages; quantum 1: shared_pages - start
+    if gap <= 0:
         return None
     rest = window_page_start(seq_lens, q_lens, page_size, window)
-    return CascadeSplit(start, shared_pages, rest, wl - (shared_pages - start) * page_size)
+    return CascadeSplit(shared_pages - gap, shared_pages, rest, wl - gap * page_size)
+
+
+# A CUDA-graph cascade split rounds its gap to about window / CASCADE_GRAPH_GAP_STEPS tokens: each
+# window size's rest then takes at most this many window_left values (each one graph per bucket),
+# and a request reads at most that many more tokens of the prefix itself than the exact split has it.
+CASCADE_GRAPH_GAP_STEPS = 8
+
+
+def gap_quantum_pages(window: int, page_size: int) -> int:
+    """The ``quantum_pages`` of ``cascade_split`` for a CUDA-graph step of a layer with ``window``."""
+    return max(1, window // (CASCADE_GRAPH_GAP_STEPS * page_size))
+
+
+def cascade_graph_key(seq_lens: list[int], q_lens: list[int], shared_pages: int, page_size: int,
+                      windows: list[int]) -> tuple:
+    """What a captured cascade decode step bakes in beyond its batch size: for each sliding ``window``
+    of the layers that cascade, the rest's ``window_left`` under the graph's rounded split (None: those
+    layers run their plain path this step). Layers without a window plan -1 every step, so they add
+    nothing. Steps with equal keys (and buckets) replay the same graph; only page ids and lengths,
+    which ``plan()`` writes into the graph's buffers, differ."""
+    return tuple((w, None if split is None else split.window_left)
+                 for w in windows
+                 for split in [cascade_split(seq_lens, q_lens, shared_pages, page_size, w,
+                                             quantum_pages=gap_quantum_pages(w, page_size))])
+
+
+def split_kv_fits_workspace(rows: int, num_heads: int, v_head_dim: int) -> bool:
+    """Whether a CUDA-graph prefill plan over ``rows`` query rows may split the KV: FlashInfer's graph
+    planner always splits then, keeping float32 partial outputs for about max(rows, a grid's worth)
+    rows x heads x (v_head_dim + 1) in the shared "wrappers" workspace. A quarter of it is the budget
+    (room for the padding to a grid); past it the rows' query tiles fill the GPU without splitting."""
+    return rows * num_heads * (v_head_dim + 1) * 4 <= _WORKSPACE_BYTES["wrappers"] // 4
 
 
 class GraphBlockTable:

@@ -27,6 +27,18 @@ whose longest request's window has moved past the prefix runs those layers plain
 (1312 shared tokens, window 1024, contexts up to ~1820) the segment is ~500 tokens of each request's
 1024-token window (arithmetic, not a measurement).
 
+CUDA graphs of cascade decode steps (``supports_cascade_graph``): the wrappers are built with
+``use_cuda_graph=True``: the shared part's prefill wrapper over its own static buffers (qo_indptr of 2
+entries, [0, bucket]; page list up to a request's pages), the rest's decode wrapper over the plain graphs'
+buffers of its signature. ``plan()`` before each replay rewrites page ids and lengths there; what it
+cannot change is baked into the launches at capture: the batch size (the bucket), the kernels, and
+sm_scale / soft-cap / ``window_left``. The rest's ``window_left`` moves with the split, so graph steps
+round the split's gap (``fi_common.gap_quantum_pages``, exact: ``cascade_split``) and the engine keys a
+cascade graph by its bucket and ``cascade_graph_key`` (the rest's window_left per window size), one rest
+wrapper per (bucket, window_left). FlashInfer's graph-mode plan layout (its plan info: workspace offsets,
+padded grid) depends on the batch size and head shape only, never on lengths, so a wrapper planned again
+with the same arguments but other lengths matches what its graph captured.
+
 Cascade extend (an EXTEND step whose requests share leading cached pages: prompt chunks after a cached
 few-shot prefix, beside decode rows): the same split, with the rest through the prefill wrapper, causal.
 Every new token of the step comes after the shared pages and sees all of them, so the shared part is
@@ -57,12 +69,15 @@ from attnzoo.attention.backends.capabilities import ANY_CUDA, FP8_KV, HALF, Back
 from attnzoo.attention.backends.fi_common import (
     CascadeSplit,
     LayerSignature,
+    cascade_graph_key,
     cascade_split,
     check_page_size,
     graph_float_workspace_bytes,
     compute_capability,
+    gap_quantum_pages,
     load_flashinfer,
     sm_name,
+    split_kv_fits_workspace,
     window_page_start,
     workspace,
 )
@@ -123,11 +138,32 @@ class _GraphState:
         self._decode: dict[int, dict] = {}  # bucket -> signature -> wrapper
         self._prefill: dict[int, dict] = {}
 
-    def decode(self, bucket: int) -> dict:
+    def decode(self, bucket) -> dict:
+        """A bucket's decode wrappers (cascade rests: key (bucket, "rest", window_left))."""
         return self._decode.setdefault(bucket, {})
 
-    def prefill(self, bucket: int) -> dict:
+    def prefill(self, bucket) -> dict:
+        """A bucket's prefill wrappers (cascade shared parts: key (bucket, "shared"))."""
         return self._prefill.setdefault(bucket, {})
+
+    def _shared_of(self, sig: LayerSignature) -> dict[str, torch.Tensor]:
+        """A cascade graph's shared part, one request holding every query: its own buffers and int
+        workspace, since it is planned in the same step as the rest, which uses the plain ones."""
+        buf = self._buffers.get(("shared", sig))
+        if buf is None:
+            i32 = dict(dtype=torch.int32, device=self.device)
+            buf = self._buffers[("shared", sig)] = {
+                "qo_indptr": torch.zeros(2, **i32),  # [2]: [0, bucket]
+                "kv_indptr": torch.zeros(2, **i32),  # [2]
+                "kv_indices": torch.zeros(self.max_pages, **i32),  # [max_pages]
+                "last_page_len": torch.ones(1, **i32),  # [1]
+            }
+        return buf
+
+    def shared_buffers(self, sig: LayerSignature) -> dict:
+        b = self._shared_of(sig)
+        return dict(use_cuda_graph=True, qo_indptr_buf=b["qo_indptr"], paged_kv_indptr_buf=b["kv_indptr"],
+                    paged_kv_indices_buf=b["kv_indices"], paged_kv_last_page_len_buf=b["last_page_len"])
 
     def _of(self, sig: LayerSignature) -> dict[str, torch.Tensor]:
         buf = self._buffers.get(sig)
@@ -141,11 +177,12 @@ class _GraphState:
             }
         return buf
 
-    def share_int_workspace(self, sig: LayerSignature, wrapper) -> None:
+    def share_int_workspace(self, sig: LayerSignature, wrapper, shared: bool = False) -> None:
         """Give a bucket's wrapper its signature's int workspace (plan info, 8 MiB as FlashInfer allocates):
         a wrapper's own would cost 8 MiB of GPU memory per bucket and signature. Safe for the same reason
-        as the index buffers: a replay re-plans its bucket's wrappers first."""
-        buf = self._of(sig)
+        as the index buffers: a replay re-plans its bucket's wrappers first. ``shared``: a cascade
+        graph's shared part, which has its own."""
+        buf = self._shared_of(sig) if shared else self._of(sig)
         if "int_workspace" not in buf:
             buf["int_workspace"] = torch.empty(8 << 20, dtype=torch.uint8, device=self.device)
         wrapper.reset_workspace_buffer(float_workspace_buffer=workspace(self.device, "wrappers"),
@@ -193,6 +230,7 @@ class FlashInferBackend(AttentionBackend):
                "the rest through the decode wrapper, merged by log-sum-exp (merge_state)"),
     )
     supports_cascade_extend = True
+    supports_cascade_graph = True
     fix = "choose backend='triton' (any head dim up to 1024) or 'torch' (MLA models: 'flashinfer_mla')"
 
     def __init__(self, pool: KVPool, *, prefill_variant: str | None = None, decode_variant: str = "fa2"):
@@ -294,14 +332,21 @@ class FlashInferBackend(AttentionBackend):
     def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> FlashInferPlan:
         """Plan a captured decode step: the bucket's (``meta.num_reqs``) wrappers, built with
         ``use_cuda_graph=True`` over static index buffers that ``plan()`` refills with this step's lengths
-        and pages before every replay; the graph holds their ``run()``. Graph steps run the plain path:
-        a cascade split lowers sliding layers' ``window_left``, a launch argument the graph would bake in."""
+        and pages before every replay; the graph holds their ``run()``. ``meta.shared_prefix_len`` > 0: a
+        cascade graph's step, split with the graph's rounded gap (the split ``cascade_graph_key`` named)."""
         if self._graph is None:
             raise BackendError("prepare_graph before init_graph_state", fix="call init_graph_state first")
         if not meta.is_decode:
             raise BackendError(f"{self.name} captures decode steps only", fix="run extend steps eagerly")
-        meta.shared_prefix_len = 0
         return self.prepare(meta, graph_bucket=meta.num_reqs)
+
+    def cascade_graph_key(self, meta: BatchMetadata) -> tuple:
+        """What a cascade decode graph of this step bakes in beyond its bucket (``fi_common.cascade_graph_key``),
+        over the sliding windows of the layers that cascade (those the decode wrapper serves)."""
+        windows = sorted({sig.window for sig in self._known
+                          if sig.window and not self._uses_prefill_wrapper(ForwardMode.DECODE, sig)})
+        return cascade_graph_key(meta.seq_lens_cpu, meta.q_lens_cpu, meta.shared_prefix_len // meta.page_size,
+                                 meta.page_size, windows)
 
     def _page_index(self, meta: BatchMetadata, step: FlashInferPlan, window: int | None) -> _PageIndex:
         """Each request's pages, minus those wholly outside ``window``."""
@@ -370,7 +415,12 @@ class FlashInferBackend(AttentionBackend):
         if step.shared_pages and (extend or not self._uses_prefill_wrapper(step.mode, sig)):
             split = self._split(meta, step, sig.window)
         if split is not None:
-            shared_wrappers, rest_wrappers = self._cascade_wrappers.setdefault(sig, ({}, {}))
+            bucket = step.graph_bucket
+            if bucket is None:
+                shared_wrappers, rest_wrappers = self._cascade_wrappers.setdefault(sig, ({}, {}))
+            else:  # the rest's window_left is baked into the graph: one rest wrapper per value
+                shared_wrappers = self._graph.prefill((bucket, "shared"))
+                rest_wrappers = self._graph.decode((bucket, "rest", split.window_left))
             shared = _PageIndex(
                 kv_indptr=torch.tensor([0, split.gap_pages], dtype=torch.int32),
                 kv_indices=meta.block_tables[0, split.shared_start:split.shared_end],
@@ -383,11 +433,13 @@ class FlashInferBackend(AttentionBackend):
                                           kernel=None if self._prefill_variant else "fa2",
                                           window_left=split.window_left)
             else:
-                rest = self._plan_decode(rest_wrappers, meta, sig, rest_idx, window_left=split.window_left)
+                rest = self._plan_decode(rest_wrappers, meta, sig, rest_idx, window_left=split.window_left,
+                                         graph_bucket=bucket)
             # The shared part keeps the layer's own window_left (the kernel variant its extend steps build):
             # with the shared segment no longer than window_left (cascade_split), it masks none of it.
             planned = _CascadeRun(
-                shared=self._plan_prefill(shared_wrappers, meta, sig, everyone, shared, causal=False),
+                shared=self._plan_prefill(shared_wrappers, meta, sig, everyone, shared, causal=False,
+                                          graph_bucket=bucket, graph_shared=True),
                 rest=rest, merge_state=self._fi.merge_state,
             )
         elif self._uses_prefill_wrapper(step.mode, sig):
@@ -405,8 +457,10 @@ class FlashInferBackend(AttentionBackend):
     def _split(self, meta: BatchMetadata, step: FlashInferPlan, window: int | None) -> CascadeSplit | None:
         """The step's cascade split for one window size (None: the layer runs plain), computed once."""
         if window not in step.splits:
+            # graph steps round the gap, as their key (cascade_graph_key) does
+            quantum = gap_quantum_pages(window, meta.page_size) if window and step.graph_bucket is not None else 1
             step.splits[window] = cascade_split(meta.seq_lens_cpu, meta.q_lens_cpu, step.shared_pages,
-                                                meta.page_size, window)
+                                                meta.page_size, window, quantum_pages=quantum)
         return step.splits[window]
 
     def _plan_options(self, sig: LayerSignature, window_left: int | None = None) -> dict:
@@ -425,10 +479,12 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan_prefill(self, wrappers: dict, meta: BatchMetadata, sig: LayerSignature, qo_indptr: torch.Tensor,
                       idx: _PageIndex, *, causal: bool, kernel: str | None = None, window_left: int | None = None,
-                      graph_bucket: int | None = None):
+                      graph_bucket: int | None = None, graph_shared: bool = False):
+        """``graph_shared``: a cascade graph's shared part (its own buffers; all queries in one request)."""
         wrapper = wrappers.get(sig)
         if wrapper is None:
-            graph = {} if graph_bucket is None else self._graph.prefill_buffers(sig, graph_bucket)
+            graph = {} if graph_bucket is None else (
+                self._graph.shared_buffers(sig) if graph_shared else self._graph.prefill_buffers(sig, graph_bucket))
             wrapper = wrappers[sig] = self._fi.BatchPrefillWithPagedKVCacheWrapper(
                 float_workspace_buffer=workspace(self.pool.device, "wrappers"),
                 kv_layout="HND",
@@ -436,7 +492,10 @@ class FlashInferBackend(AttentionBackend):
                 **graph,
             )
             if graph:
-                self._graph.share_int_workspace(sig, wrapper)
+                self._graph.share_int_workspace(sig, wrapper, shared=graph_shared)
+        # FlashInfer's graph-mode planner always splits the KV; for a shared part of many rows its float32
+        # partials would outgrow the workspace, and those rows' tiles fill the GPU unsplit (fixed per wrapper).
+        no_split = graph_shared and not split_kv_fits_workspace(int(qo_indptr[-1]), sig.num_heads, sig.v_head_dim)
         wrapper.plan(
             qo_indptr=qo_indptr,
             paged_kv_indptr=idx.kv_indptr,
@@ -449,6 +508,7 @@ class FlashInferBackend(AttentionBackend):
             page_size=meta.page_size,
             causal=causal,  # causal is bottom-right aligned: new tokens follow their request's cached prefix
             **self._plan_options(sig, window_left),
+            **({"disable_split_kv": True} if no_split else {}),
         )
         return wrapper
 

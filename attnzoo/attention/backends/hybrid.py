@@ -62,3 +62,10 @@ class HybridBackend:
     def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> StepPlan:
         """A captured decode step's plan, built outside the graph (before capture and before each replay)."""
         return self.decode_backend.prepare_graph(meta, capturing)
+
+    @property
+    def supports_cascade_graph(self) -> bool:
+        return self.decode_backend.supports_cascade_graph
+
+    def cascade_graph_key(self, meta: BatchMetadata):
+        return self.decode_backend.cascade_graph_key(meta)
