@@ -326,7 +326,8 @@ class FlashInferBackend(AttentionBackend):
         self._graph = _GraphState(max_batch_size, max_pages_per_req, self.pool.device)
         # Graph plans size split-KV partials for the padded batch: 128 MiB overflows from a few hundred
         # requests up (Gemma 4's 512-wide global layers at 4096 need 0.8 GB), so grow it now, once.
-        sms = torch.cuda.get_device_properties(self.pool.device).multi_processor_count
+        dev = self.pool.device
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
         workspace(self.pool.device, "wrappers", graph_float_workspace_bytes(self.pool.specs, max_batch_size, sms))
 
     def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> FlashInferPlan:
