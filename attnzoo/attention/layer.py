@@ -80,6 +80,7 @@ class Attention(nn.Module):
             v_from_k=self.kind == "mla",
             index_head_dim=self.index_head_dim,
             shared_from=self.kv_shared_from,
+            sliding_window=self.sliding_window,
         )
 
     def forward(
@@ -91,6 +92,6 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, num_heads * v_head_dim]
         meta = ctx.meta
         if self.kv_shared_from is None:
-            ctx.pool.store(self.layer_id, meta.slot_mapping, k, v)
+            ctx.pool.store(self.layer_id, meta.slot_mapping_for(self.sliding_window), k, v)
         out = ctx.backends.run(self, q, meta, ctx.plan)
         return out.reshape(q.shape[0], self.num_heads * self.v_head_dim)

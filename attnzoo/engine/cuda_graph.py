@@ -42,6 +42,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)  # [max_batch]
         self.prefix_lens = torch.zeros(n, dtype=torch.int32, device=dev)  # [max_batch]
         self.block_tables = torch.zeros(n, self.max_pages, dtype=torch.int32, device=dev)  # [max_batch, max_pages]
+        # A pool with a window page group: that group's table and slots (BatchMetadata.window_*), else None.
+        window = pool.has_window_group
+        self.window_tables = torch.zeros_like(self.block_tables) if window else None  # [max_batch, max_pages]
+        self.window_slots = torch.zeros_like(self.slots) if window else None  # [max_batch]
         self.q_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)  # [max_batch + 1]
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)  # [max_batch]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -61,6 +65,8 @@ class DecodeGraphs:
             block_tables=self.block_tables[:bs],
             seq_lens_cpu=[self.max_context] * bs if seq_lens_cpu is None else list(seq_lens_cpu) + [1] * (bs - len(seq_lens_cpu)),
             q_lens_cpu=[1] * bs, last_token_rows=self.rows[:bs],
+            window_block_tables=None if self.window_tables is None else self.window_tables[:bs],
+            window_slot_mapping=None if self.window_slots is None else self.window_slots[:bs],
         )
 
     def _run(self, meta: BatchMetadata, plan: StepPlan) -> torch.Tensor:
@@ -113,6 +119,11 @@ class DecodeGraphs:
         self.seq_lens[n:bs].fill_(1)
         self.prefix_lens[n:bs].zero_()
         self.block_tables[n:bs].zero_()
+        if self.window_tables is not None:
+            self.window_tables[:n, : meta.window_block_tables.shape[1]].copy_(meta.window_block_tables)
+            self.window_slots[:n].copy_(meta.window_slot_mapping)
+            self.window_tables[n:bs].zero_()
+            self.window_slots[n:bs].zero_()
         # refill the backend's static state (the graph reads it, not the returned plan); host-planned
         # backends read the step's lengths
         self.backends.prepare_graph(self._meta(bs, meta.seq_lens_cpu), capturing=False)
