@@ -209,3 +209,49 @@ def test_no_sliding_layers_or_short_context_keep_one_group(tmp_path, gemma):
     assert groups["window"] == WINDOW and (groups["full"]["tokens"], groups["window_group"]["tokens"]) == (400, 200)
     with pytest.raises(ModelLoadError, match="window_kv_fraction"):
         _load(gemma[1], window_kv_fraction=1.5)
+
+
+def test_flashinfer_plans_sliding_layers_over_the_window_table(monkeypatch):
+    """FlashInfer replaced by a recorder (test_flashinfer_planning): a sliding layer's pages come from the
+    window group's table (from its window's first page), a global layer's from the full one; a cascade
+    step's shared segment for the sliding layer is read from the window table too."""
+    from types import SimpleNamespace
+
+    from attnzoo.attention.backends import flashinfer as fi
+    from attnzoo.attention.layer import Attention
+    from attnzoo.attention.metadata import build_metadata
+    from test_flashinfer_planning import RecordingWrapper, merge_state
+
+    fake = SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=RecordingWrapper,
+                           BatchDecodeWithPagedKVCacheWrapper=RecordingWrapper, merge_state=merge_state)
+    monkeypatch.setattr(fi, "load_flashinfer", lambda name: fake)
+    monkeypatch.setattr(fi, "compute_capability", lambda name, device: (9, 0))
+    sliding, glob = Attention(0, 8, 2, 64, sliding_window=8), Attention(1, 8, 2, 64)
+    pool = KVPool([sliding.kv_cache_spec(), glob.kv_cache_spec()], num_pages=16, page_size=PS, dtype=torch.bfloat16,
+                  device="cpu", num_window_pages=16)
+    be = fi.FlashInferBackend(pool)
+    q = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    # decode at 13 and 14 cached tokens: the window (8) starts in column 1, column 0 is released
+    meta = build_metadata(prefix_lens=[13, 14], q_lens=[1, 1], block_tables=[[1, 2, 3, 4], [5, 6, 7, 8]], page_size=PS,
+                          device="cpu", window_block_tables=[[0, 2, 3, 4], [0, 5, 6, 7]])
+    assert meta.window_slot_mapping.tolist() == [4 * PS + 1, 7 * PS + 2] and meta.slot_mapping.tolist() == [17, 34]
+    plan = be.prepare(meta)
+    for layer in (sliding, glob):
+        be.decode(layer, q, meta, plan)
+    plans = {sig.window: w.plans[-1] for sig, w in be._decode_wrappers.items()}
+    assert plans[8]["indices"].tolist() == [2, 3, 4, 5, 6, 7]
+    assert plans[None]["indices"].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    # cascade: 3 shared full pages; for the window layer the shared segment is column 2 (both windows see it)
+    full, window = [[1, 2, 3, 9], [1, 2, 3, 10]], [[0, 5, 6, 11], [0, 5, 6, 12]]
+    meta = build_metadata(prefix_lens=[13, 14], q_lens=[1, 1], block_tables=full, page_size=PS, device="cpu",
+                          window_block_tables=window, detect_shared_prefix=True)
+    assert meta.shared_prefix_len == 3 * PS
+    plan = be.prepare(meta)
+    be.decode(sliding, q, meta, plan)
+    shared, rest = (next(iter(d.values())) for d in be._cascade_wrappers[fi.LayerSignature.of(sliding)])
+    assert shared.plans[-1]["paged_kv_indices"].tolist() == [6]
+    assert rest.plans[-1]["indices"].tolist() == [5, 11, 5, 12]
+    # a live window column holding different pages (two writers of the same tokens) ends the shared prefix
+    meta = build_metadata(prefix_lens=[13, 14], q_lens=[1, 1], block_tables=full, page_size=PS, device="cpu",
+                          window_block_tables=[[0, 5, 6, 11], [0, 5, 13, 12]], detect_shared_prefix=True)
+    assert meta.shared_prefix_len == 2 * PS
