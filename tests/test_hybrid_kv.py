@@ -255,3 +255,43 @@ def test_flashinfer_plans_sliding_layers_over_the_window_table(monkeypatch):
     meta = build_metadata(prefix_lens=[13, 14], q_lens=[1, 1], block_tables=full, page_size=PS, device="cpu",
                           window_block_tables=[[0, 5, 6, 11], [0, 5, 13, 12]], detect_shared_prefix=True)
     assert meta.shared_prefix_len == 2 * PS
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["flashinfer", "trtllm_mha", "triton"])
+def test_gpu_hybrid_equals_one_group_eager_graphs_and_cascade(tmp_path, backend):
+    """Gemma-4-like (sliding d256 layers, window 16; global d512) in bf16, pages of 16, prompts chunked by
+    a 64-token budget far past the window: the hybrid cache's greedy tokens equal one group's, eager, with
+    CUDA graphs (replayed) and, on flashinfer, with cascade over a shared 100-token prefix."""
+    if backend != "triton":
+        pytest.importorskip("flashinfer")
+    from test_gpu_backends import XQA_OR_TRTLLM_GEN, tiny_gemma4
+
+    if backend == "trtllm_mha" and not XQA_OR_TRTLLM_GEN:
+        pytest.skip("trtllm_mha needs SM90, SM100/103 or SM120/121")
+    path = tiny_gemma4(tmp_path / "gemma4", window=16)
+    prefix = random_prompts(256, [100], seed=7)[0]
+    prompts = random_prompts(256, [5, 90, 17], seed=4) + [prefix + p for p in random_prompts(256, [3, 20, 9], seed=8)]
+    runs = {}
+    cases = {"one": dict(window_kv_fraction=None, cuda_graph=False), "two": dict(cuda_graph=False),
+             "two_graph": dict(cuda_graph=True)}
+    if backend == "flashinfer":
+        cases["two_cascade"] = dict(cuda_graph=False, cascade=True)
+    for name, kw in cases.items():
+        llm = attnzoo.load_model(path, backend=backend, dtype="bfloat16", page_size=16, max_running=8,
+                                 max_batch_tokens=64, **kw)
+        assert llm.pool.has_window_group == (name != "one")
+        llm.engine.cascade_min_saved_tokens = 1
+        out = llm.generate(prompts, max_new_tokens=40, ignore_eos=True, return_logits=True)
+        runs[name] = (out, dict(llm.engine.graph_stats))
+    assert runs["two_graph"][1]["replayed"] > 0
+    if "two_cascade" in runs:
+        assert runs["two_cascade"][1]["cascade"] > 0
+    for name, (out, _) in runs.items():
+        assert [x.token_ids for x in out] == [x.token_ids for x in runs["one"][0]], name
+        for x, y in zip(out, runs["one"][0]):
+            assert (x.logits - y.logits).abs().max().item() < 5e-2, name
