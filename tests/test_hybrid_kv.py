@@ -49,6 +49,15 @@ def test_pool_groups_views_and_bytes():
     assert pool.k(0).shape[0] == 3 and pool.k(1).shape[0] == 10 and pool.k(2) is pool.k(0)
     assert KVPool.bytes_per_page(specs, PS, torch.float32, group="window") == PS * 4 * 2 * 2 * 16
     assert KVPool.bytes_per_page(specs, PS, torch.float32, group="full") == PS * 4 * 2 * 32
+    # a step without the window group's tables cannot run on it
+    from attnzoo.attention.backends.torch_ref import TorchBackend
+    from attnzoo.attention.layer import ForwardContext
+    from attnzoo.attention.metadata import build_metadata
+    from attnzoo.errors import BackendError
+
+    meta = build_metadata(prefix_lens=[0], q_lens=[3], block_tables=[[1]], page_size=PS, device="cpu")
+    with pytest.raises(BackendError, match="window block tables"):
+        ForwardContext(meta, pool, TorchBackend(pool), TorchBackend(pool))
     one = KVPool(specs, num_pages=10, page_size=PS, dtype=torch.float32, device="cpu")
     assert not one.has_window_group and one.window is None and one.k(0).shape[0] == 10
     # a layer sharing a global layer's KV cannot slide over it (its pages are the producer's)

@@ -19,6 +19,7 @@ from attnzoo.attention.backends.base import AttentionBackend, StepPlan
 from attnzoo.attention.backends.hybrid import HybridBackend
 from attnzoo.attention.kv_cache import KVCacheSpec, KVPool
 from attnzoo.attention.metadata import BatchMetadata
+from attnzoo.errors import BackendError
 
 
 @dataclass
@@ -34,6 +35,11 @@ class ForwardContext:
     backends: HybridBackend = field(init=False)
 
     def __post_init__(self):
+        if self.pool.has_window_group and self.meta.window_block_tables is None:
+            raise BackendError("the KV pool has a window page group but the step's metadata has no window block "
+                               "tables: its sliding layers would write through full-group page ids",
+                               fix="build the step with build_metadata(window_block_tables=...), or load the model "
+                                   "with window_kv_fraction=None (one page group)")
         self.backends = HybridBackend(self.prefill_backend, self.decode_backend)
         if self.plan is None:
             self.plan = self.backends.prepare(self.meta)
