@@ -308,7 +308,7 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
         "prefix_cache_pages": len(llm.engine.prefix_cache) if llm.engine.prefix_cache is not None else 0,
         **timings,
     }
-    for key in ("weights", "kv_cache_dtype", "tensor_parallel_size"):
+    for key in ("weights", "kv_cache_dtype", "tensor_parallel_size", "kv_page_groups"):
         if key in info:
             res[key] = info[key]
     del llm

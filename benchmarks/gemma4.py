@@ -118,8 +118,9 @@ def check_against_torch(llm, name: str) -> dict:
 def bench_backend(cfg_dir: Path, name: str, args) -> tuple[dict, list[dict]]:
     # Page rounding costs each request up to one page (at most 128 tokens) beyond its length.
     kv_tokens = max(max(args.batches) * (args.context + 1 + 128), args.prefill + 128, 2 * (1501 + 128))
+    # One page group: the steps here are built by hand over one block table per request.
     llm = attnzoo.load_model(cfg_dir, backend=name, load_format="random", dtype="bfloat16", device="cuda",
-                             kv_cache_tokens=kv_tokens)
+                             kv_cache_tokens=kv_tokens, window_kv_fraction=None)
     info = llm.info()
     check = check_against_torch(llm, name)
     rows = []

@@ -57,7 +57,7 @@ class TinyModel:
 
 def test_capture_and_replay_device_lengths_match_the_host_lists(monkeypatch):
     _no_cuda_graphs(monkeypatch)
-    pool = SimpleNamespace(device=torch.device("cpu"), page_size=16)
+    pool = SimpleNamespace(device=torch.device("cpu"), page_size=16, has_window_group=False)
     backend = RecordingBackend()
     graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(backend, backend), max_batch=4, max_context=40, buckets=(1, 2))
     assert backend.sizes == (4, 3) and graphs.max_context == 48
@@ -110,7 +110,7 @@ def test_nsa_step_cache_is_recomputed_inside_the_capture(monkeypatch):
                 seen.append((id(ctx.plan), capturing[0], id(t)))
             return torch.zeros(ids.shape[0], 4)
 
-    pool = SimpleNamespace(device=torch.device("cpu"), page_size=16)
+    pool = SimpleNamespace(device=torch.device("cpu"), page_size=16, has_window_group=False)
     backend = NSARecording()
     cuda_graph.DecodeGraphs(TwoLayers(), pool, HybridBackend(backend, backend), max_batch=2, max_context=16,
                             buckets=(1,))
@@ -150,7 +150,7 @@ def test_cascade_graphs_are_captured_lazily_per_key_up_to_the_cap(monkeypatch):
             self.replays += 1
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    pool = SimpleNamespace(device=torch.device("cpu"), page_size=16)
+    pool = SimpleNamespace(device=torch.device("cpu"), page_size=16, has_window_group=False)
     backend = CascadeRecording()
     graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(backend, backend), max_batch=4, max_context=64,
                                      buckets=(1, 2), max_cascade_graphs=2)
@@ -257,3 +257,27 @@ def test_engine_replays_cascade_graphs_where_they_pay_and_counts_them(monkeypatc
     e.graph_stats = dict.fromkeys(e.graph_stats, 0)
     assert [c.token_ids for c in llm.generate(prompts, max_new_tokens=8, ignore_eos=True)] == want
     assert e.graph_stats["cascade"] == e.graph_stats["cascade_over_cap"] > 0 and e.graph_stats["cascade_replayed"] > 0
+
+
+def test_window_group_tables_are_static_buffers_refilled_per_replay(monkeypatch):
+    """A pool with a window page group: the capture's metadata carries that group's table and slots as
+    static buffers, and a replay copies the step's (released columns 0) and zeroes the padding rows."""
+    _no_cuda_graphs(monkeypatch)
+    pool = SimpleNamespace(device=torch.device("cpu"), page_size=4, has_window_group=True)
+    seen = []
+
+    class Recording(RecordingBackend):
+        def prepare_graph(self, meta, capturing):
+            seen.append((meta.window_block_tables, meta.window_slot_mapping))
+            return StepPlan()
+
+    backend = Recording()
+    graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(backend, backend), max_batch=2, max_context=16,
+                                     buckets=(2,))
+    assert seen[0][0].data_ptr() == graphs.window_tables.data_ptr() and seen[0][1].data_ptr() == graphs.window_slots.data_ptr()
+    graphs.window_tables.fill_(7)
+    meta = build_metadata(prefix_lens=[9], q_lens=[1], block_tables=[[1, 2, 3]], page_size=4, device="cpu",
+                          window_block_tables=[[0, 5, 6]])
+    graphs.replay(torch.tensor([1]), meta)
+    assert graphs.window_tables.tolist() == [[0, 5, 6, 7], [0, 0, 0, 0]]  # past the step's width: unread
+    assert graphs.window_slots.tolist() == [6 * 4 + 1, 0] and graphs.slots.tolist() == [3 * 4 + 1, 0]

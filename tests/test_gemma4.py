@@ -99,9 +99,15 @@ def test_shared_kv_layers_own_no_memory(checkpoints):
     per_token = (3 * 1 * 32 + 1 * 1 * 64) * 2 * 4
     assert llm.info()["kv_bytes_per_token"] == per_token
     assert llm.info()["kv_layers_with_memory"] == 4
-    # The pool holds the producers' pages and nothing else (up to 256-byte alignment of its 8 k/v slabs).
-    data = per_token * llm.pool.page_size * llm.pool.num_pages
+    # The pool holds the producers' pages and nothing else (up to 256-byte alignment of its 8 k/v slabs):
+    # the full layer's for every full-group page, the sliding ones' for every window-group page.
+    full, window = 1 * 64 * 2 * 4, 3 * 1 * 32 * 2 * 4
+    assert llm.pool.in_window_group(4) and not llm.pool.in_window_group(5)  # as their producers 3 and 2
+    data = llm.pool.page_size * (full * llm.pool.num_pages + window * llm.pool.num_window_pages)
     assert data <= llm.pool.nbytes < data + 8 * 256
+    groups = llm.info()["kv_page_groups"]
+    assert (groups["full"]["kv_bytes_per_token"], groups["window_group"]["kv_bytes_per_token"]) == (full, window)
+    assert groups["full"]["tokens"] == 64 and groups["window_group"]["tokens"] == 32  # the default fraction, 0.5
 
 
 def test_mixed_head_dims_in_one_pool(checkpoints):

@@ -1,12 +1,21 @@
-"""The paged KV cache: one preallocated pool, one page allocator, per-layer views by layer id.
+"""The paged KV cache: one preallocated pool, per-layer views by layer id, one or two page groups.
 
-Every layer of a model indexes the pool with the same page ids, so one block table per request serves
-all layers, whatever each layer keeps per token (``KVCacheSpec``): Gemma 4 mixes head dims and KV head
-counts, MLA keeps one latent vector per token, NSA adds an indexer key. Layers that share another
-layer's KV (Gemma 4's ``num_kv_shared_layers``) own no memory: their views are the producer's.
+Every layer of a group indexes the pool with the same page ids, so one block table per request and group
+serves all its layers, whatever each layer keeps per token (``KVCacheSpec``): Gemma 4 mixes head dims
+and KV head counts, MLA keeps one latent vector per token, NSA adds an indexer key. Layers that share
+another layer's KV (Gemma 4's ``num_kv_shared_layers``) own no memory: their views are the producer's.
 
-Page 0 is never handed out: padded block-table entries and padded CUDA-graph rows point at it, so a
-write through padding lands in a page nobody reads.
+Page groups (the "hybrid KV cache"): with ``num_window_pages`` given, the layers with a sliding window
+(and the layers sharing their KV) form the *window* group, with its own page-id space and allocator;
+every other layer (global attention, MLA, NSA) the *full* group. A request keeps every full-group page,
+but only the window-group pages its sliding window can still see: the engine releases the others, so
+the window group is sized for a window per request, not a context. Without ``num_window_pages`` (or
+without sliding layers) there is one group: the full one.
+
+Page 0 of each group is never handed out: padded block-table entries, released window pages and padded
+CUDA-graph rows point at it, so a write through padding lands in a page nobody reads. It holds zeros or
+the padding rows' (finite) entries, and every kernel masks invisible keys by -inf scores (weights of
+exactly 0) or does not load them, so nothing in it reaches a result.
 """
 from __future__ import annotations
 
@@ -73,6 +82,7 @@ class KVCacheSpec:
     v_from_k: bool = False
     index_head_dim: int = 0  # NSA: width of the indexer key cache per token, 0 when absent
     shared_from: int | None = None  # KV-sharing layer: reads this layer's cache and owns none
+    sliding_window: int | None = None  # a query at p sees keys j > p - sliding_window (None: all before it)
 
     def values_per_token(self) -> int:
         v = 0 if self.v_from_k else self.num_kv_heads * self.v_head_dim
@@ -124,6 +134,26 @@ class PageAllocator:
         return self._refs[page]
 
 
+def window_group_layers(specs: list[KVCacheSpec | None]) -> set[int]:
+    """The layers a two-group pool puts in the window group: those with a sliding window, and the layers
+    reading their KV. A sharing layer must see its producer's keys the same way (Gemma 4 shares within a
+    layer type), as its pages are the producer's."""
+    out = set()
+    for lid, spec in enumerate(specs):
+        if spec is None:
+            continue
+        src = specs[spec.shared_from] if spec.shared_from is not None else spec
+        if src is not None and bool(spec.sliding_window) != bool(src.sliding_window):
+            raise ModelLoadError(
+                f"layer {lid} (window {spec.sliding_window}) shares the KV of layer {spec.shared_from} "
+                f"(window {src.sliding_window}); a KV cache with a window page group needs both windowed or neither",
+                fix="load the model with window_kv_fraction=None (one page group)",
+            )
+        if spec.sliding_window:
+            out.add(lid)
+    return out
+
+
 class KVPool:
     """One byte buffer holding every layer's pages; typed per-layer views into it.
 
@@ -132,7 +162,8 @@ class KVPool:
     tensor, as vLLM's calculate_kv_scales=False default of 1.0: values beyond +-448 saturate), and
     every reader multiplies by the scale again.
 
-    Layout per owning layer (HND, what FlashInfer and TRT-LLM kernels read):
+    Layout per owning layer (HND, what FlashInfer and TRT-LLM kernels read; ``num_pages`` is the
+    layer's group's: ``num_window_pages`` for the window group):
       k:       [num_pages, num_kv_heads, page_size, head_dim]
       v:       [num_pages, num_kv_heads, page_size, v_head_dim]   (MLA: a view of k's first channels)
       index_k: [num_pages, page_size, index_head_dim]            (NSA indexer keys)
@@ -149,6 +180,7 @@ class KVPool:
         kv_cache_dtype: str = "auto",
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        num_window_pages: int | None = None,
     ):
         if not 1 <= page_size <= MAX_PAGE_SIZE:
             raise ValueError(f"page_size must be in 1..{MAX_PAGE_SIZE}, got {page_size}")
@@ -163,6 +195,10 @@ class KVPool:
         self.kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
         self.k_scale, self.v_scale = float(k_scale), float(v_scale)
         self.device = torch.device(device)
+        self._window_layers = window_group_layers(specs) if num_window_pages is not None else set()
+        # The window group's release point: the widest window among its layers sees every key a narrower one does.
+        self.window = max((specs[i].sliding_window for i in self._window_layers), default=None)
+        self.num_window_pages = num_window_pages if self.window else None
         elt = torch.empty((), dtype=self.kv_dtype).element_size()
         # (layer id) -> (name -> (byte offset, shape)) for layers that own memory
         layout: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {}
@@ -170,11 +206,12 @@ class KVPool:
         for lid, spec in enumerate(specs):
             if spec is None or spec.shared_from is not None:
                 continue
-            parts = {"k": (num_pages, spec.num_kv_heads, page_size, spec.head_dim)}
+            n = num_window_pages if lid in self._window_layers else num_pages
+            parts = {"k": (n, spec.num_kv_heads, page_size, spec.head_dim)}
             if not spec.v_from_k:
-                parts["v"] = (num_pages, spec.num_kv_heads, page_size, spec.v_head_dim)
+                parts["v"] = (n, spec.num_kv_heads, page_size, spec.v_head_dim)
             if spec.index_head_dim:
-                parts["index_k"] = (num_pages, page_size, spec.index_head_dim)
+                parts["index_k"] = (n, page_size, spec.index_head_dim)
             layout[lid] = {}
             for name, shape in parts.items():
                 layout[lid][name] = (offset, shape)
@@ -200,11 +237,23 @@ class KVPool:
                 self._views[lid]["v"] = self._views[lid]["k"][..., : spec.v_head_dim]
 
     @staticmethod
-    def bytes_per_page(specs: list[KVCacheSpec | None], page_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_page(specs: list[KVCacheSpec | None], page_size: int, dtype: torch.dtype,
+                       group: str | None = None) -> int:
+        """Bytes one page takes over every owning layer (``group``: "full" or "window", over that
+        group's layers as ``window_group_layers`` splits them)."""
         elt = torch.empty((), dtype=dtype).element_size()
+        window = window_group_layers(specs) if group is not None else set()
         return page_size * elt * sum(
-            s.values_per_token() for s in specs if s is not None and s.shared_from is None
+            s.values_per_token() for i, s in enumerate(specs)
+            if s is not None and s.shared_from is None and (group is None or (i in window) == (group == "window"))
         )
+
+    @property
+    def has_window_group(self) -> bool:
+        return self.window is not None
+
+    def in_window_group(self, layer_id: int) -> bool:
+        return layer_id in self._window_layers
 
     @property
     def is_fp8(self) -> bool:

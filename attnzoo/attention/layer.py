@@ -19,6 +19,7 @@ from attnzoo.attention.backends.base import AttentionBackend, StepPlan
 from attnzoo.attention.backends.hybrid import HybridBackend
 from attnzoo.attention.kv_cache import KVCacheSpec, KVPool
 from attnzoo.attention.metadata import BatchMetadata
+from attnzoo.errors import BackendError
 
 
 @dataclass
@@ -34,6 +35,11 @@ class ForwardContext:
     backends: HybridBackend = field(init=False)
 
     def __post_init__(self):
+        if self.pool.has_window_group and self.meta.window_block_tables is None:
+            raise BackendError("the KV pool has a window page group but the step's metadata has no window block "
+                               "tables: its sliding layers would write through full-group page ids",
+                               fix="build the step with build_metadata(window_block_tables=...), or load the model "
+                                   "with window_kv_fraction=None (one page group)")
         self.backends = HybridBackend(self.prefill_backend, self.decode_backend)
         if self.plan is None:
             self.plan = self.backends.prepare(self.meta)
@@ -80,6 +86,7 @@ class Attention(nn.Module):
             v_from_k=self.kind == "mla",
             index_head_dim=self.index_head_dim,
             shared_from=self.kv_shared_from,
+            sliding_window=self.sliding_window,
         )
 
     def forward(
@@ -91,6 +98,6 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, num_heads * v_head_dim]
         meta = ctx.meta
         if self.kv_shared_from is None:
-            ctx.pool.store(self.layer_id, meta.slot_mapping, k, v)
+            ctx.pool.store(self.layer_id, meta.slot_mapping_for(self.sliding_window), k, v)
         out = ctx.backends.run(self, q, meta, ctx.plan)
         return out.reshape(q.shape[0], self.num_heads * self.v_head_dim)

@@ -44,6 +44,21 @@ class BatchMetadata:
     # them once for the whole batch instead of once per request; the pages are
     # ``block_tables[0, :shared_prefix_len // page_size]``. Host int.
     shared_prefix_len: int = 0
+    # A pool with a window page group (``KVPool.has_window_group``): that group's page ids per request, in
+    # the same columns as ``block_tables`` (token t in column t // page_size), 0 where the page was released
+    # (wholly before the window of every query of the request) and in padding; and the slots of this
+    # step's tokens in that group. Layers with a sliding window read and write these
+    # (``block_tables_for`` / ``slot_mapping_for``). None: one group, every layer uses the fields above.
+    window_block_tables: torch.Tensor | None = None  # [num_reqs, max_window_cols] int32, device
+    window_slot_mapping: torch.Tensor | None = None  # [num_tokens] int64, device
+
+    def block_tables_for(self, window: int | None) -> torch.Tensor:
+        """The block tables a layer with this sliding window (None: none) reads."""
+        return self.window_block_tables if window and self.window_block_tables is not None else self.block_tables
+
+    def slot_mapping_for(self, window: int | None) -> torch.Tensor:
+        """Where a layer with this sliding window (None: none) stores the step's tokens."""
+        return self.window_slot_mapping if window and self.window_slot_mapping is not None else self.slot_mapping
 
     @property
     def num_reqs(self) -> int:
@@ -75,12 +90,15 @@ def build_metadata(
     device: torch.device | str,
     mode: ForwardMode | None = None,
     detect_shared_prefix: bool = False,
+    window_block_tables: list | None = None,
 ) -> BatchMetadata:
     """Build the step's metadata on the host, then move it to the device in one go per tensor.
 
     ``block_tables[i]`` must cover ``prefix_lens[i] + q_lens[i]`` tokens. ``mode`` defaults to DECODE
     when every request adds exactly one token on top of a non-empty prefix, else EXTEND.
     ``detect_shared_prefix``: fill ``shared_prefix_len`` from the block tables.
+    ``window_block_tables``: a window page group's tables (``BatchMetadata.window_block_tables``), whose
+    entries at the pages this step writes must be live (non-zero).
     """
     if not (len(prefix_lens) == len(q_lens) == len(block_tables)) or not q_lens:
         raise ValueError("prefix_lens, q_lens and block_tables must be non-empty and equally long")
@@ -107,9 +125,28 @@ def build_metadata(
     def dev(x, dtype):
         return torch.as_tensor(x, dtype=dtype).to(device, non_blocking=True)
 
+    wtable = wslots = None
+    if window_block_tables is not None:
+        wtable, wlens = _padded_table(window_block_tables)
+        wpages = np.zeros(len(slots), dtype=np.int64)
+        inside = positions // page_size < wlens[req]
+        wpages[inside] = wtable[req[inside], positions[inside] // page_size]
+        if not wpages.all():
+            i = int(req[np.argmin(wpages)])
+            raise ValueError(f"request {i}: its window-group table has no live page for a token this step writes")
+        wslots = wpages * page_size + positions % page_size
+
     shared = 0
     if detect_shared_prefix:
-        shared = shared_prefix_pages(block_tables, p_arr, page_size, table=table) * page_size
+        n = shared_prefix_pages(block_tables, p_arr, page_size, table=table)
+        if n and wtable is not None:
+            # Window-group columns every request still holds must hold the same pages too (the prefix
+            # cache may hold another writer's window page of the same tokens); a column released by some
+            # request is outside its window, so no cascade reads it as shared (fi_common.cascade_split).
+            w = wtable[:, :n]
+            same = ((w[1:] == w[0]).all(axis=0)) | ~(w != 0).all(axis=0)
+            n = n if same.all() else int(np.argmin(same))
+        shared = n * page_size
 
     return BatchMetadata(
         mode=mode,
@@ -124,6 +161,8 @@ def build_metadata(
         q_lens_cpu=list(q_lens),
         last_token_rows=dev(indptr[1:] - 1, torch.int64),
         shared_prefix_len=shared,
+        window_block_tables=None if wtable is None else torch.from_numpy(wtable).to(device, non_blocking=True),
+        window_slot_mapping=None if wslots is None else dev(wslots, torch.int64),
     )
 
 

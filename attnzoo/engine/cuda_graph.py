@@ -55,6 +55,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)  # [max_batch]
         self.prefix_lens = torch.zeros(n, dtype=torch.int32, device=dev)  # [max_batch]
         self.block_tables = torch.zeros(n, self.max_pages, dtype=torch.int32, device=dev)  # [max_batch, max_pages]
+        # A pool with a window page group: that group's table and slots (BatchMetadata.window_*), else None.
+        window = pool.has_window_group
+        self.window_tables = torch.zeros_like(self.block_tables) if window else None  # [max_batch, max_pages]
+        self.window_slots = torch.zeros_like(self.slots) if window else None  # [max_batch]
         self.q_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)  # [max_batch + 1]
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)  # [max_batch]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -85,6 +89,8 @@ class DecodeGraphs:
             block_tables=self.block_tables[:bs],
             seq_lens_cpu=[self.max_context] * bs if seq_lens_cpu is None else list(seq_lens_cpu) + [pad] * (bs - len(seq_lens_cpu)),
             q_lens_cpu=[1] * bs, last_token_rows=self.rows[:bs], shared_prefix_len=shared_prefix_len,
+            window_block_tables=None if self.window_tables is None else self.window_tables[:bs],
+            window_slot_mapping=None if self.window_slots is None else self.window_slots[:bs],
         )
 
     def _run(self, meta: BatchMetadata, plan: StepPlan) -> torch.Tensor:
@@ -160,9 +166,16 @@ class DecodeGraphs:
         self.seq_lens[n:bs].fill_(shared + 1)
         self.prefix_lens[n:bs].fill_(shared)
         self.block_tables[n:bs].zero_()
+        if self.window_tables is not None:
+            self.window_tables[:n, : meta.window_block_tables.shape[1]].copy_(meta.window_block_tables)
+            self.window_slots[:n].copy_(meta.window_slot_mapping)
+            self.window_tables[n:bs].zero_()
+            self.window_slots[n:bs].zero_()
         if shared and bs > n:
             sp = shared // self.pool.page_size
             self.block_tables[n:bs, :sp].copy_(meta.block_tables[:1, :sp].expand(bs - n, sp))
+            if self.window_tables is not None:  # row 0's live window columns; the released ones read page 0
+                self.window_tables[n:bs, :sp].copy_(meta.window_block_tables[:1, :sp].expand(bs - n, sp))
         step = self._meta(bs, meta.seq_lens_cpu, shared)
         if not shared:
             # refill the backend's static state (the graph reads it, not the returned plan); host-planned

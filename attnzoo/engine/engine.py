@@ -9,6 +9,13 @@ KV pages are reserved at admission for the prompt plus max_new_tokens (capped by
 so an admitted request never runs out of pages and nothing is ever preempted or dropped; requests that
 do not fit wait in the queue. With prefix caching on, a request starts from the longest prefix of full
 pages already in the cache (``PrefixCache``) and reserves only the pages it adds.
+
+A pool with a window page group (sliding-window layers, ``KVPool.has_window_group``): each request
+also holds window-group pages, by block-table column, and releases those wholly before the window of
+its next query at every step (their columns become 0). A request never holds more of them at once than
+its window plus a page plus its largest prefill chunk (``_window_peak``), and admission keeps the sum of
+those peaks over the running requests, plus the window pages they share through the prefix cache, within
+the group's capacity: a bound that holds whatever order requests release in (``_window_fits``).
 """
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ from attnzoo.attention.backends.hybrid import HybridBackend
 from attnzoo.attention.kv_cache import KVPool, PageAllocator
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.metadata import BatchMetadata, build_metadata
-from attnzoo.engine.prefix_cache import PrefixCache
+from attnzoo.engine.prefix_cache import PrefixCache, window_start
 from attnzoo.engine.sampling import SamplingParams, process_logits, sample
 from attnzoo.errors import BackendError, KVCacheFullError, NumericsError, RequestError
 
@@ -74,6 +81,7 @@ class _Request:
     first_token_at: float = 0.0
     finished_at: float = 0.0
     _table: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32), repr=False)
+    window: "_WindowPages | None" = None  # window-group pages (a pool with a window group)
 
     def page_table(self) -> np.ndarray:
         """``pages`` as int32 for the step's block table. Pages only grow while a request runs, so only
@@ -90,6 +98,19 @@ class _Request:
     @property
     def prefilling(self) -> bool:
         return self.num_cached < len(self.prompt)
+
+
+class _WindowPages:
+    """One request's window-group pages by block-table column (token t in column t // page_size), 0 where
+    released or never held; the live ones are the columns ``[first, len(table))``."""
+
+    def __init__(self):
+        self.table = np.zeros(0, dtype=np.int32)
+        self.first = 0
+        self.matched: set[int] = set()  # live pages taken from the prefix cache (not allocated by this request)
+
+    def live(self) -> list[int]:
+        return self.table[self.first:].tolist()
 
 
 class Engine:
@@ -111,6 +132,9 @@ class Engine:
         self.model = model
         self.pool = pool
         self.allocator = PageAllocator(pool.num_pages)
+        self.window = pool.window  # the window group's release window; None: one page group
+        self.window_allocator = PageAllocator(pool.num_window_pages) if self.window else None
+        self._wshared: dict[int, int] = {}  # window page -> running requests holding it from the prefix cache
         self.backends = backends  # which backend serves a step: the prefill one or the decode one
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
@@ -120,7 +144,8 @@ class Engine:
             max_running = min(MAX_RUNNING_CAP, max_batch_tokens, self.allocator.capacity)
         self.max_running = max_running
         self.device = pool.device
-        self.prefix_cache = PrefixCache(self.allocator, pool.page_size) if prefix_caching else None
+        self.prefix_cache = (PrefixCache(self.allocator, pool.page_size, self.window_allocator, self.window)
+                             if prefix_caching else None)
         # Cascade decode (the shared prefix read once per step) needs shared pages and a backend that
         # reads them once. Saved KV reads per layer: shared tokens x (requests - 1). A cascade step that
         # runs eagerly gives up what a plain graph replay saves (the launches: ms per step on 60 layers),
@@ -177,6 +202,14 @@ class Engine:
                 f"a request of {len(prompt)} prompt + {max_len - len(prompt)} new tokens needs {need} KV pages; the cache has {self.allocator.capacity}",
                 fix="lower max_new_tokens or give the KV cache more memory (kv_cache_tokens=... / kv_cache_memory=...)",
             )
+        if self.window:
+            need = self._window_peak(len(prompt), 0, max_len, 0)
+            if need > self.window_allocator.capacity:
+                raise KVCacheFullError(
+                    f"a request of {len(prompt)} prompt + {max_len - len(prompt)} new tokens holds up to {need} pages of "
+                    f"the sliding-window layers at once; that page group has {self.window_allocator.capacity}",
+                    fix="raise window_kv_fraction, lower max_batch_tokens, or give the KV cache more memory",
+                )
         return max_len
 
     def generate(
@@ -232,7 +265,7 @@ class Engine:
         finally:
             for req in running:  # an exception mid-run must not leak pages or leave unwritten cache entries
                 if self.prefix_cache is not None:
-                    self.prefix_cache.drop_unready(req.pages)
+                    self.prefix_cache.drop_unready(req.pages, req.window.live() if req.window else ())
                 self._release(req)
         if len(done) != len(prompts):
             raise RuntimeError(f"engine bug: {len(prompts)} requests in, {len(done)} out")
@@ -251,16 +284,23 @@ class Engine:
             self.prefix_cache.evict(need - self.allocator.num_free)
         if need > self.allocator.num_free:
             raise KVCacheFullError(f"scoring {len(token_ids)} tokens needs {need} free KV pages, {self.allocator.num_free} free", fix="give the KV cache more memory")
+        self._check_window_room([len(token_ids)], [len(token_ids)], "scoring")
         pages = self.allocator.alloc(need)
+        wp = _WindowPages() if self.window else None
         rows = []
         try:
             for start in range(0, len(token_ids), self.max_batch_tokens):
                 chunk = token_ids[start : start + self.max_batch_tokens]
                 step = {"prefix_lens": [start], "q_lens": [len(chunk)], "block_tables": [pages], "ids": chunk,
                         "rows": None, "shared_prefix_len": 0, "graph": False}
+                if wp is not None:
+                    self._window_advance(wp, start, start + len(chunk))
+                    step["window_block_tables"] = [wp.table]
                 rows.append(self.run_step(step)[0].float())
         finally:
             self.allocator.free(pages)
+            if wp is not None:
+                self._window_drop(wp)
         return torch.cat(rows)
 
     @torch.inference_mode()
@@ -279,15 +319,22 @@ class Engine:
         if sum(need) > self.allocator.num_free:
             raise KVCacheFullError(f"teacher forcing {len(prompts)} sequences needs {sum(need)} free KV pages, "
                                    f"{self.allocator.num_free} free", fix="feed fewer sequences at once")
+        self._check_window_room([len(p) for p in prompts], [len(p) + len(c) for p, c in zip(prompts, continuations)],
+                                "teacher forcing")
         pages = [self.allocator.alloc(n) for n in need]
+        wps = [_WindowPages() for _ in prompts] if self.window else None
         try:
             # Steps go through run_step, as generation's do (tensor-parallel ranks follow them).
             last = []
             for i, prompt in enumerate(prompts):
                 for start in range(0, len(prompt), self.max_batch_tokens):
                     chunk = prompt[start : start + self.max_batch_tokens]
-                    logits, _ = self.run_step({"prefix_lens": [start], "q_lens": [len(chunk)], "block_tables": [pages[i]],
-                                               "ids": chunk, "rows": [0], "shared_prefix_len": 0, "graph": False})
+                    step = {"prefix_lens": [start], "q_lens": [len(chunk)], "block_tables": [pages[i]],
+                            "ids": chunk, "rows": [0], "shared_prefix_len": 0, "graph": False}
+                    if wps is not None:
+                        self._window_advance(wps[i], start, start + len(chunk))
+                        step["window_block_tables"] = [wps[i].table]
+                    logits, _ = self.run_step(step)
                 last.append(logits.float())
             live = [i for i, c in enumerate(continuations) if c]
             if live:
@@ -295,18 +342,95 @@ class Engine:
             for t in range(1, max((len(c) for c in continuations), default=0)):
                 live = [i for i in live if len(continuations[i]) > t]
                 # Own pages per request: no shared prefix, so the step is graph-replayed wherever it fits.
-                logits, _ = self.run_step({"prefix_lens": [len(prompts[i]) + t - 1 for i in live], "q_lens": [1] * len(live),
-                                           "block_tables": [pages[i] for i in live],
-                                           "ids": [continuations[i][t - 1] for i in live], "rows": list(range(len(live)))})
+                step = {"prefix_lens": [len(prompts[i]) + t - 1 for i in live], "q_lens": [1] * len(live),
+                        "block_tables": [pages[i] for i in live],
+                        "ids": [continuations[i][t - 1] for i in live], "rows": list(range(len(live)))}
+                if wps is not None:
+                    for i in live:
+                        self._window_advance(wps[i], len(prompts[i]) + t - 1, len(prompts[i]) + t)
+                    step["window_block_tables"] = [wps[i].table for i in live]
+                logits, _ = self.run_step(step)
                 yield t, live, logits.float()
         finally:
             for p in pages:
                 self.allocator.free(p)
+            for wp in wps or ():
+                self._window_drop(wp)
 
     # ---------------------------------------------------------------- scheduling
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.pool.page_size)
+
+    # ---------------------------------------------------------------- the window page group
+
+    def _window_peak(self, prompt_len: int, num_cached: int, max_len: int, matched: int) -> int:
+        """The most window-group pages a request allocates and holds at once from now on (besides pages
+        taken from the prefix cache; ``matched``: its leading pages that came from there): the window, one
+        page (a window rarely starts on a page boundary) and its largest chunk to come (the rest of its
+        prompt within the token budget; one token once decoding), capped by its pages after ``matched``.
+        It never grows as the request advances, which keeps admission's sum of peaks a bound."""
+        chunk = max(1, min(self.max_batch_tokens, prompt_len - num_cached))
+        return min(self._pages_for(max_len) - matched, -(-(self.window - 1 + chunk) // self.pool.page_size) + 1)
+
+    def _req_window_peak(self, req: _Request) -> int:
+        return self._window_peak(len(req.prompt), req.num_cached, req.max_len, len(req.shared))
+
+    def _window_fits(self, load: int, peak: int, matched: list[int]) -> tuple[bool, int]:
+        """Whether a request of window ``peak`` holding ``matched`` cache pages fits beside ``load``
+        (running requests' peaks plus the window pages they hold from the cache), and its share of the load.
+
+        Why this bound holds: the group's pages are free, cache-only (evictable on demand), held by the
+        request that allocated them (at most its peak), or held only by requests that took them from the
+        cache (at most the distinct pages counted in ``_wshared``, a set that only shrinks while they run)."""
+        need = peak + sum(1 for p in matched if p and p not in self._wshared)
+        return load + need <= self.window_allocator.capacity, need
+
+    def _walloc(self, n: int) -> list[int]:
+        short = n - self.window_allocator.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict_window(short)
+        return self.window_allocator.alloc(n)
+
+    def _window_advance(self, wp: _WindowPages, num_cached: int, end: int) -> list[int]:
+        """Release ``wp``'s pages wholly before the window of the query at ``num_cached`` and give it pages
+        up to token ``end``; returns the pages allocated."""
+        lo = window_start(num_cached, self.window, self.pool.page_size)
+        if lo > wp.first:
+            gone = wp.table[wp.first : lo].tolist()
+            wp.table[wp.first : lo] = 0
+            wp.first = lo
+            self._window_free(wp, gone)
+        need = self._pages_for(end) - len(wp.table)
+        if need <= 0:
+            return []
+        new = self._walloc(need)
+        wp.table = np.concatenate([wp.table, np.asarray(new, dtype=np.int32)])
+        return new
+
+    def _window_free(self, wp: _WindowPages, pages: list[int]) -> None:
+        self.window_allocator.free(pages)
+        for p in wp.matched.intersection(pages):
+            wp.matched.discard(p)
+            self._wshared[p] -= 1
+            if not self._wshared[p]:
+                del self._wshared[p]
+
+    def _window_drop(self, wp: _WindowPages) -> None:
+        self._window_free(wp, wp.live())
+        wp.table, wp.first = np.zeros(0, dtype=np.int32), 0
+
+    def _check_window_room(self, prompt_lens: list[int], lens: list[int], what: str) -> None:
+        """Raise unless sequences of these lengths, fed together without prefix sharing, fit the window group."""
+        if not self.window:
+            return
+        need = sum(self._window_peak(p, 0, n, 0) for p, n in zip(prompt_lens, lens))
+        short = need - self.window_allocator.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict_window(short)
+        if need > self.window_allocator.num_free:
+            raise KVCacheFullError(f"{what} needs up to {need} free pages of the sliding-window layers, "
+                                   f"{self.window_allocator.num_free} free", fix="feed fewer or shorter sequences at once")
 
     def _generator(self, sp: SamplingParams) -> torch.Generator | None:
         if sp.greedy:
@@ -318,15 +442,26 @@ class Engine:
     def _admit(self, waiting: deque, running: list[_Request]) -> None:
         reserved = sum(r.reserved for r in running)
         cache = self.prefix_cache
+        wload = sum(map(self._req_window_peak, running)) + len(self._wshared) if self.window else 0
         while waiting and len(running) < self.max_running:
             req = waiting[0]
-            shared = cache.match(req.prompt) if cache is not None else []
+            shared, wshared = cache.match(req.prompt) if cache is not None else ([], [])
+            if self.window:
+                peak = lambda m: self._window_peak(len(req.prompt), m * self.pool.page_size, req.max_len, m)  # noqa: E731
+                fits, wneed = self._window_fits(wload, peak(len(shared)), wshared)
+                if not fits and not running and shared:  # alone and unmatched it fits (check_request)
+                    self._unmatch(shared, wshared)
+                    shared, wshared = [], []
+                    fits, wneed = self._window_fits(wload, peak(0), [])
+                if not fits:
+                    self._unmatch(shared, wshared)
+                    break
             need = self._pages_for(req.max_len) - len(shared)
             short = need - (self.allocator.num_free - reserved)
             if short > 0 and cache is not None:
                 short -= cache.evict(short)
             if short > 0:
-                self.allocator.free(shared)
+                self._unmatch(shared, wshared)
                 break
             waiting.popleft()
             # Prompt pages are taken now and offered to the cache at once, so that requests admitted
@@ -336,11 +471,31 @@ class Engine:
             req.num_cached = len(shared) * self.pool.page_size
             req.reserved = need - len(own)
             reserved += req.reserved
+            if self.window:
+                wload += wneed
+                self._admit_window(req, wshared)
             if cache is not None:
-                cache.insert(req.prompt, req.pages)
+                cache.insert(req.prompt, req.pages, req.window.table if req.window is not None else ())
             running.append(req)
         if not running and waiting:
             raise RuntimeError("engine bug: nothing running and the first waiting request does not fit")
+
+    def _unmatch(self, shared: list[int], wshared: list[int]) -> None:
+        self.allocator.free(shared)
+        if self.window:
+            self.window_allocator.free([p for p in wshared if p])
+
+    def _admit_window(self, req: _Request, wshared: list[int]) -> None:
+        wp = req.window = _WindowPages()
+        wp.table = np.asarray(wshared, dtype=np.int32)
+        wp.first = window_start(req.num_cached, self.window, self.pool.page_size)
+        wp.matched = {p for p in wshared if p}
+        for p in wp.matched:
+            self._wshared[p] = self._wshared.get(p, 0) + 1
+        # The prompt's window pages now where holding them all stays within the peak (prompts that fit
+        # a chunk, the usual case), so that requests admitted right after share them, as full pages.
+        if self._pages_for(len(req.prompt)) - len(req.shared) <= self._req_window_peak(req):
+            self._window_advance(wp, req.num_cached, len(req.prompt))
 
     def _schedule(self, running: list[_Request]) -> "_Batch":
         batch = _Batch()
@@ -352,7 +507,7 @@ class Engine:
         for req in running:
             if not req.prefilling or budget <= 0:
                 continue
-            if req.shared and not self.prefix_cache.all_ready(req.shared):
+            if req.shared and not self.prefix_cache.all_ready(req.shared, req.window.matched if req.window else ()):
                 continue  # another request is still writing the prefix this one reuses
             n = min(len(req.prompt) - req.num_cached, budget)
             chunk = req.prompt[req.num_cached : req.num_cached + n]
@@ -363,18 +518,24 @@ class Engine:
             if need > 0:
                 req.pages += self.allocator.alloc(need)
                 req.reserved -= need
+            if req.window is not None:
+                new = self._window_advance(req.window, req.num_cached, req.num_cached + len(chunk))
+                if new and req.prefilling and self.prefix_cache is not None:
+                    self.prefix_cache.insert(req.prompt, req.pages, req.window.table)
         return batch
 
     def _step(self, batch: "_Batch") -> torch.Tensor:
         step = {"prefix_lens": [r.num_cached for r in batch.reqs], "q_lens": [len(c) for c in batch.chunks],
                 "block_tables": [r.page_table() for r in batch.reqs], "ids": [t for c in batch.chunks for t in c],
                 "rows": batch.sample_rows, "keys": [r.index for r in batch.reqs]}
+        if self.window:
+            step["window_block_tables"] = [r.window.table for r in batch.reqs]
         logits, batch.shared_prefix_len = self.run_step(step)
         for req, chunk in zip(batch.reqs, batch.chunks):
             req.num_cached += len(chunk)
             if self.prefix_cache is not None and len(req.out) == 0:
                 written = min(req.num_cached, len(req.prompt)) // self.pool.page_size
-                self.prefix_cache.mark_ready(req.pages[:written])
+                self.prefix_cache.mark_ready(req.pages[:written], req.window.table[:written] if req.window else ())
         return logits
 
     def run_step(self, step: dict) -> tuple[torch.Tensor, int]:
@@ -387,6 +548,7 @@ class Engine:
             prefix_lens=step["prefix_lens"], q_lens=step["q_lens"], block_tables=step["block_tables"],
             page_size=self.pool.page_size, device=self.device,
             detect_shared_prefix=(self.cascade or self.cascade_extend) and not decided,
+            window_block_tables=step.get("window_block_tables"),
         )
         cascade_graph = False  # a cascade step a CUDA graph serves
         if decided:
@@ -456,6 +618,8 @@ class Engine:
     def _release(self, req: _Request) -> None:
         self.allocator.free(req.pages)
         req.pages, req.reserved = [], 0
+        if req.window is not None:
+            self._window_drop(req.window)
 
     def _completion(self, req: _Request, keep_logits: bool) -> Completion:
         text = req.text

@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from attnzoo.attention.backends import get_backend_class
 from attnzoo.attention.backends.hybrid import HybridBackend
-from attnzoo.attention.kv_cache import KVPool, kv_storage_dtype
+from attnzoo.attention.kv_cache import KVPool, kv_storage_dtype, window_group_layers
 from attnzoo.engine.engine import Completion, Engine, check_cascade
 from attnzoo.engine.sampling import SamplingParams
 from attnzoo.errors import BackendError, ModelLoadError, RequestError
@@ -57,10 +57,28 @@ def _pick_dtype(dtype, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory, context_len) -> int:
+# Default window_kv_fraction: window-group tokens per full-group token (SGLang's swa_full_tokens_ratio,
+# 0.8 there). A request holds every token in the full group but at most its window (+ a page + its largest
+# prefill chunk) in the window group, so short requests (or a long shared prefix, held once) need about as
+# many window tokens as full ones, and long ones far fewer: 0.5 keeps ~90% of the one-group concurrency
+# for requests shorter than the window and doubles the full-group tokens (Gemma 4: 50 of 60 layers slide).
+WINDOW_KV_FRACTION = 0.5
+
+
+def _window_split(specs, context_len: int, window_kv_fraction: float | None) -> bool:
+    """Whether the pool gets a window page group: sliding layers whose window is shorter than the context."""
+    windows = [specs[i].sliding_window for i in window_group_layers(specs)] if window_kv_fraction is not None else []
+    return bool(windows) and context_len > max(windows)
+
+
+def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory, context_len,
+              window_kv_fraction=None) -> tuple[int, int | None]:
+    """(full-group pages, window-group pages or None for one group), page 0 of each included."""
     per_page = KVPool.bytes_per_page(specs, page_size, dtype)
+    split = _window_split(specs, context_len, window_kv_fraction)
     if kv_cache_tokens is not None:
-        return -(-kv_cache_tokens // page_size) + 1
+        full = -(-kv_cache_tokens // page_size) + 1
+        return full, (max(2, int(window_kv_fraction * (full - 1)) + 1) if split else None)
     if kv_cache_memory is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
@@ -68,7 +86,13 @@ def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory,
         else:
             # CPU: enough for several full-length sequences without eating the machine's memory.
             kv_cache_memory = min(1 << 30, per_page * (-(-8 * context_len // page_size)))
-    return max(2, kv_cache_memory // per_page)
+    if not split:
+        return max(2, kv_cache_memory // per_page), None
+    # full x per_full + fraction x full x per_window = memory
+    per_full = KVPool.bytes_per_page(specs, page_size, dtype, group="full")
+    per_window = KVPool.bytes_per_page(specs, page_size, dtype, group="window")
+    full = int(kv_cache_memory // (per_full + window_kv_fraction * per_window))
+    return max(2, full), max(2, int(window_kv_fraction * full))
 
 
 def _tensor_parallel_call(method):
@@ -88,7 +112,8 @@ def _tensor_parallel_call(method):
 
 class LLM:
     def __init__(self, *, model, tokenizer, config, architecture, source, decision, pool, engine, dtype, device,
-                 progress: bool = False, tp=None, load_timings: dict | None = None):
+                 progress: bool = False, tp=None, load_timings: dict | None = None,
+                 window_kv_fraction: float | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -102,6 +127,7 @@ class LLM:
         self.tp = tp  # TPGroup when tensor parallel, else None
         self.load_timings = dict(load_timings or {})  # seconds per load_model phase (this rank's)
         self.progress = progress  # status lines on stderr (generate's progress when no on_finish is given)
+        self.window_kv_fraction = window_kv_fraction  # as load_model was given it
         # One engine runs one batch at a time: concurrent calls would over-commit its KV reservations.
         self._lock = threading.RLock()  # re-entered by a tensor-parallel call (_tensor_parallel_call)
 
@@ -286,6 +312,35 @@ class LLM:
             return f"off: decode backend {e.decode_backend.name!r} has no cascade path" + extend
         return "off: turned off (cascade=False)"
 
+    def _page_groups_info(self) -> dict:
+        """The pool's page groups: capacity, layers and bytes per token of each, and why it is split or not."""
+        pool, e, specs = self.pool, self.engine, self.model.kv_cache_specs()
+        ps = pool.page_size
+
+        def group(name: str, alloc) -> dict:
+            layers = [i for i in range(len(specs)) if specs[i] is not None and pool.in_window_group(i) == (name == "window")]
+            return {"pages": alloc.capacity, "tokens": alloc.capacity * ps, "layers": len(layers),
+                    "kv_bytes_per_token": KVPool.bytes_per_page(specs, 1, pool.kv_dtype, group=name)}
+
+        if not pool.has_window_group:
+            windows = {s.sliding_window for s in specs if s is not None and s.sliding_window}
+            why = ("one group: no layer has a sliding window" if not windows else
+                   "one group: window_kv_fraction=None" if self.window_kv_fraction is None else
+                   f"one group: the context ({e.context_len}) fits the sliding window ({max(windows)})")
+            return {"explain": why, "window_kv_fraction": None, "full": group("full", e.allocator)}
+        return {
+            "explain": (f"two groups in one buffer: the {group('window', e.window_allocator)['layers']} sliding-window "
+                        f"layers keep only the pages their window ({pool.window} tokens) can still see, in their own "
+                        f"pages ('window'); the others keep every token ('full'). window_kv_fraction="
+                        f"{self.window_kv_fraction} sizes the window group in tokens per full-group token; kv_cache_tokens "
+                        "counts the full group. A request reserves prompt + max_new_tokens in 'full' and at most its "
+                        "window + a page + its largest prefill chunk in 'window'"),
+            "window_kv_fraction": self.window_kv_fraction,
+            "window": pool.window,
+            "full": group("full", e.allocator),
+            "window_group": group("window", e.window_allocator),
+        }
+
     def info(self) -> dict[str, Any]:
         specs = self.model.kv_cache_specs()
         elt = torch.empty((), dtype=self.pool.kv_dtype).element_size()
@@ -303,6 +358,7 @@ class LLM:
             "device": str(self.device),
             "kv_cache_pages": self.engine.allocator.capacity,
             "kv_cache_tokens": self.engine.allocator.capacity * self.pool.page_size,
+            "kv_page_groups": self._page_groups_info(),
             "kv_bytes_per_token": kv_bytes_per_token,
             "kv_layers_with_memory": sum(1 for i in range(len(specs)) if self.pool.owns_memory(i)),
             "kv_element_bytes": elt,
@@ -352,6 +408,7 @@ def load_model(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     progress: bool | None = None,
+    window_kv_fraction: float | None = WINDOW_KV_FRACTION,
 ) -> LLM:
     """Load a checkpoint (local dir, hub id, .gguf file; None = embedded SmolLM2-135M-Instruct).
 
@@ -375,6 +432,12 @@ def load_model(
     split layer stays FP8 where each rank's part is whole 128-blocks (else it is dequantized, and
     ``info()["weights"]["split_blocks"]`` says why); the routed experts (whole experts per rank) stay FP8.
     ``progress``: status lines on stderr (loading, KV allocation, generation); None: when stderr is a terminal.
+    ``window_kv_fraction``: models with sliding-window layers (Gemma 4) whose context is longer than the
+    window get two KV page groups in the one pool: the sliding layers keep only the pages their window
+    still sees (released as it moves on), the others every token. This sizes the window group in tokens
+    per full-group token (``kv_cache_tokens`` counts the full group; memory is split accordingly); a float
+    in (0, 1], default 0.5 (``WINDOW_KV_FRACTION`` says why). None: one group, every layer keeps every
+    token. ``info()["kv_page_groups"]`` reports both capacities and the split.
     Every argument, the device and the backend choices are checked before any weights are read.
     """
     from attnzoo.engine import tensor_parallel
@@ -395,7 +458,7 @@ def load_model(
 def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype, device, page_size, policy_file,
                 kv_cache_tokens, kv_cache_memory, max_batch_tokens, max_running, prefix_caching, cuda_graph,
                 cuda_graph_max_context, cascade, load_format, fp8_weights, seed, tensor_parallel_size, kv_cache_dtype,
-                k_scale, v_scale, progress, tp) -> LLM:
+                k_scale, v_scale, progress, window_kv_fraction, tp) -> LLM:
     from attnzoo.defaults import Overrides, resolve
     from attnzoo.defaults.profile import profile_from_config, rank_local
 
@@ -406,6 +469,10 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ModelLoadError(f"{name} must be a positive integer, got {value!r}",
                                  fix=f"pass {name}=N with N >= 1, or leave it unset for the default")
+    if window_kv_fraction is not None and (isinstance(window_kv_fraction, bool) or not isinstance(window_kv_fraction, (int, float))
+                                           or not 0 < window_kv_fraction <= 1):
+        raise ModelLoadError(f"window_kv_fraction must be a number in (0, 1] or None, got {window_kv_fraction!r}",
+                             fix=f"pass e.g. window_kv_fraction={WINDOW_KV_FRACTION}, or None for one KV page group")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise ModelLoadError(f"seed must be an integer in [0, 2**64), got {seed!r}", fix="pass seed=0 (any int)")
     for name, value in (("cuda_graph", cuda_graph), ("cascade", cascade), ("progress", progress)):
@@ -466,13 +533,17 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
     ps = decision.page_size
     kv_dt = kv_storage_dtype(kv_cache_dtype, dt)
     decision.kv_bytes_per_token = KVPool.bytes_per_page(specs, 1, kv_dt)
-    num_pages = _kv_pages(specs, ps, kv_dt, dev, kv_cache_tokens, kv_cache_memory, context_len)
+    num_pages, num_window_pages = _kv_pages(specs, ps, kv_dt, dev, kv_cache_tokens, kv_cache_memory, context_len,
+                                            window_kv_fraction)
     if tp is not None:  # rank 0 hands out the same page ids on every rank
         num_pages = tp.min_int(num_pages)
+        if num_window_pages is not None:
+            num_window_pages = tp.min_int(num_window_pages)
     pool = KVPool(specs, num_pages=num_pages, page_size=ps, dtype=dt, device=dev, kv_cache_dtype=kv_cache_dtype,
-                  k_scale=k_scale, v_scale=v_scale)
-    say(f"allocating the KV cache: {num_pages} pages of {ps} tokens "
-        f"({num_pages * KVPool.bytes_per_page(specs, ps, kv_dt) / 2**30:.2f} GiB, {kv_cache_dtype}) ...")
+                  k_scale=k_scale, v_scale=v_scale, num_window_pages=num_window_pages)
+    window_note = "" if num_window_pages is None else f" + {num_window_pages} pages of the sliding-window layers"
+    say(f"allocating the KV cache: {num_pages} pages of {ps} tokens{window_note} "
+        f"({pool.nbytes / 2**30:.2f} GiB, {kv_cache_dtype}) ...")
     backends = HybridBackend.create(decision.prefill_backend, decision.decode_backend, pool)
     eos = _eos_ids(config, tokenizer)
     engine = Engine(
@@ -492,7 +563,8 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
     say(f"ready in {time.perf_counter() - t0:.1f} s (prefill {decision.prefill_backend}, decode {decision.decode_backend})")
     engine.tp = tp
     return LLM(model=model, tokenizer=tokenizer, config=config, architecture=arch, source=src, decision=decision,
-               pool=pool, engine=engine, dtype=dt, device=dev, progress=say is _say, tp=tp, load_timings=timings)
+               pool=pool, engine=engine, dtype=dt, device=dev, progress=say is _say, tp=tp, load_timings=timings,
+               window_kv_fraction=window_kv_fraction)
 
 
 def _check_graph_and_cascade(decision, dev, cuda_graph, cascade, prefix_caching) -> None:

@@ -91,6 +91,7 @@ class _Channel:
             if kind != "step":
                 if model_id in self.models:
                     self.models[model_id].tables.clear()
+                    self.models[model_id].window_tables.clear()
                 return model_id, kind, payload
             group = self.models[model_id]
             group.engine.run_step(group.decode(payload))
@@ -137,6 +138,10 @@ class TPGroup:
         # pages sent so far on rank 0, the tables rebuilt on the others), not 1024 x 100 page ids.
         self._sent: dict[int, int] = {}
         self.tables: dict[int, np.ndarray] = {}
+        # Window-group tables (a pool with a window page group) also lose pages at the front, as the window
+        # moves on: steps carry (first live column, new pages).
+        self._wsent: dict[int, int] = {}
+        self.window_tables: dict[int, np.ndarray] = {}
 
     @property
     def rank(self) -> int:
@@ -165,8 +170,16 @@ class TPGroup:
                 new.append(table[self._sent.get(key, 0):].tolist())
                 self._sent[key] = len(table)
             payload = {**payload, "block_tables": new}
+            if payload.get("window_block_tables") is not None:
+                wnew = []
+                for key, table in zip(payload["keys"], payload["window_block_tables"]):
+                    first = int(np.argmax(table != 0)) if table.any() else len(table)
+                    wnew.append((first, table[self._wsent.get(key, 0):].tolist()))
+                    self._wsent[key] = len(table)
+                payload["window_block_tables"] = wnew
         elif kind != "step":
             self._sent.clear()
+            self._wsent.clear()
         self.channel.broadcast((self.model_id, kind, payload))
 
     def decode(self, payload: dict) -> dict:
@@ -177,6 +190,13 @@ class TPGroup:
                     old = self.tables.get(key, _NO_PAGES)
                     self.tables[key] = np.concatenate([old, np.asarray(pages, dtype=np.int32)])
             payload["block_tables"] = [self.tables[key] for key in payload["keys"]]
+            if payload.get("window_block_tables") is not None:
+                for key, (first, pages) in zip(payload["keys"], payload["window_block_tables"]):
+                    if pages or key not in self.window_tables:
+                        old = self.window_tables.get(key, _NO_PAGES)
+                        self.window_tables[key] = np.concatenate([old, np.asarray(pages, dtype=np.int32)])
+                    self.window_tables[key][:first] = 0
+                payload["window_block_tables"] = [self.window_tables[key] for key in payload["keys"]]
         return payload
 
     def min_int(self, value: int) -> int:

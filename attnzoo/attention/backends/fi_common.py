@@ -268,13 +268,14 @@ class GraphBlockTable:
         # The kernels are scheduled for the longest context any replay may see.
         self.max_seq_len = max_pages_per_req * page_size
 
-    def fill(self, meta) -> torch.Tensor:
-        """This step's rows, written into the static table: [num_reqs, num_cols] int32, device."""
+    def fill(self, meta, tables: torch.Tensor | None = None) -> torch.Tensor:
+        """This step's rows of ``tables`` (default: ``meta.block_tables``), written into the static table:
+        [num_reqs, num_cols] int32, device."""
         if not meta.is_decode:
             raise BackendError(f"{self.backend_name} captures decode steps only", fix="run extend steps eagerly")
         from attnzoo.attention.kernels import page_table  # Triton: imported when a graph is captured, not here
 
         return page_table.create_block_table(
-            meta.block_tables, meta.seq_lens, meta.page_size, num_cols=self.table.shape[1],
+            meta.block_tables if tables is None else tables, meta.seq_lens, meta.page_size, num_cols=self.table.shape[1],
             pad_value=0, max_pages=-(-meta.max_seq_len // meta.page_size), out=self.table,
         )

@@ -362,7 +362,7 @@ class FlashInferBackend(AttentionBackend):
         torch.cumsum(pages, 0, dtype=torch.int32, out=indptr_host[1:])
         dev = self.pool.device
         kv_indices = page_table.create_kv_indices(
-            meta.block_tables, meta.seq_lens, indptr_host.to(dev, non_blocking=True), ps,
+            meta.block_tables_for(window), meta.seq_lens, indptr_host.to(dev, non_blocking=True), ps,
             num_indices=int(indptr_host[-1]),
             page_start=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True) if starts else None,
         )
@@ -379,6 +379,7 @@ class FlashInferBackend(AttentionBackend):
         if idx is not None:
             return idx
         ps, dev = meta.page_size, self.pool.device
+        tables = meta.block_tables_for(window)
         seq = torch.tensor(meta.seq_lens_cpu, dtype=torch.int32)  # host
         before = split.shared_start - torch.tensor(split.rest_start, dtype=torch.int32)  # [num_reqs] pages
         after = (seq + ps - 1) // ps - split.shared_end
@@ -388,14 +389,14 @@ class FlashInferBackend(AttentionBackend):
         kv_indices = torch.empty(total, dtype=torch.int32, device=dev)
         if split.shared_start:  # pages before the shared segment, as if each request ended there
             page_table.create_kv_indices(
-                meta.block_tables, torch.full((meta.num_reqs,), split.shared_start * ps, dtype=torch.int32, device=dev),
+                tables, torch.full((meta.num_reqs,), split.shared_start * ps, dtype=torch.int32, device=dev),
                 indptr_host.to(dev, non_blocking=True), ps, num_indices=total,
                 page_start=torch.tensor(split.rest_start, dtype=torch.int32).to(dev, non_blocking=True), out=kv_indices,
             )
         after_at = indptr_host.clone()
         after_at[:-1] += before
         page_table.create_kv_indices(
-            meta.block_tables, meta.seq_lens, after_at.to(dev, non_blocking=True), ps, num_indices=total,
+            tables, meta.seq_lens, after_at.to(dev, non_blocking=True), ps, num_indices=total,
             page_start=torch.full((meta.num_reqs,), split.shared_end, dtype=torch.int32, device=dev), out=kv_indices,
         )
         idx = _PageIndex(kv_indptr=indptr_host, kv_indices=kv_indices, last_page_len=(seq - 1) % ps + 1)
@@ -424,7 +425,7 @@ class FlashInferBackend(AttentionBackend):
                 rest_wrappers = self._graph.decode((bucket, "rest", split.window_left))
             shared = _PageIndex(
                 kv_indptr=torch.tensor([0, split.gap_pages], dtype=torch.int32),
-                kv_indices=meta.block_tables[0, split.shared_start:split.shared_end],
+                kv_indices=meta.block_tables_for(sig.window)[0, split.shared_start:split.shared_end],
                 last_page_len=torch.tensor([meta.page_size], dtype=torch.int32),
             )
             everyone = step.qo_indptr[[0, -1]]  # every query sees every shared key

@@ -51,10 +51,13 @@ class TorchBackend(NSABackend):
         out = torch.empty(q.shape[0], layer.num_heads, layer.v_head_dim, dtype=q.dtype, device=q.device)
         start = 0
         for i, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.q_lens_cpu)):
-            pages = meta.block_tables[i, : -(-seq_len // ps)]
+            pages = meta.block_tables_for(layer.sliding_window)[i, : -(-seq_len // ps)]
             k = dequantize(gather_kv(k_cache, pages, seq_len), self.pool.k_scale)
             v = dequantize(gather_kv(v_cache, pages, seq_len), self.pool.v_scale)
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            if layer.sliding_window:  # keys before every query's window (released pages read page 0): zeros
+                seen = torch.arange(seq_len, device=q.device) > seq_len - q_len - layer.sliding_window
+                k, v = torch.where(seen[:, None, None], k, 0), torch.where(seen[:, None, None], v, 0)
             o = attention_reference(
                 q[start : start + q_len], k, v, q_pos,
                 scale=layer.scale, sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap,
@@ -72,22 +75,24 @@ class TorchBackend(NSABackend):
         self.check_layer("decode", layer)
         k_cache, v_cache = self.pool.k(layer.layer_id), self.pool.v(layer.layer_id)
         b, max_len = q.shape[0], meta.max_seq_len
-        pages = meta.block_tables[:, : -(-max_len // meta.page_size)]  # [B, n]
+        pages = meta.block_tables_for(layer.sliding_window)[:, : -(-max_len // meta.page_size)]  # [B, n]
 
         def gather(cache, scale):  # -> [B, Hkv, max_len, dim] float32
             g = dequantize(cache[pages], scale).float()  # [B, n, Hkv, page_size, dim]
             return g.transpose(1, 2).reshape(b, g.shape[2], -1, g.shape[-1])[:, :, :max_len]
 
         k, v = gather(k_cache, self.pool.k_scale), gather(v_cache, self.pool.v_scale)
-        qg = q.float().view(b, layer.num_kv_heads, -1, q.shape[-1])  # [B, Hkv, group, D]
-        scores = (qg @ k.transpose(-1, -2)) * layer.scale  # [B, Hkv, group, max_len]
-        if layer.logit_softcap:
-            scores = layer.logit_softcap * torch.tanh(scores / layer.logit_softcap)
         kpos = torch.arange(max_len, device=q.device).view(1, -1)
         qpos = (meta.seq_lens.long() - 1).view(-1, 1)
         visible = kpos <= qpos
         if layer.sliding_window:
             visible &= kpos > qpos - layer.sliding_window
+            # keys outside the window (released pages read page 0) enter as zeros, not as page 0's entries
+            k, v = (torch.where(visible[:, None, :, None], x, 0) for x in (k, v))
+        qg = q.float().view(b, layer.num_kv_heads, -1, q.shape[-1])  # [B, Hkv, group, D]
+        scores = (qg @ k.transpose(-1, -2)) * layer.scale  # [B, Hkv, group, max_len]
+        if layer.logit_softcap:
+            scores = layer.logit_softcap * torch.tanh(scores / layer.logit_softcap)
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
         out = torch.softmax(scores, dim=-1) @ v  # [B, Hkv, group, Dv]
         return out.reshape(b, layer.num_heads, layer.v_head_dim).to(q.dtype)

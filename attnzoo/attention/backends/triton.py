@@ -121,7 +121,8 @@ class TritonBackend(AttentionBackend):
         self.check_layer("prefill", layer)
         lid = layer.layer_id
         return self._extend_mod.extend_attention(
-            q, self.pool.k(lid), self.pool.v(lid), meta.block_tables, meta.q_indptr, meta.prefix_lens,
+            q, self.pool.k(lid), self.pool.v(lid), meta.block_tables_for(layer.sliding_window), meta.q_indptr,
+            meta.prefix_lens,
             max_q_len=plan.max_q_len, scale=layer.scale,
             sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap,
             k_scale=self.pool.k_scale, v_scale=self.pool.v_scale,
@@ -148,7 +149,7 @@ class TritonBackend(AttentionBackend):
             partial = lse = None
             if splits > 1:
                 partial, lse = self._scratch(plan, batch, num_heads, splits, v_dim, q.device)
-            return dec.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+            return dec.decode_attention(q, k_cache, v_cache, meta.block_tables_for(layer.sliding_window), meta.seq_lens,
                                         sliding_window=layer.sliding_window, num_kv_splits=splits,
                                         partial=partial, lse=lse, **kw)
         # Stage 2 merges the suffix and shared splits together: their sum stays within its limit.

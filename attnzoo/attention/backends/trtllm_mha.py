@@ -58,6 +58,11 @@ class TrtllmMHAPlan(StepPlan):
     max_q_len: int
     cum_seq_lens_q: torch.Tensor | None = None  # [num_reqs + 1] int32, device (trtllm-gen context only)
     cum_seq_lens_kv: torch.Tensor | None = None  # [num_reqs + 1] int32, device (trtllm-gen context only)
+    # A pool with a window page group: that group's table, read by the sliding-window layers.
+    window_block_table: torch.Tensor | None = None  # [num_reqs, num_cols] int32, device
+
+    def table_for(self, layer) -> torch.Tensor:
+        return self.window_block_table if layer.sliding_window and self.window_block_table is not None else self.block_table
 
 
 class TrtllmMHABackend(AttentionBackend):
@@ -110,6 +115,7 @@ class TrtllmMHABackend(AttentionBackend):
         self.gpu = gpu_of(self._cc)
         self.require_pool()
         self._graph: GraphBlockTable | None = None
+        self._window_graph: GraphBlockTable | None = None  # the window group's, where the pool has one
 
     # ---------------------------------------------------------------- kernel choice (reported)
 
@@ -140,13 +146,10 @@ class TrtllmMHABackend(AttentionBackend):
             self._require_context_kernel()
         ps = meta.page_size
         max_pages = -(-meta.max_seq_len // ps)
-        step = TrtllmMHAPlan(
-            block_table=page_table.create_block_table(
-                meta.block_tables, meta.seq_lens, ps, num_cols=max_pages, pad_value=0, max_pages=max_pages,
-            ),
-            max_seq_len=meta.max_seq_len,
-            max_q_len=meta.max_q_len,
-        )
+        tables = [page_table.create_block_table(t, meta.seq_lens, ps, num_cols=max_pages, pad_value=0, max_pages=max_pages)
+                  if t is not None else None for t in (meta.block_tables, meta.window_block_tables)]
+        step = TrtllmMHAPlan(block_table=tables[0], max_seq_len=meta.max_seq_len, max_q_len=meta.max_q_len,
+                             window_block_table=tables[1])
         if not meta.is_decode:  # trtllm-gen context: cumulative query and KV lengths
             kv = [0]
             for s in meta.seq_lens_cpu:
@@ -156,15 +159,20 @@ class TrtllmMHABackend(AttentionBackend):
         return step
 
     def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
-        self._graph = GraphBlockTable(self.name, max_batch_size, max_pages_per_req,
-                                      num_cols=max_pages_per_req,
-                                      page_size=self.pool.page_size, device=self.pool.device)
+        def table():
+            return GraphBlockTable(self.name, max_batch_size, max_pages_per_req, num_cols=max_pages_per_req,
+                                   page_size=self.pool.page_size, device=self.pool.device)
+
+        self._graph = table()
+        self._window_graph = table() if self.pool.has_window_group else None
 
     def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> TrtllmMHAPlan:
         if self._graph is None:
             raise BackendError("prepare_graph before init_graph_state", fix="call init_graph_state first")
         table = self._graph.fill(meta)
-        return TrtllmMHAPlan(block_table=table, max_seq_len=self._graph.max_seq_len, max_q_len=1)
+        window = self._window_graph.fill(meta, meta.window_block_tables) if self._window_graph is not None else None
+        return TrtllmMHAPlan(block_table=table, max_seq_len=self._graph.max_seq_len, max_q_len=1,
+                             window_block_table=window)
 
     def _require_context_kernel(self) -> None:
         runs_as = self.extend_runs_as(self._cc)
@@ -190,7 +198,7 @@ class TrtllmMHABackend(AttentionBackend):
             query=q,  # [num_tokens, heads, head_dim]
             kv_cache=(self.pool.k(lid), self.pool.v(lid)),
             workspace_buffer=workspace(self.pool.device, "trtllm"),
-            block_tables=step.block_table,
+            block_tables=step.table_for(layer),
             seq_lens=meta.seq_lens,
             max_q_len=step.max_q_len,
             max_kv_len=step.max_seq_len,
@@ -212,7 +220,7 @@ class TrtllmMHABackend(AttentionBackend):
             query=q,  # [num_reqs, heads, head_dim]: one query token per request
             kv_cache=(self.pool.k(lid), self.pool.v(lid)),
             workspace_buffer=workspace(self.pool.device, "trtllm"),
-            block_tables=step.block_table,
+            block_tables=step.table_for(layer),
             seq_lens=meta.seq_lens,
             max_seq_len=step.max_seq_len,
             bmm1_scale=sig.scale * self.pool.k_scale,  # the softmax scale (q is unscaled; fp8 k times k_scale)

@@ -86,9 +86,10 @@ def _extend_kernel(
     last_pos = prefix + (tl.minimum(mblk * BLOCK_M + BLOCK_M, num_rows) - 1) // GROUP
     hi = last_pos + 1
     lo = 0
+    seen = 0  # the first key any row of the block sees
     if HAS_WINDOW:
-        lo = tl.maximum(first_pos - window + 1, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
+        seen = tl.maximum(first_pos - window + 1, 0)
+        lo = (seen // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -98,7 +99,8 @@ def _extend_kernel(
 
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
+        # Keys before the window are not loaded: their pages may be released (page 0 in the table).
+        n_ok = (offs_n < hi) & (offs_n >= seen)
         page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
         slot = offs_n % PAGE_SIZE
         k_row = K + page * stride_kp + kvh * stride_kh + slot * stride_kt
