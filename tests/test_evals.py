@@ -450,6 +450,9 @@ def test_token_helpers():
     assert abs(lo) < 1e-12 and 0 < hi < 0.05
     lo, hi = stats.wilson_interval(0.5, 100)
     assert 0.39 < lo < 0.5 < hi < 0.61
+    # The interval holds p, rounding included (at p = 0, n = 3 the lower bound came out 1e-17 above 0,
+    # and the chart's error bar refused it as negative).
+    assert all(lo <= p <= hi for n in range(1, 300) for p in (0.0, 1.0) for lo, hi in [stats.wilson_interval(p, n)])
 
 
 # ------------------------------------------------------------------------------ the lm-eval model class
