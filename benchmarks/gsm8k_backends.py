@@ -25,6 +25,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -170,7 +171,14 @@ def main() -> int:
         if _page_size(backend):
             argv += ["--page-size", str(_page_size(backend))]
         seqs = {}
-        rep = run_eval.run(run_eval.build_parser().parse_args(argv), sequences=seqs)
+        try:
+            rep = run_eval.run(run_eval.build_parser().parse_args(argv), sequences=seqs)
+        except Exception as e:  # one configuration that fails (a kernel's JIT build, say) must not cost the others
+            traceback.print_exc()
+            skipped = [sk for sk in skipped if sk["config"] != name] + [{"config": name, "why": f"failed: {e!r}"}]
+            say(f"{name}: failed ({e!r})")
+            write_summary()
+            continue
         if not prompts:
             prompts.update({k: p for k, (p, _) in seqs.items()})
         done[name] = (rep, json_path, png_path)
@@ -193,8 +201,9 @@ def main() -> int:
                 rep["comparison"] = compare_runs(saved_a, rep["run"], alpha=eval_args.alpha, forced=forced,
                                                  forced_note=note)
                 rep["comparison"]["a"]["label"] = f"saved report {ref_path} ({saved_a.get('label')})"
-                why_not = write_chart(rep, png_path)
-                rep["chart"] = str(png_path) if why_not is None else f"not written: {why_not}"
+                if final:  # the chart's title names the verdict; the rest of it does not change
+                    why_not = write_chart(rep, png_path)
+                    rep["chart"] = str(png_path) if why_not is None else f"not written: {why_not}"
                 run_eval.write_report(json_path, rep)
                 set_row(name, rep)
             write_summary()
