@@ -450,6 +450,9 @@ def test_token_helpers():
     assert abs(lo) < 1e-12 and 0 < hi < 0.05
     lo, hi = stats.wilson_interval(0.5, 100)
     assert 0.39 < lo < 0.5 < hi < 0.61
+    # The interval holds p, rounding included (at p = 0, n = 3 the lower bound came out 1e-17 above 0,
+    # and the chart's error bar refused it as negative).
+    assert all(lo <= p <= hi for n in range(1, 300) for p in (0.0, 1.0) for lo, hi in [stats.wilson_interval(p, n)])
 
 
 # ------------------------------------------------------------------------------ the lm-eval model class
@@ -581,3 +584,30 @@ def test_teacher_forcing_waves_count_whole_pages():
     assert sum(len(w) for w in waves) == 239
     for w in waves:
         assert sum(-(-(len(s.prompt) + len(s.output)) // ps) for s in w) <= budget // ps
+
+
+def test_teacher_forcing_many_bs_equals_one_at_a_time(tiny_model, monkeypatch):
+    """Several B's stepped in lockstep with one A (benchmarks/gsm8k_backends.py) give each B the result
+    of its own A-vs-B teacher forcing; the callback sees every wave."""
+    import attnzoo
+    from attnzoo.evals import tokens
+
+    monkeypatch.setitem(backend_registry._REGISTRY, "torch_scaled09", f"{__name__}:MildlyScaledScoresBackend")
+
+    def load(backend):
+        return attnzoo.load_model(tiny_model, backend=backend, device="cpu", dtype="float32", kv_cache_tokens=64)
+
+    rng = random.Random(3)
+    seqs = [tokens.Sequence(key=("gsm8k", i), prompt=[rng.randint(3, 127) for _ in range(rng.randint(2, 9))],
+                            output=[rng.randint(3, 127) for _ in range(rng.randint(1, 6))]) for i in range(5)]
+    seqs[2].output = []  # nothing generated: nothing to compare
+    a, same, scaled = load("torch"), load("torch"), load("torch_scaled09")
+    waves = []
+    many = tokens.teacher_forced_compare_many(a, [same, scaled], seqs, budget_tokens=32,
+                                              on_wave=lambda res: waves.append([len(r.per_question) for r in res]))
+    one = [tokens.teacher_forced_compare(a, b, seqs, budget_tokens=32) for b in (same, scaled)]
+    assert len(waves) >= 2 and waves[-1] == [4, 4]  # 32 tokens: several waves; the empty output is skipped
+    for got, want in zip(many, one):
+        assert got.per_question == want.per_question
+    assert all(st.kl_max == 0.0 for st in many[0].per_question.values())
+    assert any(st.kl_max > 0.0 for st in many[1].per_question.values())

@@ -45,6 +45,53 @@ def attention_reference(
     return (torch.softmax(scores, dim=-1) @ vf).transpose(0, 1)
 
 
+def padded_attention_reference(
+    q: torch.Tensor,  # [b, q_max, num_heads, head_dim]: b requests' queries, each padded to q_max rows
+    q_positions: torch.Tensor,  # [b, q_max] int64 absolute positions (padding rows: any position >= 0)
+    k_cache: torch.Tensor,  # [num_pages, num_kv_heads, page_size, head_dim]: the pool's view
+    v_cache: torch.Tensor,  # [num_pages, num_kv_heads, page_size, v_head_dim]
+    tables: torch.Tensor,  # [b, n] page ids of each request; n pages hold kv_len tokens
+    kv_len: int,  # keys read per request: the longest context among the b
+    *,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:  # [b, q_max, num_heads, v_head_dim], float32
+    """``attention_reference`` of b requests in one batch, in the same float32 operations: keys and values
+    gathered from their pages and padded to ``kv_len``; keys past a request's context sit after all of
+    its queries, so the causal mask hides them. A request costs no Python of its own, so a step of
+    thousands of requests is a few dozen ops per layer on a GPU, not thousands."""
+    b, q_max, h, d = q.shape
+    hkv = k_cache.shape[1]
+
+    def gather(cache, s):  # -> [num_kv_heads, b, kv_len, dim] float32; heads first: the gather is one copy
+        g = dequantize(cache.transpose(0, 1)[:, tables], s).float()  # [Hkv, b, n, page_size, dim]
+        return g.flatten(2, 3)[:, :, :kv_len]
+
+    k, v = gather(k_cache, k_scale), gather(v_cache, v_scale)
+    # Keys no query of its request sees (past its context: table padding; before every query's window:
+    # released pages) read page 0: they enter as zeros, so none of page 0 reaches the result (0 x NaN would).
+    kpos = torch.arange(kv_len, device=q.device)
+    live = kpos <= q_positions[:, -1:]  # [b, kv_len]; a request's last padded query is its last real one
+    if sliding_window:
+        live &= kpos > q_positions[:, :1] - sliding_window
+    k, v = (torch.where(live[None, :, :, None], x, 0) for x in (k, v))
+    # Query head i reads kv head i // group (attention_reference's repeat_interleave).
+    qf = q.float().view(b, q_max, hkv, h // hkv, d).permute(2, 0, 3, 1, 4).reshape(hkv, b, -1, d)
+    scores = (qf @ k.transpose(-1, -2)) * scale  # [Hkv, b, group * q_max, kv_len]
+    if logit_softcap:
+        scores = logit_softcap * torch.tanh(scores / logit_softcap)
+    qpos = q_positions.view(b, 1, q_max, 1)
+    visible = kpos <= qpos  # [b, 1, q_max, kv_len]
+    if sliding_window:
+        visible &= kpos > qpos - sliding_window
+    scores = scores.view(hkv, b, -1, q_max, kv_len).masked_fill(~visible, float("-inf"))
+    out = torch.softmax(scores, dim=-1).flatten(2, 3) @ v  # [Hkv, b, group * q_max, Dv]
+    return out.view(hkv, b, -1, q_max, v.shape[-1]).permute(1, 3, 0, 2, 4).reshape(b, q_max, h, -1)
+
+
 def dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
     """A gathered fp8 pool slice as float32 values (other dtypes pass through)."""
     return x.float() * scale if x.dtype == torch.float8_e4m3fn else x

@@ -248,39 +248,60 @@ def _evaluate(args, data_files, b: Backends, label: str) -> tuple[dict, dict]:
 def _teacher_force(args, a: Backends, b: Backends, seqs_a: dict, prompts: dict, limit: int):
     """Teacher-force run A's outputs through A's and B's backends (both loaded at once: twice the weights'
     memory, a small KV cache each). Returns (ForcedResult or None, a note for the report)."""
+    return teacher_force_many(args, a, [b], seqs_a, prompts, limit)[0]
+
+
+def teacher_force_many(args, a: Backends, bs: list[Backends], seqs_a: dict, prompts: dict, limit: int,
+                       on_wave=None) -> list[tuple]:
+    """``_teacher_force`` for several B's at once: A and every B loaded together (a small KV cache each),
+    stepped in lockstep, A's logits computed once for all. Returns (ForcedResult or None, note) per B;
+    ``on_wave(pairs)`` gets the same after each wave of questions, with notes saying how far it is."""
     import torch
 
     from attnzoo.evals import tokens
 
     if limit == 0:
-        return None, "off (--logit-compare-limit 0)"
+        return [(None, "off (--logit-compare-limit 0)")] * len(bs)
     keys = sorted(seqs_a, key=lambda k: (str(k[0]), k[1]))[:limit]
     seqs = [tokens.Sequence(key=k, prompt=prompts[k], output=seqs_a[k]) for k in keys if k in prompts]
     if not seqs:
-        return None, "no token ids to replay"
+        return [(None, "no token ids to replay")] * len(bs)
     dev = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     longest = max(len(s.prompt) + len(s.output) for s in seqs)
     budget = max(_FORCED_KV_TOKENS[dev.type], longest)
-    llm_a = None
+    llm_a, llm_bs = None, []
     try:
         llm_a = _load(args, a, kv_cache_tokens=budget, cuda_graph=False)
         # Tensor parallel: B joins A's group (its ranks load B too), so one rank 0 steps both.
-        llm_b = _load(args, b, kv_cache_tokens=budget, cuda_graph=False)
+        for b in bs:
+            llm_bs.append(_load(args, b, kv_cache_tokens=budget, cuda_graph=False))
     except AttnzooError as e:  # e.g. a saved report's backends that cannot run on this machine
-        if llm_a is not None:
-            llm_a.close()
-        return None, f"skipped: run A's backends cannot be loaded here ({e})"
+        for llm in [llm_a, *llm_bs]:
+            if llm is not None:
+                llm.close()
+        return [(None, f"skipped: run A's or B's backends cannot be loaded here ({e})")] * len(bs)
     t0 = time.perf_counter()
+
+    def with_notes(results: list, final: bool) -> list[tuple]:
+        secs = time.perf_counter() - t0
+        if not final:
+            return [(r, f"{len(r.per_question)} of {len(seqs)} questions so far ({secs:.1f} s; teacher forcing "
+                        "still running)") for r in results]
+        return [(r, f"{len(seqs)} of {len(seqs_a)} questions, {secs:.1f} s"
+                    + ("" if len(seqs) == len(seqs_a) else " (--logit-compare-limit)")) for r in results]
+
     try:
-        res = tokens.teacher_forced_compare(llm_a, llm_b, seqs, budget_tokens=budget)
+        if llm_a.tp is not None:  # one B: its ranks follow A's rank 0 (tokens.teacher_forced_compare)
+            results = [tokens.teacher_forced_compare(llm_a, llm_b, seqs, budget_tokens=budget) for llm_b in llm_bs]
+        else:
+            wave = None if on_wave is None else (lambda res: on_wave(with_notes(res, final=False)))
+            results = tokens.teacher_forced_compare_many(llm_a, llm_bs, seqs, budget_tokens=budget, on_wave=wave)
     finally:
-        llm_b.close()
-        llm_a.close()
-    note = (f"{len(seqs)} of {len(seqs_a)} questions, {time.perf_counter() - t0:.1f} s"
-            + ("" if len(seqs) == len(seqs_a) else " (--logit-compare-limit)"))
-    del llm_a, llm_b
+        for llm in [*llm_bs, llm_a]:
+            llm.close()
+    del llm_a, llm_bs
     _free_memory()
-    return res, note
+    return with_notes(results, final=True)
 
 
 def _free_memory() -> None:
@@ -294,10 +315,12 @@ def _free_memory() -> None:
 # ------------------------------------------------------------------------------ entry points
 
 
-def run(args, write: bool = True) -> dict:
+def run(args, write: bool = True, sequences: dict | None = None) -> dict:
     """Validate, evaluate, compare. Returns ``{"format", "run", ["run_b"], ["comparison"]}``.
 
-    ``write=False`` leaves writing ``--output`` to the caller (``main`` prints the summary first)."""
+    ``write=False`` leaves writing ``--output`` to the caller (``main`` prints the summary first).
+    ``sequences``: filled with this run's (prompt ids, output ids) per (task, doc_id), for teacher forcing
+    by the caller (``teacher_force_many``)."""
     from attnzoo.evals.report import REPORT_FORMAT, compare_runs
     from attnzoo.evals.tasks import check_data_dir, load_tasks, require_lm_eval
     from attnzoo.models import loader
@@ -344,6 +367,8 @@ def run(args, write: bool = True) -> dict:
         1 << 62 if on_gpu else CPU_LOGIT_COMPARE_LIMIT)
     report: dict[str, Any] = {"format": REPORT_FORMAT}
     report["run"], seqs = _evaluate(args, data_files, mine, label=mine.describe())
+    if sequences is not None:
+        sequences.update(seqs)
     prompts = {k: p for k, (p, _) in seqs.items()}
     if other is not None:
         report["run_b"], _ = _evaluate(args, data_files, other, label=other.describe())

@@ -94,7 +94,9 @@ def wilson_interval(p: float, n: int) -> tuple[float, float]:
     z2 = _Z95**2
     center = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = _Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-    return max(0.0, center - half), min(1.0, center + half)
+    # It holds p; at p = 0 or 1 the bound that touches p is rounded (1e-17 past it, which a chart's error
+    # bar refuses as negative).
+    return max(0.0, min(p, center - half)), min(1.0, max(p, center + half))
 
 
 def verdict(results: dict[str, PairedResult], alpha: float = 0.05) -> tuple[str, float]:

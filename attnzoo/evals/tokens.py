@@ -82,48 +82,65 @@ def teacher_forced_compare(llm_a, llm_b, seqs: list[Sequence], *, budget_tokens:
     ``tensor_parallel_size``); rank 0 steps both and the other ranks follow (under torchrun every rank
     calls this and gets rank 0's result)."""
     if llm_a.tp is None and llm_b.tp is None:
-        return _compare(llm_a, llm_b, seqs, budget_tokens)
+        return _compare(llm_a, [llm_b], seqs, budget_tokens)[0]
     if llm_a.tp is None or llm_b.tp is None or llm_a.tp.channel is not llm_b.tp.channel:
         raise EvalError("teacher forcing steps two models in lockstep, and these are not on one tensor-parallel group",
                         fix="load both in this process with the same tensor_parallel_size (the second joins the first's "
                             "group), or both without tensor parallelism")
     with llm_a._lock, llm_b._lock:
-        return llm_a.tp.call(lambda: _compare(llm_a, llm_b, seqs, budget_tokens))
+        return llm_a.tp.call(lambda: _compare(llm_a, [llm_b], seqs, budget_tokens)[0])
 
 
-def _compare(llm_a, llm_b, seqs: list[Sequence], budget_tokens: int) -> ForcedResult:
-    res = ForcedResult()
-    page_size = max(llm_a.engine.pool.page_size, llm_b.engine.pool.page_size)
+def teacher_forced_compare_many(llm_a, llm_bs: list, seqs: list[Sequence], *, budget_tokens: int,
+                                on_wave=None) -> list[ForcedResult]:
+    """``teacher_forced_compare`` of several B's against one A, all engines stepped in lockstep: A's
+    logits are computed once per step for all of them, and each B's result is the one
+    ``teacher_forced_compare(llm_a, llm_b)`` gives. ``on_wave(results)`` is called after each wave of
+    sequences with the results so far. Without tensor parallelism (``teacher_forced_compare`` is the
+    route for it)."""
+    if any(llm.tp is not None for llm in (llm_a, *llm_bs)):
+        raise EvalError("teacher forcing several B's at once runs without tensor parallelism",
+                        fix="compare one B at a time with teacher_forced_compare")
+    return _compare(llm_a, llm_bs, seqs, budget_tokens, on_wave)
+
+
+def _compare(llm_a, llm_bs: list, seqs: list[Sequence], budget_tokens: int, on_wave=None) -> list[ForcedResult]:
+    results = [ForcedResult() for _ in llm_bs]
+    page_size = max(llm.engine.pool.page_size for llm in (llm_a, *llm_bs))
     for wave in _waves([s for s in seqs if s.output], budget_tokens, page_size):
-        stats = [ForcedStats() for _ in wave]
+        stats = [[ForcedStats() for _ in wave] for _ in llm_bs]
         prompts = [s.prompt for s in wave]
         outs = [s.output for s in wave]
-        steps_a = llm_a.engine.teacher_forced(prompts, outs)
-        steps_b = llm_b.engine.teacher_forced(prompts, outs)
-        for (t, live, la), (tb, live_b, lb) in zip(steps_a, steps_b):
-            if tb != t or live_b != live:
-                raise EvalError("the two engines fed the same sequences took different steps",
-                                fix="report this: Engine.teacher_forced must be deterministic in its schedule")
+        steps = [llm.engine.teacher_forced(prompts, outs) for llm in (llm_a, *llm_bs)]
+        for (t, live, la), *steps_b in zip(*steps):
             target = torch.tensor([outs[i][t] for i in live], device=la.device)
             lpa = torch.log_softmax(la.float(), dim=-1)
-            lpb = torch.log_softmax(lb.to(la.device).float(), dim=-1)
-            # KL(A||B) = sum_v p_A (log p_A - log p_B); terms with p_A = 0 contribute 0.
-            kl = (lpa.exp() * (lpa - lpb)).nan_to_num(0.0).sum(-1).clamp_min(0.0).tolist()  # one sync a step
-            hit_b = (lpb.argmax(-1) == target).tolist()
+            pa = lpa.exp()
             hit_a = (lpa.argmax(-1) == target).tolist()
-            for j, i in enumerate(live):
-                st = stats[i]
-                st.tokens += 1
-                st.top1_b += hit_b[j]
-                st.top1_a += hit_a[j]
-                k = kl[j]
-                st.kl_sum += k
-                st.kl_max = max(st.kl_max, k)
-                if not hit_b[j] and st.first_top1_miss is None:
-                    st.first_top1_miss = t
-        for s, st in zip(wave, stats):
-            res.per_question[s.key] = st
-    return res
+            for (tb, live_b, lb), stats_b in zip(steps_b, stats):
+                if tb != t or live_b != live:
+                    raise EvalError("the two engines fed the same sequences took different steps",
+                                    fix="report this: Engine.teacher_forced must be deterministic in its schedule")
+                lpb = torch.log_softmax(lb.to(la.device).float(), dim=-1)
+                # KL(A||B) = sum_v p_A (log p_A - log p_B); terms with p_A = 0 contribute 0.
+                kl = (pa * (lpa - lpb)).nan_to_num(0.0).sum(-1).clamp_min(0.0).tolist()  # one sync a step
+                hit_b = (lpb.argmax(-1) == target).tolist()
+                for j, i in enumerate(live):
+                    st = stats_b[i]
+                    st.tokens += 1
+                    st.top1_b += hit_b[j]
+                    st.top1_a += hit_a[j]
+                    k = kl[j]
+                    st.kl_sum += k
+                    st.kl_max = max(st.kl_max, k)
+                    if not hit_b[j] and st.first_top1_miss is None:
+                        st.first_top1_miss = t
+        for res, stats_b in zip(results, stats):
+            for s, st in zip(wave, stats_b):
+                res.per_question[s.key] = st
+        if on_wave is not None:
+            on_wave(results)
+    return results
 
 
 def summarize_forced(stats: list[ForcedStats]) -> dict:
