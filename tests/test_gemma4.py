@@ -92,7 +92,7 @@ def test_matches_transformers(checkpoints, name, page_size):
 
 
 def test_shared_kv_layers_own_no_memory(checkpoints):
-    llm = attnzoo.load_model(checkpoints["e2b"][1], backend="torch", page_size=4, kv_cache_tokens=64)
+    llm = attnzoo.load_model(checkpoints["e2b"][1], backend="torch", page_size=4, kv_cache_tokens=64, window_kv_fraction=0.5)
     assert [llm.pool.owns_memory(i) for i in range(6)] == [True] * 4 + [False] * 2
     assert llm.pool.k(4) is llm.pool.k(3) and llm.pool.v(5) is llm.pool.v(2)
     # Producers only: sliding layers 0, 1, 3 (1 KV head x 32) and full layer 2 (1 KV head x 64), k + v, fp32.
@@ -107,7 +107,7 @@ def test_shared_kv_layers_own_no_memory(checkpoints):
     assert data <= llm.pool.nbytes < data + 8 * 256
     groups = llm.info()["kv_page_groups"]
     assert (groups["full"]["kv_bytes_per_token"], groups["window_group"]["kv_bytes_per_token"]) == (full, window)
-    assert groups["full"]["tokens"] == 64 and groups["window_group"]["tokens"] == 32  # the default fraction, 0.5
+    assert groups["full"]["tokens"] == 64 and groups["window_group"]["tokens"] == 32  # window_kv_fraction=0.5
 
 
 def test_mixed_head_dims_in_one_pool(checkpoints):

@@ -30,7 +30,7 @@ def gemma(tmp_path_factory):
 
 
 def _load(path, **kw):
-    return attnzoo.load_model(path, page_size=PS, **{"backend": "torch", **kw})
+    return attnzoo.load_model(path, page_size=PS, **{"backend": "torch", "window_kv_fraction": 0.5, **kw})
 
 
 def _tokens(llm, prompts, steps):
@@ -286,10 +286,10 @@ def test_gpu_hybrid_equals_one_group_eager_graphs_and_cascade(tmp_path, backend)
     prefix = random_prompts(256, [100], seed=7)[0]
     prompts = random_prompts(256, [5, 90, 17], seed=4) + [prefix + p for p in random_prompts(256, [3, 20, 9], seed=8)]
     runs = {}
-    cases = {"one": dict(window_kv_fraction=None, cuda_graph=False), "two": dict(cuda_graph=False),
-             "two_graph": dict(cuda_graph=True)}
+    cases = {"one": dict(window_kv_fraction=None, cuda_graph=False), "two": dict(cuda_graph=False, window_kv_fraction=0.5),
+             "two_graph": dict(cuda_graph=True, window_kv_fraction=0.5)}
     if backend == "flashinfer":
-        cases["two_cascade"] = dict(cuda_graph=False, cascade=True)
+        cases["two_cascade"] = dict(cuda_graph=False, cascade=True, window_kv_fraction=0.5)
     for name, kw in cases.items():
         llm = attnzoo.load_model(path, backend=backend, dtype="bfloat16", page_size=16, max_running=8,
                                  max_batch_tokens=64, **kw)

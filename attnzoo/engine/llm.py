@@ -57,12 +57,14 @@ def _pick_dtype(dtype, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-# Default window_kv_fraction: window-group tokens per full-group token (SGLang's swa_full_tokens_ratio,
-# 0.8 there). A request holds every token in the full group but at most its window (+ a page + its largest
-# prefill chunk) in the window group, so short requests (or a long shared prefix, held once) need about as
-# many window tokens as full ones, and long ones far fewer: 0.5 keeps ~90% of the one-group concurrency
-# for requests shorter than the window and doubles the full-group tokens (Gemma 4: 50 of 60 layers slide).
-WINDOW_KV_FRACTION = 0.5
+# Default window_kv_fraction: None, one page group. The split between the groups is fixed at load, and
+# a request shorter than the window needs as many window tokens as full ones, so any fraction below 1
+# lowers the concurrency of few-shot evaluation workloads, this engine's main use: on the H200, the
+# Gemma-4-31B GSM8K workload ran at 3,751 tok/s with one group and 3,363 with 0.5 (146,688 full-group
+# tokens instead of 80,000; benchmarks/results/e2e_gemma4_31b_*_nvidia_h200.json). Long generations
+# (prompt + output well past the window) gain the most from a fraction (SGLang's swa_full_tokens_ratio
+# is 0.8): pass one.
+WINDOW_KV_FRACTION = None
 
 
 def _window_split(specs, context_len: int, window_kv_fraction: float | None) -> bool:
@@ -436,7 +438,7 @@ def load_model(
     window get two KV page groups in the one pool: the sliding layers keep only the pages their window
     still sees (released as it moves on), the others every token. This sizes the window group in tokens
     per full-group token (``kv_cache_tokens`` counts the full group; memory is split accordingly); a float
-    in (0, 1], default 0.5 (``WINDOW_KV_FRACTION`` says why). None: one group, every layer keeps every
+    in (0, 1]. None (the default, ``WINDOW_KV_FRACTION`` says why): one group, every layer keeps every
     token. ``info()["kv_page_groups"]`` reports both capacities and the split.
     Every argument, the device and the backend choices are checked before any weights are read.
     """
