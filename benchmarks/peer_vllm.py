@@ -54,6 +54,8 @@ def main(argv=None) -> None:
     ap.add_argument("--reuse-vllm", default=None, metavar="JSON",
                     help="a bench_vllm.py result measured on this same machine earlier in the session (a long "
                          "shape's two engines may not fit one device call): recorded as reused, not re-run")
+    ap.add_argument("--reuse-attnzoo", default=None, metavar="JSON",
+                    help="an e2e.py result of this shape measured earlier in the session: recorded as reused, not re-run")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -75,6 +77,9 @@ def main(argv=None) -> None:
     if args.reuse_vllm:
         jobs = [j for j in jobs if j[0] != "vllm"]
         Path(f"{out}_vllm.json").write_text(Path(args.reuse_vllm).read_text())
+    if args.reuse_attnzoo:
+        jobs = [j for j in jobs if j[0] != "attnzoo"]
+        Path(f"{out}_attnzoo.json").write_text(Path(args.reuse_attnzoo).read_text())
     for name, cmd, env in jobs:
         run(cmd, env, Path(f"{out}_{name}.log"))
 
@@ -90,6 +95,8 @@ def main(argv=None) -> None:
         r["vs_vllm"] = r["output_tok_per_s"] / peer["output_tok_per_s"]
     if args.reuse_vllm:
         vllm_row["reused_from"] = args.reuse_vllm
+    for r in rows if args.reuse_attnzoo else []:
+        r["reused_from"] = args.reuse_attnzoo
     result = {"meta": {**ours["meta"], "peer": {k: v for k, v in peer.items() if k not in vllm_row}},
               "attnzoo": rows, "vllm": vllm_row}
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
