@@ -113,12 +113,17 @@ def test_flashinfer_cascade_graphs_match_eager_cascade_and_cascade_off(tiny_dir,
                      ("graph", dict(cuda_graph=True, cascade=True))):
         llm = attnzoo.load_model(path, backend="flashinfer", dtype="bfloat16", page_size=16, max_running=8, **kw)
         llm.engine.cascade_min_saved_tokens = llm.engine.cascade_graph_min_saved_tokens = 1
+        llm.engine.step_log = []
         runs[name] = (llm.generate(prompts, max_new_tokens=40, ignore_eos=True, return_logits=True),
                       dict(llm.engine.graph_stats), llm)
     off, eager, graph = (runs[n][1] for n in ("off", "eager", "graph"))
     assert off["cascade"] == off["cascade_replayed"] == 0 and off["replayed"] > 0
     assert eager["cascade"] > 0 and eager["replayed"] == eager["cascade_replayed"] == 0
-    assert graph["cascade_replayed"] >= 30 and graph["cascade"] == graph["cascade_over_cap"] == 0
+    # Every decode step that shared the prefix replayed a cascade graph ("cascade" also counts eager
+    # extend steps that cascade: a prompt tail beside decode rows; no graph serves those).
+    log = runs["graph"][2].engine.step_log
+    shared_decode = [s for s in log if s["new_tokens"] == s["num_reqs"] and s["shared_prefix_len"]]
+    assert graph["cascade_replayed"] == len(shared_decode) >= 30 and graph["cascade_over_cap"] == 0
     engine = runs["graph"][2].engine
     assert runs["graph"][2].info()["cascade"].startswith("on: decode steps whose requests share >= 1 page read it once (as CUDA graphs")
     keys = {key for _, key in engine.graphs.cascade_graphs}
