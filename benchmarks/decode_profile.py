@@ -1,10 +1,14 @@
-"""Where the e2e workload's batch-1024 decode steps spend GPU time: torch profiler, plain vs cascade.
+"""Where the e2e workload's decode steps spend GPU time: torch profiler, by kernel and by kind.
 
-1024 GSM8K 8-shot prompts on the Llama-3.1-8B shape (random weights); the prompts are run once so their
-pages are cached, then 17 tokens each are generated under the profiler (16 decode steps at batch 1024).
+N GSM8K 8-shot prompts on a full-size shape (random weights): the prompts run once so their pages are
+cached, then ``--steps`` decode steps at batch N run under the profiler, once per cascade setting.
+Each section also times the same steps without the profiler: GPU busy time against wall time shows
+what the host costs between kernels (the gap CUDA graphs and host/GPU overlap remove).
 
-    python benchmarks/decode_profile.py flashinfer
+    python benchmarks/decode_profile.py flashinfer                          # Llama-3.1-8B, batch 1024
+    python benchmarks/decode_profile.py --shape gemma4-31b --prompts 239 --cascade on
 """
+import argparse
 import json
 import sys
 import time
@@ -14,33 +18,78 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from e2e import LLAMA_8B  # noqa: E402
-from transformers import LlamaConfig  # noqa: E402
+from e2e import SHAPE_NAMES, make_config  # noqa: E402
 
 import attnzoo  # noqa: E402
 
-cfg = LlamaConfig(**LLAMA_8B); cfg.architectures = ["LlamaForCausalLM"]
-data = json.loads((Path(__file__).parent / "data" / "gsm8k_8shot_tokens.json").read_text())
-prompts = [data["prefix"] + q for q in data["questions"]][:1024]
-backend = sys.argv[1]
-for cascade in (False, True):
-    llm = attnzoo.load_model(cfg, load_format="random", backend=backend, dtype="bfloat16", device="cuda", max_running=1024, cascade=cascade)
-    e = llm.engine
-    e.cascade_min_saved_tokens = 1
-    llm.generate(prompts[:2], max_new_tokens=4, ignore_eos=True)
-    llm.generate(prompts, max_new_tokens=1, ignore_eos=True)  # prompt pages now cached
-    e.step_log = []
-    torch.cuda.synchronize()
-    from torch.profiler import profile, ProfilerActivity
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter()
-        llm.generate(prompts, max_new_tokens=17, ignore_eos=True)
+# Kernel name fragments -> kind, first match wins (cuBLAS's Hopper GEMMs are "nvjet_*"; Triton's are ours).
+KINDS = (("attention", ("flashinfer", "Prefill", "Decode", "attention", "cascade", "merge_state", "xqa")),
+         ("gemm", ("nvjet", "gemm", "sm90_xmma", "cutlass", "matmul", "_moe")),
+         ("norm/rope/act (fused)", ("rms", "norm", "rope", "act_and_mul", "silu", "gelu")),
+         ("sampling/logits", ("softmax", "argmax", "topk", "sort", "tanh")))
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k.lower() in low for k in keys):
+            return kind
+    return "other elementwise/copies"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("backend", nargs="?", default=None, help="default: the policy's choice")
+    ap.add_argument("--shape", choices=SHAPE_NAMES, default="llama8b")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--prompts", type=int, default=1024, help="the decode batch")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--cascade", choices=("both", "on", "off"), default="both")
+    ap.add_argument("--rows", type=int, default=18, help="kernels listed per section")
+    args = ap.parse_args(argv)
+
+    cfg, _ = make_config(args.shape, args.layers)
+    data = json.loads((Path(__file__).parent / "data" / "gsm8k_8shot_tokens.json").read_text())
+    prompts = [data["prefix"] + q for q in data["questions"]][: args.prompts]
+    for cascade in {"both": (False, True), "on": (True,), "off": (False,)}[args.cascade]:
+        llm = attnzoo.load_model(cfg, load_format="random", backend=args.backend, dtype="bfloat16", device="cuda",
+                                 max_running=args.prompts, cascade=cascade)
+        e = llm.engine
+        llm.generate(prompts[:2], max_new_tokens=4, ignore_eos=True)
+        llm.generate(prompts, max_new_tokens=1, ignore_eos=True)  # the prompts' pages are now cached
+        n = args.steps + 1
+        llm.generate(prompts, max_new_tokens=n, ignore_eos=True)  # warm: graphs for this batch captured
         torch.cuda.synchronize()
-        wall = time.perf_counter() - t
-    dec = [s for s in e.step_log if s["new_tokens"] == s["num_reqs"]]
-    print(f"\n=== {backend} cascade={cascade}: wall {wall*1e3:.0f} ms, {len(e.step_log)} steps ({len(dec)} decode), graph {e.graph_stats}")
-    ka = prof.key_averages()
-    cuda_total = sum(k.self_device_time_total for k in ka) / 1e3
-    print(f"GPU kernel time total {cuda_total:.0f} ms")
-    print(ka.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=70))
-    del llm, e; torch.cuda.empty_cache()
+        t = time.perf_counter()
+        llm.generate(prompts, max_new_tokens=n, ignore_eos=True)
+        torch.cuda.synchronize()
+        plain_wall = time.perf_counter() - t
+        e.step_log = []
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            llm.generate(prompts, max_new_tokens=n, ignore_eos=True)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        dec = [s for s in e.step_log if s["new_tokens"] == s["num_reqs"]]
+        info = llm.info()
+        print(f"\n=== {args.shape} prefill={info['prefill_backend']} decode={info['decode_backend']} cascade={cascade} "
+              f"batch {args.prompts}: wall {plain_wall * 1e3:.0f} ms without the profiler ({len(e.step_log)} steps, "
+              f"{len(dec)} decode), {wall * 1e3:.0f} ms with it; graphs {e.graph_stats}")
+        ka = prof.key_averages()
+        kernels = [k for k in ka if k.device_type == torch.autograd.DeviceType.CUDA]  # kernels, memcpys, memsets
+        busy = sum(k.self_device_time_total for k in kernels) / 1e3
+        by_kind: dict[str, float] = {}
+        for k in kernels:
+            by_kind[kind_of(k.key)] = by_kind.get(kind_of(k.key), 0.0) + k.self_device_time_total / 1e3
+        print(f"GPU kernel time {busy:.0f} ms = {busy / plain_wall / 1e3:.0%} of the unprofiled wall; per decode step "
+              f"{busy / max(len(e.step_log), 1):.1f} ms busy, {plain_wall * 1e3 / max(len(e.step_log), 1):.1f} ms wall")
+        for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+            print(f"  {kind:28s} {ms:9.1f} ms  {ms / busy:6.1%}")
+        print(ka.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=90))
+        del llm, e
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -14,7 +14,7 @@ import attnzoo
 from attnzoo.attention.kv_cache import KVCacheSpec, KVPool, PageAllocator
 from attnzoo.engine.prefix_cache import PrefixCache, window_start
 from attnzoo.errors import ModelLoadError
-from helpers import assert_matches_hf, random_prompts, save_checkpoint
+from helpers import assert_greedy_close, assert_matches_hf, random_prompts, save_checkpoint
 from test_gemma4 import VOCAB, WINDOW, randomize_scales_, text_config
 
 PS = 4
@@ -278,9 +278,8 @@ def test_gpu_hybrid_equals_one_group_eager_graphs_and_cascade(tmp_path, backend)
     CUDA graphs (replayed) and, on flashinfer, with cascade over a shared 100-token prefix.
 
     The two layouts run different kernel partitions (page lists start elsewhere; on CPU in float32 their
-    logits differ by ~3e-6), so in bf16 a near tie may flip a late token (seen on the H200): up to and
-    including each request's first differing token, the logits must agree within 5e-2; a wrong page read
-    moves them by whole units long before a flip."""
+    logits differ by ~3e-6), so in bf16 a near tie may flip a late token (seen on the H200):
+    ``assert_greedy_close``."""
     if backend != "triton":
         pytest.importorskip("flashinfer")
     from test_gpu_backends import XQA_OR_TRTLLM_GEN, tiny_gemma4
@@ -301,12 +300,15 @@ def test_gpu_hybrid_equals_one_group_eager_graphs_and_cascade(tmp_path, backend)
                                  max_batch_tokens=64, **kw)
         assert llm.pool.has_window_group == name.startswith("two")
         llm.engine.cascade_min_saved_tokens = 1
+        if "cascade" in name:
+            # The prefix cached first: with two groups a prefix is matched only where its window pages are
+            # written or being written, and requests admitted together with the writer of a prompt longer
+            # than one chunk find none yet (the writer takes them chunk by chunk), so they would not share.
+            llm.generate([prefix + [5]], max_new_tokens=1, ignore_eos=True)
         out = llm.generate(prompts, max_new_tokens=40, ignore_eos=True, return_logits=True)
         runs[name] = (out, dict(llm.engine.graph_stats))
     assert runs["two_graph"][1]["replayed"] > 0
-    if "two_cascade" in runs:  # two groups cascade wherever one group does
-        assert (runs["two_cascade"][1]["cascade"] > 0) == (runs["one_cascade"][1]["cascade"] > 0)
+    if "two_cascade" in runs:  # requests sharing a cached prefix cascade with either layout
+        assert runs["two_cascade"][1]["cascade"] > 0 and runs["one_cascade"][1]["cascade"] > 0
     for name, (out, _) in runs.items():
-        for x, y in zip(out, runs["one"][0]):
-            first = next((j for j, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), len(x.token_ids) - 1)
-            assert (x.logits[: first + 1] - y.logits[: first + 1]).abs().max().item() < 5e-2, (name, first)
+        assert_greedy_close(out, runs["one"][0], 5e-2, name)

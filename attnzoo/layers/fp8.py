@@ -134,7 +134,10 @@ def act_quant_reference(x: torch.Tensor, group: int = GROUP, ue8m0: bool = False
     m, k = x.shape
     g = -(-k // group)
     xg = F.pad(x.float(), (0, g * group - k)).view(m, g, group)
-    s = xg.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX
+    amax = xg.abs().amax(dim=-1).clamp(min=MIN_AMAX)
+    # A tensor divisor: CUDA turns division by a Python scalar into a multiplication by its rounded
+    # reciprocal, one ulp off the IEEE quotient the kernels compute.
+    s = amax / torch.full_like(amax, FP8_MAX)
     if ue8m0:
         s = torch.exp2(torch.ceil(torch.log2(s)))
     q = (xg / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
