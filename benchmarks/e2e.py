@@ -254,7 +254,7 @@ def run_transformers(config, prompts, new_tokens, batch_size) -> dict:
 
 
 def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, cascade: bool | None,
-                extra: dict | None = None, dry_run: bool = False) -> dict:
+                extra: dict | None = None, dry_run: bool = False, overlap: bool = True) -> dict:
     """One engine run of the workload. backend "default": the policy's choice; max_running None: the engine's.
     ``dry_run``: load and warm up only (the timings of each phase, the logits check)."""
     import attnzoo
@@ -270,6 +270,7 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
                              dtype="bfloat16", device="cuda", cascade=cascade, **kwargs)
     timings = load_timings(llm, time.perf_counter() - t_load)
     # Warm-up: kernels compile here, the cascade ones too (two requests sharing the prefix).
+    llm.engine.overlap = overlap
     threshold, llm.engine.cascade_min_saved_tokens = llm.engine.cascade_min_saved_tokens, 1
     timings.update(warm_up(llm, prompts))
     llm.engine.cascade_min_saved_tokens = threshold
@@ -297,6 +298,7 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
         "graph_steps": llm.engine.graph_stats["replayed"],
         "cascade_graph_steps": llm.engine.graph_stats["cascade_replayed"],
         "cascade_graphs": len(llm.engine.graphs.cascade_graphs) if llm.engine.graphs is not None else 0,
+        "overlap": llm.engine.overlap, "overlap_stats": dict(llm.engine.overlap_stats),
         "page_size": info["page_size"], "prompts": len(prompts), "output_tokens": n_out, "wall_s": wall,
         "output_tok_per_s": n_out / wall, "ttft_mean_s": statistics.mean(ttft), "ttft_p50_s": statistics.median(ttft),
         "tpot_mean_ms": 1e3 * statistics.mean(tpot), "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -351,6 +353,8 @@ def main(argv=None):
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
                     help="fp8: DeepSeek-V3's block-scaled FP8 format (quantization_config as in the official checkpoints)")
     ap.add_argument("--load-kwargs", default="{}", help="extra load_model keywords as JSON, e.g. '{\"page_size\": 64}'")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="prepare each step only after the previous one's tokens are back (Engine.overlap off)")
     ap.add_argument("--dry-run", action="store_true",
                     help="load and warm up only: print each load phase's time, the first generate's (JIT) and the "
                          "logits check, no workload, no transformers baseline")
@@ -393,7 +397,8 @@ def main(argv=None):
         elif b == "default" and args.cascade != "auto":
             modes = {"both": [False, None], "on": [None], "off": [False]}[args.cascade]
         for cascade in modes:
-            r = run_attnzoo(config, prompts, args.new_tokens, b, args.max_running, limits, cascade, extra, args.dry_run)
+            r = run_attnzoo(config, prompts, args.new_tokens, b, args.max_running, limits, cascade, extra, args.dry_run,
+                            overlap=not args.no_overlap)
             if hf is not None and not args.dry_run:
                 r["vs_transformers"] = r["output_tok_per_s"] / hf["output_tok_per_s"]
             print(json.dumps(r), flush=True)

@@ -141,7 +141,7 @@ def test_failed_step_leaves_no_unwritten_prefix_in_the_cache(tiny_dir):
     prompt = random_prompts(160, [42], seed=8)[0]
     real_forward = llm.engine._forward
 
-    def failing_forward(ids, meta):
+    def failing_forward(ids, meta, plan):
         raise RuntimeError("injected failure")
 
     llm.engine._forward = failing_forward
@@ -301,3 +301,29 @@ def test_cascade_extend_through_the_engine_matches_plain(tiny_dir):
     mixed = [s for s in extend if s["shared_prefix_len"]]
     assert len(mixed) == CascadeExtend.cascade_steps >= 2 and all(s["shared_prefix_len"] == 20 for s in mixed)
     assert extend[0]["shared_prefix_len"] == 0  # the step that computes the prefix shares nothing yet
+
+
+def test_overlap_prepares_the_next_decode_step_without_changing_results(tiny_dir):
+    """With ``overlap`` the next decode step is prepared before this step's tokens are read back; a request
+    that stops on EOS, one that ends by length and one that joins from the queue change the running set,
+    and the prepared step is then dropped. Tokens and logits equal those of the engine without overlap."""
+    from attnzoo.engine.sampling import SamplingParams
+
+    prompts = random_prompts(160, [5, 9, 3, 14, 7, 2], seed=11)
+    probe = attnzoo.load_model(tiny_dir, page_size=4).generate(prompts[:1], max_new_tokens=8, ignore_eos=True)
+    eos = probe[0].token_ids[3]  # request 0 stops early on it, unannounced
+    params = [SamplingParams(max_new_tokens=n) for n in (8, 3, 12, 6, 9, 5)]
+    runs = {}
+    for overlap in (False, True):
+        llm = attnzoo.load_model(tiny_dir, page_size=4, max_running=3)  # three wait: they join mid-run
+        llm.engine.overlap, llm.engine.eos = overlap, {eos}
+        out = llm.engine.generate(prompts, params, return_logits=True)
+        runs[overlap] = (out, dict(llm.engine.overlap_stats), llm.engine)
+    (off, off_stats, _), (on, on_stats, engine) = runs[False], runs[True]
+    assert off_stats == {"prepared": 0, "launched": 0}
+    assert 0 < on_stats["launched"] < on_stats["prepared"]  # some were used, some dropped
+    assert on[0].finish_reason == "stop" and len(on[0].token_ids) <= 4
+    assert [c.token_ids for c in on] == [c.token_ids for c in off]
+    assert all(torch.equal(a.logits, b.logits) for a, b in zip(on, off))
+    # pages a dropped step took went back with their requests: only the prefix cache holds any
+    assert engine.allocator.num_free + engine.prefix_cache.evictable() == engine.allocator.capacity

@@ -139,6 +139,33 @@ def test_flashinfer_cascade_graphs_match_eager_cascade_and_cascade_off(tiny_dir,
         assert_greedy_close(runs[name][0], runs["off"][0], 1e-1, f"{name} vs cascade off")
 
 
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+def test_overlap_equals_serial_steps_with_graphs_and_cascade(tmp_path, backend):
+    """Engine.overlap on the GPU: the next step's metadata, plan and graph staging are queued while the
+    current step runs (plain and cascade graphs; Gemma 4's window layers, several lengths so that the batch
+    shrinks). Tokens and logits equal the serial engine's: the same kernels on the same inputs."""
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    from attnzoo.engine.sampling import SamplingParams
+    from test_gpu_backends import tiny_gemma4
+
+    path = tiny_gemma4(tmp_path / "gemma4", window=64)
+    prefix = random_prompts(256, [150], seed=7)[0]
+    prompts = [prefix + p for p in random_prompts(256, [3, 20, 1, 9, 12, 5], seed=8)] + random_prompts(256, [7, 30], seed=9)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (40, 33, 40, 12, 40, 25, 40, 18)]
+    runs = {}
+    for overlap in (False, True):
+        llm = attnzoo.load_model(path, backend=backend, dtype="bfloat16", page_size=16, max_running=8)
+        llm.engine.overlap = overlap
+        llm.engine.cascade_min_saved_tokens = llm.engine.cascade_graph_min_saved_tokens = 1
+        runs[overlap] = (llm.engine.generate(prompts, params, return_logits=True), dict(llm.engine.overlap_stats),
+                         dict(llm.engine.graph_stats))
+    (off, _, off_graphs), (on, stats, on_graphs) = runs[False], runs[True]
+    assert stats["launched"] > 20 and on_graphs == off_graphs
+    assert [c.token_ids for c in on] == [c.token_ids for c in off]
+    assert max((a.logits - b.logits).abs().max().item() for a, b in zip(on, off)) < 1e-3
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() not in ((9, 0), (12, 0)),
                     reason="trtllm_mha's prefill is flashinfer's on SM90/SM120 (XQA decode)")
 def test_trtllm_mha_off_blackwell_cascades_extend_through_its_flashinfer_prefill(tiny_dir):

@@ -22,6 +22,7 @@ no later than a real row's), read only pages that hold data, write only page 0, 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 
@@ -149,10 +150,15 @@ class DecodeGraphs:
     def replay(self, ids: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         """Final hidden states [num_reqs, hidden] for a decode step that ``fits`` (and, with
         ``shared_prefix_len`` > 0, is ``cascade_ready``)."""
+        return self.launch(self.stage(meta), ids)
+
+    def stage(self, meta: BatchMetadata) -> "Staged":
+        """Everything a replay needs but the input ids: the step's metadata into the static buffers and the
+        backend's plan into its static state. Stream-ordered after the work already queued, so the engine
+        may stage step N+1 while step N's graph still runs (``Engine.overlap``)."""
         n, shared = meta.num_reqs, meta.shared_prefix_len
         bs = self._bucket(n)
         width = meta.block_tables.shape[1]
-        self.ids[:n].copy_(ids)
         self.positions[:n].copy_(meta.positions)
         self.slots[:n].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
@@ -177,19 +183,36 @@ class DecodeGraphs:
             if self.window_tables is not None:  # row 0's live window columns; the released ones read page 0
                 self.window_tables[n:bs, :sp].copy_(meta.window_block_tables[:1, :sp].expand(bs - n, sp))
         step = self._meta(bs, meta.seq_lens_cpu, shared)
-        if not shared:
-            # refill the backend's static state (the graph reads it, not the returned plan); host-planned
-            # backends read the step's lengths
-            self.backends.prepare_graph(step, capturing=False)
-            self.graphs[bs].replay()
-            return self.hidden[bs][:n]
-        key = self.cascade_key(meta)
-        graph = self.cascade_graphs.get(key)
+        key = self.cascade_key(meta) if shared else None
+        graph = self.cascade_graphs.get(key) if shared else self.graphs[bs]
+        # refill the backend's static state (the graph reads it, not the returned plan); host-planned
+        # backends read the step's lengths
         plan = self.backends.prepare_graph(step, capturing=graph is None)
-        if graph is None:
+        return Staged(n, bs, key, graph, step, plan)
+
+    def launch(self, staged: "Staged", ids: torch.Tensor) -> torch.Tensor:
+        """Replay a staged step with its input ids [num_reqs] (on the GPU)."""
+        n = staged.num_reqs
+        self.ids[:n].copy_(ids)
+        if staged.key is None:
+            staged.graph.replay()
+            return self.hidden[staged.bucket][:n]
+        if staged.graph is None:
             # The warm-up runs this very step (its KV stores write this step's k/v, which the replay writes
             # again, the same); the capture itself runs nothing.
-            graph, self.cascade_hidden[key] = self._capture(step, plan)
-            self.cascade_graphs[key] = graph
-        graph.replay()
-        return self.cascade_hidden[key][:n]
+            staged.graph, self.cascade_hidden[staged.key] = self._capture(staged.meta, staged.plan)
+            self.cascade_graphs[staged.key] = staged.graph
+        staged.graph.replay()
+        return self.cascade_hidden[staged.key][:n]
+
+
+@dataclass
+class Staged:
+    """A decode step staged for replay (``DecodeGraphs.stage``)."""
+
+    num_reqs: int
+    bucket: int
+    key: tuple | None  # the cascade graph's key; None: the bucket's plain graph
+    graph: torch.cuda.CUDAGraph | None  # None: a cascade graph to capture at launch
+    meta: BatchMetadata  # over the static buffers, padded to the bucket
+    plan: StepPlan

@@ -168,6 +168,11 @@ class Engine:
         # was not captured for the cap on their number (those ran eagerly or as plain graphs)
         self.graph_stats = {"replayed": 0, "eager": 0, "cascade": 0, "cascade_replayed": 0, "cascade_over_cap": 0}
         self.tp = None  # TPGroup (attnzoo.engine.tensor_parallel): rank 0 publishes each step to the others
+        # Host work off the critical path: the next decode step's metadata, plan and graph staging are
+        # prepared while the GPU runs this one, before its tokens are read back (``_prepare_ahead``).
+        self.overlap = True
+        self.overlap_stats = {"prepared": 0, "launched": 0}  # steps prepared ahead; of those, launched as prepared
+        self._planned: torch.cuda.Event | None = None  # recorded after the last step's plan was queued
 
     @property
     def prefill_backend(self):
@@ -225,13 +230,21 @@ class Engine:
         done: list[_Request] = []
         processed = any(sp.repetition_penalty != 1.0 or sp.min_new_tokens for sp in params)
         self.t0 = time.perf_counter()
+        ahead: tuple[_Batch, _Prepared] | None = None  # the next decode step, prepared during this one
         try:
             while waiting or running:
                 self._admit(waiting, running)
-                batch = self._schedule(running)
-                if not batch.reqs:
-                    raise RuntimeError("engine bug: a step with no work")
-                logits = self._step(batch)
+                if ahead is not None and len(ahead[0].reqs) == len(running) and all(
+                        a is r for a, r in zip(ahead[0].reqs, running)):
+                    batch = ahead[0]
+                    batch.chunks = [[req.out[-1]] for req in batch.reqs]
+                    self.overlap_stats["launched"] += 1
+                    logits = self._launch(batch, ahead[1])
+                else:  # first step, or the running set changed (a request stopped early, another joined)
+                    batch = self._schedule(running)
+                    if not batch.reqs:
+                        raise RuntimeError("engine bug: a step with no work")
+                    logits = self._step(batch)
                 tokens = logits.argmax(dim=-1)
                 # NaN and +inf win argmax, so a row's top logit is non-finite iff the row holds one (or is all
                 # -inf): an O(rows) check whose result comes back as token -1 at the step's one sync.
@@ -245,6 +258,7 @@ class Engine:
                     at = torch.tensor(rows, device=tokens.device)
                     tokens[at] = sample(scores[at], [r.params for r in reqs], [r.generator for r in reqs])
                 tokens = torch.where(finite, tokens, -1)
+                ahead = self._prepare_ahead(running) if self.overlap else None
                 for i, (req, token) in enumerate(zip(batch.sampling_reqs, tokens.tolist())):  # one sync a step
                     if token < 0:
                         raise NumericsError(
@@ -513,6 +527,11 @@ class Engine:
             chunk = req.prompt[req.num_cached : req.num_cached + n]
             batch.add(req, chunk, sample=req.num_cached + n == len(req.prompt))
             budget -= n
+        self._grow(batch)
+        return batch
+
+    def _grow(self, batch: "_Batch") -> None:
+        """Pages (and window-group pages) for the tokens the batch adds."""
         for req, chunk in zip(batch.reqs, batch.chunks):
             need = self._pages_for(req.num_cached + len(chunk)) - len(req.pages)
             if need > 0:
@@ -522,15 +541,37 @@ class Engine:
                 new = self._window_advance(req.window, req.num_cached, req.num_cached + len(chunk))
                 if new and req.prefilling and self.prefix_cache is not None:
                     self.prefix_cache.insert(req.prompt, req.pages, req.window.table)
-        return batch
 
-    def _step(self, batch: "_Batch") -> torch.Tensor:
+    def _prepare_ahead(self, running: list[_Request]) -> "tuple[_Batch, _Prepared] | None":
+        """The next step's host work, done while this step runs on the GPU (its tokens not yet read back),
+        where the next step is predictable: every running request decoding, those this step ends by length
+        left out. The tokens decide only whether it holds (no request stopped otherwise, none joined), and
+        fill its input ids. Pages for its tokens are taken now, as ``_schedule`` would take them."""
+        if self.tp is not None or any(r.prefilling for r in running):
+            return None
+        reqs = [r for r in running if len(r.prompt) + len(r.out) + 1 < r.max_len]
+        if not reqs or len(reqs) > self.max_batch_tokens:
+            return None
+        batch = _Batch()
+        for req in reqs:
+            batch.add(req, [0], sample=True)  # the token is this step's output, known after the sync
+        self._grow(batch)
+        self.overlap_stats["prepared"] += 1
+        return batch, self.prepare_step(self._step_dict(batch))
+
+    def _step_dict(self, batch: "_Batch") -> dict:
         step = {"prefix_lens": [r.num_cached for r in batch.reqs], "q_lens": [len(c) for c in batch.chunks],
                 "block_tables": [r.page_table() for r in batch.reqs], "ids": [t for c in batch.chunks for t in c],
                 "rows": batch.sample_rows, "keys": [r.index for r in batch.reqs]}
         if self.window:
             step["window_block_tables"] = [r.window.table for r in batch.reqs]
-        logits, batch.shared_prefix_len = self.run_step(step)
+        return step
+
+    def _step(self, batch: "_Batch") -> torch.Tensor:
+        return self._launch(batch, self.prepare_step(self._step_dict(batch)))
+
+    def _launch(self, batch: "_Batch", prep: "_Prepared") -> torch.Tensor:
+        logits, batch.shared_prefix_len = self.launch_step(prep, [t for c in batch.chunks for t in c])
         for req, chunk in zip(batch.reqs, batch.chunks):
             req.num_cached += len(chunk)
             if self.prefix_cache is not None and len(req.out) == 0:
@@ -543,6 +584,19 @@ class Engine:
         token), the shared prefix length cascade read). ``step`` holds plain lists: what rank 0 of a
         tensor-parallel group sends the other ranks, which run the same pass with the choices it made
         (graph replay or eager, cascade or not) rather than their own."""
+        return self.launch_step(self.prepare_step(step), step["ids"])
+
+    @torch.inference_mode()
+    def prepare_step(self, step: dict) -> "_Prepared":
+        """The host half of ``run_step`` (everything but ``step["ids"]``): metadata, the cascade and graph
+        choices, the backend's plan, and for a graph step its staging (``DecodeGraphs.stage``). Its device
+        copies are stream-ordered behind the work already queued, so step N+1 may be prepared while step N
+        runs (``overlap``)."""
+        if self._planned is not None:
+            # FlashInfer's plan stages page lists in pinned host buffers and copies them asynchronously: the
+            # last plan's copies must have reached the GPU before this one rewrites those buffers (as a rule
+            # they have: they ran before that step's kernels).
+            self._planned.synchronize()
         decided = "graph" in step
         meta = build_metadata(
             prefix_lens=step["prefix_lens"], q_lens=step["q_lens"], block_tables=step["block_tables"],
@@ -550,7 +604,7 @@ class Engine:
             detect_shared_prefix=(self.cascade or self.cascade_extend) and not decided,
             window_block_tables=step.get("window_block_tables"),
         )
-        cascade_graph = False  # a cascade step a CUDA graph serves
+        cascade_graph = over_cap = False  # a cascade step a CUDA graph serves; one the cap on them refused
         if decided:
             meta.shared_prefix_len = step["shared_prefix_len"]
         elif meta.shared_prefix_len:
@@ -559,31 +613,43 @@ class Engine:
             if on and self.graphs is not None and saved >= self.cascade_graph_min_saved_tokens:
                 ready = self.graphs.cascade_ready(meta)
                 cascade_graph = bool(ready)
-                self.graph_stats["cascade_over_cap"] += ready is False
+                over_cap = ready is False
             if not on or (not cascade_graph and saved < self.cascade_min_saved_tokens):
                 meta.shared_prefix_len = 0
         graph = step["graph"] if decided else (
             self.graphs is not None and self.graphs.fits(meta) and (cascade_graph or not meta.shared_prefix_len))
+        staged = self.graphs.stage(meta) if graph else None
+        plan = None if graph else self.backends.prepare(meta)
+        if self.device.type == "cuda":
+            self._planned = torch.cuda.Event()
+            self._planned.record()
+        return _Prepared(step, meta, graph, staged, plan, over_cap)
+
+    def launch_step(self, prep: "_Prepared", ids: list[int]) -> tuple[torch.Tensor, int]:
+        """The device half of ``run_step``: the forward pass of a prepared step over ``ids``."""
+        step, meta = prep.step, prep.meta
+        self.graph_stats["cascade_over_cap"] += prep.over_cap
         if self.tp is not None and self.tp.leader:
-            self.tp.publish(("step", {**step, "shared_prefix_len": meta.shared_prefix_len, "graph": graph}))
-        ids = torch.tensor(step["ids"], dtype=torch.int64, device=self.device)
+            self.tp.publish(("step", {**step, "ids": ids, "shared_prefix_len": meta.shared_prefix_len,
+                                      "graph": prep.graph}))
+        ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         rows = None if step["rows"] is None else torch.tensor(step["rows"], dtype=torch.int64, device=self.device)
         with torch.inference_mode():
-            if graph:
-                hidden = self.graphs.replay(ids, meta)  # decode: row i is request i
+            if prep.graph:
+                hidden = self.graphs.launch(prep.staged, ids)  # decode: row i is request i
                 logits = self.model.compute_logits(hidden[rows])
                 self.graph_stats["cascade_replayed" if meta.shared_prefix_len else "replayed"] += 1
             else:
-                hidden = self._forward(ids, meta)
+                hidden = self._forward(ids, meta, prep.plan)
                 logits = self.model.compute_logits(hidden if rows is None else hidden[meta.last_token_rows[rows]])
                 if rows is not None:
                     self.graph_stats["eager"] += 1
                     self.graph_stats["cascade"] += bool(meta.shared_prefix_len)
         return logits, meta.shared_prefix_len
 
-    def _forward(self, ids: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, meta: BatchMetadata, plan) -> torch.Tensor:
         b = self.backends
-        ctx = ForwardContext(meta, self.pool, b.prefill_backend, b.decode_backend, plan=b.prepare(meta))
+        ctx = ForwardContext(meta, self.pool, b.prefill_backend, b.decode_backend, plan=plan)
         return self.model(ids, meta.positions, ctx)
 
     # ---------------------------------------------------------------- results
@@ -630,6 +696,18 @@ class Engine:
             text=text, token_ids=req.out, finish_reason=req.finish, prompt_token_ids=req.prompt, logits=logits,
             time_to_first_token=req.first_token_at, latency=req.finished_at,
         )
+
+
+@dataclass
+class _Prepared:
+    """A step's host half (``Engine.prepare_step``), ready to launch once its input ids are known."""
+
+    step: dict
+    meta: BatchMetadata
+    graph: bool  # replayed as a CUDA graph
+    staged: object | None  # DecodeGraphs.stage's result for a graph step
+    plan: object | None  # the backends' StepPlan for an eager step
+    over_cap: bool = False  # a cascade step whose graph the cap on their number refused
 
 
 class _Batch:
