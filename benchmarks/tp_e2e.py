@@ -107,10 +107,16 @@ def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_r
                     "rank0_peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "gpu_used_gib": gpu_used_gib(),
                     "weights": weights}
         outs, wall = timed_generate(llm, prompts, new_tokens)
-        info = llm.info()
         n_out = sum(len(o.token_ids) for o in outs)
         ttft = [o.time_to_first_token for o in outs]
         tpot = [(o.latency - o.time_to_first_token) / max(1, len(o.token_ids) - 1) for o in outs]
+        # The measurement first, in case what follows does not finish within a short GPU call (the 2x H200
+        # DeepSeek-V3 run of session 6 generated, then was cut before its results were written).
+        print(f"tp {tp}: measured " + json.dumps({"output_tok_per_s": n_out / wall, "wall_s": wall,
+                                                  "ttft_mean_s": statistics.mean(ttft),
+                                                  "tpot_mean_ms": 1e3 * statistics.mean(tpot)}), flush=True)
+        info = llm.info()
+        print(f"tp {tp}: info read; roofline and memory next", flush=True)
         prof = rank_profile(llm, tp)
         roof = roofline_seconds(llm.engine.step_log, prof, limits)
         return {
@@ -127,6 +133,7 @@ def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_r
             "max_running": max_running, "decision_profile": info["decision"]["profile"], **timings,
         }
     finally:
+        print(f"tp {tp}: closing the model", flush=True)
         llm.close()
         del llm
         gc.collect()
