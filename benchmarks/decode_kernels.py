@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gemma4 import cuda_time  # noqa: E402
 
 # name: (q heads, kv heads, head dim, K doubles as V)
 SHAPES = {"gemma4-31b global": (32, 4, 512, True), "gemma4-31b sliding": (32, 16, 256, False),
@@ -23,18 +25,8 @@ SHAPES = {"gemma4-31b global": (32, 4, 512, True), "gemma4-31b sliding": (32, 16
 PAGE = 16
 
 
-def time_ms(fn, warmup=5, iters=20) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def time_ms(fn) -> float:
+    return statistics.median(cuda_time(fn, warmup=5, iters=20))
 
 
 def case(fi, qh, kvh, d, k_is_v, batch, ctx, workspace):
