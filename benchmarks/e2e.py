@@ -254,7 +254,8 @@ def run_transformers(config, prompts, new_tokens, batch_size) -> dict:
 
 
 def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, cascade: bool | None,
-                extra: dict | None = None, dry_run: bool = False, overlap: bool = True) -> dict:
+                extra: dict | None = None, dry_run: bool = False, overlap: bool = True,
+                capture_after: int | None = None) -> dict:
     """One engine run of the workload. backend "default": the policy's choice; max_running None: the engine's.
     ``dry_run``: load and warm up only (the timings of each phase, the logits check)."""
     import attnzoo
@@ -271,6 +272,8 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
     timings = load_timings(llm, time.perf_counter() - t_load)
     # Warm-up: kernels compile here, the cascade ones too (two requests sharing the prefix).
     llm.engine.overlap = overlap
+    if capture_after is not None and llm.engine.graphs is not None:
+        llm.engine.graphs.capture_after = capture_after
     threshold, llm.engine.cascade_min_saved_tokens = llm.engine.cascade_min_saved_tokens, 1
     timings.update(warm_up(llm, prompts))
     llm.engine.cascade_min_saved_tokens = threshold
@@ -298,6 +301,10 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
         "graph_steps": llm.engine.graph_stats["replayed"],
         "cascade_graph_steps": llm.engine.graph_stats["cascade_replayed"],
         "cascade_graphs": len(llm.engine.graphs.cascade_graphs) if llm.engine.graphs is not None else 0,
+        # captured while generating (inside wall_s), warm-up steps included
+        "cascade_capture_s": round(llm.engine.graphs.cascade_capture_s, 2) if llm.engine.graphs is not None else 0,
+        "graph_batch_sizes": llm.engine.graphs.buckets if llm.engine.graphs is not None else None,
+        "capture_after": llm.engine.graphs.capture_after if llm.engine.graphs is not None else None,
         "overlap": llm.engine.overlap, "overlap_stats": dict(llm.engine.overlap_stats),
         "page_size": info["page_size"], "prompts": len(prompts), "output_tokens": n_out, "wall_s": wall,
         "output_tok_per_s": n_out / wall, "ttft_mean_s": statistics.mean(ttft), "ttft_p50_s": statistics.median(ttft),
@@ -355,6 +362,9 @@ def main(argv=None):
     ap.add_argument("--load-kwargs", default="{}", help="extra load_model keywords as JSON, e.g. '{\"page_size\": 64}'")
     ap.add_argument("--no-overlap", action="store_true",
                     help="prepare each step only after the previous one's tokens are back (Engine.overlap off)")
+    ap.add_argument("--capture-after", type=int, default=None,
+                    help="capture a cascade graph on the N-th decode step in a row that asks for it "
+                         "(DecodeGraphs.capture_after; default: the engine's)")
     ap.add_argument("--dry-run", action="store_true",
                     help="load and warm up only: print each load phase's time, the first generate's (JIT) and the "
                          "logits check, no workload, no transformers baseline")
@@ -398,7 +408,7 @@ def main(argv=None):
             modes = {"both": [False, None], "on": [None], "off": [False]}[args.cascade]
         for cascade in modes:
             r = run_attnzoo(config, prompts, args.new_tokens, b, args.max_running, limits, cascade, extra, args.dry_run,
-                            overlap=not args.no_overlap)
+                            overlap=not args.no_overlap, capture_after=args.capture_after)
             if hf is not None and not args.dry_run:
                 r["vs_transformers"] = r["output_tok_per_s"] / hf["output_tok_per_s"]
             print(json.dumps(r), flush=True)

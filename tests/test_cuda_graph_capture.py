@@ -197,6 +197,38 @@ def test_cascade_graphs_are_captured_lazily_per_key_up_to_the_cap(monkeypatch):
                                    buckets=(1,)).cascade_ready(meta) is None  # the backend has no cascade graphs
 
 
+def test_a_cascade_graph_is_captured_once_its_key_was_asked_for_capture_after_steps_in_a_row(monkeypatch):
+    _no_cuda_graphs(monkeypatch)
+    pool = SimpleNamespace(device=torch.device("cpu"), page_size=16, has_window_group=False)
+    backend = CascadeRecording()
+    graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(backend, backend), max_batch=4, max_context=64,
+                                     buckets=(1, 2), capture_after=2)
+
+    def step(seq):
+        tables = [[5, 6] + list(range(10 + 4 * i, 10 + 4 * i + (-(-s // 16) - 2))) for i, s in enumerate(seq)]
+        return build_metadata(prefix_lens=[s - 1 for s in seq], q_lens=[1] * len(seq), block_tables=tables,
+                              page_size=16, device="cpu", detect_shared_prefix=True)
+
+    assert graphs.cascade_ready(step([40, 50, 35])) is False  # (4, 4): first ask, not at the cap
+    assert not graphs.at_cap
+    assert graphs.cascade_ready(step([60, 45])) is False  # (2, 4): another key breaks the streak
+    assert graphs.cascade_ready(step([41, 51, 36])) is False  # (4, 4) again, but not twice in a row
+    meta = step([42, 52, 37])
+    assert graphs.cascade_ready(meta) is True  # second step in a row: captured by this replay
+    graphs.replay(torch.tensor([1, 2, 3]), meta)
+    assert list(graphs.cascade_graphs) == [(4, 4)] and graphs.cascade_capture_s >= 0
+    assert graphs.cascade_ready(step([61, 46])) is False  # (2, 4) first ask in a row
+    assert graphs.cascade_ready(step([43, 53, 38])) is True  # captured keys replay at once
+
+
+def test_cuda_graph_batch_sizes_default_pads_at_most_an_eighth_from_64():
+    b = cuda_graph.DEFAULT_BUCKETS
+    assert b[:4] == (1, 2, 4, 8) and b[-1] == 4096 and list(b) == sorted(set(b))
+    for n in range(64, 4097):
+        assert (next(x for x in b if x >= n) - n) / n <= 0.125, n
+    assert 240 in b and 1408 in b  # Gemma's 239-request batch, Llama's 1319-request wave (GSM8K workload)
+
+
 def test_engine_replays_cascade_graphs_where_they_pay_and_counts_them(monkeypatch, tmp_path):
     """The engine's choice on CPU: a decode backend declaring cascade graphs (the torch reference, which
     reads every request's pages whatever the shared prefix: its numbers cannot change with the choice;

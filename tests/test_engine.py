@@ -164,9 +164,10 @@ def test_logits_evict_cached_prefix_pages_when_short(tiny_dir):
 
 
 @pytest.mark.parametrize("kw", [dict(max_running=0), dict(max_batch_tokens=0), dict(max_batch_tokens=-1),
-                                dict(kv_cache_tokens=0)])
+                                dict(kv_cache_tokens=0), dict(cuda_graph_batch_sizes=[1, 0]),
+                                dict(cuda_graph_batch_sizes="8")])
 def test_invalid_engine_settings_are_named(tiny_dir, kw):
-    with pytest.raises(ModelLoadError, match=f"{next(iter(kw))} must be a positive integer"):
+    with pytest.raises(ModelLoadError, match=f"{next(iter(kw))} must be a .*positive integer"):
         attnzoo.load_model(tiny_dir, **kw)
 
 

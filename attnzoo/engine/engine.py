@@ -182,10 +182,11 @@ class Engine:
     def decode_backend(self):
         return self.backends.decode_backend
 
-    def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
-        from attnzoo.engine.cuda_graph import DecodeGraphs
+    def enable_cuda_graphs(self, max_batch: int, max_context: int, batch_sizes=None) -> None:
+        from attnzoo.engine.cuda_graph import DEFAULT_BUCKETS, DecodeGraphs
 
-        self.graphs = DecodeGraphs(self.model, self.pool, self.backends, max_batch=max_batch, max_context=max_context)
+        self.graphs = DecodeGraphs(self.model, self.pool, self.backends, max_batch=max_batch, max_context=max_context,
+                                   buckets=DEFAULT_BUCKETS if batch_sizes is None else batch_sizes)
 
     # ---------------------------------------------------------------- public
 
@@ -613,7 +614,7 @@ class Engine:
             if on and self.graphs is not None and saved >= self.cascade_graph_min_saved_tokens:
                 ready = self.graphs.cascade_ready(meta)
                 cascade_graph = bool(ready)
-                over_cap = ready is False
+                over_cap = ready is False and self.graphs.at_cap
             if not on or (not cascade_graph and saved < self.cascade_min_saved_tokens):
                 meta.shared_prefix_len = 0
         graph = step["graph"] if decided else (

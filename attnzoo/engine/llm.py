@@ -401,6 +401,7 @@ def load_model(
     prefix_caching: bool = True,
     cuda_graph: bool | None = None,
     cuda_graph_max_context: int = 8192,
+    cuda_graph_batch_sizes: list[int] | None = None,
     cascade: bool | None = None,
     load_format: str = "auto",
     fp8_weights: str = "auto",
@@ -418,6 +419,9 @@ def load_model(
     full-size shapes without the weights); the tokenizer is still loaded when the checkpoint has one.
     ``max_running``: the most requests decoding at once (None: as many as the KV pages and the token
     budget allow, at most 4096; ``info()["max_running"]`` says how many).
+    ``cuda_graph_batch_sizes``: the decode batch sizes captured as CUDA graphs (None:
+    ``cuda_graph.DEFAULT_BUCKETS``, at most 12.5% padding from 64 on); a step runs at the smallest size
+    that holds it, ``max_running`` always being one (``info()["cuda_graph"]["batch_buckets"]``).
     ``cascade``: read a prefix shared by a whole decode batch once per step (None: wherever the decode
     backend supports it and prefix caching is on; ``info()["cascade"]`` says which).
     ``tensor_parallel_size=N``: split the model over N GPUs (N CPU processes on CPU): this process is
@@ -459,7 +463,7 @@ def load_model(
 
 def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype, device, page_size, policy_file,
                 kv_cache_tokens, kv_cache_memory, max_batch_tokens, max_running, prefix_caching, cuda_graph,
-                cuda_graph_max_context, cascade, load_format, fp8_weights, seed, tensor_parallel_size, kv_cache_dtype,
+                cuda_graph_max_context, cuda_graph_batch_sizes, cascade, load_format, fp8_weights, seed, tensor_parallel_size, kv_cache_dtype,
                 k_scale, v_scale, progress, window_kv_fraction, tp) -> LLM:
     from attnzoo.defaults import Overrides, resolve
     from attnzoo.defaults.profile import profile_from_config, rank_local
@@ -477,6 +481,11 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
                              fix=f"pass e.g. window_kv_fraction={WINDOW_KV_FRACTION}, or None for one KV page group")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise ModelLoadError(f"seed must be an integer in [0, 2**64), got {seed!r}", fix="pass seed=0 (any int)")
+    if cuda_graph_batch_sizes is not None and (
+            isinstance(cuda_graph_batch_sizes, (str, bytes)) or not hasattr(cuda_graph_batch_sizes, "__iter__")
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in cuda_graph_batch_sizes)):
+        raise ModelLoadError(f"cuda_graph_batch_sizes must be a list of positive integers, got {cuda_graph_batch_sizes!r}",
+                             fix="pass e.g. cuda_graph_batch_sizes=[1, 2, 4, 8, 16, 32, 64], or None for the default list")
     for name, value in (("cuda_graph", cuda_graph), ("cascade", cascade), ("progress", progress)):
         if value is not None and not isinstance(value, bool):
             raise ModelLoadError(f"{name} must be True, False or None, got {value!r}", fix=f"pass {name}=True/False")
@@ -558,7 +567,8 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
         cuda_graph = dev.type == "cuda" and backends.supports_cuda_graph
     if cuda_graph:
         say("capturing CUDA graphs for decode ...")
-        engine.enable_cuda_graphs(max_batch=engine.max_running, max_context=min(context_len, cuda_graph_max_context))
+        engine.enable_cuda_graphs(max_batch=engine.max_running, max_context=min(context_len, cuda_graph_max_context),
+                                  batch_sizes=None if cuda_graph_batch_sizes is None else list(cuda_graph_batch_sizes))
         timings["cuda_graphs_s"] = lap()
     if src is None:
         src = loader.CheckpointSource(f"random-weight {arch}", None)
