@@ -304,6 +304,7 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
         # captured while generating (inside wall_s), warm-up steps included
         "cascade_capture_s": round(llm.engine.graphs.cascade_capture_s, 2) if llm.engine.graphs is not None else 0,
         "graph_batch_sizes": llm.engine.graphs.buckets if llm.engine.graphs is not None else None,
+        "graph_pruned_buckets": llm.engine.graphs.pruned if llm.engine.graphs is not None else None,
         "capture_after": llm.engine.graphs.capture_after if llm.engine.graphs is not None else None,
         "overlap": llm.engine.overlap, "overlap_stats": dict(llm.engine.overlap_stats),
         "page_size": info["page_size"], "prompts": len(prompts), "output_tokens": n_out, "wall_s": wall,

@@ -313,3 +313,31 @@ def test_window_group_tables_are_static_buffers_refilled_per_replay(monkeypatch)
     graphs.replay(torch.tensor([1]), meta)
     assert graphs.window_tables.tolist() == [[0, 5, 6, 7], [0, 0, 0, 0]]  # past the step's width: unread
     assert graphs.window_slots.tolist() == [6 * 4 + 1, 0] and graphs.slots.tolist() == [3 * 4 + 1, 0]
+
+
+def test_buckets_whose_gemms_measured_slower_than_the_next_kept_one_are_dropped():
+    # Gemma-4-31B's decode GEMMs per layer on an H200 (us, from cuBLAS): 240 rows ran slower than 248
+    cost = {224: 367, 240: 442, 248: 377, 256: 393, 288: 430}
+    assert cuda_graph.choose_buckets(cost) == ([224, 248, 256, 288], {240: 248})
+    # near ties (within the 3% margin) keep the smaller bucket; the largest always stays
+    assert cuda_graph.choose_buckets({8: 10.2, 16: 10.0, 24: 10.1}) == ([8, 16, 24], {})
+    # a dropped bucket pads to the next kept one, which is what it is compared with
+    assert cuda_graph.choose_buckets({1: 3.0, 2: 9.0, 4: 8.0, 8: 4.0}) == ([1, 8], {2: 8, 4: 8})
+
+
+def test_gemm_shapes_counts_the_dense_linears_a_decode_graph_runs():
+    from attnzoo.layers.parallel import ParallelLMHead
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.ModuleList(torch.nn.Linear(8, 16, bias=False, dtype=torch.bfloat16) for _ in range(3))
+            self.b = torch.nn.Linear(16, 8, bias=False, dtype=torch.bfloat16)
+            self.f32 = torch.nn.Linear(16, 8, bias=False)  # float32: not a decode GEMM of a bf16 model here
+            self.lm_head = ParallelLMHead(8, 32).to(torch.bfloat16)
+
+    m = M()
+    shapes = cuda_graph.gemm_shapes(m)
+    assert {k: c for k, (w, c) in shapes.items()} == {(16, 8, torch.bfloat16): 3, (8, 16, torch.bfloat16): 1}
+    assert shapes[(8, 16, torch.bfloat16)][0] is m.b.weight
+    assert cuda_graph.prune_buckets(shapes, [1, 2], torch.device("cpu")) == ([1, 2], {})  # measured on GPUs only

@@ -29,6 +29,22 @@ def test_cuda_graph_decode_matches_eager(tiny_dir):
         assert (x.logits - y.logits).abs().max().item() < 1e-3
 
 
+def test_pruned_buckets_pad_to_a_kept_bucket_and_decode_the_same(tiny_dir):
+    prompts = random_prompts(160, [5, 33, 17, 2, 60, 9, 21], seed=4)
+    llm = attnzoo.load_model(tiny_dir, backend="triton", dtype="bfloat16", page_size=16, max_running=300)
+    graphs = llm.info()["cuda_graph"]
+    assert graphs["batch_buckets"][-1] == 300 and set(graphs["batch_buckets"]) <= set(attnzoo.engine.cuda_graph.DEFAULT_BUCKETS) | {300}
+    assert all(b not in graphs["batch_buckets"] and b < to and to in graphs["batch_buckets"]
+               for b, to in graphs["pruned_buckets"].items())
+    fixed = attnzoo.load_model(tiny_dir, backend="triton", dtype="bfloat16", page_size=16, max_running=300,
+                               cuda_graph_batch_sizes=[1, 2, 4, 8])
+    assert fixed.info()["cuda_graph"]["batch_buckets"] == [1, 2, 4, 8, 300] and not fixed.info()["cuda_graph"]["pruned_buckets"]
+    a = llm.generate(prompts, max_new_tokens=12, ignore_eos=True, return_logits=True)
+    b = fixed.generate(prompts, max_new_tokens=12, ignore_eos=True, return_logits=True)
+    assert llm.engine.graph_stats["replayed"] > 0 and fixed.engine.graph_stats["replayed"] > 0
+    assert_greedy_close(a, b, 5e-2, "pruned buckets vs [1, 2, 4, 8]")  # bf16 GEMMs of other row counts
+
+
 def test_triton_bf16_greedy_matches_torch_backend(tiny_dir):
     prompts = random_prompts(160, [7, 40, 3], seed=2)
     ref = attnzoo.load_model(tiny_dir, backend="torch", dtype="bfloat16", cuda_graph=False)

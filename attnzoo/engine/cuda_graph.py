@@ -45,6 +45,61 @@ def _default_buckets(top: int = 4096) -> tuple[int, ...]:
 
 
 DEFAULT_BUCKETS = _default_buckets()
+# A bucket is dropped when the next larger kept one runs the model's GEMMs this much faster (prune_buckets).
+PRUNE_MARGIN = 0.03
+
+
+def gemm_shapes(model) -> dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, int]]:
+    """(out, in, dtype) -> (one such weight, how many layers have that shape) over the dense linear layers
+    a decode graph runs (the LM head runs eagerly after the replay; FP8 layers and fused MoE experts have
+    kernels of their own and are left out)."""
+    from attnzoo.layers.parallel import ParallelLMHead
+
+    shapes: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, int]] = {}
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and not isinstance(m, ParallelLMHead) and m.weight.dtype in (torch.bfloat16, torch.float16):
+            key = (*m.weight.shape, m.weight.dtype)
+            shapes[key] = (m.weight, shapes[key][1] + 1 if key in shapes else 1)
+    return shapes
+
+
+def prune_buckets(shapes: dict, buckets, device, margin: float = PRUNE_MARGIN, reps: int = 5):
+    """(kept buckets, {dropped bucket: the larger bucket it pads to}), from the measured time of the
+    model's GEMMs at each bucket's row count. A step runs at its bucket's size, and cuBLAS's kernel choice
+    is not monotone in the rows: on an H200, Gemma-4-31B's gate_up GEMM takes 238 us at 240 rows and 173 us
+    at 248. A bucket is dropped where the next larger kept one (the one its steps then pad to) is ``margin``
+    faster; the largest is always kept (it is ``max_running``)."""
+    if not shapes or device.type != "cuda":
+        return list(buckets), {}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cost = {}
+    for b in buckets:
+        total = 0.0
+        for w, count in shapes.values():
+            x = torch.randn(b, w.shape[1], device=device, dtype=w.dtype)
+            torch.nn.functional.linear(x, w)  # warm-up: the kernel choice and its first launch
+            start.record()
+            for _ in range(reps):
+                torch.nn.functional.linear(x, w)
+            end.record()
+            end.synchronize()
+            total += start.elapsed_time(end) / reps * count
+        cost[b] = total
+    return choose_buckets(cost, margin)
+
+
+def choose_buckets(cost: dict[int, float], margin: float = PRUNE_MARGIN) -> tuple[list[int], dict[int, int]]:
+    """``prune_buckets``' rule over measured costs {bucket: time}: from the largest down, a bucket is dropped
+    where the bucket its steps would then pad to (the next larger kept one) costs less than (1 - margin) x its own."""
+    kept, dropped = [], {}
+    for b in sorted(cost, reverse=True):
+        if kept and cost[kept[-1]] < (1 - margin) * cost[b]:
+            dropped[b] = kept[-1]
+        else:
+            kept.append(b)
+    return sorted(kept), {b: dropped[b] for b in sorted(dropped)}
+
+
 # Cascade graphs are captured while generating (each costs a warm-up step and a capture once): the cap
 # bounds that time and the graph pool's growth. A workload with one few-shot prefix needs the buckets its
 # batch passes through times the window_left values of its sliding layers (fi_common.CASCADE_GRAPH_GAP_STEPS).
@@ -54,10 +109,15 @@ DEFAULT_MAX_CASCADE_GRAPHS = 48
 class DecodeGraphs:
     def __init__(self, model, pool, backends: HybridBackend, *, max_batch: int, max_context: int,
                  buckets=DEFAULT_BUCKETS, max_cascade_graphs: int = DEFAULT_MAX_CASCADE_GRAPHS,
-                 capture_after: int = 1):
+                 capture_after: int = 1, prune: bool = True):
         self.model, self.pool, self.backends = model, pool, backends
         dev, ps = pool.device, pool.page_size
         self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
+        # {dropped bucket: the bucket its steps pad to instead}, measured (prune_buckets); tensor-parallel
+        # ranks must replay the same sizes, so they pass prune=False rather than each measure their own.
+        self.pruned: dict[int, int] = {}
+        if prune and pool.device.type == "cuda":
+            self.buckets, self.pruned = prune_buckets(gemm_shapes(model), self.buckets, pool.device)
         self.max_batch = self.buckets[-1]
         self.max_pages = -(-max_context // ps)
         self.max_context = self.max_pages * ps

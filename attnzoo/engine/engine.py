@@ -182,11 +182,11 @@ class Engine:
     def decode_backend(self):
         return self.backends.decode_backend
 
-    def enable_cuda_graphs(self, max_batch: int, max_context: int, batch_sizes=None) -> None:
+    def enable_cuda_graphs(self, max_batch: int, max_context: int, batch_sizes=None, prune: bool = True) -> None:
         from attnzoo.engine.cuda_graph import DEFAULT_BUCKETS, DecodeGraphs
 
         self.graphs = DecodeGraphs(self.model, self.pool, self.backends, max_batch=max_batch, max_context=max_context,
-                                   buckets=DEFAULT_BUCKETS if batch_sizes is None else batch_sizes)
+                                   buckets=DEFAULT_BUCKETS if batch_sizes is None else batch_sizes, prune=prune)
 
     # ---------------------------------------------------------------- public
 

@@ -367,7 +367,9 @@ class LLM:
             "context_len": self.engine.context_len,
             "max_running": self.engine.max_running,
             "cuda_graph": None if self.engine.graphs is None else {
-                "batch_buckets": self.engine.graphs.buckets, "max_context": self.engine.graphs.max_context},
+                "batch_buckets": self.engine.graphs.buckets, "max_context": self.engine.graphs.max_context,
+                # dropped sizes -> the size they pad to: a larger size whose GEMMs measured faster
+                "pruned_buckets": dict(self.engine.graphs.pruned)},
             "cascade": self._cascade_info(),
             # > 1: kv_bytes_per_token and the KV capacity are per rank (each holds its own heads)
             "tensor_parallel_size": 1 if self.tp is None else self.tp.ctx.world_size,
@@ -420,8 +422,10 @@ def load_model(
     ``max_running``: the most requests decoding at once (None: as many as the KV pages and the token
     budget allow, at most 4096; ``info()["max_running"]`` says how many).
     ``cuda_graph_batch_sizes``: the decode batch sizes captured as CUDA graphs (None:
-    ``cuda_graph.DEFAULT_BUCKETS``, at most 12.5% padding from 64 on); a step runs at the smallest size
-    that holds it, ``max_running`` always being one (``info()["cuda_graph"]["batch_buckets"]``).
+    ``cuda_graph.DEFAULT_BUCKETS``, at most 12.5% padding from 64 on, less the sizes whose GEMMs measured
+    slower than the next size's, ``cuda_graph.prune_buckets``; a list given is taken as it is); a step
+    runs at the smallest size that holds it, ``max_running`` always being one
+    (``info()["cuda_graph"]["batch_buckets"]`` and ``["pruned_buckets"]``).
     ``cascade``: read a prefix shared by a whole decode batch once per step (None: wherever the decode
     backend supports it and prefix caching is on; ``info()["cascade"]`` says which).
     ``tensor_parallel_size=N``: split the model over N GPUs (N CPU processes on CPU): this process is
@@ -568,7 +572,8 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
     if cuda_graph:
         say("capturing CUDA graphs for decode ...")
         engine.enable_cuda_graphs(max_batch=engine.max_running, max_context=min(context_len, cuda_graph_max_context),
-                                  batch_sizes=None if cuda_graph_batch_sizes is None else list(cuda_graph_batch_sizes))
+                                  batch_sizes=None if cuda_graph_batch_sizes is None else list(cuda_graph_batch_sizes),
+                                  prune=tp is None and cuda_graph_batch_sizes is None)
         timings["cuda_graphs_s"] = lap()
     if src is None:
         src = loader.CheckpointSource(f"random-weight {arch}", None)
