@@ -153,7 +153,7 @@ def test_cascade_graphs_are_captured_lazily_per_key_up_to_the_cap(monkeypatch):
     pool = SimpleNamespace(device=torch.device("cpu"), page_size=16, has_window_group=False)
     backend = CascadeRecording()
     graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(backend, backend), max_batch=4, max_context=64,
-                                     buckets=(1, 2), max_cascade_graphs=2)
+                                     buckets=(1, 2), max_cascade_graphs=2, capture_after=1)
     assert len(made) == 3 and not graphs.cascade_graphs  # the plain buckets 4, 2, 1; no cascade graph yet
     backend.seen.clear()
 
@@ -273,7 +273,7 @@ def test_engine_replays_cascade_graphs_where_they_pay_and_counts_them(monkeypatc
     e = llm.engine
     e.backends.decode_backend, e.cascade = CascadeGraphTorch(llm.pool), True
     e.graphs = cuda_graph.DecodeGraphs(e.model, e.pool, e.backends, max_batch=4, max_context=64, buckets=(1, 2),
-                                       max_cascade_graphs=1)
+                                       max_cascade_graphs=1, capture_after=1)
     e.cascade_graph_min_saved_tokens, e.cascade_min_saved_tokens = 48, 10**9  # 24 shared x 2 others; eager never
     e.step_log = []
     assert [c.token_ids for c in llm.generate(prompts, max_new_tokens=8, ignore_eos=True)] == want

@@ -109,7 +109,7 @@ DEFAULT_MAX_CASCADE_GRAPHS = 48
 class DecodeGraphs:
     def __init__(self, model, pool, backends: HybridBackend, *, max_batch: int, max_context: int,
                  buckets=DEFAULT_BUCKETS, max_cascade_graphs: int = DEFAULT_MAX_CASCADE_GRAPHS,
-                 capture_after: int = 1, prune: bool = True):
+                 capture_after: int = 3, prune: bool = True):
         self.model, self.pool, self.backends = model, pool, backends
         dev, ps = pool.device, pool.page_size
         self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
@@ -147,6 +147,7 @@ class DecodeGraphs:
         # A new cascade graph is captured on the ``capture_after``-th step in a row that asks for it: a
         # capture costs a warm-up step and the capture, wasted on a bucket that a shrinking batch (a wave's
         # requests finishing) passes through in a step or two; the steps before run as if over the cap.
+        # Llama-3.1-8B on the GSM8K workload (H200): 3 captured 1 graph instead of 12, 19,706 tok/s vs 19,289.
         self.capture_after = capture_after
         self._streak: tuple[tuple | None, int] = (None, 0)  # (the last key asked for, how many steps in a row)
         self.cascade_capture_s = 0.0  # host time spent capturing cascade graphs (warm-up included)
