@@ -33,14 +33,16 @@ from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.metadata import BatchMetadata, ForwardMode
 
 def _default_buckets(top: int = 4096) -> tuple[int, ...]:
-    """1, 2, 4, 8, then steps of 8 to 64 and an eighth of the octave above: 64, 72, ..., 128, 144, ..., 256,
-    288, ... A step runs at its bucket's size, so the padding rows cost GEMM FLOPs wherever the batch is
+    """1, 2, 4, then steps of 8 to 256 and an eighth of the octave above: 256, 288, ..., 512, 576, ...
+    A step runs at its bucket's size, so the padding rows cost GEMM FLOPs wherever the batch is
     compute-bound: at most 12.5% here (the earlier powers-of-two-and-a-half list padded Llama's 1319-request
-    wave to 1536, +16%, and Gemma's 239 to 256)."""
+    wave to 1536, +16%, and Gemma's 239 to 256). Steps of 8 up to 256 give ``prune_buckets`` sizes to
+    choose from where cuBLAS's choice varies most: Gemma-4-31B's decode GEMMs measured 377 us per layer at
+    248 rows, 393 at 256 and 442 at 240 on an H200 (benchmarks/results/gemm_rows_nvidia_h200.txt)."""
     out, b = [1, 2, 4], 8
     while b <= top:
         out.append(b)
-        b += 8 if b < 64 else 1 << (b.bit_length() - 4)
+        b += 8 if b < 256 else 1 << (b.bit_length() - 4)
     return tuple(out)
 
 
