@@ -161,7 +161,8 @@ def test_flashinfer_cascade_graphs_match_eager_cascade_and_cascade_off(tiny_dir,
 def test_overlap_equals_serial_steps_with_graphs_and_cascade(tmp_path, backend):
     """Engine.overlap on the GPU: the next step's metadata, plan and graph staging are queued while the
     current step runs (plain and cascade graphs; Gemma 4's window layers, several lengths so that the batch
-    shrinks). Tokens and logits equal the serial engine's: the same kernels on the same inputs."""
+    shrinks; with ``early_launch``, steps launched on the device tokens). Tokens and logits equal the serial
+    engine's: the same kernels on the same inputs."""
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     from attnzoo.engine.sampling import SamplingParams
@@ -179,7 +180,7 @@ def test_overlap_equals_serial_steps_with_graphs_and_cascade(tmp_path, backend):
         runs[overlap] = (llm.engine.generate(prompts, params, return_logits=True), dict(llm.engine.overlap_stats),
                          dict(llm.engine.graph_stats))
     (off, _, off_graphs), (on, stats, on_graphs) = runs[False], runs[True]
-    assert stats["launched"] > 20 and on_graphs == off_graphs
+    assert stats["launched"] > 20 and stats["early"] > 0 and on_graphs == off_graphs
     assert [c.token_ids for c in on] == [c.token_ids for c in off]
     assert max((a.logits - b.logits).abs().max().item() for a, b in zip(on, off)) < 1e-3
 

@@ -171,7 +171,15 @@ class Engine:
         # Host work off the critical path: the next decode step's metadata, plan and graph staging are
         # prepared while the GPU runs this one, before its tokens are read back (``_prepare_ahead``).
         self.overlap = True
-        self.overlap_stats = {"prepared": 0, "launched": 0}  # steps prepared ahead; of those, launched as prepared
+        # With overlap, a prepared step whose running set cannot change but by an EOS/stop-string stop (no
+        # request ends by length this step, none freed pages since the last admission) is launched at once
+        # on this step's sampled tokens as they lie on the GPU, before they are read back: the GPU goes from
+        # one step to the next without waiting for the host. A request that stops on this step's token then
+        # had one row of the next step computed for nothing; it is dropped from that step's results.
+        self.early_launch = True
+        # prepared: steps prepared ahead; launched: of those, launched as prepared; early: of those, launched
+        # before this step's tokens were read back
+        self.overlap_stats = {"prepared": 0, "launched": 0, "early": 0}
         self._planned: torch.cuda.Event | None = None  # recorded after the last step's plan was queued
 
     @property
@@ -232,20 +240,27 @@ class Engine:
         processed = any(sp.repetition_penalty != 1.0 or sp.min_new_tokens for sp in params)
         self.t0 = time.perf_counter()
         ahead: tuple[_Batch, _Prepared] | None = None  # the next decode step, prepared during this one
+        early: tuple[_Batch, torch.Tensor] | None = None  # the next decode step, launched during this one
+        freed = False  # a request ended since the last admission (its pages may admit others)
         try:
             while waiting or running:
-                self._admit(waiting, running)
-                if ahead is not None and len(ahead[0].reqs) == len(running) and all(
-                        a is r for a, r in zip(ahead[0].reqs, running)):
-                    batch = ahead[0]
-                    batch.chunks = [[req.out[-1]] for req in batch.reqs]
-                    self.overlap_stats["launched"] += 1
-                    logits = self._launch(batch, ahead[1])
-                else:  # first step, or the running set changed (a request stopped early, another joined)
-                    batch = self._schedule(running)
-                    if not batch.reqs:
-                        raise RuntimeError("engine bug: a step with no work")
-                    logits = self._step(batch)
+                if early is not None:  # launched on the last step's device tokens; nobody could have joined
+                    batch, logits = early
+                    early = None
+                else:
+                    self._admit(waiting, running)
+                    freed = False
+                    if ahead is not None and len(ahead[0].reqs) == len(running) and all(
+                            a is r for a, r in zip(ahead[0].reqs, running)):
+                        batch = ahead[0]
+                        batch.chunks = [[req.out[-1]] for req in batch.reqs]
+                        self.overlap_stats["launched"] += 1
+                        logits = self._launch(batch, ahead[1])
+                    else:  # first step, or the running set changed (a request stopped early, another joined)
+                        batch = self._schedule(running)
+                        if not batch.reqs:
+                            raise RuntimeError("engine bug: a step with no work")
+                        logits = self._step(batch)
                 tokens = logits.argmax(dim=-1)
                 # NaN and +inf win argmax, so a row's top logit is non-finite iff the row holds one (or is all
                 # -inf): an O(rows) check whose result comes back as token -1 at the step's one sync.
@@ -260,7 +275,13 @@ class Engine:
                     tokens[at] = sample(scores[at], [r.params for r in reqs], [r.generator for r in reqs])
                 tokens = torch.where(finite, tokens, -1)
                 ahead = self._prepare_ahead(running) if self.overlap else None
+                if ahead is not None and self.early_launch and not freed:
+                    early = self._launch_early(ahead, batch, tokens, running)
+                    if early is not None:
+                        ahead = None
                 for i, (req, token) in enumerate(zip(batch.sampling_reqs, tokens.tolist())):  # one sync a step
+                    if req.finish:  # stopped on the step before, after this step was launched early
+                        continue
                     if token < 0:
                         raise NumericsError(
                             f"the model produced non-finite logits (NaN or inf) for prompt {req.index} at output token "
@@ -275,6 +296,7 @@ class Engine:
                     self._release(req)
                     running.remove(req)
                     done.append(req)
+                    freed = True
                     if on_finish is not None:
                         on_finish(req.index)
         finally:
@@ -560,6 +582,24 @@ class Engine:
         self.overlap_stats["prepared"] += 1
         return batch, self.prepare_step(self._step_dict(batch))
 
+    def _launch_early(self, ahead, batch: "_Batch", tokens: torch.Tensor, running: list[_Request]):
+        """(the next step, its logits) launched on this step's sampled ``tokens`` [rows] still on the GPU, where
+        the next step holds every running request (none ends by length now): the running set then changes
+        only by a request stopping on the token this step sampled. None where it cannot be launched so."""
+        nxt, prep = ahead
+        if len(nxt.reqs) != len(running) or len(batch.sampling_reqs) != len(running):
+            return None
+        row = {id(r): i for i, r in enumerate(batch.sampling_reqs)}
+        idx = [row.get(id(r), -1) for r in nxt.reqs]
+        if -1 in idx:
+            return None
+        ids = tokens if idx == list(range(len(idx))) else tokens[torch.tensor(idx, device=tokens.device)]
+        ids = ids.clamp(min=0)  # a non-finite row's -1 raises NumericsError at the sync, not an index fault here
+        nxt.chunks = [[-1] for _ in nxt.reqs]  # known on the host after the sync; only their lengths are read
+        self.overlap_stats["launched"] += 1
+        self.overlap_stats["early"] += 1
+        return nxt, self._launch(nxt, prep, ids)
+
     def _step_dict(self, batch: "_Batch") -> dict:
         step = {"prefix_lens": [r.num_cached for r in batch.reqs], "q_lens": [len(c) for c in batch.chunks],
                 "block_tables": [r.page_table() for r in batch.reqs], "ids": [t for c in batch.chunks for t in c],
@@ -571,8 +611,8 @@ class Engine:
     def _step(self, batch: "_Batch") -> torch.Tensor:
         return self._launch(batch, self.prepare_step(self._step_dict(batch)))
 
-    def _launch(self, batch: "_Batch", prep: "_Prepared") -> torch.Tensor:
-        logits, batch.shared_prefix_len = self.launch_step(prep, [t for c in batch.chunks for t in c])
+    def _launch(self, batch: "_Batch", prep: "_Prepared", ids: torch.Tensor | None = None) -> torch.Tensor:
+        logits, batch.shared_prefix_len = self.launch_step(prep, [t for c in batch.chunks for t in c] if ids is None else ids)
         for req, chunk in zip(batch.reqs, batch.chunks):
             req.num_cached += len(chunk)
             if self.prefix_cache is not None and len(req.out) == 0:
@@ -626,14 +666,16 @@ class Engine:
             self._planned.record()
         return _Prepared(step, meta, graph, staged, plan, over_cap)
 
-    def launch_step(self, prep: "_Prepared", ids: list[int]) -> tuple[torch.Tensor, int]:
-        """The device half of ``run_step``: the forward pass of a prepared step over ``ids``."""
+    def launch_step(self, prep: "_Prepared", ids: "list[int] | torch.Tensor") -> tuple[torch.Tensor, int]:
+        """The device half of ``run_step``: the forward pass of a prepared step over ``ids`` (a list, or
+        an int64 tensor on the device: an early launch's sampled tokens; not under tensor parallelism)."""
         step, meta = prep.step, prep.meta
         self.graph_stats["cascade_over_cap"] += prep.over_cap
         if self.tp is not None and self.tp.leader:
             self.tp.publish(("step", {**step, "ids": ids, "shared_prefix_len": meta.shared_prefix_len,
                                       "graph": prep.graph}))
-        ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        if not isinstance(ids, torch.Tensor):
+            ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         rows = None if step["rows"] is None else torch.tensor(step["rows"], dtype=torch.int64, device=self.device)
         with torch.inference_mode():
             if prep.graph:
