@@ -321,8 +321,10 @@ def test_buckets_whose_gemms_measured_slower_than_the_next_kept_one_are_dropped(
     assert cuda_graph.choose_buckets(cost) == ([224, 248, 256, 288], {240: 248})
     # near ties (within the 3% margin) keep the smaller bucket; the largest always stays
     assert cuda_graph.choose_buckets({8: 10.2, 16: 10.0, 24: 10.1}) == ([8, 16, 24], {})
-    # a dropped bucket pads to the next kept one, which is what it is compared with
-    assert cuda_graph.choose_buckets({1: 3.0, 2: 9.0, 4: 8.0, 8: 4.0}) == ([1, 8], {2: 8, 4: 8})
+    # a step pads by one bucket at most: 2 is not dropped for 8 (4, next up, was dropped itself)
+    assert cuda_graph.choose_buckets({1: 3.0, 2: 9.0, 4: 8.0, 8: 4.0}) == ([1, 2, 8], {4: 8})
+    # DeepSeek-V2-Lite's few dense GEMMs on an H200 (launch-bound): a faster 768 must not take 248..704 along
+    assert cuda_graph.choose_buckets({640: 50.0, 704: 52.0, 768: 48.0})[1] == {704: 768}
 
 
 def test_gemm_shapes_counts_the_dense_linears_a_decode_graph_runs():
@@ -338,6 +340,7 @@ def test_gemm_shapes_counts_the_dense_linears_a_decode_graph_runs():
 
     m = M()
     shapes = cuda_graph.gemm_shapes(m)
+    assert cuda_graph.gemm_share(m, shapes) == (3 * 128 + 128) / (3 * 128 + 128 + 128)  # lm_head aside
     assert {k: c for k, (w, c) in shapes.items()} == {(16, 8, torch.bfloat16): 3, (8, 16, torch.bfloat16): 1}
     assert shapes[(8, 16, torch.bfloat16)][0] is m.b.weight
     assert cuda_graph.prune_buckets(shapes, [1, 2], torch.device("cpu")) == ([1, 2], {})  # measured on GPUs only

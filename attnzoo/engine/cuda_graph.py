@@ -49,6 +49,9 @@ def _default_buckets(top: int = 4096) -> tuple[int, ...]:
 DEFAULT_BUCKETS = _default_buckets()
 # A bucket is dropped when the next larger kept one runs the model's GEMMs this much faster (prune_buckets).
 PRUNE_MARGIN = 0.03
+# ... and only where the GEMMs measured hold this share of the model's weight matrices (dense bf16 models:
+# Llama, Gemma; not MoE or FP8 ones, whose experts and FP8 GEMMs prune_buckets does not time).
+PRUNE_MIN_SHARE = 0.9
 
 
 def gemm_shapes(model) -> dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, int]]:
@@ -63,6 +66,16 @@ def gemm_shapes(model) -> dict[tuple[int, int, torch.dtype], tuple[torch.Tensor,
             key = (*m.weight.shape, m.weight.dtype)
             shapes[key] = (m.weight, shapes[key][1] + 1 if key in shapes else 1)
     return shapes
+
+
+def gemm_share(model, shapes: dict) -> float:
+    """The share of the model's weight matrices (embeddings and the LM head aside) that ``shapes`` covers:
+    where it is small (MoE experts, FP8 layers) the GEMMs measured are not what a step's time follows."""
+    from attnzoo.layers.parallel import ParallelLMHead
+
+    skip = {id(m.weight) for m in model.modules() if isinstance(m, (torch.nn.Embedding, ParallelLMHead))}
+    total = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in skip)
+    return sum(w.numel() * count for w, count in shapes.values()) / max(total, 1)
 
 
 def prune_buckets(shapes: dict, buckets, device, margin: float = PRUNE_MARGIN, reps: int = 5):
@@ -92,11 +105,16 @@ def prune_buckets(shapes: dict, buckets, device, margin: float = PRUNE_MARGIN, r
 
 def choose_buckets(cost: dict[int, float], margin: float = PRUNE_MARGIN) -> tuple[list[int], dict[int, int]]:
     """``prune_buckets``' rule over measured costs {bucket: time}: from the largest down, a bucket is dropped
-    where the bucket its steps would then pad to (the next larger kept one) costs less than (1 - margin) x its own."""
+    where the next bucket up is kept and costs less than (1 - margin) x its own. So a step pads by one
+    bucket at most: the rest of its work (attention, norms) grows with the rows the GEMMs measured here
+    do not see, and near-equal small GEMMs (launch-bound, noisy) must not pull a batch far up."""
+    order = sorted(cost)
     kept, dropped = [], {}
-    for b in sorted(cost, reverse=True):
-        if kept and cost[kept[-1]] < (1 - margin) * cost[b]:
-            dropped[b] = kept[-1]
+    for i in reversed(range(len(order))):
+        b = order[i]
+        up = order[i + 1] if i + 1 < len(order) else None
+        if up is not None and kept and kept[-1] == up and cost[up] < (1 - margin) * cost[b]:
+            dropped[b] = up
         else:
             kept.append(b)
     return sorted(kept), {b: dropped[b] for b in sorted(dropped)}
@@ -118,8 +136,9 @@ class DecodeGraphs:
         # {dropped bucket: the bucket its steps pad to instead}, measured (prune_buckets); tensor-parallel
         # ranks must replay the same sizes, so they pass prune=False rather than each measure their own.
         self.pruned: dict[int, int] = {}
-        if prune and pool.device.type == "cuda":
-            self.buckets, self.pruned = prune_buckets(gemm_shapes(model), self.buckets, pool.device)
+        shapes = gemm_shapes(model) if prune and pool.device.type == "cuda" else {}
+        if shapes and gemm_share(model, shapes) >= PRUNE_MIN_SHARE:
+            self.buckets, self.pruned = prune_buckets(shapes, self.buckets, pool.device)
         self.max_batch = self.buckets[-1]
         self.max_pages = -(-max_context // ps)
         self.max_context = self.max_pages * ps
