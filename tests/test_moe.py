@@ -82,6 +82,32 @@ def test_decode_grid_is_no_larger_than_the_routing_needs():
     assert int(total) == sorted_ids.numel() == 6 * 16
 
 
+def test_one_token_blocks_match_the_sort_and_the_fused_path_uses_them():
+    """A single token's k distinct experts: one block each, the same blocks (in id order) as the sort's, and
+    the fused layer through them equals the reference, bf16/float32 and FP8 weights alike."""
+    from attnzoo.layers.moe import align_one_token
+
+    _, ids = routing(1, 6, 64, seed=3)
+    rows, blocks, total = align_one_token(ids, 16)
+    ref_rows, ref_blocks, ref_total = moe_align_block_size(ids, 16, 64)
+    assert int(total) == int(ref_total) == 6 * 16 and rows.shape == ref_rows.shape and blocks.dtype == torch.int32
+    order = sorted(range(6), key=lambda j: int(ids[0, j]))  # the sort's blocks come in expert order
+    assert blocks[order].tolist() == ref_blocks.tolist()
+    assert rows.view(6, 16)[order, 0].tolist() == ref_rows.view(6, 16)[:, 0].tolist()
+    assert (rows.view(6, 16)[:, 1:] == 6).all()
+    e, h, i = 8, 160, 136
+    w13, w2 = experts(e, h, i, torch.float32, seed=5)
+    weights, ids = routing(1, 3, e, seed=5)
+    x = torch.randn(1, h, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    out = fused_moe(x, w13, w2, weights, ids, config=MoEConfig(16, 32, 32))
+    assert rel_err(out, moe_reference(x, w13, w2, weights, ids)) < 1e-5
+    q13, s13 = quantize_experts(w13, i, (128, 128))
+    q2, s2 = quantize_experts(w2, h, (128, 128))
+    kw = dict(w13_scale_inv=s13, w2_scale_inv=s2)
+    out = fused_moe(x, q13, q2, weights, ids, config=MoEConfig(16, 32, 128), **kw)
+    assert rel_err(out, moe_reference(x, q13, q2, weights, ids, quantize_activations=True, **kw)) < 1e-5
+
+
 def test_tile_tables_round_trip_and_lookup(tmp_path):
     """The sweep's table: this GPU's entry first, then one of the same sm; the nearest swept token count
     (log scale); the default where no table has the shape."""

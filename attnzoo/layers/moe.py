@@ -378,6 +378,25 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_local: int, e
     return sorted_ids, expert_ids, total
 
 
+@functools.lru_cache(maxsize=64)
+def _one_row_blocks(k: int, block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_ids, total) of one token's k assignments, one row block each: block j holds assignment j
+    in its first row and the sentinel k in the rest. The same for every routing of one token."""
+    sorted_ids = torch.full((k, block_m), k, dtype=torch.int32)
+    sorted_ids[:, 0] = torch.arange(k, dtype=torch.int32)
+    return sorted_ids.reshape(-1).to(device), torch.tensor([k * block_m], dtype=torch.int32, device=device)
+
+
+def align_one_token(topk_ids: torch.Tensor, block_m: int):
+    """``moe_align_block_size`` for a single token holding every expert: its k experts are distinct (top-k),
+    so block j can serve assignment j alone and no expert's weights are read twice; the sort is a constant
+    and the expert of each block is the token's id list itself. Saves the sort launch where a decode step
+    of one request is launch-bound."""
+    k = topk_ids.shape[1]
+    sorted_ids, total = _one_row_blocks(k, block_m, topk_ids.device)
+    return sorted_ids, topk_ids.reshape(-1).to(torch.int32), total
+
+
 def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *, num_valid: int, rows_per_a: int,
                   split_n: int, mul_weight: bool, block=(128, 128)):
     """out[row] = a[row // rows_per_a] @ w[expert]^T (times weights[row], float32 [T*k], if mul_weight):
@@ -448,7 +467,8 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
             f"{QUANT_GROUP} (the activation group)", fix="use the default MoEConfig and weight_block_size [128, 128]",
         )
     x = x.contiguous()
-    align = moe_align_block_size(topk_ids, cfg.block_m, num_local, expert_start)
+    align = (align_one_token(topk_ids, cfg.block_m) if t == 1 and holds_all_experts
+             else moe_align_block_size(topk_ids, cfg.block_m, num_local, expert_start))
     a, a_scale = act_quant(x, QUANT_GROUP, ue8m0) if fp8 else (x, None)
     gate_up = torch.empty(t * k, 2 * inter, dtype=x.dtype, device=x.device)
     flat_weights = topk_weights.reshape(-1).float().contiguous()
