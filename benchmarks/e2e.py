@@ -255,7 +255,7 @@ def run_transformers(config, prompts, new_tokens, batch_size) -> dict:
 
 def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, cascade: bool | None,
                 extra: dict | None = None, dry_run: bool = False, overlap: bool = True,
-                capture_after: int | None = None) -> dict:
+                capture_after: int | None = None, early_launch: bool = True) -> dict:
     """One engine run of the workload. backend "default": the policy's choice; max_running None: the engine's.
     ``dry_run``: load and warm up only (the timings of each phase, the logits check)."""
     import attnzoo
@@ -271,7 +271,7 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
                              dtype="bfloat16", device="cuda", cascade=cascade, **kwargs)
     timings = load_timings(llm, time.perf_counter() - t_load)
     # Warm-up: kernels compile here, the cascade ones too (two requests sharing the prefix).
-    llm.engine.overlap = overlap
+    llm.engine.overlap, llm.engine.early_launch = overlap, early_launch
     if capture_after is not None and llm.engine.graphs is not None:
         llm.engine.graphs.capture_after = capture_after
     threshold, llm.engine.cascade_min_saved_tokens = llm.engine.cascade_min_saved_tokens, 1
@@ -306,7 +306,8 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
         "graph_batch_sizes": llm.engine.graphs.buckets if llm.engine.graphs is not None else None,
         "graph_pruned_buckets": llm.engine.graphs.pruned if llm.engine.graphs is not None else None,
         "capture_after": llm.engine.graphs.capture_after if llm.engine.graphs is not None else None,
-        "overlap": llm.engine.overlap, "overlap_stats": dict(llm.engine.overlap_stats),
+        "overlap": llm.engine.overlap, "early_launch": llm.engine.early_launch,
+        "overlap_stats": dict(llm.engine.overlap_stats),
         "page_size": info["page_size"], "prompts": len(prompts), "output_tokens": n_out, "wall_s": wall,
         "output_tok_per_s": n_out / wall, "ttft_mean_s": statistics.mean(ttft), "ttft_p50_s": statistics.median(ttft),
         "tpot_mean_ms": 1e3 * statistics.mean(tpot), "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -363,6 +364,9 @@ def main(argv=None):
     ap.add_argument("--load-kwargs", default="{}", help="extra load_model keywords as JSON, e.g. '{\"page_size\": 64}'")
     ap.add_argument("--no-overlap", action="store_true",
                     help="prepare each step only after the previous one's tokens are back (Engine.overlap off)")
+    ap.add_argument("--no-early-launch", action="store_true",
+                    help="with overlap, launch a prepared step only after this step's tokens are read back "
+                         "(Engine.early_launch off)")
     ap.add_argument("--capture-after", type=int, default=None,
                     help="capture a cascade graph on the N-th decode step in a row that asks for it "
                          "(DecodeGraphs.capture_after; default: the engine's)")
@@ -409,7 +413,8 @@ def main(argv=None):
             modes = {"both": [False, None], "on": [None], "off": [False]}[args.cascade]
         for cascade in modes:
             r = run_attnzoo(config, prompts, args.new_tokens, b, args.max_running, limits, cascade, extra, args.dry_run,
-                            overlap=not args.no_overlap, capture_after=args.capture_after)
+                            overlap=not args.no_overlap, capture_after=args.capture_after,
+                            early_launch=not args.no_early_launch)
             if hf is not None and not args.dry_run:
                 r["vs_transformers"] = r["output_tok_per_s"] / hf["output_tok_per_s"]
             print(json.dumps(r), flush=True)
