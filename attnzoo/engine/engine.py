@@ -181,6 +181,7 @@ class Engine:
         # before this step's tokens were read back
         self.overlap_stats = {"prepared": 0, "launched": 0, "early": 0}
         self._planned: torch.cuda.Event | None = None  # recorded after the last step's plan was queued
+        self._host_tokens: torch.Tensor | None = None  # pinned [>= max_running] int64: each step's sampled tokens
 
     @property
     def prefill_backend(self):
@@ -274,12 +275,17 @@ class Engine:
                     at = torch.tensor(rows, device=tokens.device)
                     tokens[at] = sample(scores[at], [r.params for r in reqs], [r.generator for r in reqs])
                 tokens = torch.where(finite, tokens, -1)
+                # The copy to the host is queued now, before any next step: a read-back queued after an
+                # early-launched step would wait for that whole step (measured: 8-10% slower end to end).
+                host, copied = self._to_host(tokens)
                 ahead = self._prepare_ahead(running) if self.overlap else None
                 if ahead is not None and self.early_launch and not freed:
                     early = self._launch_early(ahead, batch, tokens, running)
                     if early is not None:
                         ahead = None
-                for i, (req, token) in enumerate(zip(batch.sampling_reqs, tokens.tolist())):  # one sync a step
+                if copied is not None:
+                    copied.synchronize()  # one sync a step
+                for i, (req, token) in enumerate(zip(batch.sampling_reqs, host.tolist())):
                     if req.finish:  # stopped on the step before, after this step was launched early
                         continue
                     if token < 0:
@@ -581,6 +587,21 @@ class Engine:
         self._grow(batch)
         self.overlap_stats["prepared"] += 1
         return batch, self.prepare_step(self._step_dict(batch))
+
+    def _to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying ``tokens`` [rows] int64 to a pinned host buffer: (the host view, the event that
+        marks the copy done; None off CUDA, where the copy is done on return). One buffer serves every
+        step: it is read before the next step's copy is queued."""
+        if tokens.device.type != "cuda":
+            return tokens.cpu(), None
+        n = tokens.shape[0]
+        if self._host_tokens is None or self._host_tokens.shape[0] < n:
+            self._host_tokens = torch.empty(max(n, self.max_running), dtype=torch.int64, pin_memory=True)
+        host = self._host_tokens[:n]
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
 
     def _launch_early(self, ahead, batch: "_Batch", tokens: torch.Tensor, running: list[_Request]):
         """(the next step, its logits) launched on this step's sampled ``tokens`` [rows] still on the GPU, where
