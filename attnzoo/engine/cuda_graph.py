@@ -13,9 +13,9 @@ engine's max_running, always a bucket); a decode step with a longer request runs
 
 Cascade decode steps (a shared prefix read once per step) replay graphs of their own where the decode
 backend declares ``supports_cascade_graph``: one per (bucket, the backend's ``cascade_graph_key``), captured
-on the first step that needs it (warm-up and capture on that step's data, into the plain graphs' memory
-pool, then its replay), at most ``max_cascade_graphs`` of them; a step whose graph is not there once the
-cap is reached runs without one (``cascade_ready``). Their padding rows hold one token after the shared
+on the ``capture_after``-th step in a row that needs it (warm-up and capture on that step's data, into the
+plain graphs' memory pool, then its replay), at most ``max_cascade_graphs`` of them; a step whose graph is
+not there runs without one (``cascade_ready``). Their padding rows hold one token after the shared
 prefix: the prefix's pages, then the token in page 0. So they are requests of the step like the others
 (the shared part serves their queries too, and the split is theirs as well: a padding row's window starts
 no later than a real row's), read only pages that hold data, write only page 0, and are dropped.
