@@ -109,15 +109,11 @@ def choose_buckets(cost: dict[int, float], margin: float = PRUNE_MARGIN) -> tupl
     bucket at most: the rest of its work (attention, norms) grows with the rows the GEMMs measured here
     do not see, and near-equal small GEMMs (launch-bound, noisy) must not pull a batch far up."""
     order = sorted(cost)
-    kept, dropped = [], {}
-    for i in reversed(range(len(order))):
-        b = order[i]
-        up = order[i + 1] if i + 1 < len(order) else None
-        if up is not None and kept and kept[-1] == up and cost[up] < (1 - margin) * cost[b]:
+    dropped: dict[int, int] = {}
+    for b, up in reversed(list(zip(order, order[1:]))):
+        if up not in dropped and cost[up] < (1 - margin) * cost[b]:
             dropped[b] = up
-        else:
-            kept.append(b)
-    return sorted(kept), {b: dropped[b] for b in sorted(dropped)}
+    return [b for b in order if b not in dropped], dict(sorted(dropped.items()))
 
 
 # Cascade graphs are captured while generating (each costs a warm-up step and a capture once): the cap
