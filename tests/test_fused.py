@@ -104,6 +104,45 @@ def test_rope(dtype, interleaved):
     check(lambda: fused.rope(q, None, cos, sin, interleaved=interleaved)[0], dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_with_scale(dtype):
+    """Gemma 4's layer end: (x + post_norm(h)) * layer_scalar, then the next layer's input norm."""
+    h, x = randn(6, 72, dtype=dtype, scale=3.0), randn(6, 72, dtype=dtype, scale=4.0, seed=1)
+    norm, post = make_norm(72, dtype), make_norm(72, dtype, seed=2)
+    scalar = torch.tensor([0.37], device=DEV).to(dtype)
+    check(lambda: fused.add_rms_norm(h, x, norm, x_norm=post, scale=scalar), dtype)
+    check(lambda: fused.add_rms_norm(h, x, norm, scale=scalar), dtype)
+    check(lambda: fused.add_rms_norm(h, None, norm, x_norm=post, scale=scalar), dtype)
+    with fused.use("torch"):
+        _, s = fused.add_rms_norm(h, x, norm, x_norm=post, scale=scalar)
+    torch.testing.assert_close(s, (x + fused.rms_norm(h, post)) * scalar, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate-half", "interleaved"])
+def test_norm_rope(dtype, interleaved):
+    """Per-head q/k/v norms then q/k RoPE in one launch, against the separate ops."""
+    t, qh, kh, d = 5, 4, 2, 40
+    qkv = randn(t, (qh + 2 * kh) * d, dtype=dtype, scale=3.0)
+    q, k, v = (p.unflatten(1, (-1, d)) for p in qkv.split([qh * d, kh * d, kh * d], dim=-1))
+    _, _, cos, sin = rope_inputs(dtype, t=t, d=d, seed=1)
+    qn, kn = make_norm(d, dtype, offset=1.0, seed=3), make_norm(d, dtype, seed=4)
+    vn = make_norm(d, dtype, scale=False)
+    check(lambda: fused.norm_rope(q, k, v, cos, sin, q_norm=qn, k_norm=kn, v_norm=vn, interleaved=interleaved), dtype)
+    check(lambda: fused.norm_rope(q, k, k, cos, sin, q_norm=qn, k_norm=kn, v_norm=vn), dtype)  # K doubles as V
+    check(lambda: fused.norm_rope(q, None, None, cos, sin, q_norm=qn)[0], dtype)  # a KV-sharing layer
+    _, _, cos, sin = rope_inputs(dtype, t=t, d=d, rot=16, seed=2)  # partial RoPE: the norm spans all channels
+    check(lambda: fused.norm_rope(q, k, v, cos, sin, q_norm=qn, k_norm=kn, v_norm=vn), dtype)
+    with fused.use("torch"):
+        got = fused.norm_rope(q, k, v, cos, sin, q_norm=qn, k_norm=kn, v_norm=vn)
+    want = (fused.rope_ref(fused.rms_norm_ref(q, qn), cos, sin), fused.rope_ref(fused.rms_norm_ref(k, kn), cos, sin),
+            fused.rms_norm_ref(v, vn))
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    with pytest.raises(BackendError, match="k and v together"):
+        fused.norm_rope(q, k, None, cos, sin, q_norm=qn, k_norm=kn)
+
+
 def test_rope_reference_is_rotate_half():
     """The reference against the textbook rotate-half form x * cos + rotate_half(x) * sin."""
     q, _, cos, sin = rope_inputs(torch.float32)
@@ -174,6 +213,10 @@ def test_gpu_realistic_shapes(shape, tokens):
         "silu_mul": lambda: fused.act_and_mul(gate_up, "silu"),
         "gelu_tanh_mul": lambda: fused.act_and_mul(gate_up, "gelu_tanh"),
         "rope_qk": lambda: fused.rope(q, k, cos, sin),
+        "norm_rope_qkv": lambda: fused.norm_rope(q, k, k, cos, sin, q_norm=make_norm(d, dt), k_norm=make_norm(d, dt),
+                                                 v_norm=make_norm(d, dt, scale=False)),
+        "scaled_postnorm_add_rms_norm": lambda: fused.add_rms_norm(
+            x, residual, norm, x_norm=post, scale=torch.tensor([0.6], device=DEV).to(dt)),
     }
     for name, fn in cases.items():
         with fused.use("torch"):

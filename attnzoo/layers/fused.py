@@ -1,9 +1,11 @@
 """Fused elementwise ops of the model files, each one kernel on a GPU where torch spends several:
 
 * ``rms_norm``: x / rms(x) * (offset + weight) in float32 (per-head [T, H, D] views too);
-* ``add_rms_norm``: the residual add and the next norm, optionally with Gemma's post-norm of x first;
+* ``add_rms_norm``: the residual add and the next norm, optionally with Gemma's post-norm of x first
+  and its per-layer scalar after the add;
 * ``act_and_mul``: silu(gate) * up or gelu_tanh(gate) * up from one [T, 2I] gate_up projection;
-* ``rope``: rotate-half or interleaved-pair RoPE of q and k in one launch (partial RoPE too).
+* ``rope``: rotate-half or interleaved-pair RoPE of q and k in one launch (partial RoPE too);
+* ``norm_rope``: per-head RMSNorms of q, k and v, then RoPE of q and k, in one launch (Gemma 4).
 
 The torch functions here are the reference: they run on CPU tensors and are the oracle the Triton
 kernels (``fused_kernels``, used for CUDA tensors) are tested against. ``use("torch")`` runs the
@@ -81,10 +83,12 @@ def rms_norm_ref(x: torch.Tensor, norm: NormParams) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), w, norm.eps).to(x.dtype)
 
 
-def add_rms_norm_ref(x, residual, norm: NormParams, x_norm: NormParams | None = None):
+def add_rms_norm_ref(x, residual, norm: NormParams, x_norm: NormParams | None = None, scale=None):
     if x_norm is not None:
         x = rms_norm_ref(x, x_norm)
     s = x if residual is None else residual + x
+    if scale is not None:
+        s = s * scale
     return rms_norm_ref(s, norm), s
 
 
@@ -111,6 +115,14 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved:
     return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
 
 
+def norm_rope_ref(q, k, v, cos, sin, q_norm: NormParams, k_norm: NormParams | None = None,
+                  v_norm: NormParams | None = None, interleaved: bool = False):
+    q = rope_ref(rms_norm_ref(q, q_norm), cos, sin, interleaved)
+    if k is None:
+        return q, None, None
+    return q, rope_ref(rms_norm_ref(k, k_norm), cos, sin, interleaved), rms_norm_ref(v, v_norm)
+
+
 # ----------------------------------------------------------------------------------------------
 # the ops
 
@@ -124,19 +136,22 @@ def rms_norm(x: torch.Tensor, norm: NormParams) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, norm: NormParams, *, x_norm: NormParams | None = None
+    x: torch.Tensor, residual: torch.Tensor | None, norm: NormParams, *, x_norm: NormParams | None = None,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (norm(s), s) with s = residual + x_norm(x) (x itself without ``x_norm``; residual None: no add)."""
+    """-> (norm(s), s) with s = (residual + x_norm(x)) * scale (x itself without ``x_norm``; residual None:
+    no add; ``scale``: a one-element tensor, Gemma 4's per-layer scalar, or None)."""
     k = _triton(x)
     if k is None:
-        return add_rms_norm_ref(x, residual, norm, x_norm)
-    if residual is None:
+        return add_rms_norm_ref(x, residual, norm, x_norm, scale)
+    if residual is None:  # the first layer: no stream to add to yet, rare enough for separate launches
         s = x if x_norm is None else k.rms_norm(x, x_norm.weight, x_norm.eps, x_norm.offset)
+        s = s if scale is None else s * scale
         return k.rms_norm(s, norm.weight, norm.eps, norm.offset), s
     if x_norm is None:
-        return k.rms_norm(x, norm.weight, norm.eps, norm.offset, residual=residual)
+        return k.rms_norm(x, norm.weight, norm.eps, norm.offset, residual=residual, scale=scale)
     return k.rms_norm(x, norm.weight, norm.eps, norm.offset, residual=residual, x_norm=True,
-                      x_weight=x_norm.weight, x_eps=x_norm.eps, x_offset=x_norm.offset)
+                      x_weight=x_norm.weight, x_eps=x_norm.eps, x_offset=x_norm.offset, scale=scale)
 
 
 def act_and_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
@@ -155,3 +170,20 @@ def rope(
     if kern is None:
         return rope_ref(q, cos, sin, interleaved), None if k is None else rope_ref(k, cos, sin, interleaved)
     return kern.rope(q, k, cos, sin, interleaved=interleaved)
+
+
+def norm_rope(
+    q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, *,
+    q_norm: NormParams, k_norm: NormParams | None = None, v_norm: NormParams | None = None, interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(rope(q_norm(q)), rope(k_norm(k)), v_norm(v)) for q [T, Hq, D], k and v [T, Hk, D] (v may read the
+    same memory as k: Gemma 4's global layers take values from the key projection), cos/sin [T, R].
+    Each norm's output is rounded to the input dtype before RoPE, as the separate ops round it. k and v
+    None: a KV-sharing layer's query only."""
+    if (k is None) != (v is None):
+        raise BackendError("norm_rope takes k and v together (or neither)", fix="pass both, or None for both")
+    kern = _triton(q)
+    if kern is None:
+        return norm_rope_ref(q, k, v, cos, sin, q_norm, k_norm, v_norm, interleaved)
+    norms = (q_norm,) if k is None else (q_norm, k_norm, v_norm)
+    return kern.norm_rope(q, k, v, cos, sin, norms, interleaved=interleaved)

@@ -35,12 +35,13 @@ def _rms(x, w, eps, offset, N: tl.constexpr, HAS_W: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(
-    X, RES, XW, W, OUT, RES_OUT,
+    X, RES, XW, W, SCALE, OUT, RES_OUT,
     num_rows, inner,  # rows are (outer, inner) pairs: [T, H, N] views of per-head norms, inner 1 otherwise
     stride_xo, stride_xi, stride_oo, stride_oi, stride_r, stride_ro,
     eps, offset, x_eps, x_offset,
     N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
     HAS_W: tl.constexpr, HAS_RES: tl.constexpr, X_NORM: tl.constexpr, HAS_XW: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
@@ -58,6 +59,8 @@ def _rms_norm_kernel(
     if HAS_RES:
         r = tl.load(RES + (outer * stride_r)[:, None] + cols[None, :], mask=mask, other=0.0)
         s = (x + r.to(tl.float32)).to(dtype)
+        if HAS_SCALE:  # Gemma 4's layer scalar, a second rounding as its own multiply's
+            s = (s.to(tl.float32) * tl.load(SCALE).to(tl.float32)).to(dtype)
         tl.store(RES_OUT + (outer * stride_ro)[:, None] + cols[None, :], s, mask=mask)
         x = s.to(tl.float32)
     w = tl.zeros([BLOCK], tl.float32)
@@ -67,9 +70,13 @@ def _rms_norm_kernel(
     tl.store(OUT + (outer * stride_oo + sub * stride_oi)[:, None] + cols[None, :], y.to(dtype), mask=mask)
 
 
-def rms_norm(x, weight, eps, offset, *, residual=None, x_weight=None, x_eps=0.0, x_offset=0.0, x_norm=False):
+def rms_norm(x, weight, eps, offset, *, residual=None, x_weight=None, x_eps=0.0, x_offset=0.0, x_norm=False,
+             scale=None):
     """x [..., N] (rows of stride-1 channels; [T, H, N] views allowed) -> normed, and the new residual
-    x + residual when ``residual`` is given (x first normalised by ``x_weight`` when ``x_norm``)."""
+    (x + residual) * scale when ``residual`` is given (x first normalised by ``x_weight`` when ``x_norm``;
+    ``scale`` a one-element tensor or None)."""
+    if scale is not None and residual is None:
+        raise ValueError("rms_norm: scale applies to the residual sum; pass residual too")
     n = x.shape[-1]
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -87,12 +94,13 @@ def rms_norm(x, weight, eps, offset, *, residual=None, x_weight=None, x_eps=0.0,
     if outer * inner == 0:
         return out.view(x.shape) if residual is None else (out.view(x.shape), res_out.view(residual.shape))
     _rms_norm_kernel[(triton.cdiv(outer * inner, rows),)](
-        x3, res, out if x_weight is None else x_weight, out if weight is None else weight, out, res_out,
+        x3, res, out if x_weight is None else x_weight, out if weight is None else weight,
+        out if scale is None else scale, out, res_out,
         outer * inner, inner,
         x3.stride(0), x3.stride(1), out.stride(0), out.stride(1), res.stride(0), res_out.stride(0),
         float(eps), float(offset), float(x_eps), float(x_offset),
         N=n, BLOCK=block, ROWS=rows, HAS_W=weight is not None, HAS_RES=residual is not None,
-        X_NORM=x_norm, HAS_XW=x_weight is not None, num_warps=_warps(block * rows),
+        X_NORM=x_norm, HAS_XW=x_weight is not None, HAS_SCALE=scale is not None, num_warps=_warps(block * rows),
     )
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(residual.shape))
@@ -135,71 +143,115 @@ def act_and_mul(x, act: str):
 
 
 @triton.jit
-def _rope_tile(X, OUT, COS, SIN, t, h0, stride_t, stride_h, stride_ct,
+def _rope_tile(X, OUT, COS, SIN, W, t, h0, stride_t, stride_h, stride_ct, eps, offset,
                HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-               PASS_PAD: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
+               PASS_PAD: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+               NORM: tl.constexpr, HAS_W: tl.constexpr, ROTATE: tl.constexpr):
+    # Heads [h0, h0 + BLOCK_H) of token t: the rotary channels as two halves (x1 rotates with x2), the
+    # channels past them (partial RoPE) passed through; NORM: the head's RMSNorm first, over all D.
     heads = h0 + tl.arange(0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)
     mask = (heads < HEADS)[:, None] & (i < HALF)[None, :]
-    c = tl.load(COS + t * stride_ct + i, mask=i < HALF, other=0.0)[None, :]
-    s = tl.load(SIN + t * stride_ct + i, mask=i < HALF, other=0.0)[None, :]
     row = X + t * stride_t + heads[:, None] * stride_h
     if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...; the output is de-interleaved like the reference's
-        x1 = tl.load(row + 2 * i[None, :], mask=mask, other=0.0)
-        x2 = tl.load(row + 2 * i[None, :] + 1, mask=mask, other=0.0)
+        i1, i2 = 2 * i, 2 * i + 1
     else:
-        x1 = tl.load(row + i[None, :], mask=mask, other=0.0)
-        x2 = tl.load(row + HALF + i[None, :], mask=mask, other=0.0)
+        i1, i2 = i, HALF + i
+    x1 = tl.load(row + i1[None, :], mask=mask, other=0.0)
     dtype = x1.dtype
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    a = x1.to(tl.float32)
+    b = tl.load(row + i2[None, :], mask=mask, other=0.0).to(tl.float32)
+    j = 2 * HALF + tl.arange(0, PASS_PAD if PASS_PAD > 0 else 16)  # without PASS_PAD all masked: j >= D
+    pmask = (heads < HEADS)[:, None] & (j < D)[None, :]
+    p = tl.load(row + j[None, :], mask=pmask, other=0.0)
+    if NORM:  # rounded to the input dtype after the norm, as the norm's own kernel stores it
+        pf = p.to(tl.float32)
+        inv = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1) + tl.sum(pf * pf, axis=1)) / D + eps)
+        a, b, pf = a * inv[:, None], b * inv[:, None], pf * inv[:, None]
+        if HAS_W:
+            a = a * (tl.load(W + i1, mask=i < HALF, other=0.0).to(tl.float32)[None, :] + offset)
+            b = b * (tl.load(W + i2, mask=i < HALF, other=0.0).to(tl.float32)[None, :] + offset)
+            pf = pf * (tl.load(W + j, mask=j < D, other=0.0).to(tl.float32)[None, :] + offset)
+        a, b, p = a.to(dtype).to(tl.float32), b.to(dtype).to(tl.float32), pf.to(dtype)
     dst = OUT + (t * HEADS + heads[:, None]) * D
-    tl.store(dst + i[None, :], (a * c - b * s).to(dtype), mask=mask)
-    tl.store(dst + HALF + i[None, :], (b * c + a * s).to(dtype), mask=mask)
-    if PASS_PAD > 0:  # channels past the rotary dim pass through (partial RoPE)
-        j = 2 * HALF + tl.arange(0, PASS_PAD)
-        pmask = (heads < HEADS)[:, None] & (j < D)[None, :]
-        tl.store(dst + j[None, :], tl.load(row + j[None, :], mask=pmask), mask=pmask)
+    if ROTATE:
+        c = tl.load(COS + t * stride_ct + i, mask=i < HALF, other=0.0)[None, :]
+        s = tl.load(SIN + t * stride_ct + i, mask=i < HALF, other=0.0)[None, :]
+        a, b = a * c - b * s, b * c + a * s
+    tl.store(dst + i[None, :], a.to(dtype), mask=mask)
+    tl.store(dst + HALF + i[None, :], b.to(dtype), mask=mask)
+    if PASS_PAD > 0:
+        tl.store(dst + j[None, :], p, mask=pmask)
 
 
 @triton.jit
-def _rope_kernel(Q, K, QO, KO, COS, SIN, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
-                 QH: tl.constexpr, KH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+def _rope_kernel(Q, K, V, QO, KO, VO, COS, SIN, QW, KW, VW,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
+                 q_eps, q_offset, k_eps, k_offset, v_eps, v_offset,
+                 QH: tl.constexpr, KH: tl.constexpr, VH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                  HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                 INTERLEAVED: tl.constexpr):
+                 INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
+                 HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, HAS_VW: tl.constexpr):
+    # Programs along axis 1: q's head blocks, then k's, then v's (VH 0 without v; v is normed, not rotated).
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     q_blocks = tl.cdiv(QH, BLOCK_H)
+    k_blocks = tl.cdiv(KH, BLOCK_H)
     if blk < q_blocks:
-        _rope_tile(Q, QO, COS, SIN, t, blk * BLOCK_H, stride_qt, stride_qh, stride_ct,
-                   QH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED)
-    else:
-        _rope_tile(K, KO, COS, SIN, t, (blk - q_blocks) * BLOCK_H, stride_kt, stride_kh, stride_ct,
-                   KH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED)
+        _rope_tile(Q, QO, COS, SIN, QW, t, blk * BLOCK_H, stride_qt, stride_qh, stride_ct, q_eps, q_offset,
+                   QH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED, NORM, HAS_QW, True)
+    elif blk < q_blocks + k_blocks:
+        _rope_tile(K, KO, COS, SIN, KW, t, (blk - q_blocks) * BLOCK_H, stride_kt, stride_kh, stride_ct, k_eps,
+                   k_offset, KH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED, NORM, HAS_KW, True)
+    else:  # v keeps its channel order: read as halves in place, never interleaved
+        _rope_tile(V, VO, COS, SIN, VW, t, (blk - q_blocks - k_blocks) * BLOCK_H, stride_vt, stride_vh, stride_ct,
+                   v_eps, v_offset, VH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, False, NORM, HAS_VW, False)
 
 
-def rope(q, k, cos, sin, *, interleaved: bool):
-    """q [T, Hq, D], k [T, Hk, D] or None, cos/sin [T, R] (R <= D, cat(f, f)) -> new contiguous q, k."""
+def _rows(x):
+    return None if x is None else (x if x.stride(-1) == 1 else x.contiguous())
+
+
+def _rope_launch(q, k, v, cos, sin, norms, interleaved: bool):
+    """q [T, Hq, D], k and v [T, Hk, D] or None, cos/sin [T, R]; norms: None, or the (q, k, v) norms'
+    parameters (``fused.NormParams``) -> new contiguous q, k, v."""
     t, qh, d = q.shape
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k is not None and k.stride(-1) != 1:
-        k = k.contiguous()
+    q, k, v = _rows(q), _rows(k), _rows(v)
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     half = cos.shape[-1] // 2
     kh = 0 if k is None else k.shape[1]
+    vh = 0 if v is None else v.shape[1]
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ko = None if k is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    vo = None if v is None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
     half_pad = max(16, next_pow2(half))
-    block_h = max(1, min(next_pow2(max(qh, kh)), _TILE // 2 // half_pad))
-    blocks = triton.cdiv(qh, block_h) + triton.cdiv(kh, block_h)
+    block_h = max(1, min(next_pow2(max(qh, kh, vh)), _TILE // 2 // half_pad))
+    blocks = triton.cdiv(qh, block_h) + triton.cdiv(kh, block_h) + triton.cdiv(vh, block_h)
+    norms = tuple(norms or ()) + (None,) * (3 - len(norms or ()))
+    weights = [qo if n is None or n.weight is None else n.weight for n in norms]
+    eps_off = [x for n in norms for x in ((0.0, 0.0) if n is None else (float(n.eps), float(n.offset)))]
     if t:
-        kk = q if k is None else k
+        kk, vv = (q if k is None else k), (q if v is None else v)
         _rope_kernel[(t, blocks)](
-            q, kk, qo, qo if ko is None else ko, cos, sin,
-            q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), cos.stride(0),
-            QH=qh, KH=kh, D=d, HALF=half, HALF_PAD=half_pad,
+            q, kk, vv, qo, qo if ko is None else ko, qo if vo is None else vo, cos, sin, *weights,
+            q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1), cos.stride(0),
+            *eps_off,
+            QH=qh, KH=kh, VH=vh, D=d, HALF=half, HALF_PAD=half_pad,
             PASS_PAD=0 if 2 * half == d else max(16, next_pow2(d - 2 * half)),
-            BLOCK_H=block_h, INTERLEAVED=interleaved, num_warps=4,
+            BLOCK_H=block_h, INTERLEAVED=interleaved, NORM=norms[0] is not None,
+            HAS_QW=norms[0] is not None and norms[0].weight is not None,
+            HAS_KW=norms[1] is not None and norms[1].weight is not None,
+            HAS_VW=norms[2] is not None and norms[2].weight is not None, num_warps=4,
         )
-    return qo, ko
+    return qo, ko, vo
+
+
+def rope(q, k, cos, sin, *, interleaved: bool):
+    """q [T, Hq, D], k [T, Hk, D] or None, cos/sin [T, R] (R <= D, cat(f, f)) -> new contiguous q, k."""
+    return _rope_launch(q, k, None, cos, sin, None, interleaved)[:2]
+
+
+def norm_rope(q, k, v, cos, sin, norms, *, interleaved: bool):
+    """``fused.norm_rope``: q, k, v per-head normed by ``norms`` (q's, or q's, k's and v's), q and k roped."""
+    return _rope_launch(q, k, v, cos, sin, norms, interleaved)

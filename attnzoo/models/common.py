@@ -33,10 +33,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused.rms_norm(x, self)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None, *, x_norm: RMSNorm | None = None):
-        """-> (this norm of s, s) with s = residual + x_norm(x), in one kernel on a GPU. residual None
-        (the first layer): s is x_norm(x), or x itself. x_norm is a post-norm of x (Gemma)."""
-        return fused.add_rms_norm(x, residual, self, x_norm=x_norm)
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None, *, x_norm: RMSNorm | None = None,
+                     scale: torch.Tensor | None = None):
+        """-> (this norm of s, s) with s = (residual + x_norm(x)) * scale, in one kernel on a GPU. residual
+        None (the first layer): s is x_norm(x), or x itself. x_norm is a post-norm of x (Gemma), scale a
+        one-element tensor (Gemma 4's layer scalar)."""
+        return fused.add_rms_norm(x, residual, self, x_norm=x_norm, scale=scale)
 
 
 class RotaryEmbedding(nn.Module):

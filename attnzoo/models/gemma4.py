@@ -23,9 +23,10 @@ from torch import nn
 
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.errors import ModelLoadError, RequestError
+from attnzoo.layers import fused
 from attnzoo.layers.moe import FusedMoE
 from attnzoo.layers.parallel import SINGLE, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding
-from attnzoo.models.common import CausalLM, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope, apply_rope_qk
+from attnzoo.models.common import CausalLM, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding
 
 log = logging.getLogger("attnzoo")
 
@@ -114,13 +115,14 @@ class Gemma4Attention(nn.Module):
     def forward(self, x, cos, sin, ctx: ForwardContext):  # x [num_tokens, hidden]
         t = x.shape[0]
         qkv = self.qkv_proj.split(self.qkv_proj(x))
-        q = self.q_norm(qkv[0].view(t, self.num_heads, self.head_dim))
+        q = qkv[0].view(t, self.num_heads, self.head_dim)
         if self.shared:
-            return self.o_proj(self.attn(apply_rope(q, cos, sin), None, None, ctx))
-        k_raw = qkv[1].view(t, self.num_kv_heads, self.head_dim)
-        v_raw = k_raw if self.k_eq_v else qkv[2].view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope_qk(q, self.k_norm(k_raw), cos, sin)
-        v = self.v_norm(v_raw)
+            q = fused.norm_rope(q, None, None, cos, sin, q_norm=self.q_norm)[0]
+            return self.o_proj(self.attn(q, None, None, ctx))
+        k = qkv[1].view(t, self.num_kv_heads, self.head_dim)
+        v = k if self.k_eq_v else qkv[2].view(t, self.num_kv_heads, self.head_dim)
+        # Three per-head norms and RoPE, one kernel on a GPU.
+        q, k, v = fused.norm_rope(q, k, v, cos, sin, q_norm=self.q_norm, k_norm=self.k_norm, v_norm=self.v_norm)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
@@ -172,8 +174,11 @@ class Gemma4DecoderLayer(nn.Module):
             self.per_layer_projection = nn.Linear(cfg.hidden_size_per_layer_input, h, bias=False)
             self.post_per_layer_input_norm = RMSNorm(h, eps)
 
-    def forward(self, x, cos, sin, ple, ctx):  # x [T, hidden], ple [T, ple_dim] or None
-        h = self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+    def forward(self, normed, x, cos, sin, ple, ctx, next_norm: RMSNorm):
+        """x [T, hidden]: the residual stream; normed: input_layernorm(x), made by the previous layer's last
+        kernel; ple [T, ple_dim] or None. -> (next_norm(x'), x') for this layer's output x' (next_norm: the
+        next layer's input norm, or the final norm)."""
+        h = self.self_attn(normed, cos, sin, ctx)
         # x + post_attention_layernorm(h), and its pre-feed-forward norm, in one kernel on a GPU.
         normed, x = self.pre_feedforward_layernorm.add_and_norm(h, x, x_norm=self.post_attention_layernorm)
         h = self.mlp(normed)
@@ -183,11 +188,12 @@ class Gemma4DecoderLayer(nn.Module):
             if self.tp.world_size > 1:  # one all-reduce for both partial sums; their norms come after it
                 h, moe = self.tp.all_reduce(torch.stack((h, moe))).unbind(0)
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe)
+        if not self.ple:  # (x + post_ffn_norm(h)) * layer_scalar and the next norm, one kernel on a GPU
+            return next_norm.add_and_norm(h, x, x_norm=self.post_feedforward_layernorm, scale=self.layer_scalar)
         x = x + self.post_feedforward_layernorm(h)
-        if self.ple:
-            g = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * ple
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
-        return x * self.layer_scalar
+        g = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * ple
+        x = (x + self.post_per_layer_input_norm(self.per_layer_projection(g))) * self.layer_scalar
+        return next_norm(x), x
 
 
 class Gemma4Model(nn.Module):
@@ -281,10 +287,13 @@ class Gemma4ForCausalLM(CausalLM):
         x = x * self.embed_scale.to(x.dtype)
         ple = self._per_layer_inputs(input_ids, x) if self.model.ple_dim else None
         rope = {lt: r(positions) for lt, r in self.ropes.items()}
-        for i, layer in enumerate(self.model.layers):
+        layers = self.model.layers
+        normed = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
             cos, sin = rope[layer.self_attn.layer_type]
-            x = layer(x, cos, sin, None if ple is None else ple[:, i], ctx)
-        return self.model.norm(x)
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            normed, x = layer(normed, x, cos, sin, None if ple is None else ple[:, i], ctx, next_norm)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
