@@ -189,6 +189,20 @@ def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: b
     return total
 
 
+def step_kinds(steps: list[dict], *, t0: float, prof: dict, limits: dict) -> dict:
+    """Wall and roofline seconds of the decode steps and of the extend (prompt) steps apart. A step's wall is
+    the time from the previous step's tokens reaching the host to its own (the first: from ``t0``): with the
+    next step launched before the host reads a step's tokens, that is the GPU's time per step once the
+    pipeline is full."""
+    out = {}
+    for kind, decode in (("decode", True), ("extend", False)):
+        mine = [(s, s["t"] - (steps[i - 1]["t"] if i else t0)) for i, s in enumerate(steps)
+                if (s["new_tokens"] == s["num_reqs"]) == decode]
+        out[f"{kind}_wall_s"] = sum(d for _, d in mine)
+        out[f"{kind}_roofline_s"] = roofline_seconds([s for s, _ in mine], prof, limits)
+    return out
+
+
 def warm_up(llm, prompts) -> dict:
     """The first generate (two prompts, 4 tokens: the kernels' JIT happens here), timed, and a check that
     the first decode step's logits are finite: a run on NaNs would still report tokens/s."""
@@ -209,15 +223,15 @@ def warm_up(llm, prompts) -> dict:
     return res
 
 
-def timed_generate(llm, prompts, new_tokens: int) -> tuple[list, float]:
-    """The measured generate, on fresh step and graph counters: (outputs, wall seconds)."""
+def timed_generate(llm, prompts, new_tokens: int) -> tuple[list, float, float]:
+    """The measured generate, on fresh step and graph counters: (outputs, wall seconds, start time)."""
     llm.engine.graph_stats = dict.fromkeys(llm.engine.graph_stats, 0)
     llm.engine.step_log = []
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
     torch.cuda.synchronize()
-    return outs, time.perf_counter() - t0
+    return outs, time.perf_counter() - t0, t0
 
 
 def load_timings(llm, load_s: float) -> dict:
@@ -282,7 +296,7 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
         return {"engine": "attnzoo", "backend": f"attnzoo prefill={info['prefill_backend']} decode={info['decode_backend']}",
                 "dry_run": True, **timings, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
                 "kv_cache_tokens": info["kv_cache_tokens"], "weights": info["weights"]}
-    outs, wall = timed_generate(llm, prompts, new_tokens)
+    outs, wall, t0 = timed_generate(llm, prompts, new_tokens)
     n_out = sum(len(o.token_ids) for o in outs)
     assert len(outs) == len(prompts) and all(len(o.token_ids) == new_tokens for o in outs)
     info = llm.info()
@@ -292,6 +306,7 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
     ttft = [o.time_to_first_token for o in outs]
     tpot = [(o.latency - o.time_to_first_token) / (len(o.token_ids) - 1) for o in outs]
     steps = llm.engine.step_log
+    by_kind = step_kinds(steps, t0=t0, prof=prof, limits=limits)
     res = {
         "engine": "attnzoo",
         "backend": f"attnzoo prefill={info['prefill_backend']} decode={info['decode_backend']}"
@@ -314,7 +329,7 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
         "steps": len(steps), "decode_steps": sum(1 for st in steps if st["new_tokens"] == st["num_reqs"]),
         "max_running": llm.engine.max_running, "max_batch_seen": max(st["num_reqs"] for st in steps),
         "kv_cache_tokens": info["kv_cache_tokens"], "kv_bytes_per_token": info["kv_bytes_per_token"],
-        "roofline_s": roof, "roofline_fraction": roof / wall, "roofline_plain_s": roof_plain,
+        "roofline_s": roof, "roofline_fraction": roof / wall, "roofline_plain_s": roof_plain, **by_kind,
         "weights_gib": (prof["dense_bytes"] + prof["expert_bytes"]) / 2**30,
         "prefix_cache_pages": len(llm.engine.prefix_cache) if llm.engine.prefix_cache is not None else 0,
         **timings,

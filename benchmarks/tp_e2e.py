@@ -106,7 +106,7 @@ def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_r
                     "decode_backend": info["decode_backend"], "kv_cache_tokens": info["kv_cache_tokens"],
                     "rank0_peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "gpu_used_gib": gpu_used_gib(),
                     "weights": weights}
-        outs, wall = timed_generate(llm, prompts, new_tokens)
+        outs, wall, _ = timed_generate(llm, prompts, new_tokens)
         n_out = sum(len(o.token_ids) for o in outs)
         ttft = [o.time_to_first_token for o in outs]
         tpot = [(o.latency - o.time_to_first_token) / max(1, len(o.token_ids) - 1) for o in outs]

@@ -27,7 +27,7 @@ class RecordingWrapper:
         self.plans.append(kwargs)
 
     def reset_workspace_buffer(self, *, float_workspace_buffer, int_workspace_buffer):
-        self.int_workspace = int_workspace_buffer
+        self.kwargs["float_workspace_buffer"], self.int_workspace = float_workspace_buffer, int_workspace_buffer
 
     def run(self, *, q, paged_kv_cache, return_lse=False, **scales):
         self.scales = scales
@@ -74,6 +74,10 @@ def test_cascade_step_plans_shared_pages_once_and_the_rest_per_request(monkeypat
     assert rest["last_page_len"].tolist() == [2, 6, 1]
     assert rest["is_causal"] is False and rest["sm_scale"] == layer.scale
     assert not be._decode_wrappers  # the plain decode wrapper was not needed
+    # The shared part may run beside the rest (a second stream on CUDA): their split-KV partials never share memory.
+    assert shared_w.kwargs["float_workspace_buffer"] is fi_backend.workspace(torch.device("cpu"), "cascade_shared")
+    assert rest_w.kwargs["float_workspace_buffer"] is fi_backend.workspace(torch.device("cpu"), "wrappers")
+    assert be._side_stream() is None  # a CPU pool: one after the other
 
     # The same batch without a shared prefix plans one decode over every page of every request.
     plain = build_metadata(prefix_lens=[s - 1 for s in seq], q_lens=[1, 1, 1], block_tables=tables,
@@ -287,6 +291,7 @@ def test_cascade_graph_step_plans_graph_wrappers_with_the_rounded_split(monkeypa
     for sig, first in ((sig_s, 4), (sig_g, 0)):
         w = shared_w[sig]
         assert w.kwargs["use_cuda_graph"] is True and w.kwargs["qo_indptr_buf"].shape == (2,)
+        assert w.kwargs["float_workspace_buffer"] is fi_backend.workspace(torch.device("cpu"), "cascade_shared")
         assert w.kwargs["paged_kv_indices_buf"].shape == (20,)
         p = w.plans[-1]
         assert p["qo_indptr"].tolist() == [0, 4] and p["causal"] is False and "disable_split_kv" not in p

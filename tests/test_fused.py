@@ -83,6 +83,23 @@ def test_act_and_mul(dtype, act):
     check(lambda: fused.act_and_mul(x[:0], act), dtype)  # an empty step
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softcap(dtype):
+    """Gemma's final logit soft-cap, float32 out from any input dtype; a length that is not a multiple of
+    the kernel's block; +-inf map to +-cap and NaN stays NaN, as torch's tanh does."""
+    x = randn(3, 4099, dtype=dtype, scale=60.0)
+    x[0, :3] = torch.tensor([float("inf"), -float("inf"), float("nan")], dtype=dtype)
+    with fused.use("torch"):
+        ref = fused.softcap(x, 30.0)
+    with fused.use("triton"):
+        got = fused.softcap(x, 30.0)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-5, equal_nan=True)
+    assert got[0, :2].tolist() == [30.0, -30.0] and got[0, 2].isnan()
+    with fused.use("triton"):
+        assert fused.softcap(x[:0], 30.0).shape == (0, 4099)
+
+
 def rope_inputs(dtype, *, t=5, qh=4, kh=2, d=40, rot=None, seed=0):
     """q and k as views of one qkv projection output (strided rows), cos/sin [t, rot] float32."""
     qkv = randn(t, (qh + 2 * kh) * d, dtype=dtype, seed=seed)
@@ -227,6 +244,10 @@ def test_gpu_realistic_shapes(shape, tokens):
             # Reductions over 4-5k channels in another order move a few percent of bf16 roundings
             # by one unit (97.4% bit-equal measured on an H200); the closeness check above stays tight.
             assert_bf16_matches(g, r, min_equal=0.95)
+    logits = randn(tokens, 262144, dtype=dt, scale=40.0, seed=5)  # Gemma 4's vocabulary, float32 out
+    with fused.use("torch"):
+        ref = fused.softcap(logits, 30.0)
+    torch.testing.assert_close(fused.softcap(logits, 30.0), ref, rtol=1e-5, atol=2e-5)
 
 
 @pytest.mark.gpu

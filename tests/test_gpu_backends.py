@@ -191,6 +191,10 @@ def check_cascade_equals_plain(layer, pool, meta, q) -> None:
     out = run_backend(backend, layer, meta, q)
     assert backend._cascade_wrappers, "the step did not take the cascade path"
     assert_close(out, reference(layer, pool, meta, q))
+    # The shared part beside the rest on a second stream (the default) runs the same kernels on the same plans.
+    serial = get_backend_class("flashinfer")(pool, overlap_cascade=False)
+    assert backend._side is not None and serial._side_stream() is None
+    assert torch.equal(run_backend(serial, layer, meta, q), out)
     meta.shared_prefix_len = 0
     plain = run_backend(backend, layer, meta, q)
     assert ((out.float() - plain.float()).norm() / plain.float().norm()).item() < 5e-3

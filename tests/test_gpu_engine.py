@@ -131,9 +131,12 @@ def test_flashinfer_cascade_graphs_match_eager_cascade_and_cascade_off(tiny_dir,
     prompts = [prefix + p for p in random_prompts(160, [3, 20, 1, 9, 12, 5], seed=8)]
     runs = {}
     for name, kw in (("off", dict(cascade=False)), ("eager", dict(cuda_graph=False, cascade=True)),
-                     ("graph", dict(cuda_graph=True, cascade=True))):
+                     ("graph", dict(cuda_graph=True, cascade=True)), ("serial", dict(cuda_graph=True, cascade=True))):
         llm = attnzoo.load_model(path, backend="flashinfer", dtype="bfloat16", page_size=16, max_running=8, **kw)
         llm.engine.cascade_min_saved_tokens = llm.engine.cascade_graph_min_saved_tokens = 1
+        if name == "serial":  # cascade graphs are captured on first use: these ones without the second stream
+            for be in (llm.engine.backends.decode_backend, llm.engine.backends.prefill_backend):
+                be.overlap_cascade = False
         if llm.engine.graphs is not None:  # every cascade step replays a graph, from a key's first step on
             llm.engine.graphs.capture_after = 1
         llm.engine.step_log = []
@@ -157,6 +160,11 @@ def test_flashinfer_cascade_graphs_match_eager_cascade_and_cascade_off(tiny_dir,
     # A cascade step merges two partial softmaxes (one more bf16 rounding per layer than a plain step;
     # the graph's shared part also runs without split-KV): measured 0.064 apart after 40 steps on the H200.
     assert_greedy_close(runs["graph"][0], runs["eager"][0], 1e-1, "graph vs eager cascade")
+    # Each layer's shared part on a second stream inside the graph (the default): the serial graph's numbers.
+    assert runs["graph"][2].engine.backends.decode_backend._side is not None
+    assert runs["serial"][2].engine.backends.decode_backend._side is None
+    for x, y in zip(runs["graph"][0], runs["serial"][0]):
+        assert x.token_ids == y.token_ids and torch.equal(x.logits, y.logits)
     for name in ("graph", "eager"):
         assert_greedy_close(runs[name][0], runs["off"][0], 1e-1, f"{name} vs cascade off")
 

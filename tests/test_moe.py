@@ -90,7 +90,8 @@ def test_one_token_blocks_match_the_sort_and_the_fused_path_uses_them():
     _, ids = routing(1, 6, 64, seed=3)
     rows, blocks, total = align_one_token(ids, 16)
     ref_rows, ref_blocks, ref_total = moe_align_block_size(ids, 16, 64)
-    assert int(total) == int(ref_total) == 6 * 16 and rows.shape == ref_rows.shape and blocks.dtype == torch.int32
+    assert int(total) == int(ref_total) == 6 * 16 and rows.shape == ref_rows.shape
+    assert blocks.dtype == ids.dtype == torch.int64 and blocks.data_ptr() == ids.data_ptr()  # no cast launched
     order = sorted(range(6), key=lambda j: int(ids[0, j]))  # the sort's blocks come in expert order
     assert blocks[order].tolist() == ref_blocks.tolist()
     assert rows.view(6, 16)[order, 0].tolist() == ref_rows.view(6, 16)[:, 0].tolist()

@@ -264,6 +264,13 @@ def test_bad_prompts(llm, prompts):
     assert "Fix:" in str(e.value)
 
 
+@pytest.mark.parametrize("prompt, bad", [([5, -1, 6], -1), ((5, 6, 10**9), 10**9), ([2**70], 2**70)])
+def test_token_ids_outside_the_vocabulary_are_named(llm, prompt, bad):
+    with pytest.raises(RequestError, match=f"token id {bad} is outside the vocabulary") as e:
+        llm.generate([[5, 6], prompt], max_new_tokens=2)
+    assert "Fix:" in str(e.value)
+
+
 def test_chat_messages_need_role_and_content(llm, monkeypatch):
     monkeypatch.setattr(llm.tokenizer, "chat_template", "{% for m in messages %}{{ m['content'] }} {% endfor %}",
                         raising=False)

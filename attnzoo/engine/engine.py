@@ -296,8 +296,8 @@ class Engine:
                             "(overflow); compare with backend='torch'",
                         )
                     self._append(req, token, logits[i] if return_logits else None)
-                if self.step_log is not None:
-                    self.step_log.append(batch.summary())
+                if self.step_log is not None:  # "t": when the step's tokens reached the host
+                    self.step_log.append({**batch.summary(), "t": time.perf_counter()})
                 for req in [r for r in running if r.finish]:
                     self._release(req)
                     running.remove(req)

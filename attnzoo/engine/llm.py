@@ -136,6 +136,14 @@ class LLM:
     # ------------------------------------------------------------------ inputs
 
     def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, (list, tuple)) and prompt and set(map(type, prompt)) == {int}:
+            # Plain token ids, the usual case, checked by C loops: per-token Python checks cost 2 ms a
+            # GSM8K 8-shot prompt, seconds of an eval's wall before the GPU starts.
+            if min(prompt) < 0 or max(prompt) >= self.config_vocab_size:
+                bad = next(t for t in prompt if not 0 <= t < self.config_vocab_size)
+                raise RequestError(f"token id {bad} is outside the vocabulary (0..{self.config_vocab_size - 1})",
+                                   fix="pass valid token ids")
+            return list(prompt)
         if isinstance(prompt, (list, tuple)) and any(isinstance(t, bool) for t in prompt):
             raise RequestError(f"a prompt holds {next(t for t in prompt if isinstance(t, bool))!r} where a token id "
                                "belongs", fix="pass token ids as plain integers")

@@ -2,8 +2,8 @@
 use, so CPU-only installs load FP8 checkpoints without triton; on CPU the interpreter must be chosen
 first).
 
-* ``quant_group``: one activation group -> e4m3 bytes and its scale (shared with the fused MoE's
-  act-and-quantize kernel, so every FP8 activation is quantized by the same code);
+* ``quant_groups``: activation groups (one per tile row) -> e4m3 bytes and their scales (shared with the
+  fused MoE's act-and-quantize kernel, so every FP8 activation is quantized by the same code);
 * ``act_quant_kernel``: per-token-group activation quantization;
 * ``block_matmul_kernel``: the w8a8 GEMM with 1x128 activation and 128x128 weight block scales.
 """
@@ -15,27 +15,28 @@ from attnzoo.attention.kernels.kv_layout import fp8_bytes
 
 
 @triton.jit
-def quant_group(x, MIN_AMAX: tl.constexpr, UE8M0: tl.constexpr):
-    # As fp8.act_quant_reference: scale = max(amax, MIN_AMAX) / 448 (a power of two, rounded up, under
-    # UE8M0), IEEE divisions, bytes rounded to nearest even and saturated at +-448.
-    s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x)), MIN_AMAX), 448.0)
+def quant_groups(x, MIN_AMAX: tl.constexpr, UE8M0: tl.constexpr):
+    # x [G, GROUP] float32, one group per row. As fp8.act_quant_reference: scale = max(amax, MIN_AMAX) / 448
+    # (a power of two, rounded up, under UE8M0), IEEE divisions, bytes rounded to nearest even and
+    # saturated at +-448. -> (bytes [G, GROUP], scales [G]).
+    s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX), 448.0)
     if UE8M0:
         s = tl.exp2(tl.ceil(tl.log2(s)))
-    return fp8_bytes(tl.math.div_rn(x, s)), s
+    return fp8_bytes(tl.math.div_rn(x, s[:, None])), s
 
 
 @triton.jit
 def act_quant_kernel(X, Y, S, K, stride_xm, stride_ym, stride_sm, stride_sg,
-                     GROUP: tl.constexpr, UE8M0: tl.constexpr, MIN_AMAX: tl.constexpr):
-    # Y holds bytes (a uint8 view of the float8 output).
+                     GROUP: tl.constexpr, GROUPS: tl.constexpr, UE8M0: tl.constexpr, MIN_AMAX: tl.constexpr):
+    # Groups [program_id(1) * GROUPS, + GROUPS) of one row. Y holds bytes (a uint8 view of the float8 output).
     row = tl.program_id(0)
-    g = tl.program_id(1)
-    offs = g * GROUP + tl.arange(0, GROUP)
-    mask = offs < K
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = offs < K  # masked channels are 0 and do not move a group's maximum
     x = tl.load(X + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    y, s = quant_group(x, MIN_AMAX, UE8M0)
+    y, s = quant_groups(x, MIN_AMAX, UE8M0)
     tl.store(Y + row * stride_ym + offs, y, mask=mask)
-    tl.store(S + row * stride_sm + g * stride_sg, s)
+    tl.store(S + row * stride_sm + g * stride_sg, s, mask=g * GROUP < K)
 
 
 @triton.jit

@@ -5,7 +5,8 @@
   and its per-layer scalar after the add;
 * ``act_and_mul``: silu(gate) * up or gelu_tanh(gate) * up from one [T, 2I] gate_up projection;
 * ``rope``: rotate-half or interleaved-pair RoPE of q and k in one launch (partial RoPE too);
-* ``norm_rope``: per-head RMSNorms of q, k and v, then RoPE of q and k, in one launch (Gemma 4).
+* ``norm_rope``: per-head RMSNorms of q, k and v, then RoPE of q and k, in one launch (Gemma 4);
+* ``softcap``: float32 logits tanh(x / cap) * cap from the LM head's output (Gemma's final soft-cap).
 
 The torch functions here are the reference: they run on CPU tensors and are the oracle the Triton
 kernels (``fused_kernels``, used for CUDA tensors) are tested against. ``use("torch")`` runs the
@@ -123,6 +124,10 @@ def norm_rope_ref(q, k, v, cos, sin, q_norm: NormParams, k_norm: NormParams | No
     return q, rope_ref(rms_norm_ref(k, k_norm), cos, sin, interleaved), rms_norm_ref(v, v_norm)
 
 
+def softcap_ref(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x.float() / cap) * cap
+
+
 # ----------------------------------------------------------------------------------------------
 # the ops
 
@@ -187,3 +192,10 @@ def norm_rope(
         return norm_rope_ref(q, k, v, cos, sin, q_norm, k_norm, v_norm, interleaved)
     norms = (q_norm,) if k is None else (q_norm, k_norm, v_norm)
     return kern.norm_rope(q, k, v, cos, sin, norms, interleaved=interleaved)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """x [..., V] (logits in any float dtype) -> tanh(x / cap) * cap in float32: one pass over the logits
+    where torch makes four (the float copy, the divide, tanh, the multiply), each over [tokens, vocab]."""
+    k = _triton(x)
+    return softcap_ref(x, cap) if k is None else k.softcap(x, cap)

@@ -107,6 +107,14 @@ def rms_norm(x, weight, eps, offset, *, residual=None, x_weight=None, x_eps=0.0,
 
 
 @triton.jit
+def _tanh(y):
+    # through exp (not every Triton has tl.tanh), of -2|y| so that nothing overflows
+    e = tl.exp(-2.0 * tl.abs(y))
+    th = (1.0 - e) / (1.0 + e)
+    return tl.where(y < 0, -th, th)
+
+
+@triton.jit
 def _act_and_mul_kernel(X, OUT, stride_x, stride_o, I: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -117,11 +125,8 @@ def _act_and_mul_kernel(X, OUT, stride_x, stride_o, I: tl.constexpr, BLOCK: tl.c
     g = g.to(tl.float32)
     if ACT == 0:
         a = g / (1.0 + tl.exp(-g))
-    else:  # tanh through exp (not every Triton has tl.tanh), of -2|y| so that nothing overflows
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        e = tl.exp(-2.0 * tl.abs(inner))
-        th = (1.0 - e) / (1.0 + e)
-        a = 0.5 * g * (1.0 + tl.where(inner < 0, -th, th))
+    else:
+        a = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
     # Rounded after the activation as in torch's act(gate) * up, then after the product.
     a = a.to(dtype).to(tl.float32)
     tl.store(OUT + t * stride_o + cols, (a * u.to(tl.float32)).to(dtype), mask=mask)
@@ -140,6 +145,24 @@ def act_and_mul(x, act: str):
             x2, out, x2.stride(0), out.stride(0), I=i, BLOCK=block, ACT=ACTIVATIONS[act], num_warps=4,
         )
     return out.view(*x.shape[:-1], i)
+
+
+@triton.jit
+def _softcap_kernel(X, OUT, n, cap, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + offs, _tanh(x / cap) * cap, mask=mask)
+
+
+def softcap(x, cap: float):
+    """x [..., V] -> tanh(x / cap) * cap, float32."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    block = 4096
+    if x.numel():
+        _softcap_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), float(cap), BLOCK=block, num_warps=8)
+    return out
 
 
 @triton.jit

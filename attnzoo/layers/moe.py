@@ -54,7 +54,7 @@ from torch import nn
 
 from attnzoo.errors import BackendError, ModelLoadError, WeightError
 from attnzoo.layers.fp8 import GROUP as QUANT_GROUP
-from attnzoo.layers.fp8 import CODE_RMS, MIN_AMAX, act_quant, act_quant_reference, random_codes_
+from attnzoo.layers.fp8 import CODE_RMS, GROUPS_PER_PROGRAM, MIN_AMAX, act_quant, act_quant_reference, random_codes_
 
 log = logging.getLogger("attnzoo")
 
@@ -394,7 +394,8 @@ def align_one_token(topk_ids: torch.Tensor, block_m: int):
     of one request is launch-bound."""
     k = topk_ids.shape[1]
     sorted_ids, total = _one_row_blocks(k, block_m, topk_ids.device)
-    return sorted_ids, topk_ids.reshape(-1).to(torch.int32), total
+    # The ids as the router gave them (int64): the GEMM reads either width, and a cast would be a launch.
+    return sorted_ids, topk_ids.reshape(-1), total
 
 
 def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *, num_valid: int, rows_per_a: int,
@@ -426,12 +427,12 @@ def _act_and_mul(gate_up: torch.Tensor, act: str, quant: bool, dtype, ue8m0: boo
     """[M, 2I] -> act(gate) * up [M, I] in ``dtype``, or (float8 [M, I], float32 scales [M, groups]) quantized
     as ``fp8.act_quant`` quantizes (the same Triton function, fused here to save a pass over [M, I])."""
     m, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    block = QUANT_GROUP if quant else 1024
+    block, groups = (QUANT_GROUP, GROUPS_PER_PROGRAM) if quant else (1024, 1)
     y = torch.empty(m, inter, dtype=FP8 if quant else dtype, device=gate_up.device)
     s = torch.empty(m, _cdiv(inter, QUANT_GROUP), dtype=torch.float32, device=gate_up.device) if quant else y
-    _kernels().act_kernel[(m, _cdiv(inter, block))](
+    _kernels().act_kernel[(m, _cdiv(inter, block * groups))](
         gate_up, y.view(torch.uint8) if quant else y, s, inter, gate_up.stride(0), y.stride(0), s.stride(0),
-        ACT=1 if act == "silu" else 2, QUANT=quant, UE8M0=ue8m0, MIN_AMAX=MIN_AMAX, BLOCK=block,
+        ACT=1 if act == "silu" else 2, QUANT=quant, UE8M0=ue8m0, MIN_AMAX=MIN_AMAX, BLOCK=block, GROUPS=groups,
     )
     return y, (s if quant else None)
 

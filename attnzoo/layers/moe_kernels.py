@@ -7,12 +7,12 @@ that importing a model file never imports triton; on CPU the interpreter must be
   output), stored in the model dtype.
 * ``route_kernel``: a router's scoring, group-limited top-k, renormalisation and scaling per token.
 * ``act_kernel``: act(gate) * up, optionally quantized to FP8 per 128-channel group (by
-  ``fp8_kernels.quant_group``, the code ``fp8.act_quant`` runs).
+  ``fp8_kernels.quant_groups``, the code ``fp8.act_quant`` runs).
 """
 import triton
 import triton.language as tl
 
-from attnzoo.layers.fp8_kernels import quant_group
+from attnzoo.layers.fp8_kernels import quant_groups
 
 
 # Sizes that change with the batch are not specialized on (divisibility by 16, == 1): one compiled
@@ -122,11 +122,12 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr,
 @triton.jit
 def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
                ACT: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, MIN_AMAX: tl.constexpr,
-               BLOCK: tl.constexpr):
-    # y = act(x[:, :width]) * x[:, width:] (ACT 1 silu, 2 gelu-tanh), in float32; with QUANT, FP8 with
-    # one scale per BLOCK (= the quantization group) channels.
+               BLOCK: tl.constexpr, GROUPS: tl.constexpr):
+    # y = act(x[:, :width]) * x[:, width:] (ACT 1 silu, 2 gelu-tanh), in float32, for GROUPS x BLOCK channels
+    # of one row; with QUANT, FP8 with one scale per BLOCK (= the quantization group) channels.
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    offs = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     ok = offs < width
     gate = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + width + offs, mask=ok, other=0.0).to(tl.float32)
@@ -136,10 +137,10 @@ def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
         z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         v = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * z) - 1.0)) * up
     if QUANT:
-        # Masked channels are 0 and do not move the group maximum; y holds bytes.
-        q, scale = quant_group(v, MIN_AMAX, UE8M0)
+        # Masked channels are 0 and do not move a group's maximum; y holds bytes.
+        q, scale = quant_groups(v, MIN_AMAX, UE8M0)
         tl.store(y_ptr + row * stride_y + offs, q, mask=ok)
-        tl.store(s_ptr + row * stride_s + tl.program_id(1), scale)
+        tl.store(s_ptr + row * stride_s + g, scale, mask=g * BLOCK < width)
     else:
         tl.store(y_ptr + row * stride_y + offs, v.to(y_ptr.dtype.element_ty), mask=ok)
 

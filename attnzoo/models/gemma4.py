@@ -296,7 +296,5 @@ class Gemma4ForCausalLM(CausalLM):
         return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        logits = self.lm_head(hidden)
+        return fused.softcap(logits, self.softcap) if self.softcap else logits.float()

@@ -23,7 +23,9 @@ from attnzoo.errors import BackendError
 
 FLASHINFER_FIX = 'pip install "attnzoo[flashinfer]" (flashinfer-python==0.7.2.post1 with apache-tvm-ffi==0.1.15.post2)'
 
-_WORKSPACE_BYTES = {"wrappers": 128 << 20, "trtllm": 512 << 20}
+# "cascade_shared": the cascade shared parts' own float workspace, since they run beside the rest's
+# kernels (flashinfer.py), which use "wrappers"; split_kv_fits_workspace keeps their partials within it.
+_WORKSPACE_BYTES = {"wrappers": 128 << 20, "cascade_shared": 128 << 20, "trtllm": 512 << 20}
 _workspaces: dict[tuple[str, str], torch.Tensor] = {}
 
 
@@ -50,8 +52,8 @@ def load_flashinfer(backend_name: str) -> SimpleNamespace:
 
 
 def workspace(device: torch.device, purpose: str, min_bytes: int = 0) -> torch.Tensor:
-    """The device's workspace for ``purpose`` ("wrappers" or "trtllm"), allocated on first request and
-    replaced by a larger one when ``min_bytes`` asks for more (wrappers holding the old one keep it)."""
+    """The device's workspace for ``purpose`` ("wrappers", "cascade_shared" or "trtllm"), allocated on first
+    request and replaced by a larger one when ``min_bytes`` asks for more (wrappers holding the old one keep it)."""
     key = (str(device), purpose)
     buf = _workspaces.get(key)
     if buf is None or buf.numel() < min_bytes:
@@ -252,9 +254,9 @@ def cascade_graph_key(seq_lens: list[int], q_lens: list[int], shared_pages: int,
 def split_kv_fits_workspace(rows: int, num_heads: int, v_head_dim: int) -> bool:
     """Whether a CUDA-graph prefill plan over ``rows`` query rows may split the KV: FlashInfer's graph
     planner always splits then, keeping float32 partial outputs for about max(rows, a grid's worth)
-    rows x heads x (v_head_dim + 1) in the shared "wrappers" workspace. A quarter of it is the budget
+    rows x heads x (v_head_dim + 1) in the "cascade_shared" workspace. A quarter of it is the budget
     (room for the padding to a grid); past it the rows' query tiles fill the GPU without splitting."""
-    return rows * num_heads * (v_head_dim + 1) * 4 <= _WORKSPACE_BYTES["wrappers"] // 4
+    return rows * num_heads * (v_head_dim + 1) * 4 <= _WORKSPACE_BYTES["cascade_shared"] // 4
 
 
 class GraphBlockTable:

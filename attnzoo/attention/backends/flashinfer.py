@@ -113,6 +113,12 @@ class FlashInferPlan(StepPlan):
     graph_bucket: int | None = None  # a captured decode step: the batch-size bucket whose wrappers it plans
 
 
+def _float_workspace(shared: bool) -> str:
+    """A cascade shared part runs beside its rest (``_CascadeRun``): its split-KV partials get their own
+    float workspace, where the rest's decode writes its own at the same offsets of "wrappers"."""
+    return "cascade_shared" if shared else "wrappers"
+
+
 @dataclass
 class _CascadeRun:
     """A planned cascade step: the shared prefix once for all queries, the rest per request."""
@@ -120,10 +126,23 @@ class _CascadeRun:
     shared: object  # BatchPrefillWithPagedKVCacheWrapper planned over the shared pages
     rest: object  # decode (DECODE) or causal prefill (EXTEND) wrapper over each request's other pages
     merge_state: object
+    side: torch.cuda.Stream | None = None  # runs the shared part beside the rest (None: one after the other)
 
     def run(self, *, q: torch.Tensor, paged_kv_cache, **scales) -> torch.Tensor:
-        o_shared, lse_shared = self.shared.run(q=q, paged_kv_cache=paged_kv_cache, return_lse=True, **scales)
-        o_rest, lse_rest = self.rest.run(q=q, paged_kv_cache=paged_kv_cache, return_lse=True, **scales)
+        kw = dict(q=q, paged_kv_cache=paged_kv_cache, return_lse=True, **scales)
+        if self.side is None:
+            o_shared, lse_shared = self.shared.run(**kw)
+            o_rest, lse_rest = self.rest.run(**kw)
+        else:
+            # The shared part is a few compute-bound CTAs, the rest's decode a memory-bound full grid: side by
+            # side the shared part hides under the rest. The side stream joins the main one before the merge
+            # (inside a graph capture too), and every tensor it allocates is dropped after that merge.
+            main = torch.cuda.current_stream(q.device)
+            self.side.wait_stream(main)
+            with torch.cuda.stream(self.side):
+                o_shared, lse_shared = self.shared.run(**kw)
+            o_rest, lse_rest = self.rest.run(**kw)
+            main.wait_stream(self.side)
         return self.merge_state(v_a=o_shared, s_a=lse_shared, v_b=o_rest, s_b=lse_rest)[0]
 
 
@@ -185,7 +204,7 @@ class _GraphState:
         buf = self._shared_of(sig) if shared else self._of(sig)
         if "int_workspace" not in buf:
             buf["int_workspace"] = torch.empty(8 << 20, dtype=torch.uint8, device=self.device)
-        wrapper.reset_workspace_buffer(float_workspace_buffer=workspace(self.device, "wrappers"),
+        wrapper.reset_workspace_buffer(float_workspace_buffer=workspace(self.device, _float_workspace(shared)),
                                        int_workspace_buffer=buf["int_workspace"])
 
     def decode_buffers(self, sig: LayerSignature, bucket: int) -> dict:
@@ -233,12 +252,17 @@ class FlashInferBackend(AttentionBackend):
     supports_cascade_graph = True
     fix = "choose backend='triton' (any head dim up to 1024) or 'torch' (MLA models: 'flashinfer_mla')"
 
-    def __init__(self, pool: KVPool, *, prefill_variant: str | None = None, decode_variant: str = "fa2"):
+    def __init__(self, pool: KVPool, *, prefill_variant: str | None = None, decode_variant: str = "fa2",
+                 overlap_cascade: bool = True):
         """``prefill_variant``: None picks per layer (FA3 on SM90 where it builds, else FA2); "fa2" or
         "fa3" forces one (for measurements; "fa3" needs SM90 and head dims <= 256). ``decode_variant``:
         "fa2" (the default, measured), or "fa3" (the FA3 paged kernel at one query per request; SM90,
-        equal head dims <= 256; for measurements against the field's FA3 decode)."""
+        equal head dims <= 256; for measurements against the field's FA3 decode). ``overlap_cascade``:
+        a cascade step runs each layer's shared part on a second stream beside its rest (the default,
+        measured faster); False runs them one after the other (for measurements). Planned steps read it."""
         super().__init__(pool)
+        self.overlap_cascade = overlap_cascade
+        self._side: torch.cuda.Stream | None = None  # created with the first overlapped cascade step
         # The package first: without it nothing else matters, and the error names the extra.
         self._fi = load_flashinfer(self.name)
         self._cc = compute_capability(self.name, pool.device)
@@ -441,8 +465,8 @@ class FlashInferBackend(AttentionBackend):
             # with the shared segment no longer than window_left (cascade_split), it masks none of it.
             planned = _CascadeRun(
                 shared=self._plan_prefill(shared_wrappers, meta, sig, everyone, shared, causal=False,
-                                          graph_bucket=bucket, graph_shared=True),
-                rest=rest, merge_state=self._fi.merge_state,
+                                          graph_bucket=bucket, shared_part=True),
+                rest=rest, merge_state=self._fi.merge_state, side=self._side_stream(),
             )
         elif self._uses_prefill_wrapper(step.mode, sig):
             wrappers = self._prefill_wrappers if step.graph_bucket is None else self._graph.prefill(step.graph_bucket)
@@ -455,6 +479,15 @@ class FlashInferBackend(AttentionBackend):
                                         graph_bucket=step.graph_bucket)
         step.planned[sig] = planned
         return planned
+
+    def _side_stream(self) -> torch.cuda.Stream | None:
+        """The stream cascade shared parts run on (``overlap_cascade``; CUDA pools only). High priority: its
+        few CTAs are dispatched before the rest's grid fills the GPU."""
+        if not self.overlap_cascade or self.pool.device.type != "cuda":
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.pool.device, priority=-1)
+        return self._side
 
     def _split(self, meta: BatchMetadata, step: FlashInferPlan, window: int | None) -> CascadeSplit | None:
         """The step's cascade split for one window size (None: the layer runs plain), computed once."""
@@ -481,23 +514,25 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan_prefill(self, wrappers: dict, meta: BatchMetadata, sig: LayerSignature, qo_indptr: torch.Tensor,
                       idx: _PageIndex, *, causal: bool, kernel: str | None = None, window_left: int | None = None,
-                      graph_bucket: int | None = None, graph_shared: bool = False):
-        """``graph_shared``: a cascade graph's shared part (its own buffers; all queries in one request)."""
+                      graph_bucket: int | None = None, shared_part: bool = False):
+        """``shared_part``: a cascade step's shared part (all queries in one request; its own float workspace,
+        and in a graph its own buffers)."""
         wrapper = wrappers.get(sig)
         if wrapper is None:
             graph = {} if graph_bucket is None else (
-                self._graph.shared_buffers(sig) if graph_shared else self._graph.prefill_buffers(sig, graph_bucket))
+                self._graph.shared_buffers(sig) if shared_part else self._graph.prefill_buffers(sig, graph_bucket))
             wrapper = wrappers[sig] = self._fi.BatchPrefillWithPagedKVCacheWrapper(
-                float_workspace_buffer=workspace(self.pool.device, "wrappers"),
+                float_workspace_buffer=workspace(self.pool.device, _float_workspace(shared_part)),
                 kv_layout="HND",
                 backend=kernel or self.prefill_kernel(sig.head_dim, sig.v_head_dim),
                 **graph,
             )
             if graph:
-                self._graph.share_int_workspace(sig, wrapper, shared=graph_shared)
+                self._graph.share_int_workspace(sig, wrapper, shared=shared_part)
         # FlashInfer's graph-mode planner always splits the KV; for a shared part of many rows its float32
-        # partials would outgrow the workspace, and those rows' tiles fill the GPU unsplit (fixed per wrapper).
-        no_split = graph_shared and not split_kv_fits_workspace(int(qo_indptr[-1]), sig.num_heads, sig.v_head_dim)
+        # partials would outgrow its workspace, and those rows' tiles fill the GPU unsplit (fixed per wrapper).
+        # Eager shared parts keep the same bound: their workspace is the fixed-size "cascade_shared".
+        no_split = shared_part and not split_kv_fits_workspace(int(qo_indptr[-1]), sig.num_heads, sig.v_head_dim)
         wrapper.plan(
             qo_indptr=qo_indptr,
             paged_kv_indptr=idx.kv_indptr,
