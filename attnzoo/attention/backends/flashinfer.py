@@ -258,8 +258,11 @@ class FlashInferBackend(AttentionBackend):
         "fa3" forces one (for measurements; "fa3" needs SM90 and head dims <= 256). ``decode_variant``:
         "fa2" (the default, measured), or "fa3" (the FA3 paged kernel at one query per request; SM90,
         equal head dims <= 256; for measurements against the field's FA3 decode). ``overlap_cascade``:
-        a cascade step runs each layer's shared part on a second stream beside its rest (the default,
-        measured faster); False runs them one after the other (for measurements). Planned steps read it."""
+        a cascade step runs each layer's shared part on a second stream beside its rest (the default);
+        False runs them one after the other (for measurements). Planned steps read it. Measured on an
+        H200 at the Gemma-4-31B e2e shape: a global d512 layer 295 -> 274 us (the FA2 shared part overlaps
+        the rest); a sliding layer unchanged (its FA3 shared part does not start beside the decode grid);
+        the e2e decode wall within noise (74.2 -> 74.1 s)."""
         super().__init__(pool)
         self.overlap_cascade = overlap_cascade
         self._side: torch.cuda.Stream | None = None  # created with the first overlapped cascade step
