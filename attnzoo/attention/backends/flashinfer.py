@@ -135,8 +135,9 @@ class _CascadeRun:
             o_rest, lse_rest = self.rest.run(**kw)
         else:
             # The shared part is a few compute-bound CTAs, the rest's decode a memory-bound full grid: side by
-            # side the shared part hides under the rest. The side stream joins the main one before the merge
-            # (inside a graph capture too), and every tensor it allocates is dropped after that merge.
+            # side the shared part can hide under the rest (measured where it does: see __init__). The side
+            # stream joins the main one before the merge (inside a graph capture too), and every tensor it
+            # allocates is dropped after that merge.
             main = torch.cuda.current_stream(q.device)
             self.side.wait_stream(main)
             with torch.cuda.stream(self.side):
@@ -484,8 +485,8 @@ class FlashInferBackend(AttentionBackend):
         return planned
 
     def _side_stream(self) -> torch.cuda.Stream | None:
-        """The stream cascade shared parts run on (``overlap_cascade``; CUDA pools only). High priority: its
-        few CTAs are dispatched before the rest's grid fills the GPU."""
+        """The stream cascade shared parts run on (``overlap_cascade``; CUDA pools only). High priority, so
+        that the scheduler may dispatch its few CTAs ahead of the rest's grid."""
         if not self.overlap_cascade or self.pool.device.type != "cuda":
             return None
         if self._side is None:
