@@ -257,7 +257,12 @@ def test_fp8_fused_equals_reference_with_the_same_rounding(ue8m0):
     out = fused_moe(x, q13, q2, weights, ids, config=MoEConfig(16, 32, 128), ue8m0=ue8m0, **kw)
     same = moe_reference(x, q13, q2, weights, ids, quantize_activations=True, ue8m0=ue8m0, **kw)
     other = moe_reference(x, q13, q2, weights, ids, quantize_activations=True, ue8m0=not ue8m0, **kw)
-    assert rel_err(out, same) < 1e-5 < 1e-3 < rel_err(out, other)
+    # Not bit-exact: the float32 gate_up products feeding the quantizer differ in their last bits between
+    # the kernel and the CPU BLAS (whose path even depends on the operands' memory alignment: this failed
+    # after one unrelated test and passed after another), so a value on an FP8 rounding boundary can take
+    # the neighbouring code: 7.9e-5 measured with such a flip, against 4e-7 without; the other scale
+    # format stays above 1e-3 (6e-2 measured).
+    assert rel_err(out, same) < 3e-4 < 1e-3 < rel_err(out, other)
     # FP8 activations (3 mantissa bits, one scale per 128 channels; coarser under ue8m0) vs float ones.
     assert rel_err(out, moe_reference(x, q13, q2, weights, ids, **kw)) < 0.08
 
