@@ -43,3 +43,19 @@ def test_nsa_roofline_reads_the_selected_tokens_and_the_indexer_keys():
     assert e2e.roofline_seconds([step(2, 5)], one, bytes_only) == 80 * 2 * 5
     # beyond it: top-k entries per request, and every cached token's indexer key
     assert e2e.roofline_seconds([step(2, 50)], one, bytes_only) == 80 * 2 * 6 + 32 * 2 * 50
+
+
+def test_step_kinds_split_wall_and_roofline_by_decode_and_extend():
+    """A step's wall runs from the previous step's tokens reaching the host (the first: from the start);
+    decode steps (one new token per request) and extend steps are summed apart, each with its roofline."""
+    prof = {"num_experts": 0, "top_k": 0, "expert_bytes": 0, "expert_params": 0, "dense_bytes": 10.0,
+            "dense_params": 0, "layers": []}
+    limits = {"copy_bytes_per_s": 1.0, "matmul_flops_per_s": float("inf")}  # a step's roofline: 10 s of weights
+
+    def step(reqs, new, t):
+        return {"num_reqs": reqs, "new_tokens": new, "kv_tokens": 0, "shared_prefix_len": 0, "attn_pairs": 0, "t": t}
+
+    steps = [step(2, 40, 101.0), step(2, 2, 101.5), step(2, 2, 101.75), step(3, 9, 103.0)]
+    got = e2e.step_kinds(steps, t0=100.0, prof=prof, limits=limits)
+    assert got == {"decode_wall_s": 0.75, "decode_roofline_s": 20.0, "extend_wall_s": 1.0 + 1.25,
+                   "extend_roofline_s": 20.0}
