@@ -471,7 +471,8 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
     align = (align_one_token(topk_ids, cfg.block_m) if t == 1 and holds_all_experts
              else moe_align_block_size(topk_ids, cfg.block_m, num_local, expert_start))
     a, a_scale = act_quant(x, QUANT_GROUP, ue8m0) if fp8 else (x, None)
-    gate_up = torch.empty(t * k, 2 * inter, dtype=x.dtype, device=x.device)
+    # An expert-parallel share leaves other ranks' rows unwritten: zeros, not garbage, for the act kernel to read.
+    gate_up = (torch.empty if holds_all_experts else torch.zeros)(t * k, 2 * inter, dtype=x.dtype, device=x.device)
     flat_weights = topk_weights.reshape(-1).float().contiguous()
     _grouped_gemm(a, a_scale, w13, w13_scale_inv, gate_up, flat_weights, align, cfg, num_valid=t * k, rows_per_a=k,
                   split_n=inter, mul_weight=False, block=block)
