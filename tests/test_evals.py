@@ -27,7 +27,7 @@ from attnzoo.attention import backends as backend_registry  # noqa: E402
 from attnzoo.attention.backends.torch_ref import TorchBackend  # noqa: E402
 from attnzoo.errors import AttnzooError, BackendError, EvalError  # noqa: E402
 from attnzoo.evals import report as report_mod  # noqa: E402
-from attnzoo.evals import run_eval, stats  # noqa: E402
+from attnzoo.evals import run_eval, stats, tokens  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K_DIR = Path(os.environ.get("ATTNZOO_GSM8K_DIR", REPO.parent / "shared" / "data" / "gsm8k"))
@@ -611,3 +611,25 @@ def test_teacher_forcing_many_bs_equals_one_at_a_time(tiny_model, monkeypatch):
         assert got.per_question == want.per_question
     assert all(st.kl_max == 0.0 for st in many[0].per_question.values())
     assert any(st.kl_max > 0.0 for st in many[1].per_question.values())
+
+
+def test_verdict_states_the_float32_noise_floor():
+    gold = [str(i) for i in range(4)]
+    ids = {"output_token_ids": [1, 2, 3]}
+    a, b = (_fake_run(gold, gold) for _ in range(2))
+    for run in (a, b):
+        run["dtype"] = "float32"
+        for r in run["tasks"]["gsm8k"]["per_question"]:
+            r.update(ids)
+
+    def forced(kl):
+        per = {("gsm8k", i): tokens.ForcedStats(tokens=3, top1_b=3, top1_a=3, kl_sum=3 * kl, kl_max=kl) for i in range(4)}
+        return tokens.ForcedResult(per_question=per)
+
+    tiny = report_mod.compare_runs(a, b, forced=forced(3e-8))
+    assert tiny["verdict"] == report_mod.WITHIN_ROUNDING and "noise floor" in tiny["verdict_reason"]
+    # Above the floor, or for bf16 runs, a non-zero KL is reported as a logit-level difference.
+    assert report_mod.compare_runs(a, b, forced=forced(1e-4))["verdict"] == report_mod.LOGIT_LEVEL_ONLY
+    a["dtype"] = b["dtype"] = "bfloat16"
+    assert report_mod.compare_runs(a, b, forced=forced(3e-8))["verdict"] == report_mod.LOGIT_LEVEL_ONLY
+    assert report_mod.compare_runs(a, b, forced=forced(0.0))["verdict"] == report_mod.TOKEN_IDENTICAL

@@ -19,6 +19,10 @@ from attnzoo.evals import stats, tokens
 REPORT_FORMAT = 1
 TOKEN_IDENTICAL = "token-identical"
 LOGIT_LEVEL_ONLY = "differs at the logit level only"
+WITHIN_ROUNDING = "identical within float32 rounding"
+# Two float32 runs that only sum in another order differ by ~1e-8 nats of KL; this bound is that noise
+# floor with room, far below what a bf16 kernel or a real change leaves (>= 1e-5).
+FLOAT32_KL_FLOOR = 1e-6
 CHANGES_ANSWERS = "changes answers"
 # lm-eval's regex filter answers this when its pattern finds nothing ("no number extracted").
 INVALID = "[invalid]"
@@ -209,7 +213,8 @@ def compare_runs(a: dict, b: dict, alpha: float = 0.05, forced: "tokens.ForcedRe
         token_rows[task] = [_token_row(task, ra[i], rb[i], forced) for i in ids]
     accuracy_verdict, threshold = stats.verdict(results, alpha)
     rows = [r for task_rows in token_rows.values() for r in task_rows]
-    token_level = _token_totals(rows, forced, forced_note)
+    both_float32 = a.get("dtype") == b.get("dtype") == "float32"
+    token_level = _token_totals(rows, forced, forced_note, kl_floor=FLOAT32_KL_FLOOR if both_float32 else 0.0)
     return {
         "a": _run_label(a), "b": _run_label(b),
         "metrics": per_metric,
@@ -239,7 +244,7 @@ def _token_row(task: str, ra: dict, rb: dict, forced) -> dict:
     return row
 
 
-def _token_totals(rows: list[dict], forced, forced_note: str | None) -> dict:
+def _token_totals(rows: list[dict], forced, forced_note: str | None, kl_floor: float = 0.0) -> dict:
     n = len(rows)
     same = sum(r["identical"] for r in rows)
     changed = sum(not r["answers_same"] for r in rows)
@@ -263,6 +268,11 @@ def _token_totals(rows: list[dict], forced, forced_note: str | None) -> dict:
         out["verdict_reason"] = ("every generation is token for token the same" +
                                  (f", and teacher-forced KL is 0 over {tf['tokens']} positions" if tf["tokens"]
                                   else " (logits not compared: no teacher forcing)"))
+    elif same == n and tf["tokens"] and tf["kl_max"] <= kl_floor and tf["top1_agreement_b"] == tf["top1_agreement_a"]:
+        out["verdict"] = WITHIN_ROUNDING
+        out["verdict_reason"] = (f"every generation is token for token the same; teacher-forced KL(A||B) max "
+                                 f"{tf['kl_max']:.3g} nats over {tf['tokens']} positions is under the float32 noise "
+                                 f"floor {kl_floor:g}, and the top-1 agreement equals A's own")
     else:
         out["verdict"] = LOGIT_LEVEL_ONLY
         why = []

@@ -10,9 +10,11 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
+from scipy import stats as _scipy
+
 NO_DIFFERENCE = "no detectable difference"
 CHANGES_ACCURACY = "backend B changes accuracy"
-_Z95 = 1.959963984540054  # two-sided 95% normal quantile
+_Z95 = float(_scipy.norm.ppf(0.975))  # two-sided 95% normal quantile
 
 
 @dataclass
@@ -35,20 +37,14 @@ class PairedResult:
 
 
 def mcnemar_exact(only_a: int, only_b: int) -> float:
-    """Two-sided exact McNemar p-value: under H0 each discordant pair is a fair coin.
-
-    p = min(1, 2 * P[Binomial(only_a + only_b, 1/2) <= min(only_a, only_b)]); 1.0 when there are no
-    discordant pairs (nothing speaks against H0).
-    """
+    """Two-sided exact McNemar p-value: under H0 each discordant pair is a fair coin (scipy's exact
+    binomial test on the discordant pairs); 1.0 when there are none (nothing speaks against H0)."""
     if only_a < 0 or only_b < 0:
         raise ValueError("discordant counts must be non-negative")
     m = only_a + only_b
     if m == 0:
         return 1.0
-    k = min(only_a, only_b)
-    # Exact integers: Python divides two big ints with correct rounding, so large m cannot overflow.
-    tail = sum(math.comb(m, i) for i in range(k + 1))
-    return min(1.0, 2 * tail / (1 << m))
+    return float(min(1.0, _scipy.binomtest(min(only_a, only_b), m, 0.5).pvalue))
 
 
 def paired_difference_ci(both_correct: int, only_a: int, only_b: int, both_wrong: int) -> tuple[float, float]:
@@ -88,15 +84,12 @@ def paired_compare(correct_a: Sequence[bool], correct_b: Sequence[bool]) -> Pair
 
 def wilson_interval(p: float, n: int) -> tuple[float, float]:
     """95% Wilson interval for a proportion p of n (for charts: unlike the Wald interval it stays inside
-    [0, 1] and does not collapse at p = 0)."""
+    [0, 1] and does not collapse at p = 0), from scipy's binomial test."""
     if n <= 0:
         return 0.0, 1.0
-    z2 = _Z95**2
-    center = (p + z2 / (2 * n)) / (1 + z2 / n)
-    half = _Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-    # It holds p; at p = 0 or 1 the bound that touches p is rounded (1e-17 past it, which a chart's error
-    # bar refuses as negative).
-    return max(0.0, min(p, center - half)), min(1.0, max(p, center + half))
+    ci = _scipy.binomtest(round(p * n), n).proportion_ci(confidence_level=0.95, method="wilson")
+    # Clamped to hold p: a chart's error bar refuses a bound 1e-17 past it.
+    return max(0.0, min(p, float(ci.low))), min(1.0, max(p, float(ci.high)))
 
 
 def verdict(results: dict[str, PairedResult], alpha: float = 0.05) -> tuple[str, float]:
