@@ -554,6 +554,19 @@ def test_lm_eval_cli_offline_without_gpu(tiny_model, tiny_data, capsys, monkeypa
     assert "gsm8k only" in capsys.readouterr().err
 
 
+def test_lm_eval_shim_takes_lm_evals_task_spellings_and_documents_data_dir(tiny_data, tmp_path, capsys):
+    from attnzoo.evals.__main__ import _with_local_tasks, main
+
+    for argv in (["-t", "gsm8k"], ["--tasks", "gsm8k"], ["--tasks=gsm8k"]):
+        out = _with_local_tasks(["run", *argv, "--limit", "2"], tiny_data, tmp_path)
+        assert "gsm8k.yaml" in " ".join(out) and out[-2:] == ["--limit", "2"], argv
+    with pytest.raises(EvalError, match="needs --tasks"):
+        _with_local_tasks(["run", "--limit", "2"], tiny_data, tmp_path)
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    assert "--data-dir DIR" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(not (GSM8K_DIR / "test.jsonl").is_file(), reason=f"GSM8K files not found at {GSM8K_DIR}")
 def test_smollm2_bf16_vs_fp8_kv_reports_logit_difference():
     """The acceptance check of the token-level harness on the real model: SmolLM2 with a bf16 KV cache

@@ -51,17 +51,23 @@ def local_task_file(task: str, data_dir: str, folder: Path) -> Path:
 
 
 def _with_local_tasks(argv: list[str], data_dir: str, folder: Path) -> list[str]:
+    """``--tasks`` (also ``-t`` and ``--tasks=...``, lm-eval's spellings) with each task swapped for its local file."""
     from attnzoo.evals.tasks import LOCAL_DATA_TASKS
 
+    def local(names: str) -> str:
+        unknown = [n for n in names.split(",") if n not in LOCAL_DATA_TASKS]
+        if unknown:
+            raise EvalError(f"--data-dir serves {', '.join(LOCAL_DATA_TASKS)} only, not {', '.join(unknown)}",
+                            fix="drop --data-dir, or run those tasks separately")
+        return ",".join(str(local_task_file(n, data_dir, folder)) for n in names.split(","))
+
     out = list(argv)
-    for i, a in enumerate(out[:-1]):
-        if a == "--tasks":
-            names = out[i + 1].split(",")
-            unknown = [n for n in names if n not in LOCAL_DATA_TASKS]
-            if unknown:
-                raise EvalError(f"--data-dir serves {', '.join(LOCAL_DATA_TASKS)} only, not {', '.join(unknown)}",
-                                fix="drop --data-dir, or run those tasks separately")
-            out[i + 1] = ",".join(str(local_task_file(n, data_dir, folder)) for n in names)
+    for i, a in enumerate(out):
+        if a in ("--tasks", "-t") and i + 1 < len(out):
+            out[i + 1] = local(out[i + 1])
+            return out
+        if a.startswith("--tasks="):
+            out[i] = "--tasks=" + local(a.split("=", 1)[1])
             return out
     raise EvalError("--data-dir needs --tasks gsm8k", fix="add --tasks gsm8k")
 
@@ -78,12 +84,26 @@ def _is_hub_failure(e: BaseException) -> bool:
     return False
 
 
+_HELP = """attnzoo's additions to lm-eval's command line (lm-eval's own options follow):
+  --model attnzoo       attnzoo's engine (--model_args pretrained=PATH,backend=NAME,kv_cache_dtype=...)
+  --data-dir DIR        read gsm8k from DIR/train.jsonl and DIR/test.jsonl (offline) instead of the Hub
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    from lm_eval.__main__ import cli_evaluate
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        from lm_eval.__main__ import cli_evaluate
+    except ModuleNotFoundError as e:
+        print(f"attnzoo.evals: error: lm-eval is not installed ({e.name}). Fix: pip install \"attnzoo[evals]\"",
+              file=sys.stderr)
+        return 2
 
     from attnzoo.evals.lm import register
 
-    args, data_dir = _pop_data_dir(list(sys.argv[1:] if argv is None else argv))
+    if any(a in ("-h", "--help") for a in argv):
+        print(_HELP)
+    args, data_dir = _pop_data_dir(argv)
     register()
     with tempfile.TemporaryDirectory(prefix="attnzoo-tasks-") as tmp:
         try:
