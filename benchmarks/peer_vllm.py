@@ -1,17 +1,17 @@
 """attnzoo and vLLM on the same GSM8K-shaped workload, same shapes, one GPU machine, one run.
 
 Runs benchmarks/e2e.py (attnzoo, the policy's default backend unless ``--backends``) and vLLM's offline
-driver (``bench_vllm.py`` from ../shared/gpu/vllm, same prompts, same model shape, random weights, 256
-tokens, EOS ignored, vLLM's defaults: prefix caching, torch.compile, CUDA graphs), each in its own
-process one after the other, and writes ONE JSON + table + PNG with both and the ratio.
+engine (benchmarks/vllm_offline.py: same prompts, the same shape as e2e.py's ``make_config`` builds, random
+weights, 256 tokens, EOS ignored, vLLM's defaults: prefix caching, torch.compile, CUDA graphs), each in its
+own process one after the other, and writes ONE JSON + table + PNG with both and the ratio.
 
 vLLM never runs in attnzoo's process: its overlay (``--vllm-site``, unpacked as ../shared/gpu/vllm/README.md
 says) must not shadow the packages attnzoo imports. Gemma 4 needs the overlay's transformers 5.14
 (``--vllm-extra-path /tmp/tf514``).
 
-    python benchmarks/peer_vllm.py --shape llama8b --out $OUT/peer_llama8b \
-        --vllm-bench .peer/bench_vllm.py --vllm-site /tmp/vsite
+    python benchmarks/peer_vllm.py --shape llama8b --out $OUT/peer_llama8b --vllm-site /tmp/vsite
     python benchmarks/peer_vllm.py --shape gemma4-31b --vllm-attn-backend TRITON_ATTN --vllm-extra-path /tmp/tf514 ...
+    python benchmarks/peer_vllm.py --shape qwen3-30b-a3b --vllm-args "--max-num-seqs 512 --kv-cache-dtype fp8" ...
 """
 from __future__ import annotations
 
@@ -25,6 +25,20 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 WORKLOAD = HERE / "data" / "gsm8k_8shot_tokens.json"
+# Config fields vLLM 0.26 needs beyond ours: its DeepseekV2MoE builds a grouped router from n_group/topk_group
+# and raises on transformers' None; one group of all experts is the same routing as "greedy".
+VLLM_FIELDS = {"dsv2lite": {"n_group": 1, "topk_group": 1}}
+
+
+def write_shape(shape: str, layers: int | None, path: Path) -> None:
+    """The shape as e2e.py builds it, for vllm_offline.py to rebuild with vLLM's transformers."""
+    sys.path.insert(0, str(HERE))
+    from e2e import make_config
+
+    config, fields = make_config(shape, layers)
+    path.write_text(json.dumps({"name": shape, "config_class": type(config).__name__,
+                                "fields": {**fields, **VLLM_FIELDS.get(shape, {})},
+                                "architecture": config.architectures[0]}, indent=1))
 
 
 def run(cmd: list[str], env: dict, log: Path) -> None:
@@ -41,18 +55,18 @@ def run(cmd: list[str], env: dict, log: Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output prefix: PREFIX.json, PREFIX.png, PREFIX_*.log")
-    ap.add_argument("--shape", default="llama8b", choices=("llama8b", "gemma4-31b", "dsv2lite"))
+    ap.add_argument("--shape", default="llama8b", help="an e2e.py shape (e2e.py --help lists them)")
+    ap.add_argument("--layers", type=int, default=None, help="reduce depth, for both engines")
     ap.add_argument("--backends", default="default", help="attnzoo backends for e2e.py (default: the policy's)")
     ap.add_argument("--prompts", type=int, default=None, help="first N prompts (default: all 1319)")
     ap.add_argument("--e2e-args", default="", help="more e2e.py arguments, e.g. '--cascade both'")
-    ap.add_argument("--vllm-bench", required=True, help="path to bench_vllm.py")
     ap.add_argument("--vllm-site", default="/tmp/vsite", help="the unpacked vLLM overlay (PYTHONPATH for vLLM)")
     ap.add_argument("--vllm-extra-path", default="", help="prepended to vLLM's PYTHONPATH (Gemma 4: /tmp/tf514)")
-    ap.add_argument("--vllm-attn-backend", default=None, help="bench_vllm.py --attn-backend (default: its own)")
-    ap.add_argument("--vllm-args", default="", help="more bench_vllm.py arguments")
+    ap.add_argument("--vllm-attn-backend", default="auto", help="vLLM's attention backend (default: vLLM's own choice)")
+    ap.add_argument("--vllm-args", default="", help="more vllm_offline.py arguments (--max-num-seqs, --kv-cache-dtype)")
     ap.add_argument("--order", choices=("vllm-first", "attnzoo-first"), default="vllm-first")
     ap.add_argument("--reuse-vllm", default=None, metavar="JSON",
-                    help="a bench_vllm.py result measured on this same machine earlier in the session (a long "
+                    help="a vllm_offline.py result measured on this same machine earlier in the session (a long "
                          "shape's two engines may not fit one device call): recorded as reused, not re-run")
     ap.add_argument("--reuse-attnzoo", default=None, metavar="JSON",
                     help="an e2e.py result of this shape measured earlier in the session: recorded as reused, not re-run")
@@ -60,14 +74,15 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     n = ["--prompts", str(args.prompts)] if args.prompts else []
+    depth = ["--layers", str(args.layers)] if args.layers else []
+    shape_json = Path(f"{out}_shape.json")
+    write_shape(args.shape, args.layers, shape_json)
 
     ours_cmd = [sys.executable, str(HERE / "e2e.py"), "--out", f"{out}_attnzoo", "--shape", args.shape,
-                "--backends", args.backends, "--hf-prompts", "0", *n, *args.e2e_args.split()]
+                "--backends", args.backends, "--hf-prompts", "0", *n, *depth, *args.e2e_args.split()]
     env_ours = dict(os.environ)
-    vllm_cmd = [sys.executable, args.vllm_bench, str(WORKLOAD), "--shape", args.shape, "--out", f"{out}_vllm.json",
-                *n, *args.vllm_args.split()]
-    if args.vllm_attn_backend:
-        vllm_cmd += ["--attn-backend", args.vllm_attn_backend]
+    vllm_cmd = [sys.executable, str(HERE / "vllm_offline.py"), str(WORKLOAD), "--shape-json", str(shape_json),
+                "--out", f"{out}_vllm.json", "--attn-backend", args.vllm_attn_backend, *n, *args.vllm_args.split()]
     env_vllm = dict(os.environ, PYTHONPATH=":".join(p for p in (args.vllm_extra_path, args.vllm_site) if p),
                     LD_LIBRARY_PATH=f"{args.vllm_site}/xgrammar", VLLM_USE_FLASHINFER_SAMPLER="0",
                     TVM_FFI_DISABLE_TORCH_C_DLPACK="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
