@@ -14,6 +14,7 @@ The math follows transformers' ``models/deepseek_v2`` and ``models/deepseek_v3``
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -29,6 +30,7 @@ from attnzoo.layers.parallel import (
 )
 from attnzoo.models.common import CausalLM, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope_qk
 
+log = logging.getLogger("attnzoo")
 
 def mla_softmax_scale(config) -> float:
     """1/sqrt(qk_head_dim), times mscale^2 when YaRN gives ``mscale_all_dim`` (as the reference does)."""
@@ -240,6 +242,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.tied_lm_head = bool(getattr(config, "tie_word_embeddings", False))
         rope_type = config.rope_parameters.get("rope_type", "default")
         self.rotary = RotaryEmbedding(config, rope_type=rope_type, head_dim=config.qk_rope_head_dim)
+        self._skipped_mtp: set[int] = set()
 
     @staticmethod
     def interleaved_rope(config) -> bool:
@@ -259,12 +262,20 @@ class DeepseekV2ForCausalLM(CausalLM):
         parts = name.split(".")
         # V3 checkpoints append the multi-token-prediction module as extra layers; generation skips it.
         if parts[:2] == ["model", "layers"] and int(parts[2]) >= self.config.num_hidden_layers:
+            self._skipped_mtp.add(int(parts[2]))
             return None
         # Expert parallel: another rank's expert (the FusedMoE says which it holds) is dropped here, before
-        # an FP8 plan would dequantize it.
-        if parts[3:5] == ["mlp", "experts"] and not self.model.layers[int(parts[2])].mlp.experts.holds(int(parts[5])):
+        # an FP8 plan would dequantize it. Stacked expert tensors (gate_up_proj) are cut by the FusedMoE.
+        if parts[3:5] == ["mlp", "experts"] and parts[5].isdigit() \
+                and not self.model.layers[int(parts[2])].mlp.experts.holds(int(parts[5])):
             return None
         return name
+
+    def after_weights_loaded(self) -> None:
+        super().after_weights_loaded()
+        if self._skipped_mtp:
+            log.info("%s: skipped the multi-token-prediction layer(s) %s of the checkpoint (not used to generate)",
+                     type(self).__name__, ", ".join(map(str, sorted(self._skipped_mtp))))
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
