@@ -120,7 +120,7 @@ class DeepseekRouter(nn.Module):
 
     def __init__(self, config, scoring: str):
         super().__init__()
-        self.scoring = scoring  # "softmax" (V2) or "sigmoid" (V3)
+        self.scoring = scoring  # "softmax" (V2), "sigmoid" (V3) or "softmax_top2" (Mistral 4)
         self.num_experts = config.n_routed_experts
         self.top_k = config.num_experts_per_tok
         self.routed_scaling_factor = config.routed_scaling_factor
@@ -139,12 +139,13 @@ class DeepseekRouter(nn.Module):
                 )
         else:
             self.norm_topk_prob = bool(config.norm_topk_prob)
+        if scoring == "sigmoid":
             # float32 whatever the model dtype, as in the reference: rounded to bf16 it would change
             # which experts win close calls.
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(self.num_experts, dtype=torch.float32), requires_grad=False
             )
-        if scoring == "sigmoid" or self.topk_method == "group_limited_greedy":
+        if scoring != "softmax" or self.topk_method == "group_limited_greedy":
             if not self.n_group or not self.topk_group or self.num_experts % self.n_group:
                 raise ModelLoadError(
                     f"grouped routing needs n_group dividing n_routed_experts ({self.num_experts}) and topk_group;"
@@ -169,8 +170,11 @@ class DeepseekRouter(nn.Module):
                                   n_group=self.n_group or 1, topk_group=self.topk_group or 1,
                                   scale=self.routed_scaling_factor)
         # V3: sigmoid scores, biased for the choice only; groups ranked by the sum of their two best experts.
-        return select_experts(logits, top_k=self.top_k, sigmoid=True, group_score="top2", n_group=self.n_group,
-                              topk_group=self.topk_group, correction_bias=self.e_score_correction_bias,
+        # Mistral 4: the same with softmax scores and no bias.
+        sigmoid = self.scoring == "sigmoid"
+        return select_experts(logits, top_k=self.top_k, sigmoid=sigmoid, group_score="top2", n_group=self.n_group,
+                              topk_group=self.topk_group,
+                              correction_bias=self.e_score_correction_bias if sigmoid else None,
                               renormalize=self.norm_topk_prob, scale=self.routed_scaling_factor)
 
 
