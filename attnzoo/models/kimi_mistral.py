@@ -72,11 +72,11 @@ class _TextOfMultimodal:
         ids = [getattr(config, k, None) for k in self.placeholders]
         self.register_buffer("mm_token_ids", torch.tensor([i for i in ids if i is not None], dtype=torch.int64),
                              persistent=False)
-        self._skipped_tower_tensors = 0
+        self._skipped_towers: set[str] = set()  # a set: the FP8 plan asks about a name more than once
 
     def checkpoint_name(self, name: str) -> str | None:
         if name.startswith(self.towers):
-            self._skipped_tower_tensors += 1
+            self._skipped_towers.add(name)
             return None
         for old, new in (("language_model.model.", "model."), ("model.language_model.", "model."),
                          ("language_model.lm_head.", "lm_head.")):
@@ -89,9 +89,9 @@ class _TextOfMultimodal:
 
     def after_weights_loaded(self) -> None:
         super().after_weights_loaded()
-        if self._skipped_tower_tensors:
+        if self._skipped_towers:
             log.info("%s: skipped %d vision tower/projector tensors (attnzoo serves the text model only)",
-                     self.label, self._skipped_tower_tensors)
+                     self.label, len(self._skipped_towers))
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         bad = set(token_ids) & set(self.mm_token_ids.tolist())
