@@ -8,9 +8,9 @@ capacity, the ratio to transformers (batched ``generate`` on a subset in the sam
 the ratio to a roofline estimate of the same schedule (per step: weights + KV bytes read over the
 measured copy bandwidth, or FLOPs over the measured matmul rate, whichever is larger). MoE weights count
 only the experts a step can touch (expected distinct experts for its tokens), sliding-window layers only
-the window each request can see, sparse (NSA, ``--shape dsv32``) layers only the tokens the indexer selects
-(at most index_topk per request) plus the indexer keys it scores. Backend "default" is the policy's choice
-for the shape on this GPU.
+the window each request can see, sparse (NSA, ``--shape dsv32`` / ``glm5``) layers only the tokens the
+indexer selects (at most index_topk per request) plus the indexer keys it scores. Backend "default" is the
+policy's choice for the shape on this GPU.
 
 Backends with a cascade path run twice (``--cascade both``): plain, every request reading its own copy
 of the shared few-shot prefix, and cascade, the prefix read once per step (by sliding-window layers: the
@@ -72,10 +72,21 @@ DSV3 = dict(
 )
 # deepseek-ai/DeepSeek-V3.2-Exp: DeepSeek-V3 plus the sparse-attention indexer (64 heads of 128, top-2048). Use --layers.
 DSV32 = dict(DSV3, index_topk=2048, index_head_dim=128, index_n_heads=64)
+# zai-org/GLM-5 (744B): MLA (64 heads, nope 192 + rope 64, values 256) + the DSA indexer (32 heads of 128,
+# top-2048, interleaved RoPE), 78 layers (3 dense), 256 routed experts top-8 in one group. Use --layers
+# (full width, reduced depth: --layers 6 keeps 3 dense + 3 MoE layers).
+GLM5 = dict(
+    vocab_size=154880, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048, num_hidden_layers=78,
+    num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512, q_lora_rank=2048, qk_nope_head_dim=192,
+    qk_rope_head_dim=64, v_head_dim=256, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1,
+    first_k_dense_replace=3, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+    max_position_embeddings=202752, rms_norm_eps=1e-5, index_topk=2048, index_head_dim=128, index_n_heads=32,
+)
 DEEPSEEK_SHAPES = {  # shape -> (fields, transformers config class name, architecture)
     "dsv2lite": (DSV2_LITE, "DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "dsv3": (DSV3, "DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "dsv32": (DSV32, "DeepseekV32Config", "DeepseekV32ForCausalLM"),
+    "glm5": (GLM5, "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
 }
 
 
@@ -133,7 +144,7 @@ def model_profile(llm) -> dict:
         kv = 0 if spec.shared_from is not None else spec.values_per_token() * elt
         layers.append({"window": a.sliding_window, "kv_bytes": kv,
                        "flops_per_pair": 2 * a.num_heads * (a.head_dim + a.v_head_dim)})
-        if a.index_head_dim:  # NSA: the selected tokens' MLA entries, in the layout the decode backend reads
+        if a.sparse:  # NSA: the selected tokens' MLA entries, in the layout the decode backend reads
             layout = llm.engine.decode_backend.mla_kv_layout
             layers[-1].update(kv_bytes=layout.row_bytes(a.v_head_dim, a.head_dim - a.v_head_dim, llm.pool.dtype),
                               topk=cfg.index_topk, index_bytes=a.index_head_dim * elt,
@@ -389,13 +400,13 @@ def main(argv=None):
                     help="load and warm up only: print each load phase's time, the first generate's (JIT) and the "
                          "logits check, no workload, no transformers baseline")
     ap.add_argument("--index-topk", type=int, default=None,
-                    help="dsv32: tokens the indexer selects per query (the model's 2048 exceeds every context of "
+                    help="dsv32, glm5: tokens the indexer selects per query (the model's 2048 exceeds every context of "
                          "this workload, where selection keeps them all; a smaller value measures the sparse path)")
     args = ap.parse_args(argv)
     config, cfg = make_config(args.shape, args.layers)
     if args.index_topk is not None:
-        if args.shape != "dsv32":
-            raise SystemExit("--index-topk applies to --shape dsv32 (the only sparse-attention shape)")
+        if "index_topk" not in cfg:
+            raise SystemExit("--index-topk applies to the sparse-attention shapes (dsv32, glm5)")
         config.index_topk = cfg["index_topk"] = args.index_topk
     if args.weights == "fp8":
         config.quantization_config = cfg["quantization_config"] = dict(FP8_BLOCK_CONFIG)

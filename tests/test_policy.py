@@ -46,7 +46,19 @@ ARCHS = {
     "DeepseekV2ForCausalLM": "deepseek_mla",
     "DeepseekV3ForCausalLM": "deepseek_mla",
     "DeepseekV32ForCausalLM": "deepseek_nsa",
+    "Kimi_K25ForConditionalGeneration": "deepseek_mla",
+    "KimiK25ForConditionalGeneration": "deepseek_mla",
+    "Mistral4ForCausalLM": "deepseek_mla",
+    "Mistral3ForConditionalGeneration": "deepseek_mla",
+    "GlmMoeDsaForCausalLM": "deepseek_nsa",
 }
+# Mistral 4's 256-wide latent: trtllm_mla (576 / 512 only) cannot decode it, its Blackwell rows say flashinfer_mla.
+_MISTRAL4 = {**EXPECTED["deepseek_mla"], **dict.fromkeys(("sm100", "sm103"), ("flashinfer_mla", "flashinfer_mla", 64))}
+EXPECTED.update(Mistral4ForCausalLM=_MISTRAL4, Mistral3ForConditionalGeneration=_MISTRAL4)
+
+
+def expected(arch: str, gpu: str) -> tuple:
+    return EXPECTED.get(arch, EXPECTED[ARCHS[arch]])[gpu]
 
 
 @pytest.fixture(autouse=True)
@@ -135,7 +147,7 @@ def test_shipped_table_is_complete_and_follows_the_field_on_blackwell():
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_every_cell_resolves(arch, gpu, flashinfer_installed):
     d = resolve(arch, gpu=gpu)
-    assert (d.prefill_backend, d.decode_backend, d.page_size) == EXPECTED[ARCHS[arch]][gpu]
+    assert (d.prefill_backend, d.decode_backend, d.page_size) == expected(arch, gpu)
     assert d.gpu == gpu and d.architecture == arch
     assert d.adjustments == []
     assert {s.level for s in d.sources.values()} <= {"shipped_arch", "family_default"}
@@ -196,7 +208,7 @@ def test_profiles_from_hf_configs():
 def test_config_resolves_like_its_cell(gpu):
     for arch, cfg in _tiny_configs().items():
         d = resolve(cfg, gpu=gpu)
-        assert (d.prefill_backend, d.decode_backend, d.page_size) == EXPECTED[ARCHS[arch]][gpu], arch
+        assert (d.prefill_backend, d.decode_backend, d.page_size) == expected(arch, gpu), arch
         assert d.profile.source == "config" and not d.adjustments
 
 

@@ -33,6 +33,8 @@ class ForwardContext:
     decode_backend: AttentionBackend
     plan: StepPlan | None = None  # what backends.prepare(meta) returned; None: prepared here, once
     backends: HybridBackend = field(init=False)
+    # NSA: the top-k positions the step's last indexer layer selected (GLM-5's "shared" layers reuse them).
+    nsa_positions: torch.Tensor | None = field(default=None, init=False)
 
     def __post_init__(self):
         if self.pool.has_window_group and self.meta.window_block_tables is None:
@@ -60,6 +62,7 @@ class Attention(nn.Module):
         kv_shared_from: int | None = None,  # read this earlier layer's KV cache; store nothing
         kind: str = "mha",  # "mha" (MHA/GQA/MQA) or "mla" (absorbed latent attention)
         index_head_dim: int = 0,  # NSA indexer key width kept beside the MLA cache
+        sparse: bool = False,  # NSA without its own indexer cache (GLM-5's layers that reuse a selection)
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -77,6 +80,7 @@ class Attention(nn.Module):
         self.kv_shared_from = kv_shared_from
         self.kind = kind
         self.index_head_dim = index_head_dim
+        self.sparse = sparse or index_head_dim > 0
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(

@@ -57,6 +57,7 @@ class MLAAttention(nn.Module):
         v_head_dim: int,
         scale: float,
         index_head_dim: int = 0,  # NSA (V3.2): indexer key width kept beside the entry
+        sparse: bool = False,  # NSA: top-k selection (with index_head_dim 0: reused from an earlier layer)
     ):
         super().__init__()
         self.num_heads = num_heads
@@ -67,6 +68,7 @@ class MLAAttention(nn.Module):
         self.attn = Attention(
             layer_id, num_heads, 1, kv_lora_rank + qk_rope_head_dim,
             v_head_dim=kv_lora_rank, scale=scale, kind="mla", index_head_dim=index_head_dim,
+            sparse=sparse,
         )
 
     @property

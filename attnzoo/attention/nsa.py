@@ -76,12 +76,12 @@ class NSAAttention(MLAAttention):
                  index_topk: int):
         super().__init__(layer_id, num_heads, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
                          qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim, scale=scale,
-                         index_head_dim=index_head_dim)
+                         index_head_dim=index_head_dim, sparse=True)
         if index_topk < 1:
             raise ModelLoadError(f"index_topk must be a positive token count, the config has {index_topk}",
                                  fix="set index_topk in config.json (2048 in the released models)")
         self.index_topk, self.index_n_heads = index_topk, index_n_heads
-        self.index_scale = index_head_dim**-0.5
+        self.index_scale = index_head_dim**-0.5 if index_head_dim else 0.0  # 0: no indexer of its own
         self.index_weight_scale = index_n_heads**-0.5
 
     def forward(
@@ -93,10 +93,12 @@ class NSAAttention(MLAAttention):
         kv_b_weight: torch.Tensor,  # [H * (qk_nope + v_head_dim), kv_lora_rank]
         ctx: ForwardContext,
         *,
-        index_q: torch.Tensor,  # [T, Hi, D], roped
-        index_k: torch.Tensor,  # [T, D], normed and roped
-        index_weights: torch.Tensor,  # [T, Hi], the indexer's per-head weights
+        index_q: torch.Tensor | None,  # [T, Hi, D], roped; None: reuse the step's last selection
+        index_k: torch.Tensor | None,  # [T, D], normed and roped
+        index_weights: torch.Tensor | None,  # [T, Hi], the indexer's per-head weights
     ) -> torch.Tensor:  # [T, H * v_head_dim]
+        """With index_q None (a layer without its own indexer: GLM-5's "shared" layers) the layer attends
+        over the positions the step's previous indexer layer selected (``ctx.nsa_positions``)."""
         meta, layer = ctx.meta, self.attn
         t = q_nope.shape[0]
         backend, plan = nsa_backend(ctx.backends.for_step(meta)), ctx.plan
@@ -110,12 +112,19 @@ class NSAAttention(MLAAttention):
         for b in ctx.backends.distinct():
             if nsa_backend(b).mla_kv_layout is not KVLayout.BF16:
                 b.kv_copy.store(layer.layer_id, meta.slot_mapping, entry)
-        if meta.max_seq_len <= self.index_topk:
+        if index_q is None:
+            positions = ctx.nsa_positions
+            if positions is None:
+                raise ModelLoadError(f"NSA layer {layer.layer_id} reuses the previous layer's top-k selection, "
+                                     "but no earlier layer of the step selected any",
+                                     fix="the first sparse layer must run its own indexer ('full' in indexer_types)")
+        elif meta.max_seq_len <= self.index_topk:
             positions = visible_positions(meta, plan.shared)
         else:
             weights = index_weights.float() * self.index_weight_scale
             positions = backend.nsa_topk(layer, index_q, weights, meta, plan, topk=self.index_topk,
                                          scale=self.index_scale)
+        ctx.nsa_positions = positions
         w_uk, w_uv = split_kv_b(kv_b_weight, self.num_heads, self.qk_nope_head_dim)
         q = torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)  # [T, H, rank + rope]
         o = backend.nsa_sparse_mla(layer, q, positions, meta, plan).to(q_nope.dtype)  # [T, H, rank]

@@ -14,6 +14,7 @@ The math follows transformers' ``models/deepseek_v2`` and ``models/deepseek_v3``
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -29,6 +30,7 @@ from attnzoo.layers.parallel import (
 )
 from attnzoo.models.common import CausalLM, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope_qk
 
+log = logging.getLogger("attnzoo")
 
 def mla_softmax_scale(config) -> float:
     """1/sqrt(qk_head_dim), times mscale^2 when YaRN gives ``mscale_all_dim`` (as the reference does)."""
@@ -118,7 +120,7 @@ class DeepseekRouter(nn.Module):
 
     def __init__(self, config, scoring: str):
         super().__init__()
-        self.scoring = scoring  # "softmax" (V2) or "sigmoid" (V3)
+        self.scoring = scoring  # "softmax" (V2), "sigmoid" (V3) or "softmax_top2" (Mistral 4)
         self.num_experts = config.n_routed_experts
         self.top_k = config.num_experts_per_tok
         self.routed_scaling_factor = config.routed_scaling_factor
@@ -137,12 +139,13 @@ class DeepseekRouter(nn.Module):
                 )
         else:
             self.norm_topk_prob = bool(config.norm_topk_prob)
+        if scoring == "sigmoid":
             # float32 whatever the model dtype, as in the reference: rounded to bf16 it would change
             # which experts win close calls.
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(self.num_experts, dtype=torch.float32), requires_grad=False
             )
-        if scoring == "sigmoid" or self.topk_method == "group_limited_greedy":
+        if scoring != "softmax" or self.topk_method == "group_limited_greedy":
             if not self.n_group or not self.topk_group or self.num_experts % self.n_group:
                 raise ModelLoadError(
                     f"grouped routing needs n_group dividing n_routed_experts ({self.num_experts}) and topk_group;"
@@ -167,8 +170,11 @@ class DeepseekRouter(nn.Module):
                                   n_group=self.n_group or 1, topk_group=self.topk_group or 1,
                                   scale=self.routed_scaling_factor)
         # V3: sigmoid scores, biased for the choice only; groups ranked by the sum of their two best experts.
-        return select_experts(logits, top_k=self.top_k, sigmoid=True, group_score="top2", n_group=self.n_group,
-                              topk_group=self.topk_group, correction_bias=self.e_score_correction_bias,
+        # Mistral 4: the same with softmax scores and no bias.
+        sigmoid = self.scoring == "sigmoid"
+        return select_experts(logits, top_k=self.top_k, sigmoid=sigmoid, group_score="top2", n_group=self.n_group,
+                              topk_group=self.topk_group,
+                              correction_bias=self.e_score_correction_bias if sigmoid else None,
                               renormalize=self.norm_topk_prob, scale=self.routed_scaling_factor)
 
 
@@ -240,6 +246,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.tied_lm_head = bool(getattr(config, "tie_word_embeddings", False))
         rope_type = config.rope_parameters.get("rope_type", "default")
         self.rotary = RotaryEmbedding(config, rope_type=rope_type, head_dim=config.qk_rope_head_dim)
+        self._skipped_mtp: set[int] = set()
 
     @staticmethod
     def interleaved_rope(config) -> bool:
@@ -259,12 +266,20 @@ class DeepseekV2ForCausalLM(CausalLM):
         parts = name.split(".")
         # V3 checkpoints append the multi-token-prediction module as extra layers; generation skips it.
         if parts[:2] == ["model", "layers"] and int(parts[2]) >= self.config.num_hidden_layers:
+            self._skipped_mtp.add(int(parts[2]))
             return None
         # Expert parallel: another rank's expert (the FusedMoE says which it holds) is dropped here, before
-        # an FP8 plan would dequantize it.
-        if parts[3:5] == ["mlp", "experts"] and not self.model.layers[int(parts[2])].mlp.experts.holds(int(parts[5])):
+        # an FP8 plan would dequantize it. Stacked expert tensors (gate_up_proj) are cut by the FusedMoE.
+        if parts[3:5] == ["mlp", "experts"] and parts[5].isdigit() \
+                and not self.model.layers[int(parts[2])].mlp.experts.holds(int(parts[5])):
             return None
         return name
+
+    def after_weights_loaded(self) -> None:
+        super().after_weights_loaded()
+        if self._skipped_mtp:
+            log.info("%s: skipped the multi-token-prediction layer(s) %s of the checkpoint (not used to generate)",
+                     type(self).__name__, ", ".join(map(str, sorted(self._skipped_mtp))))
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -27,8 +27,9 @@ from attnzoo.models.deepseek_v2 import DeepseekAttention, DeepseekV3ForCausalLM
 class DeepseekV32Indexer(nn.Module):
     """The indexer's projections: x [T, hidden], q residual [T, q_lora] -> its query, key and head weights."""
 
-    def __init__(self, config):
+    def __init__(self, config, *, interleaved_rope: bool = False):
         super().__init__()
+        self.interleaved_rope = interleaved_rope  # V3.2: rotate-half; GLM-5: interleaved pairs
         self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
@@ -44,7 +45,8 @@ class DeepseekV32Indexer(nn.Module):
         return self
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return apply_rope(x, cos[:, : self.rope_dim], sin[:, : self.rope_dim])  # the rest passes through
+        # The rest passes through.
+        return apply_rope(x, cos[:, : self.rope_dim], sin[:, : self.rope_dim], interleaved=self.interleaved_rope)
 
     def forward(self, x, q_resid, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> q [T, Hi, D] and k [T, D], roped; weights [T, Hi] float32."""
@@ -56,19 +58,29 @@ class DeepseekV32Indexer(nn.Module):
 
 
 class DeepseekV32Attention(DeepseekAttention):
+    indexer_interleaved_rope = False  # GLM-5 ropes its indexer on interleaved pairs
+
+    @staticmethod
+    def has_indexer(config, layer_id: int) -> bool:
+        return True  # GLM-5's "shared" layers reuse an earlier layer's selection instead
+
     def __init__(self, config, layer_id: int, *, interleaved_rope: bool, tp: TPContext = SINGLE):
         # Tensor parallel: the indexer is replicated (it scores tokens for all heads alike).
         super().__init__(config, layer_id, interleaved_rope=interleaved_rope, tp=tp)
-        self.indexer = DeepseekV32Indexer(config)
+        own = self.has_indexer(config, layer_id)
+        self.indexer = DeepseekV32Indexer(config, interleaved_rope=self.indexer_interleaved_rope) if own else None
         self.mla = NSAAttention(
             layer_id, self.num_heads, kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
             qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, scale=self.mla.scale,
-            index_head_dim=config.index_head_dim, index_n_heads=config.index_n_heads, index_topk=config.index_topk,
+            index_head_dim=config.index_head_dim if own else 0, index_n_heads=config.index_n_heads,
+            index_topk=config.index_topk,
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         q_nope, q_pe, q_resid, latent, k_pe = self.project(x, cos, sin)
-        index_q, index_k, index_weights = self.indexer(x, q_resid, cos, sin)
+        index_q = index_k = index_weights = None  # no indexer: the step's last selection is reused
+        if self.indexer is not None:
+            index_q, index_k, index_weights = self.indexer(x, q_resid, cos, sin)
         out = self.mla(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight, ctx,
                        index_q=index_q, index_k=index_k, index_weights=index_weights)
         return self.o_proj(out)

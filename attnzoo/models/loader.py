@@ -141,7 +141,9 @@ def check_config(config, name: str) -> None:
                 raise ModelLoadError(f"config.json of {name!r}: {key} must be a positive integer, got {value!r}",
                                      fix=f"set {key} in config.json to the checkpoint's real value")
         heads, kv = _global_attr(cfg, "num_attention_heads"), _global_attr(cfg, "num_key_value_heads")
-        if heads and kv and heads % kv:
+        # MLA (DeepSeek and its relatives) has one latent KV entry per token and never reads
+        # num_key_value_heads: transformers' DeepseekV3Config keeps its default of 128 whatever the heads.
+        if heads and kv and heads % kv and _global_attr(cfg, "kv_lora_rank") is None:
             raise ModelLoadError(
                 f"config.json of {name!r}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}",
                 fix="set num_key_value_heads to a divisor of num_attention_heads (the checkpoint's real value)")

@@ -403,7 +403,8 @@ class Shape:
     @classmethod
     def of_layer(cls, layer) -> "Shape":
         """An ``attnzoo.attention.layer.Attention`` as the checks see it (an indexer makes MLA sparse)."""
-        kind = "nsa" if getattr(layer, "index_head_dim", 0) else getattr(layer, "kind", "mha")
+        kind = "nsa" if getattr(layer, "sparse", False) or getattr(layer, "index_head_dim", 0) \
+            else getattr(layer, "kind", "mha")
         return cls(kind=kind, head_dims=frozenset({layer.head_dim}), v_head_dims=frozenset({layer.v_head_dim}),
                    num_heads=layer.num_heads, num_kv_heads=frozenset({layer.num_kv_heads}),
                    uses_sliding_window=bool(layer.sliding_window), uses_softcap=bool(layer.logit_softcap))

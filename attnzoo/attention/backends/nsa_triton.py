@@ -66,7 +66,7 @@ class NSATritonBackend(NSABackend):
         extra="triton",
         cuda_graph=True,
         mla_kv_layout="bf16",
-        notes=("sparse (NSA) layers only: DeepSeek-V3.2",),
+        notes=("sparse (NSA) layers only: DeepSeek-V3.2, GLM-5 (its layers without an indexer reuse a selection)",),
     )
     fix = "use backend='torch' on CPU (or set TRITON_INTERPRET=1 before importing attnzoo, for tests)"
 
@@ -139,7 +139,7 @@ class NSATritonFP8Backend(NSATritonBackend):
         cuda_graph=True,
         mla_kv_layout="fp8_nope_scaled_bf16_rope",
         notes=(
-            "sparse (NSA) layers only: DeepSeek-V3.2",
+            "sparse (NSA) layers only: DeepSeek-V3.2, GLM-5 (its layers without an indexer reuse a selection)",
             "keeps an fp8 copy of the MLA cache beside the pool's model-dtype entries (memory on top of the "
             "KV budget); attention reads fp8 values: expect fp8-level differences from the bf16 backends",
         ),
