@@ -53,8 +53,9 @@ def test_shared_prefix_pages_allocated_once(tiny_dir):
     # kept = 12 pages, 10 of them cached) and computes only the tokens after the prefix
     allocated.clear()
     computed = []
-    real_step = llm.engine._step
-    llm.engine._step = lambda batch: computed.append(sum(len(c) for c in batch.chunks)) or real_step(batch)
+    runner = llm.engine.runner
+    real_launch = runner.launch
+    runner.launch = lambda prep, ids: computed.append(len(ids)) or real_launch(prep, ids)
     again = llm.generate([prefix + [7, 8, 9]], max_new_tokens=4, ignore_eos=True)
     assert again[0].token_ids == plain.generate([prefix + [7, 8, 9]], max_new_tokens=4, ignore_eos=True)[0].token_ids
     assert sum(allocated) == 2 and computed[0] == 3
@@ -139,15 +140,15 @@ def test_random_weights_from_config():
 def test_failed_step_leaves_no_unwritten_prefix_in_the_cache(tiny_dir):
     llm = attnzoo.load_model(tiny_dir, page_size=4)
     prompt = random_prompts(160, [42], seed=8)[0]
-    real_forward = llm.engine._forward
+    real_forward = llm.engine.runner.forward
 
     def failing_forward(ids, meta, plan):
         raise RuntimeError("injected failure")
 
-    llm.engine._forward = failing_forward
+    llm.engine.runner.forward = failing_forward
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate([prompt], max_new_tokens=4, ignore_eos=True)
-    llm.engine._forward = real_forward
+    llm.engine.runner.forward = real_forward
     assert llm.engine.allocator.num_free == llm.engine.allocator.capacity
     assert len(llm.engine.prefix_cache) == 0
     # the same prefix runs normally afterwards

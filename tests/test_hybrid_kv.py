@@ -101,14 +101,14 @@ def test_hybrid_equals_one_group_and_transformers(gemma, backend):
 def test_window_pages_released_while_generating(gemma):
     llm = _load(gemma[1], prefix_caching=False)
     e = llm.engine
-    held, advance = [], e._window_advance
+    held, advance = [], e.pages.window_advance
 
     def spy(wp, num_cached, end):
         new = advance(wp, num_cached, end)
         held.append((num_cached, len(wp.live()), e.window_allocator.num_free))
         return new
 
-    e._window_advance = spy
+    e.pages.window_advance = spy
     llm.generate(random_prompts(VOCAB, [6], seed=1), max_new_tokens=60, ignore_eos=True)
     bound = -(-(WINDOW - 1 + 1) // PS) + 1  # decoding: the window and one page
     decoding = [h for n, h, _ in held if n >= 6]
@@ -146,7 +146,7 @@ def test_prefix_reuse_after_release_and_window_eviction_stays_exact(gemma):
     full, wpages = cache.match(prompts[1])
     k = len(full)
     assert k == 6 and wpages[: window_start(k * PS, WINDOW, PS)] == [0, 0, 0, 0] and all(wpages[4:])
-    e._unmatch(full, wpages)
+    e.pages.unmatch(full, wpages)
     assert _tokens(llm, prompts[1:], 20) == want[1:]  # reused 6 pages, window pages included
     # Window pages gone from the cache: only prefixes whose needed window pages remain are matched.
     cache.evict_window(e.window_allocator.capacity)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_new_tokens: int = 0  # EOS is masked until this many tokens are out
     repetition_penalty: float = 1.0  # transformers' rule over prompt and output tokens; 1 = off
+    # Log-probabilities (of the raw logits) of each output token with its best N alternatives; None: none
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for each prompt token (the whole prompt is computed)
 
     def validate(self) -> None:
         _integer("max_new_tokens", self.max_new_tokens, 1)
@@ -43,6 +46,11 @@ class SamplingParams:
             raise RequestError(f"min_new_tokens={self.min_new_tokens} exceeds max_new_tokens={self.max_new_tokens}",
                                fix="lower min_new_tokens or raise max_new_tokens")
         _real("repetition_penalty", self.repetition_penalty, 0.0, "use a positive value; 1.0 turns it off")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _integer(name, getattr(self, name), 0, f"pass {name}=N with 0 <= N <= 20, or None")
+                if getattr(self, name) > 20:
+                    raise RequestError(f"{name} must be at most 20, got {getattr(self, name)}", fix="ask for 20 or fewer")
         if self.repetition_penalty == 0:
             raise RequestError("repetition_penalty must be > 0, got 0", fix="use a positive value; 1.0 turns it off")
 
@@ -75,6 +83,45 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
     noise = torch.stack([torch.empty(logits.shape[-1], device=dev).exponential_(generator=g) for g in generators])
     return (probs / noise).argmax(dim=-1)
+
+
+def pick_tokens(logits: torch.Tensor, reqs, eos_ids) -> torch.Tensor:
+    """The next token of each row of ``logits`` [rows, vocab] (row i: request ``reqs[i]``), on the device
+    and without a host sync: greedy rows by argmax, the others by ``sample``, after ``process_logits``;
+    -1 where the row holds a non-finite value (NaN and +inf win argmax, so a row's top logit is non-finite
+    iff the row holds one, or is all -inf: an O(rows) check that comes back with the tokens)."""
+    tokens = logits.argmax(dim=-1)
+    finite = torch.isfinite(logits.gather(1, tokens[:, None]))[:, 0]
+    scores = process_logits(logits, reqs, eos_ids)
+    if scores is not logits:
+        tokens = scores.argmax(dim=-1)
+    rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if rows:
+        chosen = [reqs[i] for i in rows]
+        at = torch.tensor(rows, device=tokens.device)
+        tokens[at] = sample(scores[at], [r.params for r in chosen], [r.generator for r in chosen])
+    return torch.where(finite, tokens, -1)
+
+
+@dataclass
+class TokenLogprob:
+    """A token's log-probability under the model (its raw logits), and the best ``top`` of its position."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def token_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprob]:
+    """Log-probabilities of ``targets`` (one per row of ``logits`` [n, vocab]) and each row's ``top`` best."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    got = logp.gather(1, torch.tensor(targets, device=logp.device)[:, None])[:, 0].tolist()
+    if top:
+        values, ids = torch.topk(logp, min(top, logp.shape[-1]), dim=-1)
+        best = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        best = [[] for _ in targets]
+    return [TokenLogprob(t, g, b) for t, g, b in zip(targets, got, best)]
 
 
 def _integer(name: str, value, low: int, fix: str | None = None) -> None:

@@ -29,6 +29,7 @@ import weakref
 import numpy as np
 import torch
 
+from attnzoo.engine.runner import Step
 from attnzoo.errors import AttnzooError, ModelLoadError
 from attnzoo.layers.parallel import TPContext
 
@@ -94,7 +95,7 @@ class _Channel:
                     self.models[model_id].window_tables.clear()
                 return model_id, kind, payload
             group = self.models[model_id]
-            group.engine.run_step(group.decode(payload))
+            group.engine.run_step(Step(**group.decode(payload)))
 
     def shut(self, *, abort: bool) -> None:
         """Rank 0 of a spawned group: stop the other ranks (``abort``: at once, a load failed) and tear

@@ -31,6 +31,11 @@ Cascade attention: a backend that reads a prefix shared by every request of a DE
 whole batch (``meta.shared_prefix_len``) declares ``cascade=True``; others ignore the field and
 read every request's pages as usual, which gives the same result. ``supports_cascade_extend``: the
 same for EXTEND steps (every new token of the step comes after the shared pages).
+
+Overlap: the engine may prepare step N+1 while step N still runs on the GPU. A backend whose plan
+stages data in host buffers it reuses, copied to the GPU asynchronously (FlashInfer's wrappers and
+their pinned page lists), must not rewrite them before the last plan's copies left: it keeps a
+``PlanFence`` and waits on it before planning.
 """
 from __future__ import annotations
 
@@ -65,6 +70,25 @@ class NSAPlan(StepPlan):
     token_reqs: torch.Tensor | None = None
     # Matrices every NSA layer of the step reads alike, computed by the first layer that asks.
     shared: NSAStepCache = field(default_factory=NSAStepCache)
+
+class PlanFence:
+    """``wait`` until the copies queued after the last ``mark`` have run (the host buffers they read may be
+    rewritten); ``mark`` after a plan queued its copies. As a rule they ran before that step's kernels,
+    so the wait is free. Off CUDA copies are done on return: nothing to wait for."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        self._event: torch.cuda.Event | None = None
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+    def mark(self) -> None:
+        if self._cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
 
 class AttentionLayer(Protocol):
     """What a backend reads of the layer it serves (``attnzoo.attention.layer.Attention``): the contract

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnzoo.attention.backends.base import AttentionBackend, StepPlan
+from attnzoo.attention.backends.base import AttentionBackend, PlanFence, StepPlan
 from attnzoo.attention.backends.capabilities import ANY_CUDA, FP8_KV, HALF, BackendCapabilities, Kernel, gpu_of, gpu_set
 from attnzoo.attention.backends.fi_common import (
     CascadeSplit,
@@ -265,6 +265,7 @@ class FlashInferBackend(AttentionBackend):
         the rest); a sliding layer unchanged (its FA3 shared part does not start beside the decode grid);
         the e2e decode wall within noise (74.2 -> 74.1 s)."""
         super().__init__(pool)
+        self._fence = PlanFence(pool.device)
         self.overlap_cascade = overlap_cascade
         self._side: torch.cuda.Stream | None = None  # created with the first overlapped cascade step
         # The package first: without it nothing else matters, and the error names the extra.
@@ -346,8 +347,10 @@ class FlashInferBackend(AttentionBackend):
         torch.cumsum(torch.tensor(meta.q_lens_cpu, dtype=torch.int32), 0, dtype=torch.int32, out=qo[1:])
         step = FlashInferPlan(mode=meta.mode, qo_indptr=qo,
                               shared_pages=meta.shared_prefix_len // meta.page_size, graph_bucket=graph_bucket)
+        self._fence.wait()  # the wrappers' pinned page lists: the last plan's copies must have left them
         for sig in self._known:
             self._plan(meta, step, sig)
+        self._fence.mark()
         return step
 
     def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnzoo.attention.backends.base import AttentionBackend, StepPlan
+from attnzoo.attention.backends.base import AttentionBackend, PlanFence, StepPlan
 from attnzoo.attention.backends.capabilities import HALF, BackendCapabilities, Kernel, gpu_of, gpu_set
 from attnzoo.attention.backends.fi_common import (
     LayerSignature,
@@ -102,6 +102,7 @@ class FlashInferMLABackend(AttentionBackend):
 
     def __init__(self, pool: KVPool, *, variant: str | None = None):
         super().__init__(pool)
+        self._fence = PlanFence(pool.device)
         # The package first: without it nothing else matters, and the error names the extra.
         self._fi = load_flashinfer(self.name)
         self._cc = compute_capability(self.name, pool.device)
@@ -142,8 +143,10 @@ class FlashInferMLABackend(AttentionBackend):
             kv_len_arr=torch.tensor(kv_len, dtype=torch.int32),
         )
         step = FlashInferMLAPlan(mode=meta.mode, metadata=metadata, graph_batch=graph_batch)
+        self._fence.wait()  # the wrappers' pinned buffers: the last plan's copies must have left them
         for sig in self._known:
             self._plan(meta, step, sig)
+        self._fence.mark()
         return step
 
     def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:

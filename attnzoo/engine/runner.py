@@ -1,0 +1,188 @@
+"""The step runner: one forward pass per ``Step``, split into a host half (metadata, cascade and CUDA-graph
+choices, the backend's plan) and a device half (the pass itself), so that the next step's host work can
+run while the GPU computes this one (overlap) and a predictable next step can be launched on this step's
+sampled tokens before they are read back (early launch; the loop is ``Engine.step``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from attnzoo.attention.backends.hybrid import HybridBackend
+from attnzoo.attention.kv_cache import KVPool
+from attnzoo.attention.layer import ForwardContext
+from attnzoo.attention.metadata import BatchMetadata, build_metadata
+from attnzoo.errors import BackendError
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A step's choices made before the runner sees it: by rank 0 of a tensor-parallel group (the other
+    ranks follow them rather than choose), or by a caller that runs its steps eagerly without cascade."""
+
+    shared_prefix_len: int
+    graph: bool
+
+
+EAGER = Fixed(shared_prefix_len=0, graph=False)
+
+
+@dataclass
+class Step:
+    """One forward pass, in plain host data: what rank 0 of a tensor-parallel group sends the others."""
+
+    prefix_lens: list[int]  # per request: tokens already in the pool
+    q_lens: list[int]  # per request: tokens this step adds
+    block_tables: list  # per request: its pages (int32 arrays or lists)
+    ids: "list[int] | torch.Tensor | None"  # the new tokens, flat; None until known (a prepared step)
+    rows: list[int] | None  # flat token rows whose logits are computed; None: every token
+    keys: list[int] | None = None  # per request: its key (tensor parallel sends only new pages per key)
+    window_block_tables: list | None = None  # per request: its window-group pages (a pool with that group)
+    fixed: Fixed | None = None  # None: the runner chooses cascade and graph replay itself
+
+    def wire(self) -> dict:
+        """The step as a dict of its fields (shallow), for the tensor-parallel control channel."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class Prepared:
+    """A step's host half (``Runner.prepare``), ready to launch once its input ids are known."""
+
+    step: Step
+    meta: BatchMetadata
+    graph: bool  # replayed as a CUDA graph
+    staged: object | None  # DecodeGraphs.stage's result for a graph step
+    plan: object | None  # the backends' StepPlan for an eager step
+    over_cap: bool = False  # a cascade step whose graph the cap on their number refused
+
+
+def check_cascade(decode_backend_cls, prefix_caching: bool, cascade: bool | None) -> bool:
+    """Whether cascade decode can run; an explicit ``cascade=True`` that cannot is an error."""
+    can = bool(prefix_caching and decode_backend_cls.supports_cascade)
+    if cascade and not can:
+        why = (f"the decode backend {decode_backend_cls.name!r} has no cascade path"
+               if not decode_backend_cls.supports_cascade else "prefix caching is off")
+        raise BackendError(f"cascade attention needs prefix caching and a decode backend that supports it; {why}",
+                           fix="pass cascade=None (automatic) or False, or use decode backend 'flashinfer' or 'triton'")
+    return can
+
+
+def last_rows(q_lens: list[int], reqs: list[int]) -> list[int]:
+    """The flat row of the last new token of each request of ``reqs`` (indices into ``q_lens``)."""
+    ends = np.cumsum(q_lens) - 1
+    return ends[reqs].tolist()
+
+
+class Runner:
+    def __init__(self, model, pool: KVPool, backends: HybridBackend, *, prefix_caching: bool, cascade: bool | None,
+                 cascade_min_saved_tokens: int, max_rows: int):
+        self.max_rows = max_rows  # the most rows a step samples (the host token buffer's size)
+        self.model, self.pool, self.backends = model, pool, backends
+        self.device = pool.device
+        # Cascade decode (the shared prefix read once per step) needs shared pages and a backend that
+        # reads them once. Saved KV reads per layer: shared tokens x (requests - 1). A cascade step that
+        # runs eagerly gives up what a plain graph replay saves (the launches), so it is used only from
+        # ``cascade_min_saved_tokens``. Where the decode backend captures cascade steps too
+        # (``supports_cascade_graph``), a replayed cascade step costs the host what a plain replay does:
+        # only the GPU trade-off is left (two small kernels per layer against the reads saved), hence
+        # the lower ``cascade_graph_min_saved_tokens``.
+        can = check_cascade(type(backends.decode_backend), prefix_caching, cascade)
+        self.cascade = can if cascade is None else cascade
+        # Extend steps too (prompt chunks after a cached few-shot prefix, beside decode rows), where the
+        # prefill backend can: there every request re-reads the prefix, however few queries it brings.
+        self.cascade_extend = cascade is not False and prefix_caching and backends.prefill_backend.supports_cascade_extend
+        self.cascade_min_saved_tokens = cascade_min_saved_tokens
+        self.cascade_graph_min_saved_tokens = 8192
+        self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs()
+        # replayed: plain decode graphs; eager: decode/sampling steps run eagerly, of which cascade: with a
+        # shared prefix; cascade_replayed: cascade decode graphs; cascade_over_cap: cascade steps whose graph
+        # was not captured for the cap on their number (those ran eagerly or as plain graphs)
+        self.graph_stats = {"replayed": 0, "eager": 0, "cascade": 0, "cascade_replayed": 0, "cascade_over_cap": 0}
+        self.tp = None  # TPGroup (attnzoo.engine.tensor_parallel): rank 0 publishes each step to the others
+        self._host_tokens: torch.Tensor | None = None  # pinned int64: each step's sampled tokens
+
+    def enable_cuda_graphs(self, max_batch: int, max_context: int, batch_sizes=None, prune: bool = True) -> None:
+        from attnzoo.engine.cuda_graph import DEFAULT_BUCKETS, DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.pool, self.backends, max_batch=max_batch, max_context=max_context,
+                                   buckets=DEFAULT_BUCKETS if batch_sizes is None else batch_sizes, prune=prune)
+
+    def run(self, step: Step) -> tuple[torch.Tensor, int]:
+        """One forward pass -> (logits of rows ``step.rows``, the shared prefix length cascade read)."""
+        return self.launch(self.prepare(step), step.ids)
+
+    @torch.inference_mode()
+    def prepare(self, step: Step) -> Prepared:
+        """The host half of ``run`` (everything but ``step.ids``): metadata, the cascade and graph choices,
+        the backend's plan, and for a graph step its staging (``DecodeGraphs.stage``). Its device copies are
+        stream-ordered behind the work already queued, so step N+1 may be prepared while step N runs."""
+        fixed = step.fixed
+        meta = build_metadata(
+            prefix_lens=step.prefix_lens, q_lens=step.q_lens, block_tables=step.block_tables,
+            page_size=self.pool.page_size, device=self.device,
+            detect_shared_prefix=(self.cascade or self.cascade_extend) and fixed is None,
+            window_block_tables=step.window_block_tables,
+        )
+        cascade_graph = over_cap = False  # a cascade step a CUDA graph serves; one the cap on them refused
+        if fixed is not None:
+            meta.shared_prefix_len = fixed.shared_prefix_len
+        elif meta.shared_prefix_len:
+            on = self.cascade if meta.is_decode else self.cascade_extend
+            saved = meta.shared_prefix_len * (meta.num_reqs - 1)
+            if on and self.graphs is not None and saved >= self.cascade_graph_min_saved_tokens:
+                ready = self.graphs.cascade_ready(meta)
+                cascade_graph = bool(ready)
+                over_cap = ready is False and self.graphs.at_cap
+            if not on or (not cascade_graph and saved < self.cascade_min_saved_tokens):
+                meta.shared_prefix_len = 0
+        graph = fixed.graph if fixed is not None else (
+            self.graphs is not None and self.graphs.fits(meta) and (cascade_graph or not meta.shared_prefix_len))
+        staged = self.graphs.stage(meta) if graph else None
+        plan = None if graph else self.backends.prepare(meta)
+        return Prepared(step, meta, graph, staged, plan, over_cap)
+
+    def launch(self, prep: Prepared, ids: "list[int] | torch.Tensor") -> tuple[torch.Tensor, int]:
+        """The device half of ``run``: the forward pass of a prepared step over ``ids`` (a list, or an int64
+        tensor on the device: an early launch's sampled tokens; not under tensor parallelism)."""
+        step, meta = prep.step, prep.meta
+        self.graph_stats["cascade_over_cap"] += prep.over_cap
+        if self.tp is not None and self.tp.leader:
+            self.tp.publish(("step", {**step.wire(), "ids": ids,
+                                      "fixed": Fixed(meta.shared_prefix_len, prep.graph)}))
+        if not isinstance(ids, torch.Tensor):
+            ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        rows = None if step.rows is None else torch.tensor(step.rows, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            if prep.graph:
+                hidden = self.graphs.launch(prep.staged, ids)  # decode: row i is request i
+                logits = self.model.compute_logits(hidden[rows])
+                self.graph_stats["cascade_replayed" if meta.shared_prefix_len else "replayed"] += 1
+            else:
+                hidden = self.forward(ids, meta, prep.plan)
+                logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
+                if rows is not None:
+                    self.graph_stats["eager"] += 1
+                    self.graph_stats["cascade"] += bool(meta.shared_prefix_len)
+        return logits, meta.shared_prefix_len
+
+    def forward(self, ids: torch.Tensor, meta: BatchMetadata, plan) -> torch.Tensor:
+        b = self.backends
+        return self.model(ids, meta.positions, ForwardContext(meta, self.pool, b.prefill_backend, b.decode_backend, plan=plan))
+
+    def to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying ``tokens`` [rows] int64 to a pinned host buffer: (the host view, the event that
+        marks the copy done; None off CUDA, where the copy is done on return). One buffer serves every
+        step: it is read before the next step's copy is queued."""
+        if tokens.device.type != "cuda":
+            return tokens.cpu(), None
+        n = tokens.shape[0]
+        if self._host_tokens is None or self._host_tokens.shape[0] < n:
+            self._host_tokens = torch.empty(max(n, self.max_rows), dtype=torch.int64, pin_memory=True)
+        host = self._host_tokens[:n]
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
