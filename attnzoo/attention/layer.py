@@ -60,6 +60,7 @@ class Attention(nn.Module):
         kv_shared_from: int | None = None,  # read this earlier layer's KV cache; store nothing
         kind: str = "mha",  # "mha" (MHA/GQA/MQA) or "mla" (absorbed latent attention)
         index_head_dim: int = 0,  # NSA indexer key width kept beside the MLA cache
+        sinks: bool = False,  # a learned logit per query head in every softmax denominator (gpt-oss)
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -77,6 +78,8 @@ class Attention(nn.Module):
         self.kv_shared_from = kv_shared_from
         self.kind = kind
         self.index_head_dim = index_head_dim
+        # This layer's query heads' sink logits (checkpoint ``self_attn.sinks``); backends read it here.
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(

@@ -80,6 +80,7 @@ class AttentionLayer(Protocol):
     logit_softcap: float | None
     kind: str  # "mha" or "mla"
     index_head_dim: int  # NSA: its indexer key width; 0 otherwise
+    sinks: torch.Tensor | None  # [num_heads] attention-sink logits, or None
 
 
 class AttentionBackend(ABC):
