@@ -13,6 +13,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV32ForCausalLM": ("attnzoo.models.deepseek_v32:DeepseekV32ForCausalLM", "deepseek_v32"),
     "Gemma4ForCausalLM": ("attnzoo.models.gemma4:Gemma4ForCausalLM", "gemma4_text"),
     "Gemma4ForConditionalGeneration": ("attnzoo.models.gemma4:Gemma4ForCausalLM", "gemma4"),
+    "GptOssForCausalLM": ("attnzoo.models.gpt_oss:GptOssForCausalLM", "gpt_oss"),
 }
 _ARCH_OF_MODEL_TYPE = {model_type: arch for arch, (_, model_type) in _MODELS.items()}
 
