@@ -5,6 +5,8 @@ import torch
 from transformers import GptOssConfig, GptOssForCausalLM
 
 import attnzoo
+import test_cascade_triton as cas
+import test_triton_kernels as tk
 from helpers import assert_matches_hf, random_prompts, save_checkpoint
 
 VOCAB = 160
@@ -46,4 +48,88 @@ def test_matches_transformers(tiny_dir):
     d, hf = tiny_dir
     llm = attnzoo.load_model(d, page_size=4)
     assert llm.decision.prefill_backend == "torch"
-    assert_matches_hf(llm, hf, random_prompts(VOCAB, [5, 21]), steps=16)
+    assert_matches_hf(llm, hf, random_prompts(VOCAB, [5, 21]), steps=10)
+
+
+# ---------------------------------------------------------------- sinks and windows through the Triton kernels
+# (the interpreter on CPU: tiny shapes; tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported)
+
+# name -> (seq_lens, heads, kv_heads, page_size, window, splits, dtype)
+SINK_DECODE = {
+    "direct-window": ([3, 20], 4, 2, 4, 8, 1, torch.float32),
+    "split3-window": ([30, 9], 4, 2, 4, 8, 3, torch.float32),
+    "split2-full-bf16": ([25, 40], 4, 2, 16, None, 2, torch.bfloat16),
+}
+# name -> (prefix_lens, q_lens, heads, kv_heads, page_size, window, dtype)
+SINK_EXTEND = {
+    "prefix-window": ([5, 0], [12, 3], 4, 2, 4, 8, torch.float32),
+    "full-bf16": ([9], [10], 4, 2, 16, None, torch.bfloat16),
+}
+D = 64
+
+
+def _sinks(heads, gen):
+    return (torch.randn(heads, generator=gen) * 3.0).to(tk.DEVICE)  # large: the sink often dominates
+
+
+@pytest.mark.parametrize("case", SINK_DECODE)
+def test_triton_decode_sinks_match_reference(case):
+    from attnzoo.attention.kernels.decode import decode_attention
+    from attnzoo.attention.reference import attention_reference
+
+    seq_lens, heads, kv_heads, ps, window, splits, dtype = SINK_DECODE[case]
+    gen = torch.Generator().manual_seed(1)
+    kv = tk.PagedKV(seq_lens, kv_heads=kv_heads, head_dim=D, v_dim=D, page_size=ps, dtype=dtype, gen=gen)
+    q = torch.randn(len(seq_lens), heads, D, generator=gen).to(dtype)
+    sinks = _sinks(heads, gen)
+    out = decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens_t, scale=D**-0.5,
+                           sliding_window=window, num_kv_splits=splits, sinks=sinks)
+    for i, s in enumerate(seq_lens):
+        ref = attention_reference(q[i : i + 1], kv.k[i], kv.v[i], torch.tensor([s - 1]), scale=D**-0.5,
+                                  sliding_window=window, sinks=sinks)
+        plain = attention_reference(q[i : i + 1], kv.k[i], kv.v[i], torch.tensor([s - 1]), scale=D**-0.5,
+                                    sliding_window=window)
+        assert tk.rel_err(out[i : i + 1], ref) <= tk.TOL[dtype]
+        assert tk.rel_err(plain, ref) > 10 * tk.TOL[dtype]  # the sinks matter here
+
+
+@pytest.mark.parametrize("case", SINK_EXTEND)
+def test_triton_extend_sinks_match_reference(case):
+    from attnzoo.attention.kernels.extend import extend_attention
+    from attnzoo.attention.reference import attention_reference
+
+    prefix_lens, q_lens, heads, kv_heads, ps, window, dtype = SINK_EXTEND[case]
+    gen = torch.Generator().manual_seed(2)
+    seq_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
+    kv = tk.PagedKV(seq_lens, kv_heads=kv_heads, head_dim=D, v_dim=D, page_size=ps, dtype=dtype, gen=gen)
+    q = torch.randn(sum(q_lens), heads, D, generator=gen).to(dtype)
+    sinks = _sinks(heads, gen)
+    indptr = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    out = extend_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, indptr,
+                           torch.tensor(prefix_lens, dtype=torch.int32), max_q_len=max(q_lens), scale=D**-0.5,
+                           sliding_window=window, sinks=sinks)
+    start = 0
+    for i, (p, n) in enumerate(zip(prefix_lens, q_lens)):
+        rows = slice(start, start + n)
+        ref = attention_reference(q[rows], kv.k[i], kv.v[i], torch.arange(p, p + n), scale=D**-0.5,
+                                  sliding_window=window, sinks=sinks)
+        assert tk.rel_err(out[rows], ref) <= tk.TOL[dtype]
+        start += n
+
+
+def test_triton_cascade_decode_sinks_match_reference():
+    from attnzoo.attention.kernels.decode import cascade_decode_attention
+    from attnzoo.attention.reference import attention_reference
+
+    gen = torch.Generator().manual_seed(3)
+    shared, suffix, heads = 16, [1, 7], 4
+    kv = cas.SharedPagedKV(shared, suffix, kv_heads=2, head_dim=D, v_dim=D, page_size=4, dtype=torch.float32,
+                           mla=False, gen=gen)
+    q = torch.randn(len(suffix), heads, D, generator=gen)
+    sinks = _sinks(heads, gen)
+    out = cascade_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, shared_len=shared,
+                                   scale=D**-0.5, num_kv_splits=1, num_shared_splits=2, sinks=sinks)
+    for i in range(len(suffix)):
+        s = shared + suffix[i]
+        ref = attention_reference(q[i : i + 1], kv.k[i], kv.v[i], torch.tensor([s - 1]), scale=D**-0.5, sinks=sinks)
+        assert cas.rel_err(out[i : i + 1], ref) <= 1e-5
