@@ -38,6 +38,8 @@ EXPECTED = {
     "gemma4": {**_MHA, "cpu": ("torch", "torch", 16)},
     "deepseek_mla": {**_MLA, "cpu": ("torch", "torch", 16)},
     "deepseek_nsa": {g: ("torch", "torch", 64) if g == "cpu" else ("nsa_triton", "nsa_triton", 64) for g in GPUS},
+    # sinks: triton on Hopper (no FA3 with sinks here), trtllm-gen on Blackwell
+    "gpt_oss": {**_MHA, "sm90": ("triton", "triton", 16), "cpu": ("torch", "torch", 16)},
 }
 ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -46,6 +48,7 @@ ARCHS = {
     "DeepseekV2ForCausalLM": "deepseek_mla",
     "DeepseekV3ForCausalLM": "deepseek_mla",
     "DeepseekV32ForCausalLM": "deepseek_nsa",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 

@@ -81,9 +81,6 @@ class Kernel:
     # prefill off Blackwell runs FlashInfer's, which takes none).
     sinks: bool | None = None
 
-    def takes_sinks(self, backend_sinks: bool) -> bool:
-        return backend_sinks if self.sinks is None else self.sinks
-
     def env_ok(self) -> bool:
         return self.requires_env is None or os.environ.get(self.requires_env[0]) == self.requires_env[1]
 
@@ -277,7 +274,8 @@ class BackendCapabilities:
         heads_bad = [k for k in fitting if k.num_heads and num_heads is not None and num_heads not in k.num_heads]
         fitting = [k for k in fitting if k not in heads_bad]
         uses_sinks = shape is not None and shape.uses_sinks
-        no_sinks = [k for k in fitting if uses_sinks and not k.takes_sinks(self.attention_sinks)]
+        # A backend without sinks fails as a whole (check); one with them, where the kernel here takes none.
+        no_sinks = [k for k in fitting if uses_sinks and self.attention_sinks and k.sinks is False]
         fitting = [k for k in fitting if k not in no_sinks]
         fp8_refused = []
         if kv_cache_dtype != "auto":
@@ -288,7 +286,7 @@ class BackendCapabilities:
         too_grouped = [k for k in fitting if k.max_group_above and group is not None
                        and max(head_dims) > k.max_group_above[0] and group > k.max_group_above[1]]
         fitting = [k for k in fitting if k not in too_grouped]
-        if not fitting and no_sinks and self.attention_sinks:
+        if not fitting and no_sinks:
             bad.append(f"{no_sinks[0].name} on {gpu} does not take attention sinks, which this model uses")
         elif not fitting and heads_bad:
             k = heads_bad[0]
