@@ -15,7 +15,7 @@ WINDOW = 8  # smaller than the prompts: the sliding layers' windows matter
 
 def tiny_gpt_oss(*, layers=2, heads=4, kv_heads=2, experts=4, top_k=2):
     cfg = GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=layers, head_dim=16,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=layers, head_dim=16,
         num_attention_heads=heads, num_key_value_heads=kv_heads, num_local_experts=experts,
         num_experts_per_tok=top_k, sliding_window=WINDOW, max_position_embeddings=2048,
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
@@ -133,3 +133,65 @@ def test_triton_cascade_decode_sinks_match_reference():
         s = shared + suffix[i]
         ref = attention_reference(q[i : i + 1], kv.k[i], kv.v[i], torch.tensor([s - 1]), scale=D**-0.5, sinks=sinks)
         assert cas.rel_err(out[i : i + 1], ref) <= 1e-5
+
+
+# ---------------------------------------------------------------- MXFP4 expert weights
+
+
+def test_mxfp4_dequantize_matches_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from attnzoo.models.mxfp4 import dequantize_mxfp4
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), generator=gen, dtype=torch.uint8)  # [E, N, K/32, 16]
+    scales = torch.randint(118, 134, (3, 10, 4), generator=gen, dtype=torch.uint8)
+    ours = dequantize_mxfp4(blocks, scales, torch.float32)  # [E, N, K]
+    ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, K, N]
+    assert ours.shape == (3, 10, 128)
+    assert torch.equal(ours, ref.transpose(1, 2))
+
+
+def _mxfp4_pack(w: torch.Tensor):
+    """[E, N, K] float -> (blocks, scales): the nearest FP4 codes under a per-32 power-of-two scale."""
+    from attnzoo.models.mxfp4 import FP4_VALUES
+
+    e, n, k = w.shape
+    g = w.reshape(e, n, k // 32, 32)
+    exp = torch.floor(torch.log2(g.abs().amax(-1).clamp_min(2.0**-20) / 6.0)).clamp(-127, 127) + 1
+    q = g / torch.exp2(exp)[..., None]
+    codes = (q[..., None] - torch.tensor(FP4_VALUES[:8])).abs().argmin(-1) + 8 * (q < 0)
+    codes = codes.view(e, n, k // 32, 16, 2).to(torch.uint8)
+    return codes[..., 0] | (codes[..., 1] << 4), (exp + 127).to(torch.uint8)
+
+
+def test_mxfp4_checkpoint_loads_as_its_dequantized_bf16_twin(tmp_path, tiny_dir):
+    """An MXFP4 checkpoint (experts as *_blocks / *_scales) gives the logits of the model whose experts are
+    those MXFP4 values in float: the plan pairs the parts, dequantizes and transposes them to the layout."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from attnzoo.models.mxfp4 import dequantize_mxfp4
+
+    d, hf = tiny_dir
+    src = load_file(next(d.glob("*.safetensors")))
+    quant, twin = dict(src), dict(src)
+    for name, t in src.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = _mxfp4_pack(t.transpose(1, 2).float())  # checkpoint [E, K, N] -> W [E, N, K]
+            del quant[name]
+            quant[name + "_blocks"], quant[name + "_scales"] = blocks, scales
+            twin[name] = dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2).contiguous()
+    cfg = json.loads((d / "config.json").read_text())
+    for out, tensors, qc in ((tmp_path / "q", quant, {"quant_method": "mxfp4"}), (tmp_path / "t", twin, None)):
+        out.mkdir()
+        save_file(tensors, out / "model.safetensors")
+        (out / "config.json").write_text(json.dumps({**cfg, **({"quantization_config": qc} if qc else {})}))
+        for f in d.glob("tokenizer*"):
+            (out / f.name).write_bytes(f.read_bytes())
+    q_llm, t_llm = attnzoo.load_model(tmp_path / "q", page_size=4), attnzoo.load_model(tmp_path / "t", page_size=4)
+    assert "mxfp4" in q_llm.info()["weights"]["format"]
+    prompt = random_prompts(VOCAB, [9])[0]
+    assert torch.equal(q_llm.logits(prompt), t_llm.logits(prompt))
+    assert (q_llm.logits(prompt) - attnzoo.load_model(d, page_size=4).logits(prompt)).abs().max() > 1e-3
