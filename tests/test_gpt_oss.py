@@ -195,3 +195,48 @@ def test_mxfp4_checkpoint_loads_as_its_dequantized_bf16_twin(tmp_path, tiny_dir)
     prompt = random_prompts(VOCAB, [9])[0]
     assert torch.equal(q_llm.logits(prompt), t_llm.logits(prompt))
     assert (q_llm.logits(prompt) - attnzoo.load_model(d, page_size=4).logits(prompt)).abs().max() > 1e-3
+
+
+# ---------------------------------------------------------------- tensor parallel, backend choice
+
+
+def test_tp2_equals_tp1(tiny_dir):
+    """TP 2 on CPU (gloo; this process is rank 0 and spawns rank 1): heads, KV heads and sinks split by
+    head, experts two per rank (expert parallel), against TP 1."""
+    d, _ = tiny_dir
+    opts = dict(device="cpu", backend="torch", page_size=4, kv_cache_tokens=256)
+    prompts = random_prompts(VOCAB, [5, 13], seed=3)
+
+    def run(llm):
+        outs = llm.generate(prompts, max_new_tokens=6, ignore_eos=True, return_logits=True)
+        return [o.token_ids for o in outs], [o.logits for o in outs]
+
+    ref_tokens, ref_logits = run(attnzoo.load_model(d, **opts))
+    llm = attnzoo.load_model(d, tensor_parallel_size=2, **opts)
+    try:
+        assert llm.info()["decision"]["profile"]["num_heads"] == 2
+        tokens, logits = run(llm)
+    finally:
+        llm.close()
+    assert tokens == ref_tokens
+    for a, b in zip(ref_logits, logits):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
+
+
+def test_explicit_backend_without_sinks_is_refused(tiny_dir):
+    from attnzoo.errors import BackendError
+
+    d, _ = tiny_dir
+    with pytest.raises(BackendError, match=r"does not support attention sinks.*backends that do: torch, triton"):
+        attnzoo.load_model(d, backend="flashinfer")
+
+
+def test_triton_backend_greedy_equals_torch(tiny_dir):
+    """The whole model on the Triton backend (interpreter): sinks and windows in extend and decode."""
+    d, _ = tiny_dir
+    prompts = random_prompts(VOCAB, [13], seed=5)
+    ref = attnzoo.load_model(d, page_size=4).generate(prompts, max_new_tokens=4, ignore_eos=True, return_logits=True)
+    got = attnzoo.load_model(d, page_size=4, backend="triton").generate(prompts, max_new_tokens=4, ignore_eos=True,
+                                                                       return_logits=True)
+    assert got[0].token_ids == ref[0].token_ids
+    torch.testing.assert_close(got[0].logits, ref[0].logits, rtol=0, atol=1e-4)
