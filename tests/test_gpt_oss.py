@@ -240,3 +240,41 @@ def test_triton_backend_greedy_equals_torch(tiny_dir):
                                                                        return_logits=True)
     assert got[0].token_ids == ref[0].token_ids
     torch.testing.assert_close(got[0].logits, ref[0].logits, rtol=0, atol=1e-4)
+
+
+# ---------------------------------------------------------------- the fused MoE with biases and the clamped SwiGLU
+
+
+def test_moe_biases_and_clamped_swiglu_match_transformers_and_fused():
+    """transformers' GptOssExperts is the oracle of the reference path; the Triton path (interpreter on
+    CPU) matches the reference, whole and as two expert-parallel shares. Large weights: the clamps bite."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    import test_moe as tm
+    from attnzoo.layers.moe import FusedMoE, MoEConfig, fused_moe, moe_reference
+
+    t, k, e, h, i = 9, 2, 4, 32, 16
+    cfg = GptOssConfig(num_local_experts=e, hidden_size=h, intermediate_size=i)
+    g = torch.Generator().manual_seed(0)
+    hf = GptOssExperts(cfg)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    ours = FusedMoE(e, h, i, "swiglu_clamped", bias=True, stacked_layout="interleaved_t")
+    for name, p in hf.named_parameters():
+        ours.load_checkpoint_tensor(name, p.detach())
+    x = torch.randn(t, h, generator=g)
+    weights, ids = tm.routing(t, k, e, seed=1, device="cpu")
+    ref = hf(x, ids, weights)
+    got = ours(x, weights, ids)
+    assert ((x @ hf.gate_up_proj[0].detach()).abs() > 7).any()  # the clamps bite
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+    kw = dict(act="swiglu_clamped", w13_bias=ours.w13_bias.detach(), w2_bias=ours.w2_bias.detach())
+    w13, w2 = ours.w13.detach(), ours.w2.detach()
+    ref = moe_reference(x, w13, w2, weights, ids, **kw)
+    fused = fused_moe(x, w13, w2, weights, ids, config=MoEConfig(16, 16, 16), **kw)
+    assert tm.rel_err(fused, ref) < 1e-5
+    halves = sum(fused_moe(x, w13[s], w2[s], weights, ids, expert_start=s.start, holds_all_experts=False,
+                           config=MoEConfig(16, 16, 16), act="swiglu_clamped", w13_bias=kw["w13_bias"][s],
+                           w2_bias=kw["w2_bias"][s]) for s in (slice(0, 2), slice(2, 4)))
+    assert tm.rel_err(halves, ref) < 1e-5
