@@ -278,3 +278,19 @@ def test_moe_biases_and_clamped_swiglu_match_transformers_and_fused():
                            config=MoEConfig(16, 16, 16), act="swiglu_clamped", w13_bias=kw["w13_bias"][s],
                            w2_bias=kw["w2_bias"][s]) for s in (slice(0, 2), slice(2, 4)))
     assert tm.rel_err(halves, ref) < 1e-5
+
+
+def test_benchmark_shape_is_gpt_oss_20b():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    e2e = pytest.importorskip("e2e")
+    from attnzoo.defaults.profile import profile_from_config
+
+    config, _ = e2e.make_config("gpt-oss-20b", None)
+    assert config.architectures == ["GptOssForCausalLM"] and config.num_hidden_layers == 24
+    assert (config.num_local_experts, config.num_experts_per_tok, config.sliding_window) == (32, 4, 128)
+    assert config.layer_types[:2] == ["sliding_attention", "full_attention"]
+    prof = profile_from_config(config)
+    assert prof.uses_sinks and prof.uses_sliding_window and prof.num_heads == 64 and prof.num_kv_heads == {8}
