@@ -294,3 +294,82 @@ def test_benchmark_shape_is_gpt_oss_20b():
     assert config.layer_types[:2] == ["sliding_attention", "full_attention"]
     prof = profile_from_config(config)
     assert prof.uses_sinks and prof.uses_sliding_window and prof.num_heads == 64 and prof.num_kv_heads == {8}
+
+
+# ---------------------------------------------------------------- GPU: every backend that declares sinks
+
+
+def _sinks_params():
+    from attnzoo.attention.backends.capabilities import sinks_backends
+
+    for name in sinks_backends():
+        if name != "torch":
+            for mode in ("decode", "extend"):
+                for window in (None, 48):
+                    yield pytest.param(name, mode, window, id=f"{name}-{mode}-{'window' if window else 'full'}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name,mode,window", list(_sinks_params()))
+def test_gpu_sinks_backends_match_torch(name, mode, window):
+    """gpt-oss-like layers (64 heads of 64 over 8 KV heads, sinks, a window or none) on each backend whose
+    declared kernel for this phase on this GPU takes sinks, against the torch backend on the same pages."""
+    from attnzoo.attention.backends import capabilities_of, get_backend_class
+    from attnzoo.attention.backends.capabilities import Shape, gpu_of
+    from attnzoo.attention.backends.torch_ref import TorchBackend
+    from attnzoo.attention.kv_cache import KVPool
+    from attnzoo.attention.layer import Attention
+    from attnzoo.attention.metadata import ForwardMode, build_metadata
+
+    if capabilities_of(name).module:
+        pytest.importorskip(capabilities_of(name).module)
+    dev, dt, ps = torch.device("cuda"), torch.bfloat16, 16
+    layer = Attention(0, 64, 8, 64, sliding_window=window, sinks=True).to(dev)
+    phase = "decode" if mode == "decode" else "prefill"
+    chk = capabilities_of(name).check(phase, Shape.of_layer(layer), gpu=gpu_of(torch.cuda.get_device_capability()))
+    if not chk.ok:
+        pytest.skip(f"{name} {phase} here: {'; '.join(chk.violations)}")
+    with torch.no_grad():
+        layer.sinks.copy_(torch.randn(64, device=dev) * 2)
+    prefix, q_lens = ([0, 16, 130, 299], [1] * 4) if mode == "decode" else ([0, 19, 64], [37, 5, 90])
+    seq = [p + q for p, q in zip(prefix, q_lens)]
+    need = [-(-s // ps) for s in seq]
+    pool = KVPool([layer.kv_cache_spec()], num_pages=sum(need) + 3, page_size=ps, dtype=dt, device=dev)
+    pool.buffer.view(dt).normal_()
+    order = (torch.randperm(sum(need) + 2) + 1).tolist()
+    tables = [order[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(need))]
+    meta = build_metadata(prefix_lens=prefix, q_lens=q_lens, block_tables=tables, page_size=ps, device=dev,
+                          mode=ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND)
+    q = torch.randn(sum(q_lens), 64, 64, device=dev, dtype=dt)
+
+    def run(backend):
+        plan = backend.prepare(meta)
+        return (backend.decode if mode == "decode" else backend.extend)(layer, q, meta, plan).float()
+
+    ref = run(TorchBackend(pool))
+    out = run(get_backend_class(name)(pool))
+    assert not out.isnan().any()
+    assert ((out - ref).norm() / ref.norm()).item() <= 1e-2
+    plain = layer.sinks
+    layer.sinks = None  # without the sinks the answer moves: they were tested
+    try:
+        assert ((run(TorchBackend(pool)) - ref).norm() / ref.norm()).item() > 5e-2
+    finally:
+        layer.sinks = plain
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_policy_backends_decode_as_torch(tiny_dir):
+    """The tiny model on the GPU in float32 with the policy's backends (and triton) decodes as torch does."""
+    from helpers import assert_greedy_close
+
+    d, _ = tiny_dir
+    prompts = random_prompts(VOCAB, [5, 21, 40], seed=7)
+    ref = attnzoo.load_model(d, device="cuda", dtype="float32", backend="torch").generate(
+        prompts, max_new_tokens=12, ignore_eos=True, return_logits=True)
+    for backend in (None, "triton"):
+        llm = attnzoo.load_model(d, device="cuda", dtype="float32", backend=backend)
+        out = llm.generate(prompts, max_new_tokens=12, ignore_eos=True, return_logits=True)
+        assert_greedy_close(out, ref, 1e-3, label=f"backend {backend or llm.decision.decode_backend}")
