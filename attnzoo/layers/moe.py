@@ -8,7 +8,10 @@ rank's share; ``holds(e)`` is the one answer to which rank owns an expert) as tw
 ``w13`` [E_local, 2I, H] (gate rows then up rows) and ``w2`` [E_local, H, I], and takes the routing the
 model computed: ``topk_ids`` [T, k] (global expert ids) and ``topk_weights`` [T, k] float32. Each
 token's output is sum_j w_j * down(act(gate(x)) * up(x)) over its chosen experts held here; experts
-held elsewhere contribute zero (the expert-parallel caller all-reduces).
+held elsewhere contribute zero (the expert-parallel caller all-reduces). gpt-oss adds per-expert
+biases (``bias=True``: ``w13_bias`` [E_local, 2I], ``w2_bias`` [E_local, H], the down one before the
+routing weight, in the GEMMs' epilogues on the fused path) and its clamped SwiGLU (``act="swiglu_clamped"``);
+its checkpoint stacks gate and up interleaved and transposed (``stacked_layout="interleaved_t"``).
 
 On CUDA it runs ``fused_moe``, in the style of vLLM's / SGLang's fused_moe:
   1. ``moe_align_block_size`` sorts the T*k (token, slot) assignments by expert and pads each expert's
@@ -440,7 +443,8 @@ def _act_and_mul(gate_up: torch.Tensor, act: str, quant: bool, dtype, ue8m0: boo
     s = torch.empty(m, _cdiv(inter, QUANT_GROUP), dtype=torch.float32, device=gate_up.device) if quant else y
     _kernels().act_kernel[(m, _cdiv(inter, block * groups))](
         gate_up, y.view(torch.uint8) if quant else y, s, inter, gate_up.stride(0), y.stride(0), s.stride(0),
-        ACT=ACTIVATIONS.index(act) + 1, ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT, QUANT=quant, UE8M0=ue8m0, MIN_AMAX=MIN_AMAX, BLOCK=block, GROUPS=groups,
+        ACT=ACTIVATIONS.index(act) + 1, ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT, QUANT=quant, UE8M0=ue8m0,
+        MIN_AMAX=MIN_AMAX, BLOCK=block, GROUPS=groups,
     )
     return y, (s if quant else None)
 

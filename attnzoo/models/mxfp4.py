@@ -24,6 +24,7 @@ from attnzoo.models.quantization import WeightPlan, _name
 # e2m1 code -> value; bit 3 is the sign
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _PARTS = ("_blocks", "_scales")
+_CHUNK = 1 << 24  # values dequantized at a time
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -33,18 +34,24 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
         raise WeightError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair",
                           fix="blocks must be [..., G, 16] bytes with scales [..., G], one per 32 values")
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    b = blocks.to(torch.uint8)
-    codes = torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2).long()  # [..., G, 32], low nibble first
-    exp = scales.to(torch.int32) - 127
-    out = torch.ldexp(lut[codes], exp[..., None].float())
-    return out.flatten(-2).to(dtype)
+    out = torch.empty(*blocks.shape[:-2], blocks.shape[-2] * 32, dtype=dtype, device=blocks.device)
+    flat_b, flat_s, flat_o = blocks.reshape(-1, *blocks.shape[-2:]), scales.reshape(-1, scales.shape[-1]), out.view(
+        -1, out.shape[-1])
+    rows = max(1, _CHUNK // (blocks.shape[-2] * 32))  # bounds the int64 code indices' memory
+    for r in range(0, flat_b.shape[0], rows):
+        b = flat_b[r : r + rows].to(torch.uint8)
+        codes = torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2).long()  # [rows, G, 32], low nibble first
+        exp = flat_s[r : r + rows].to(torch.int32) - 127
+        flat_o[r : r + rows] = torch.ldexp(lut[codes], exp[..., None].float()).flatten(-2).to(dtype)
+    return out
 
 
 class Mxfp4Plan(WeightPlan):
     """Weights stored as MXFP4 blocks dequantized to the model dtype as they stream in; others as stored."""
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, device: torch.device | None = None):
         super().__init__(dtype)
+        self.device = device  # where the blocks are dequantized (a GPU does it far faster than the host)
         self.count = 0
 
     def tensors(self, model, stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -59,7 +66,8 @@ class Mxfp4Plan(WeightPlan):
             got[part] = t
             if len(got) == 2:
                 del pending[base]
-                w = dequantize_mxfp4(_read(got["_blocks"]), _read(got["_scales"]), self.dtype)
+                blocks, scales = (_read(got[p]).to(self.device or "cpu") for p in _PARTS)
+                w = dequantize_mxfp4(blocks, scales, self.dtype)
                 self.count += 1
                 yield base, w.transpose(-1, -2)  # the bf16 checkpoint's [E, K, N] layout, as a view
         if pending:
@@ -90,8 +98,8 @@ def is_mxfp4(config) -> bool:
     return qc.get("quant_method") == "mxfp4"
 
 
-def plan_mxfp4(dtype: torch.dtype, mode: str) -> Mxfp4Plan:
+def plan_mxfp4(dtype: torch.dtype, mode: str, device: torch.device | None = None) -> Mxfp4Plan:
     if mode == "fp8":
         raise ModelLoadError("fp8_weights='fp8' was asked for, but the checkpoint is MXFP4",
                              fix="leave fp8_weights at 'auto' (MXFP4 experts are dequantized at load)")
-    return Mxfp4Plan(dtype)
+    return Mxfp4Plan(dtype, device)

@@ -360,7 +360,7 @@ def plan_weights(config, cls, *, device: torch.device, dtype: torch.dtype, mode:
     from attnzoo.models import mxfp4  # imports this module
 
     if mxfp4.is_mxfp4(config):
-        return mxfp4.plan_mxfp4(dtype, mode)
+        return mxfp4.plan_mxfp4(dtype, mode, device)
     fmt = Fp8Format.from_config(config)
     if fmt is None:
         if mode == "fp8":
