@@ -42,17 +42,20 @@ class LayerShape:
     logit_softcap: float | None
     scale: float
     kind: str
+    sinks: bool = False  # attention sinks (timed with random sink logits)
 
     def describe(self) -> str:
         window = f", window {self.sliding_window}" if self.sliding_window else ""
-        return f"{self.kind} {self.num_heads}/{self.num_kv_heads} heads, q/k {self.head_dim} v {self.v_head_dim}{window}"
+        sinks = ", sinks" if self.sinks else ""
+        return (f"{self.kind} {self.num_heads}/{self.num_kv_heads} heads, q/k {self.head_dim} v {self.v_head_dim}"
+                f"{window}{sinks}")
 
     def layer(self):
         from attnzoo.attention.layer import Attention
 
         return Attention(0, self.num_heads, self.num_kv_heads, self.head_dim, v_head_dim=self.v_head_dim,
                          scale=self.scale, sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
-                         kind=self.kind)
+                         kind=self.kind, sinks=self.sinks)
 
 
 def layer_shapes(config) -> dict[LayerShape, int]:
@@ -67,7 +70,7 @@ def layer_shapes(config) -> dict[LayerShape, int]:
             raise PolicyError(f"{arch} has sparse (NSA) attention layers, which `attnzoo tune` does not time yet",
                               fix="time NSA backends with benchmarks/ scripts, and write the policy file by hand")
         shape = LayerShape(m.num_heads, m.num_kv_heads, m.head_dim, m.v_head_dim, m.sliding_window or None,
-                           m.logit_softcap or None, float(m.scale), m.kind)
+                           m.logit_softcap or None, float(m.scale), m.kind, m.sinks is not None)
         counts[shape] = counts.get(shape, 0) + 1
     return counts
 
@@ -80,7 +83,10 @@ class _Case:
         from attnzoo.attention.metadata import ForwardMode, build_metadata
 
         gen = torch.Generator().manual_seed(seed)
-        self.layer, self.phase = shape.layer(), phase
+        self.layer, self.phase = shape.layer().to(device), phase
+        if self.layer.sinks is not None:
+            with torch.no_grad():
+                self.layer.sinks.copy_(torch.randn(shape.num_heads, generator=gen))
         pages = -(-ctx // page_size)
         self.pool = KVPool([self.layer.kv_cache_spec()], num_pages=batch * pages + 1, page_size=page_size,
                            dtype=dtype, device=device)

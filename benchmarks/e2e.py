@@ -82,6 +82,16 @@ GLM5 = dict(
     first_k_dense_replace=3, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
     max_position_embeddings=202752, rms_norm_eps=1e-5, index_topk=2048, index_head_dim=128, index_n_heads=32,
 )
+# openai/gpt-oss-20b: 24 layers alternating sliding (128) and full, attention sinks, 32 experts top-4 with biases
+# and the clamped SwiGLU, YaRN. Random weights in the model dtype: the checkpoint's MXFP4 experts are
+# dequantized at load anyway (models/mxfp4.py), so bf16 experts are what attnzoo runs for the real model too.
+GPT_OSS_20B = dict(
+    vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, head_dim=64,
+    num_attention_heads=64, num_key_value_heads=8, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False,
+    swiglu_limit=7.0, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                       "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+)
 DEEPSEEK_SHAPES = {  # shape -> (fields, transformers config class name, architecture)
     "dsv2lite": (DSV2_LITE, "DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "dsv3": (DSV3, "DeepseekV3Config", "DeepseekV3ForCausalLM"),
@@ -104,6 +114,11 @@ def make_config(shape: str, layers: int | None):
         fields = dict(GEMMA4_31B, num_hidden_layers=n, layer_types=[
             "full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention" for i in range(n)])
         config, arch = transformers.Gemma4TextConfig(**fields), "Gemma4ForCausalLM"
+    elif shape == "gpt-oss-20b":
+        n = layers or GPT_OSS_20B["num_hidden_layers"]
+        fields = dict(GPT_OSS_20B, num_hidden_layers=n,
+                      layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)])
+        config, arch = transformers.GptOssConfig(**fields), "GptOssForCausalLM"
     elif shape in DEEPSEEK_SHAPES:
         base, cls, arch = DEEPSEEK_SHAPES[shape]
         fields = dict(base)
@@ -118,7 +133,7 @@ def make_config(shape: str, layers: int | None):
 
 # The official DeepSeek-V3 checkpoints' quantization_config (float8_e4m3fn weights, a scale per 128x128 block).
 FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-SHAPE_NAMES = ("llama8b", "llama70b", "gemma4-31b", *DEEPSEEK_SHAPES)
+SHAPE_NAMES = ("llama8b", "llama70b", "gemma4-31b", "gpt-oss-20b", *DEEPSEEK_SHAPES)
 
 
 def device_limits() -> dict:

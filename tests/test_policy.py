@@ -38,6 +38,8 @@ EXPECTED = {
     "gemma4": {**_MHA, "cpu": ("torch", "torch", 16)},
     "deepseek_mla": {**_MLA, "cpu": ("torch", "torch", 16)},
     "deepseek_nsa": {g: ("torch", "torch", 64) if g == "cpu" else ("nsa_triton", "nsa_triton", 64) for g in GPUS},
+    # sinks: triton on Hopper (no FA3 with sinks here), trtllm-gen on Blackwell
+    "gpt_oss": {**_MHA, "sm90": ("triton", "triton", 16), "cpu": ("torch", "torch", 16)},
 }
 ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -51,6 +53,7 @@ ARCHS = {
     "Mistral4ForCausalLM": "deepseek_mla",
     "Mistral3ForConditionalGeneration": "deepseek_mla",
     "GlmMoeDsaForCausalLM": "deepseek_nsa",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # Mistral 4's 256-wide latent: trtllm_mla (576 / 512 only) cannot decode it, its Blackwell rows say flashinfer_mla.
 _MISTRAL4 = {**EXPECTED["deepseek_mla"], **dict.fromkeys(("sm100", "sm103"), ("flashinfer_mla", "flashinfer_mla", 64))}

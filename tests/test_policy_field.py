@@ -149,7 +149,7 @@ def test_trtllm_mla_declared_on_sm120_via_xqa_mla(monkeypatch):
     assert resolve(_mla(), gpu="sm120").decode_backend == "triton"  # the row follows the field (unmeasured XQA-MLA)
 
 
-def test_xqa_takes_page_128_and_sinks_stay_undeclared(monkeypatch):
+def test_xqa_takes_page_128_and_sinks_where_its_kernels_do(monkeypatch):
     _modules(monkeypatch, flashinfer=True)
     d = resolve("LlamaForCausalLM", gpu="sm90", overrides=Overrides(backend="trtllm_mha", page_size=128))
     assert d.page_size == 128 and d.kernels["decode"].startswith("XQA")
@@ -157,8 +157,12 @@ def test_xqa_takes_page_128_and_sinks_stay_undeclared(monkeypatch):
         resolve("LlamaForCausalLM", gpu="sm100", overrides=Overrides(backend="trtllm_mha", page_size=128))
     sinks = ModelProfile(architecture="LlamaForCausalLM", family="llama", kind="mha", head_dims=frozenset({128}),
                          v_head_dims=frozenset({128}), uses_sinks=True, num_heads=32, num_kv_heads=frozenset({8}))
-    with pytest.raises(BackendError, match="does not support attention sinks"):
-        resolve(sinks, gpu="sm90", overrides=Overrides(decode_backend="trtllm_mha"))
+    # XQA decode takes sinks; the FlashInfer prefill trtllm_mha runs as on Hopper does not.
+    assert resolve(sinks, gpu="sm90", overrides=Overrides(decode_backend="trtllm_mha")).decode_backend == "trtllm_mha"
+    with pytest.raises(BackendError, match="FlashInfer FA3 prefill on sm90 does not take attention sinks"):
+        resolve(sinks, gpu="sm90", overrides=Overrides(backend="trtllm_mha"))
+    with pytest.raises(BackendError, match=r"does not support attention sinks.*\(backends that do: torch, triton, trtllm_mha\)"):
+        resolve(sinks, gpu="sm90", overrides=Overrides(backend="flashinfer"))
 
 
 # ---------------------------------------------------------- the backends' runtime checks (stubbed)

@@ -63,6 +63,7 @@ class Attention(nn.Module):
         kind: str = "mha",  # "mha" (MHA/GQA/MQA) or "mla" (absorbed latent attention)
         index_head_dim: int = 0,  # NSA indexer key width kept beside the MLA cache
         sparse: bool = False,  # NSA without its own indexer cache (GLM-5's layers that reuse a selection)
+        sinks: bool = False,  # a learned logit per query head in every softmax denominator (gpt-oss)
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -81,6 +82,8 @@ class Attention(nn.Module):
         self.kind = kind
         self.index_head_dim = index_head_dim
         self.sparse = sparse or index_head_dim > 0
+        # This layer's query heads' sink logits (checkpoint ``self_attn.sinks``); backends read it here.
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(

@@ -28,6 +28,7 @@ def attention_reference(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head that joins every softmax denominator
 ) -> torch.Tensor:  # [q_len, num_heads, v_head_dim], float32
     group = q.shape[1] // k.shape[1]
     qf = q.float().transpose(0, 1)  # [H, q, D]
@@ -42,7 +43,17 @@ def attention_reference(
     if sliding_window:
         visible &= kpos.view(1, -1) > qpos - sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ vf).transpose(0, 1)
+    sink = sinks.float().view(-1, 1, 1) if sinks is not None else None  # [H, 1, 1]
+    return (softmax_with_sinks(scores, sink) @ vf).transpose(0, 1)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim; with ``sinks`` (float32, shaped to broadcast against ``scores[..., :1]``)
+    each row's denominator also holds exp(sink): a virtual key whose value is zero (gpt-oss)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 def padded_attention_reference(
@@ -58,6 +69,7 @@ def padded_attention_reference(
     v_scale: float = 1.0,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]: attention sinks (see attention_reference)
 ) -> torch.Tensor:  # [b, q_max, num_heads, v_head_dim], float32
     """``attention_reference`` of b requests in one batch, in the same float32 operations: keys and values
     gathered from their pages and padded to ``kv_len``; keys past a request's context sit after all of
@@ -88,7 +100,9 @@ def padded_attention_reference(
     if sliding_window:
         visible &= kpos > qpos - sliding_window
     scores = scores.view(hkv, b, -1, q_max, kv_len).masked_fill(~visible, float("-inf"))
-    out = torch.softmax(scores, dim=-1).flatten(2, 3) @ v  # [Hkv, b, group * q_max, Dv]
+    # Head i = kv head i // group, group member i % group: the scores' [Hkv, b, group, q_max] rows.
+    sink = sinks.float().view(hkv, 1, h // hkv, 1, 1) if sinks is not None else None
+    out = softmax_with_sinks(scores, sink).flatten(2, 3) @ v  # [Hkv, b, group * q_max, Dv]
     return out.view(hkv, b, -1, q_max, v.shape[-1]).permute(1, 3, 0, 2, 4).reshape(b, q_max, h, -1)
 
 

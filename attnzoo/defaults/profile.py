@@ -64,6 +64,7 @@ class ModelProfile:
                if "tensor_parallel_size" in self.extra else ""),
             f"sliding window {'yes' if self.uses_sliding_window else 'no'}",
             f"attn soft-cap {'yes' if self.uses_softcap else 'no'}",
+            *(["attention sinks"] if self.uses_sinks else []),
             f"dtype {self.dtype or '?'}",
         ]
         return ", ".join(bits) + f" ({self.source})"
@@ -126,6 +127,7 @@ def profile_from_config(hf_config, *, architecture: str | None = None, family: s
         kind="mha" if mla is None else "nsa" if isinstance(mla, NSAAttention) else "mla",
         head_dims=frozenset(a.head_dim for a in layers), v_head_dims=frozenset(a.v_head_dim for a in layers),
         uses_sliding_window=bool(windows), uses_softcap=any(a.logit_softcap for a in layers),
+        uses_sinks=any(a.sinks is not None for a in layers),
         num_heads=max(a.num_heads for a in layers), num_kv_heads=frozenset(a.num_kv_heads for a in layers),
         dtype=dtype, final_logit_softcap=model.softcap, extra=extra,
     )
@@ -156,6 +158,7 @@ def profile_from_table(architecture: str, family: str, fields: dict[str, Any] | 
         v_head_dims=frozenset(fields.get("v_head_dims", fields["head_dims"])),
         uses_sliding_window=bool(fields.get("sliding_window", False)),
         uses_softcap=bool(fields.get("softcap", False)),
+        uses_sinks=bool(fields.get("sinks", False)),
         num_heads=fields.get("num_heads"),
         num_kv_heads=frozenset(fields.get("num_kv_heads", [])),
         dtype=fields.get("dtype"),

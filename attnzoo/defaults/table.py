@@ -50,7 +50,7 @@ FIELD_KEYS = ("sglang", "vllm", "agrees", "read", "note")
 UNMEASURED = "unmeasured"
 PROFILE_KEYS = (
     "kind", "head_dims", "v_head_dims", "num_heads", "num_kv_heads",
-    "sliding_window", "softcap", "dtype", "example",
+    "sliding_window", "softcap", "sinks", "dtype", "example",
 )
 # The automatic policy's own machinery: a user file's choices are explicit and never fall back.
 _SHIPPED_ONLY = ("fallback", "profile")
@@ -346,6 +346,7 @@ class _Parser:
                 "head_dims": _int_list, "v_head_dims": _int_list, "num_kv_heads": _int_list,
                 "num_heads": lambda x: isinstance(x, int) and x > 0,
                 "sliding_window": lambda x: isinstance(x, bool), "softcap": lambda x: isinstance(x, bool),
+                "sinks": lambda x: isinstance(x, bool),
                 "dtype": lambda x: x in ("float32", "bfloat16", "float16"),
                 "example": lambda x: isinstance(x, str),
             }[k](v)

@@ -8,7 +8,10 @@ rank's share; ``holds(e)`` is the one answer to which rank owns an expert) as tw
 ``w13`` [E_local, 2I, H] (gate rows then up rows) and ``w2`` [E_local, H, I], and takes the routing the
 model computed: ``topk_ids`` [T, k] (global expert ids) and ``topk_weights`` [T, k] float32. Each
 token's output is sum_j w_j * down(act(gate(x)) * up(x)) over its chosen experts held here; experts
-held elsewhere contribute zero (the expert-parallel caller all-reduces).
+held elsewhere contribute zero (the expert-parallel caller all-reduces). gpt-oss adds per-expert
+biases (``bias=True``: ``w13_bias`` [E_local, 2I], ``w2_bias`` [E_local, H], the down one before the
+routing weight, in the GEMMs' epilogues on the fused path) and its clamped SwiGLU (``act="swiglu_clamped"``);
+its checkpoint stacks gate and up interleaved and transposed (``stacked_layout="interleaved_t"``).
 
 On CUDA it runs ``fused_moe``, in the style of vLLM's / SGLang's fused_moe:
   1. ``moe_align_block_size`` sorts the T*k (token, slot) assignments by expert and pads each expert's
@@ -58,7 +61,10 @@ from attnzoo.layers.fp8 import CODE_RMS, GROUPS_PER_PROGRAM, MIN_AMAX, act_quant
 
 log = logging.getLogger("attnzoo")
 
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_clamped")
+# gpt-oss's clamped SwiGLU (transformers' GptOssExperts._apply_gate): gate clamped above at LIMIT, up
+# to [-LIMIT, LIMIT], out = (up + 1) * gate * sigmoid(ALPHA * gate).
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 FP8 = torch.float8_e4m3fn
 # Bounds the transient [T*k, 2I] / [T*k, H] buffers of a long prefill; shapes still depend on T only.
 MAX_CHUNK_TOKENS = 4096
@@ -72,8 +78,11 @@ def _cdiv(a: int, b: int) -> int:
 # Reference (CPU oracle)
 
 
-def _act(gate: torch.Tensor, act: str) -> torch.Tensor:
-    return F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+def _act_and_mul_ref(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "swiglu_clamped":
+        gate, up = gate.clamp(max=SWIGLU_LIMIT), up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+        return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
+    return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
 
 
 def scale_rows(n: int, split: int, block_n: int, device=None) -> torch.Tensor:
@@ -99,13 +108,14 @@ def _fake_quant_fp8(x: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
 
 def moe_reference(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_start: int = 0,
                   w13_scale_inv=None, w2_scale_inv=None, block=(128, 128), quantize_activations: bool = False,
-                  ue8m0: bool = False):
+                  ue8m0: bool = False, w13_bias=None, w2_bias=None):
     """The per-expert loop: for each local expert with tokens, its gated MLP on those tokens.
 
     One float32 row per (token, slot), summed over the slots at the end: deterministic (no atomic
     index_add) and accumulated in float32. FP8 weights are dequantized per expert; with
     ``quantize_activations`` (FP8 weights only) the GEMM inputs are rounded as the w8a8 kernel rounds
-    them (``fp8.act_quant_reference``; scales powers of two under ``ue8m0``): the arithmetic of the
+    them. ``w13_bias`` [E, 2I] / ``w2_bias`` [E, H] (gpt-oss) are added to each projection, the down
+    one before the routing weight (``fp8.act_quant_reference``; scales powers of two under ``ue8m0``): the arithmetic of the
     fused path, as ``Fp8Linear``'s CPU emulation is that of its GEMMs.
     One host sync (the per-expert counts): this is the eager/CPU oracle, never captured.
     """
@@ -133,14 +143,14 @@ def moe_reference(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expe
         h = x[rows // k]
         if quantize_activations:
             h = _fake_quant_fp8(h.float(), ue8m0)
-        gate_up = F.linear(h, a)
+        gate_up = F.linear(h, a, None if w13_bias is None else w13_bias[e].to(a.dtype))
         if quantize_activations:
             gate_up = gate_up.to(x.dtype).float()  # the kernel stores it in the model dtype
         gate, up = gate_up.chunk(2, dim=-1)
-        h = _act(gate, act) * up
+        h = _act_and_mul_ref(gate, up, act)
         if quantize_activations:
             h = _fake_quant_fp8(h, ue8m0)
-        out[rows] = F.linear(h, b).float() * flat_w[rows, None]
+        out[rows] = F.linear(h, b, None if w2_bias is None else w2_bias[e].to(b.dtype)).float() * flat_w[rows, None]
     return out.view(t, k, -1).sum(dim=1).to(x.dtype)
 
 
@@ -399,7 +409,7 @@ def align_one_token(topk_ids: torch.Tensor, block_m: int):
 
 
 def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *, num_valid: int, rows_per_a: int,
-                  split_n: int, mul_weight: bool, block=(128, 128)):
+                  split_n: int, mul_weight: bool, block=(128, 128), bias=None):
     """out[row] = a[row // rows_per_a] @ w[expert]^T (times weights[row], float32 [T*k], if mul_weight):
     both projections pass the same argument types, so they share one compiled kernel."""
     sorted_ids, expert_ids, total = align
@@ -409,13 +419,14 @@ def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *
     grid = (num_m_blocks * _cdiv(n_out, cfg.block_n),)
     dummy = out  # never read when the matching flag is off
     _kernels().gemm_kernel[grid](
-        a, w, out, a_scale if fp8 else dummy, w_scale if fp8 else dummy, weights,
+        a, w, out, a_scale if fp8 else dummy, w_scale if fp8 else dummy, weights, dummy if bias is None else bias,
         sorted_ids, expert_ids, total,
         n_out, k_in, num_valid, num_m_blocks, split_n, rows_per_a, int(mul_weight),
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
         w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
-        FP8=fp8, IEEE=a.dtype == torch.float32,
+        0 if bias is None else bias.stride(0),
+        FP8=fp8, IEEE=a.dtype == torch.float32, HAS_BIAS=bias is not None,
         F32_OPERANDS=a.device.type != "cuda",
         GROUP_N=block[0], GROUP_K=block[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -432,20 +443,23 @@ def _act_and_mul(gate_up: torch.Tensor, act: str, quant: bool, dtype, ue8m0: boo
     s = torch.empty(m, _cdiv(inter, QUANT_GROUP), dtype=torch.float32, device=gate_up.device) if quant else y
     _kernels().act_kernel[(m, _cdiv(inter, block * groups))](
         gate_up, y.view(torch.uint8) if quant else y, s, inter, gate_up.stride(0), y.stride(0), s.stride(0),
-        ACT=1 if act == "silu" else 2, QUANT=quant, UE8M0=ue8m0, MIN_AMAX=MIN_AMAX, BLOCK=block, GROUPS=groups,
+        ACT=ACTIVATIONS.index(act) + 1, ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT, QUANT=quant, UE8M0=ue8m0,
+        MIN_AMAX=MIN_AMAX, BLOCK=block, GROUPS=groups,
     )
     return y, (s if quant else None)
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_start: int = 0,
               holds_all_experts: bool = True, w13_scale_inv=None, w2_scale_inv=None, block=(128, 128),
-              ue8m0: bool = False, add: torch.Tensor | None = None, config: MoEConfig | None = None) -> torch.Tensor:
+              ue8m0: bool = False, add: torch.Tensor | None = None, config: MoEConfig | None = None,
+              w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' weighted sum per token through the grouped Triton GEMMs (see the module docstring).
 
     ``holds_all_experts=False`` (an expert-parallel share): rows of assignments to other ranks' experts
     are zeroed, as no GEMM writes them. FP8 weights (float8_e4m3fn with their ``*_scale_inv``) run w8a8,
     activations quantized by ``fp8.act_quant`` (power-of-two scales under ``ue8m0``, the checkpoint's
     ``scale_fmt``). ``add`` [T, H] (the shared experts' output) is added in the final sum's kernel.
+    ``w13_bias`` [E, 2I] / ``w2_bias`` [E, H] (gpt-oss) are added in the GEMMs' epilogues.
     """
     t, k = topk_ids.shape
     if t == 0:
@@ -456,7 +470,7 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
                       topk_ids[i : i + MAX_CHUNK_TOKENS], act=act, expert_start=expert_start,
                       holds_all_experts=holds_all_experts, w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv,
                       block=block, ue8m0=ue8m0, add=None if add is None else add[i : i + MAX_CHUNK_TOKENS],
-                      config=config)
+                      config=config, w13_bias=w13_bias, w2_bias=w2_bias)
             for i in range(0, t, MAX_CHUNK_TOKENS)
         ])
     num_local, inter = w2.shape[0], w2.shape[2]
@@ -475,11 +489,11 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
     gate_up = (torch.empty if holds_all_experts else torch.zeros)(t * k, 2 * inter, dtype=x.dtype, device=x.device)
     flat_weights = topk_weights.reshape(-1).float().contiguous()
     _grouped_gemm(a, a_scale, w13, w13_scale_inv, gate_up, flat_weights, align, cfg, num_valid=t * k, rows_per_a=k,
-                  split_n=inter, mul_weight=False, block=block)
+                  split_n=inter, mul_weight=False, block=block, bias=w13_bias)
     h, h_scale = _act_and_mul(gate_up, act, fp8, x.dtype, ue8m0)
     down = (torch.empty if holds_all_experts else torch.zeros)(t * k, x.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(h, h_scale, w2, w2_scale_inv, down, flat_weights, align, cfg, num_valid=t * k, rows_per_a=1,
-                  split_n=w2.shape[1], mul_weight=True, block=block)
+                  split_n=w2.shape[1], mul_weight=True, block=block, bias=w2_bias)
     out = torch.empty_like(x)
     add = None if add is None else add.contiguous()
     _kernels().sum_kernel[(t, _cdiv(x.shape[1], 1024))](down, out if add is None else add, out, x.shape[1], TOP_K=k,
@@ -508,7 +522,11 @@ def build_experts_as(**kwargs):
 
 # checkpoint projection -> (stacked parameter, which half of w13)
 _PROJECTIONS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
-_STACKED = {"gate_up_proj": "w13", "down_proj": "w2"}  # transformers' stacked expert tensors (Gemma 4)
+# transformers' stacked expert tensors (Gemma 4, gpt-oss) and their biases (gpt-oss)
+_STACKED = {"gate_up_proj": "w13", "down_proj": "w2", "gate_up_proj_bias": "w13_bias", "down_proj_bias": "w2_bias"}
+# How a checkpoint stacks them: "gate_up" [E, 2I, H] gate rows then up rows, down [E, H, I] (Gemma 4);
+# "interleaved_t" [E, H, 2I] with gate and up alternating along 2I, down [E, I, H] (gpt-oss).
+STACKED_LAYOUTS = ("gate_up", "interleaved_t")
 
 
 class FusedMoE(nn.Module):
@@ -522,7 +540,7 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu", *,
                  experts: range | None = None, quant: str | None = None, block=(128, 128), ue8m0: bool = False,
-                 init_std: float = 0.02):
+                 init_std: float = 0.02, bias: bool = False, stacked_layout: str = "gate_up"):
         super().__init__()
         build_as = _BUILD_AS.get()
         if quant is None and build_as is not None:
@@ -536,6 +554,9 @@ class FusedMoE(nn.Module):
             raise ModelLoadError(f"MoE activation {act!r} is not supported", fix=f"use one of {ACTIVATIONS}")
         if quant not in (None, "fp8"):
             raise ModelLoadError(f"MoE weight format {quant!r} is not supported", fix="use quant=None or 'fp8'")
+        if stacked_layout not in STACKED_LAYOUTS:
+            raise ModelLoadError(f"stacked expert layout {stacked_layout!r} is unknown", fix=f"use one of {STACKED_LAYOUTS}")
+        self.stacked_layout = stacked_layout
         self.num_experts, self.hidden, self.intermediate, self.act = num_experts, hidden, intermediate, act
         self.expert_start, self.num_local = experts.start, len(experts)
         self.quant, self.block = quant, tuple(block)
@@ -551,6 +572,9 @@ class FusedMoE(nn.Module):
                 setattr(self, name, nn.Parameter(random_codes_(torch.empty(shape, dtype=FP8)), requires_grad=False))
                 setattr(self, name + "_scale_inv", nn.Parameter(
                     torch.full(self._scale_shape(name), init_std / CODE_RMS, dtype=torch.float32), requires_grad=False))
+        # Per-expert biases (gpt-oss): w13_bias [E_local, 2I] gate then up, w2_bias [E_local, H].
+        self.w13_bias = nn.Parameter(torch.zeros(self.num_local, 2 * intermediate)) if bias else None
+        self.w2_bias = nn.Parameter(torch.zeros(self.num_local, hidden)) if bias else None
         self._loaded: set[tuple[str, int, int]] = set()
 
     def _scale_shape(self, name: str) -> tuple[int, int, int]:
@@ -573,7 +597,8 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         share = f"experts {self.expert_start}..{self.expert_start + self.num_local - 1} of {self.num_experts}"
         quant = f"{self.quant}, ue8m0 scales" if self.ue8m0 else self.quant
-        return f"{share}, hidden={self.hidden}, intermediate={self.intermediate}, act={self.act}, quant={quant}"
+        bias = ", bias" if self.w13_bias is not None else ""
+        return f"{share}, hidden={self.hidden}, intermediate={self.intermediate}, act={self.act}, quant={quant}{bias}"
 
     @property
     def share(self) -> range:
@@ -586,9 +611,10 @@ class FusedMoE(nn.Module):
         return self.expert_start <= expert < self.expert_start + self.num_local
 
     def _weights(self) -> dict:
+        biases = {"w13_bias": self.w13_bias, "w2_bias": self.w2_bias} if self.w13_bias is not None else {}
         if self.quant is None:
-            return {}
-        return {"w13_scale_inv": self.w13_scale_inv, "w2_scale_inv": self.w2_scale_inv, "block": self.block,
+            return biases
+        return {**biases, "w13_scale_inv": self.w13_scale_inv, "w2_scale_inv": self.w2_scale_inv, "block": self.block,
                 "ue8m0": self.ue8m0}
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
@@ -617,10 +643,14 @@ class FusedMoE(nn.Module):
             if tensor.shape[0] != self.num_experts:
                 raise WeightError(f"stacked expert tensor {full_name!r} has {tensor.shape[0]} experts, expected "
                                   f"{self.num_experts}", fix="the checkpoint does not match its config.json")
-            self._check_format(full_name, tensor, False)
-            share = tensor[self.expert_start : self.expert_start + self.num_local]
+            if getattr(self, param) is None:
+                raise WeightError(f"checkpoint tensor {full_name!r} is an expert bias, but these experts have none",
+                                  fix="build the MoE with bias=True for this checkpoint")
+            if not param.endswith("_bias"):
+                self._check_format(full_name, tensor, False)
+            share = self._from_layout(param, tensor[self.expert_start : self.expert_start + self.num_local])
             self._copy(getattr(self, param), share, full_name)
-            halves = (0, 1) if param == "w13" else (0,)
+            halves = (0, 1) if param.startswith("w13") else (0,)
             self._loaded.update((param, e, h) for e in range(self.num_local) for h in halves)
             return
         if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in _PROJECTIONS \
@@ -646,6 +676,16 @@ class FusedMoE(nn.Module):
         self._copy(dst, tensor, full_name)
         self._loaded.add((param, e, half))
 
+    def _from_layout(self, param: str, share: torch.Tensor) -> torch.Tensor:
+        """A stacked checkpoint tensor's share of experts in this module's layout (``stacked_layout``)."""
+        if self.stacked_layout == "gate_up":
+            return share
+        if share.dim() == 3:  # [E, in, out] -> [E, out, in]
+            share = share.transpose(1, 2)
+        if param.startswith("w13"):  # gate, up, gate, up... rows -> gate rows then up rows
+            share = torch.cat([share[:, 0::2], share[:, 1::2]], dim=1)
+        return share
+
     def _check_format(self, full_name: str, tensor: torch.Tensor, scale: bool) -> None:
         fp8 = self.quant == "fp8"
         if (scale and not fp8) or (not scale and fp8 != (tensor.dtype == FP8)):
@@ -665,6 +705,7 @@ class FusedMoE(nn.Module):
 
     def loaded_parameters(self) -> list[str]:
         """Names of the parameters every slice of which has been loaded."""
-        names = ["w13", "w2"] + (["w13_scale_inv", "w2_scale_inv"] if self.quant else [])
+        names = ["w13", "w2"] + (["w13_scale_inv", "w2_scale_inv"] if self.quant else []) \
+            + (["w13_bias", "w2_bias"] if self.w13_bias is not None else [])
         return [n for n in names
                 if all((n, e, h) in self._loaded for e in range(self.num_local) for h in ((0, 1) if n.startswith("w13") else (0,)))]

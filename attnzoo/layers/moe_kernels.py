@@ -58,12 +58,12 @@ def align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, n, expert_start
 
 @triton.jit(do_not_specialize=["num_valid", "num_m_blocks", "rows_per_a", "mul_weight", "stride_asm", "stride_bse",
                                "stride_bsn"])
-def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr,
+def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, bias_ptr,
                 sorted_ptr, expert_ids_ptr, total_ptr,
                 N, K, num_valid, num_m_blocks, split_n, rows_per_a, mul_weight,
                 stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-                stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-                FP8: tl.constexpr, IEEE: tl.constexpr,
+                stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase,
+                FP8: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr,
                 F32_OPERANDS: tl.constexpr,
                 GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
@@ -114,6 +114,8 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr,
             acc += d
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:  # the expert's bias [N] (gpt-oss), before the routing weight
+        acc += tl.load(bias_ptr + expert * stride_biase + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if mul_weight:  # the down projection: each row times its routing weight
         acc = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -122,8 +124,9 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr,
 @triton.jit
 def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
                ACT: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, MIN_AMAX: tl.constexpr,
-               BLOCK: tl.constexpr, GROUPS: tl.constexpr):
-    # y = act(x[:, :width]) * x[:, width:] (ACT 1 silu, 2 gelu-tanh), in float32, for GROUPS x BLOCK channels
+               BLOCK: tl.constexpr, GROUPS: tl.constexpr, ALPHA: tl.constexpr = 1.702, LIMIT: tl.constexpr = 7.0):
+    # y = act(x[:, :width]) * x[:, width:] (ACT 1 silu, 2 gelu-tanh; 3 gpt-oss's clamped SwiGLU,
+    # (clamp(up, -LIMIT, LIMIT) + 1) * g * sigmoid(ALPHA * g), g = min(gate, LIMIT)), in float32, for GROUPS x BLOCK channels
     # of one row; with QUANT, FP8 with one scale per BLOCK (= the quantization group) channels.
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
@@ -133,6 +136,9 @@ def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
     up = tl.load(x_ptr + row * stride_x + width + offs, mask=ok, other=0.0).to(tl.float32)
     if ACT == 1:
         v = gate * tl.sigmoid(gate) * up
+    elif ACT == 3:
+        g = tl.minimum(gate, LIMIT)
+        v = (tl.minimum(tl.maximum(up, -LIMIT), LIMIT) + 1.0) * (g * tl.sigmoid(g * ALPHA))
     else:
         z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         v = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * z) - 1.0)) * up

@@ -353,9 +353,14 @@ class Fp8Plan(WeightPlan):
 
 def plan_weights(config, cls, *, device: torch.device, dtype: torch.dtype, mode: str,
                  checkpoint_names: Iterable[str] | None) -> WeightPlan:
-    """The plan for this config: FP8 when its quantization_config says so (other quantizations raise)."""
+    """The plan for this config: FP8 or MXFP4 (``models.mxfp4``: dequantized at load) when its
+    quantization_config says so (other quantizations raise)."""
     if mode not in FP8_MODES:
         raise ModelLoadError(f"unknown fp8_weights {mode!r}", fix=f"use one of: {', '.join(FP8_MODES)}")
+    from attnzoo.models import mxfp4  # imports this module
+
+    if mxfp4.is_mxfp4(config):
+        return mxfp4.plan_mxfp4(dtype, mode, device)
     fmt = Fp8Format.from_config(config)
     if fmt is None:
         if mode == "fp8":

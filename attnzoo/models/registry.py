@@ -20,6 +20,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Mistral3ForConditionalGeneration": ("attnzoo.models.kimi_mistral:Mistral3ForConditionalGeneration", "mistral3"),
     "Gemma4ForCausalLM": ("attnzoo.models.gemma4:Gemma4ForCausalLM", "gemma4_text"),
     "Gemma4ForConditionalGeneration": ("attnzoo.models.gemma4:Gemma4ForCausalLM", "gemma4"),
+    "GptOssForCausalLM": ("attnzoo.models.gpt_oss:GptOssForCausalLM", "gpt_oss"),
 }
 _ARCH_OF_MODEL_TYPE = {model_type: arch for arch, (_, model_type) in _MODELS.items()}
 

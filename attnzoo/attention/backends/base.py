@@ -105,6 +105,7 @@ class AttentionLayer(Protocol):
     kind: str  # "mha" or "mla"
     index_head_dim: int  # NSA: its indexer key width; 0 otherwise
     sparse: bool  # NSA (with or without its own indexer key cache)
+    sinks: torch.Tensor | None  # [num_heads] attention-sink logits, or None
 
 
 class AttentionBackend(ABC):

@@ -77,6 +77,9 @@ class Kernel:
     note: str = ""
     label: str = ""  # short name for messages ("XQA-MLA"); default: name
     variant: str | None = None  # what the backend passes its library to select this kernel (backend="xqa")
+    # Whether it takes attention sinks; None: what the backend's attention_sinks says (trtllm_mha's
+    # prefill off Blackwell runs FlashInfer's, which takes none).
+    sinks: bool | None = None
 
     def env_ok(self) -> bool:
         return self.requires_env is None or os.environ.get(self.requires_env[0]) == self.requires_env[1]
@@ -244,7 +247,8 @@ class BackendCapabilities:
             if shape.uses_softcap and not self.logit_softcap:
                 bad.append("does not support attention logit soft-capping, which this model uses")
             if shape.uses_sinks and not self.attention_sinks:
-                bad.append("does not support attention sinks, which this model uses")
+                bad.append(f"does not support attention sinks, which this model uses (backends that do: "
+                           f"{', '.join(sinks_backends())})")
         if kv_cache_dtype != "auto":
             if kind is not None and kind != "mha":
                 bad.append(f"{kind.upper()} caches keep their explicit layouts (kv_layout); kv_cache_dtype "
@@ -269,6 +273,10 @@ class BackendCapabilities:
         fitting = [k for k in runnable if not (head_dims & k.excluded_head_dims)]
         heads_bad = [k for k in fitting if k.num_heads and num_heads is not None and num_heads not in k.num_heads]
         fitting = [k for k in fitting if k not in heads_bad]
+        uses_sinks = shape is not None and shape.uses_sinks
+        # A backend without sinks fails as a whole (check); one with them, where the kernel here takes none.
+        no_sinks = [k for k in fitting if uses_sinks and self.attention_sinks and k.sinks is False]
+        fitting = [k for k in fitting if k not in no_sinks]
         fp8_refused = []
         if kv_cache_dtype != "auto":
             fp8_refused = [k for k in fitting if gpu in k.no_fp8_kv_gpus]
@@ -278,7 +286,9 @@ class BackendCapabilities:
         too_grouped = [k for k in fitting if k.max_group_above and group is not None
                        and max(head_dims) > k.max_group_above[0] and group > k.max_group_above[1]]
         fitting = [k for k in fitting if k not in too_grouped]
-        if not fitting and heads_bad:
+        if not fitting and no_sinks:
+            bad.append(f"{no_sinks[0].name} on {gpu} does not take attention sinks, which this model uses")
+        elif not fitting and heads_bad:
             k = heads_bad[0]
             bad.append(f"{k.name} on {gpu} runs {_fmt(k.num_heads)} query heads; this model has {num_heads}")
         elif not fitting and fp8_refused:
@@ -344,6 +354,8 @@ class BackendCapabilities:
                 d["page_sizes"] = sorted(k.page_sizes)
             if k.num_heads:
                 d["num_heads"] = sorted(k.num_heads)
+            if k.sinks is not None:
+                d["sinks"] = k.sinks
             if k.note:
                 d["note"] = k.note
             return d
@@ -370,6 +382,14 @@ class BackendCapabilities:
             "block_table_pad_tokens": self.block_table_pad_tokens,
             "notes": list(self.notes),
         }
+
+
+def sinks_backends() -> list[str]:
+    """The registered backends that declare attention sinks (some of their kernels may not take them:
+    ``Kernel.sinks``), for messages."""
+    from attnzoo.attention.backends import all_capabilities
+
+    return [name for name, caps in all_capabilities().items() if caps.attention_sinks]
 
 
 def _fmt(values) -> str:
@@ -407,7 +427,8 @@ class Shape:
             else getattr(layer, "kind", "mha")
         return cls(kind=kind, head_dims=frozenset({layer.head_dim}), v_head_dims=frozenset({layer.v_head_dim}),
                    num_heads=layer.num_heads, num_kv_heads=frozenset({layer.num_kv_heads}),
-                   uses_sliding_window=bool(layer.sliding_window), uses_softcap=bool(layer.logit_softcap))
+                   uses_sliding_window=bool(layer.sliding_window), uses_softcap=bool(layer.logit_softcap),
+                   uses_sinks=getattr(layer, "sinks", None) is not None)
 
 
 @dataclass

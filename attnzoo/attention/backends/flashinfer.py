@@ -241,6 +241,10 @@ class FlashInferBackend(AttentionBackend):
         kv_dtypes=HALF | FP8_KV,
         sliding_window=True,
         logit_softcap=True,
+        # FlashInfer 0.7.2.post1's wrappers take `sinks=` but hand it only to their trtllm-gen modules; FA2/FA3
+        # apply sinks only when built as a JIT attention variant (jit/attention/variants.py), not wired here.
+        # Cascade would also need the sink in the merge, not in each part (merge_state takes none).
+        attention_sinks=False,
         module="flashinfer",
         extra="flashinfer",
         cuda_graph=True,

@@ -92,6 +92,7 @@ class TorchBackend(NSABackend):
         kv_dtypes=ALL_DTYPES | FP8_KV,
         sliding_window=True,
         logit_softcap=True,
+        attention_sinks=True,
         module="torch",
         mla_kv_layout="bf16",  # NSA layers: it reads the pool's own entries
         notes=("fp8_e4m3 KV cache: quantize-dequantize in float32 (per-tensor scales)",),
@@ -137,7 +138,7 @@ class TorchBackend(NSABackend):
                 g.window_tables if layer.sliding_window and g.window_tables is not None else g.tables, g.kv_len,
                 scale=layer.scale,
                 k_scale=self.pool.k_scale, v_scale=self.pool.v_scale, sliding_window=layer.sliding_window,
-                logit_softcap=layer.logit_softcap,
+                logit_softcap=layer.logit_softcap, sinks=layer.sinks,
             ).flatten(0, 1)
             for g in plan.groups
         ]

@@ -3,7 +3,7 @@
 Portable wherever Triton runs (any CUDA GPU with bf16 for bf16 models; the CPU through Triton's
 interpreter with ``TRITON_INTERPRET=1``, for tests). Supports MHA/GQA/MQA and absorbed MLA (MQA with
 values inside the key), head dims up to 1024 (q/k and v may differ), page sizes 1..128, sliding
-windows, logit soft-capping, a custom scale, float16/bfloat16/float32.
+windows, logit soft-capping, attention sinks, a custom scale, float16/bfloat16/float32.
 
 Per step, ``prepare`` records the host-side facts the launches need (longest context, longest extend) in
 its plan (``TritonPlan``), so that no layer syncs with the device; per layer, the decode split count is plain integer arithmetic
@@ -82,6 +82,7 @@ class TritonBackend(AttentionBackend):
         kv_dtypes=ALL_DTYPES | FP8_KV,
         sliding_window=True,
         logit_softcap=True,
+        attention_sinks=True,  # in extend, decode (split-K: in the merge) and cascade decode (in the merge)
         module="triton",
         extra="triton",
         cuda_graph=True,
@@ -124,7 +125,7 @@ class TritonBackend(AttentionBackend):
             q, self.pool.k(lid), self.pool.v(lid), meta.block_tables_for(layer.sliding_window), meta.q_indptr,
             meta.prefix_lens,
             max_q_len=plan.max_q_len, scale=layer.scale,
-            sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap,
+            sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap, sinks=layer.sinks,
             k_scale=self.pool.k_scale, v_scale=self.pool.v_scale,
         )
 
@@ -143,7 +144,7 @@ class TritonBackend(AttentionBackend):
         block_h = dec.decode_launch_config(head_dim, v_dim, group, k_cache.dtype)["BLOCK_H"]
         splits = dec.choose_num_kv_splits(batch=batch, num_kv_heads=num_kv_heads, group=group,
                                           max_kv_len=kv_len - shared, num_sms=self._num_sms, block_h=block_h)
-        kw = dict(scale=layer.scale, logit_softcap=layer.logit_softcap, k_scale=self.pool.k_scale,
+        kw = dict(scale=layer.scale, logit_softcap=layer.logit_softcap, sinks=layer.sinks, k_scale=self.pool.k_scale,
                   v_scale=self.pool.v_scale)
         if not shared:
             partial = lse = None

@@ -3,7 +3,7 @@
 decode: ``flashinfer.decode.trtllm_batch_decode_with_kv_cache`` over the HND pool with a 2-D block
   table built by the shared page-table kernel. The kernel family depends on the GPU: trtllm-gen on
   SM100/SM103, XQA on SM90/SM120 (``decode_kernel``). Page size 16, 32 or 64 (XQA also 128); sliding
-  windows; no logit soft-capping (the kernels take no soft-cap argument).
+  windows; attention sinks; no logit soft-capping (the kernels take no soft-cap argument).
 extend (prefill): split by GPU, explicitly (``extend_runs_as``):
   - SM100/SM103: ``flashinfer.prefill.trtllm_batch_context_with_kv_cache`` (trtllm-gen context kernels);
   - elsewhere there is no TRT-LLM context kernel, so extend runs the ``flashinfer`` backend's paged
@@ -74,9 +74,9 @@ class TrtllmMHABackend(AttentionBackend):
             Kernel("trtllm-gen context (trtllm_batch_context_with_kv_cache)", _TRTLLM_GEN,
                    page_sizes=_TRTLLM_GEN_PAGES, no_fp8_kv_gpus=_TRTLLM_GEN, note=_NOT_WIRED, label="trtllm-gen"),
             Kernel("FlashInfer FA3 prefill", gpu_set("sm90"), excluded_head_dims=frozenset({512}),
-                   runs_as="flashinfer", no_fp8_kv_gpus=gpu_set("sm90"),
+                   runs_as="flashinfer", no_fp8_kv_gpus=gpu_set("sm90"), sinks=False,
                    note="trtllm-gen context kernels are SM100/SM103 only; FA3 takes no fp8 KV with bf16 queries"),
-            Kernel("FlashInfer FA2 prefill", gpu_set("sm90", "sm120"), runs_as="flashinfer",
+            Kernel("FlashInfer FA2 prefill", gpu_set("sm90", "sm120"), runs_as="flashinfer", sinks=False,
                    note="trtllm-gen context kernels are SM100/SM103 only"),
         ),
         decode=(
@@ -94,10 +94,9 @@ class TrtllmMHABackend(AttentionBackend):
         kv_dtypes=HALF | FP8_KV,
         sliding_window=True,
         logit_softcap=False,  # the trtllm kernels take no soft-cap argument
-        # trtllm-gen and XQA take per-head sinks (`sinks=`), but the shared Attention layer carries no
-        # sink parameter and no model here (Llama, Gemma 4, DeepSeek) has one, and the torch oracle does
-        # not implement them: a pass-through could not be tested, so sinks stay undeclared.
-        attention_sinks=False,
+        # trtllm-gen (context and decode) and XQA take per-head sinks (`sinks=`, float32 [num_heads]); the
+        # FlashInfer prefill it runs as off Blackwell does not (Kernel.sinks=False there).
+        attention_sinks=True,
         module="flashinfer",
         extra="flashinfer",
         cuda_graph=True,
@@ -210,6 +209,7 @@ class TrtllmMHABackend(AttentionBackend):
             window_left=sig.window_left,
             kv_layout="HND",
             causal=True,
+            sinks=_sinks(layer),
         )
 
     def decode(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: TrtllmMHAPlan) -> torch.Tensor:
@@ -229,5 +229,13 @@ class TrtllmMHABackend(AttentionBackend):
             kv_layout="HND",
             backend=self.decode_kernel(),
             q_len_per_req=1,
+            sinks=_sinks(layer),
         )
+
+
+def _sinks(layer) -> torch.Tensor | None:
+    """The layer's sink logits as the kernels take them: float32 [num_heads] (None: no sinks)."""
+    if layer.sinks is None:
+        return None
+    return layer.sinks if layer.sinks.dtype == torch.float32 else layer.sinks.float()
 

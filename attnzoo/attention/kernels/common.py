@@ -83,6 +83,16 @@ def check_kernel_dtypes(q: torch.Tensor, *caches: torch.Tensor) -> None:
 
 
 @triton.jit
+def add_sinks(SINKS, heads, row_ok, acc, m_i, l_i):
+    """Each row's head sink logit joins its softmax denominator (a key of value zero): -> (acc, l_i)
+    rescaled to the larger of the running max and the sink."""
+    sink = tl.load(SINKS + heads, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)
+    return acc * alpha[None, :], l_i * alpha + tl.exp2(sink - m_new)
+
+
+@triton.jit
 def softcap_fn(x, cap):
     # cap * tanh(x / cap), written with exp so that it runs on every Triton version and the interpreter;
     # 1 - 2 / (e^{2y} + 1) saturates cleanly to +-1 instead of producing inf / inf.

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from attnzoo.attention.kernels.common import (
     MIN_TILE,
+    add_sinks,
     check_kernel_dtypes,
     dot_args,
     head_dim_tiles,
@@ -148,7 +149,7 @@ def _finish(O, LSE, o_rows, lse_rows, row_ok, acc, m_i, l_i, stride_od, v_scale,
 
 @triton.jit
 def _decode_stage1(
-    Q, K, V, BT, SEQ_LENS, O, LSE,
+    Q, K, V, BT, SEQ_LENS, O, LSE, SINKS,
     stride_qb, stride_qh, stride_qd,
     stride_kp, stride_kh, stride_kt, stride_kd,
     stride_vp, stride_vh, stride_vt, stride_vd,
@@ -171,6 +172,7 @@ def _decode_stage1(
     PAGE_SIZE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,  # DIRECT only: split outputs take their sinks in stage 2
     V_FROM_K: tl.constexpr,
     DIRECT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -201,6 +203,8 @@ def _decode_stage1(
         HEAD_DIM, V_DIM, BLOCK_D, BLOCK_DR, BLOCK_DV, BLOCK_H, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, V_FROM_K,
         DOT_DTYPE, DOT_PREC,
     )
+    if HAS_SINKS:
+        acc, l_i = add_sinks(SINKS, heads, head_ok, acc, m_i, l_i)
     _finish(O, LSE, b * stride_ob + heads * stride_oh + split * stride_os,
             b * stride_lb + heads * stride_lh + split * stride_ls, head_ok, acc, m_i, l_i, stride_od, v_scale,
             V_DIM, BLOCK_DV, DIRECT)
@@ -257,7 +261,7 @@ def _cascade_shared(
 
 @triton.jit
 def _decode_stage2(
-    PARTIAL, LSE, O,
+    PARTIAL, LSE, O, SINKS,
     stride_pb, stride_ph, stride_ps, stride_pd,
     stride_lb, stride_lh, stride_ls,
     stride_ob, stride_oh, stride_od,
@@ -265,6 +269,7 @@ def _decode_stage2(
     BLOCK_S: tl.constexpr,
     V_DIM: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -273,13 +278,20 @@ def _decode_stage2(
     s_ok = offs_s < NUM_SPLITS
     # lse is in log2 units; empty splits carry -inf and weigh 0. Split 0 is never empty.
     lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_s * stride_ls, mask=s_ok, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))
+    m = tl.max(lse, 0)
+    if HAS_SINKS:  # the head's sink logit joins the merged denominator (log2 units, as lse)
+        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m)
     part = tl.load(
         PARTIAL + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
         mask=s_ok[:, None] & (offs_d[None, :] < V_DIM),
         other=0.0,
     )
-    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / denom
     tl.store(O + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(O.dtype.element_ty), mask=offs_d < V_DIM)
 
 
@@ -377,7 +389,7 @@ def _split_scratch(q, v_dim, splits, partial, lse):
 
 
 def _stage1(q, k_cache, v_cache, block_tables, seq_lens, dest, lse, *, direct, num_kv_splits, scale,
-            sliding_window, logit_softcap, kv_skip, launch_config, k_scale=1.0, v_scale=1.0):
+            sliding_window, logit_softcap, kv_skip, launch_config, k_scale=1.0, v_scale=1.0, sinks=None):
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     v_dim = v_cache.shape[-1]
@@ -394,7 +406,7 @@ def _stage1(q, k_cache, v_cache, block_tables, seq_lens, dest, lse, *, direct, n
         _decode_stage1,
         lambda c: (batch, num_kv_heads * head_blocks, num_kv_splits),
         (
-            q, k_cache, v_cache, block_tables, seq_lens, dest, lse,
+            q, k_cache, v_cache, block_tables, seq_lens, dest, lse, dest if sinks is None else sinks,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
             *d_strides, *l_strides,
             float(scale * k_scale), float(logit_softcap or 0.0), int(sliding_window or 0), int(kv_skip),
@@ -404,6 +416,7 @@ def _stage1(q, k_cache, v_cache, block_tables, seq_lens, dest, lse, *, direct, n
             GROUP=group, HEAD_BLOCKS=head_blocks, NUM_SPLITS=num_kv_splits,
             HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=value_tile(v_dim), BLOCK_H=block_h,
             PAGE_SIZE=page_size, HAS_SOFTCAP=bool(logit_softcap), HAS_WINDOW=bool(sliding_window),
+            HAS_SINKS=direct and sinks is not None,
             V_FROM_K=_v_from_k(k_cache, v_cache), DIRECT=direct, **dot_args(k_cache),
         ),
         cfg,
@@ -411,13 +424,13 @@ def _stage1(q, k_cache, v_cache, block_tables, seq_lens, dest, lse, *, direct, n
     )
 
 
-def _stage2(partial, lse, out):
+def _stage2(partial, lse, out, sinks=None):
     splits, v_dim = partial.shape[2:]
     bdv = value_tile(v_dim)
     _decode_stage2[out.shape[:2]](
-        partial, lse, out,
+        partial, lse, out, out if sinks is None else sinks,
         *partial.stride(), *lse.stride(), *out.stride(),
-        NUM_SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)), V_DIM=v_dim, BLOCK_DV=bdv,
+        NUM_SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)), V_DIM=v_dim, BLOCK_DV=bdv, HAS_SINKS=sinks is not None,
         num_warps=4 if bdv <= 256 else 8,
     )
 
@@ -433,6 +446,7 @@ def decode_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     num_kv_splits: int = 1,
+    sinks: torch.Tensor | None = None,  # [num_heads] attention-sink logits (gpt-oss)
     out: torch.Tensor | None = None,  # [batch, num_heads, v_head_dim], q's dtype
     partial: torch.Tensor | None = None,  # [batch, num_heads, num_kv_splits, v_head_dim] float32 scratch
     lse: torch.Tensor | None = None,  # [batch, num_heads, num_kv_splits] float32 scratch
@@ -454,9 +468,9 @@ def decode_attention(
         return out
     _stage1(q, k_cache, v_cache, block_tables, seq_lens, dest, lse, direct=direct, num_kv_splits=num_kv_splits,
             scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap, kv_skip=0,
-            launch_config=launch_config, k_scale=k_scale, v_scale=v_scale)
+            launch_config=launch_config, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     if not direct:
-        _stage2(dest, lse, out)
+        _stage2(dest, lse, out, sinks)
     return out
 
 
@@ -472,6 +486,7 @@ def cascade_decode_attention(
     logit_softcap: float | None = None,
     num_kv_splits: int = 1,  # splits of each request's own keys [shared_len, seq_len)
     num_shared_splits: int = 1,  # splits of the shared keys [0, shared_len)
+    sinks: torch.Tensor | None = None,  # [num_heads]: joins the merge's denominator once (stage 2)
     out: torch.Tensor | None = None,  # [batch, num_heads, v_head_dim], q's dtype
     partial: torch.Tensor | None = None,  # [batch, num_heads, num_kv_splits + num_shared_splits, v_head_dim] float32
     lse: torch.Tensor | None = None,  # [batch, num_heads, num_kv_splits + num_shared_splits] float32
@@ -530,5 +545,5 @@ def cascade_decode_attention(
         cfg,
         tile_keys=("BLOCK_M", "BLOCK_N"),
     )
-    _stage2(partial, lse, out)
+    _stage2(partial, lse, out, sinks)
     return out

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from attnzoo.attention.kernels.common import (
+    add_sinks,
     check_kernel_dtypes,
     dot_args,
     head_dim_tiles,
@@ -30,7 +31,7 @@ from attnzoo.errors import BackendError
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, BT, Q_INDPTR, PREFIX_LENS, O,
+    Q, K, V, BT, Q_INDPTR, PREFIX_LENS, O, SINKS,
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_kh, stride_kt, stride_kd,
     stride_vp, stride_vh, stride_vt, stride_vd,
@@ -48,6 +49,7 @@ def _extend_kernel(
     PAGE_SIZE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     V_FROM_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -140,6 +142,8 @@ def _extend_kernel(
         acc = acc * alpha[None, :] + pv  # [BLOCK_DV, BLOCK_M]
         m_i = m_new
 
+    if HAS_SINKS:  # each head's sink logit joins the denominator: a key of value zero
+        acc, l_i = add_sinks(SINKS, heads, row_ok, acc, m_i, l_i)
     out = acc * (v_scale / l_i)[None, :]
     o_ptrs = O + (q_start + tok).to(tl.int64)[None, :] * stride_ot + heads[None, :] * stride_oh + offs_dv[:, None] * stride_od
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[None, :] & (offs_dv[:, None] < V_DIM))
@@ -176,6 +180,7 @@ def extend_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] attention-sink logits (gpt-oss)
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, v_head_dim], q's dtype
     launch_config: dict | None = None,  # override the tile sizes (benchmarks and tuning)
     k_scale: float = 1.0,  # fp8 caches: folded into the softmax scale, as in decode.py
@@ -207,14 +212,14 @@ def extend_attention(
         _extend_kernel,
         lambda c: (triton.cdiv(max_q_len * group, c["BLOCK_M"]), num_kv_heads, num_reqs),
         (
-            q, k_cache, v_cache, block_tables, q_indptr, prefix_lens, out,
+            q, k_cache, v_cache, block_tables, q_indptr, prefix_lens, out, out if sinks is None else sinks,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
             float(scale * k_scale), float(logit_softcap or 0.0), int(sliding_window or 0), float(v_scale),
         ),
         dict(
             GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=bdv,
             PAGE_SIZE=k_cache.shape[2], HAS_SOFTCAP=bool(logit_softcap), HAS_WINDOW=bool(sliding_window),
-            V_FROM_K=v_from_k, **dot_args(k_cache),
+            HAS_SINKS=sinks is not None, V_FROM_K=v_from_k, **dot_args(k_cache),
         ),
         cfg,
         tile_keys=("BLOCK_M", "BLOCK_N"),
