@@ -62,7 +62,7 @@ def layer_shapes(config) -> dict[LayerShape, int]:
 
     arch = loader.architecture_of(config)
     counts: dict[LayerShape, int] = {}
-    for m in model_class(arch).shapes_only(config).attention_layers():
+    for m in model_class(arch, config).shapes_only(config).attention_layers():
         if m.index_head_dim:
             raise PolicyError(f"{arch} has sparse (NSA) attention layers, which `attnzoo tune` does not time yet",
                               fix="time NSA backends with benchmarks/ scripts, and write the policy file by hand")
@@ -133,7 +133,7 @@ def time_ms(fn, device: torch.device, *, warmup: int = 2, iters: int = 5, flush:
 
 def _page_size_for(config, gpu: str, phase: str, backend: str, dtype) -> int:
     """The page size the policy gives ``backend`` for ``phase`` (raises if it cannot run this model here)."""
-    from attnzoo.defaults import Overrides, resolve
+    from attnzoo.policy import Overrides, resolve
 
     d = resolve(config, gpu=gpu, overrides=Overrides(**{f"{phase}_backend": backend}, dtype=dtype))
     return d.page_size
@@ -160,8 +160,8 @@ def tune(model: str, *, device=None, dtype=None, backends: list[str] | None = No
     from tqdm import tqdm
 
     from attnzoo.attention.backends import backend_names, capabilities_of, get_backend_class
-    from attnzoo.defaults import detect_gpu, gpu_class
-    from attnzoo.defaults.table import SHIPPED_POLICY, load_table
+    from attnzoo.policy import detect_gpu, gpu_class
+    from attnzoo.policy.table import SHIPPED_POLICY, load_table
     from attnzoo.engine.llm import _pick_device, _pick_dtype
     from attnzoo.models import loader
 
@@ -249,7 +249,7 @@ def tune(model: str, *, device=None, dtype=None, backends: list[str] | None = No
 
 
 def _pair_page_size(config, gpu: str, prefill: str, decode: str, dtype_name: str) -> int:
-    from attnzoo.defaults import Overrides, resolve
+    from attnzoo.policy import Overrides, resolve
 
     return resolve(config, gpu=gpu, overrides=Overrides(prefill_backend=prefill, decode_backend=decode,
                                                         dtype=dtype_name)).page_size

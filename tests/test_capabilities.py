@@ -19,8 +19,8 @@ from attnzoo.attention.backends import all_capabilities, backend_names, base, ge
 from attnzoo.attention.backends.capabilities import GPUS
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.layer import Attention
-from attnzoo.defaults.profile import ModelProfile
-from attnzoo.defaults.resolve import check_choice
+from attnzoo.policy.profile import ModelProfile
+from attnzoo.policy.resolve import check_choice
 from attnzoo.errors import AttnzooError, BackendError
 
 _CC = {"sm80": (8, 0), "sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm103": (10, 3), "sm120": (12, 0)}
@@ -129,7 +129,7 @@ def test_declarations_read_without_kernel_libraries():
         sys.modules["triton"] = None  # as if not installed: importing it raises
         sys.modules["flashinfer"] = None
         from attnzoo.attention.backends import all_capabilities
-        from attnzoo.defaults import Overrides, resolve
+        from attnzoo.policy import Overrides, resolve
         assert len(all_capabilities()) >= 8
         d = resolve("DeepseekV3ForCausalLM", gpu="sm100", overrides=Overrides(assume_installed=("flashinfer", "triton")))
         assert d.decode_backend == "trtllm_mla", d.decode_backend

@@ -16,10 +16,10 @@ import torch
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.layer import Attention
 from attnzoo.attention.metadata import build_metadata
-from attnzoo.defaults import GPUS, ModelProfile, Overrides, resolve
+from attnzoo.policy import GPUS, ModelProfile, Overrides, resolve
 from attnzoo.attention.backends import capabilities as caps_mod
-from attnzoo.defaults.cli import main as policy_main
-from attnzoo.defaults.table import SHIPPED_POLICY, load_table
+from attnzoo.cli import main as policy_main
+from attnzoo.policy.table import SHIPPED_POLICY, load_table
 from attnzoo.errors import BackendError, PolicyError
 
 ROOT = Path(__file__).parents[1]

@@ -1,5 +1,5 @@
 """What an attention backend can run: the typed declaration on each backend class, and the one check
-that the policy (``attnzoo/defaults/resolve.py``) and the backend itself both call.
+that the policy (``attnzoo/policy/resolve.py``) and the backend itself both call.
 
 A backend states every limit once, as ``capabilities = BackendCapabilities(...)`` on its class, next to
 its code. The policy reads the declarations through the registry (``attnzoo.attention.backends``); a
