@@ -157,3 +157,42 @@ def test_runtime_errors_name_the_constraint(stubbed):
     with pytest.raises(AttnzooError):
         get_backend_class("flashinfer")(KVPool([Attention(0, 8, 2, 128).kv_cache_spec()], num_pages=2,
                                                page_size=16, dtype=torch.float32, device="cpu"))
+
+
+# Facts about the kernels, written out from their libraries' documentation and sources (not read from the
+# declarations): the grid above only shows that the policy and the backends read one declaration the same way;
+# these show that the declaration says what the kernels do. (backend, phase, layer id, gpu, page, dtype, kv, runs)
+FACTS = [
+    ("torch", "decode", "gqa32-d512-window", "cpu", 1, torch.float32, "auto", True),
+    ("torch", "prefill", "nsa-16h", "cpu", 64, torch.float32, "auto", True),
+    ("trtllm_mha", "decode", "gqa-d128", "sm100", 16, torch.bfloat16, "auto", True),
+    ("trtllm_mha", "decode", "gqa-d128", "sm100", 8, torch.bfloat16, "auto", False),  # trtllm-gen: 16/32/64
+    ("trtllm_mha", "decode", "gqa-d128", "sm100", 128, torch.bfloat16, "auto", False),
+    ("trtllm_mha", "decode", "gqa-d128", "sm90", 128, torch.bfloat16, "auto", True),  # XQA takes 128
+    ("trtllm_mha", "decode", "gqa-d128", "sm80", 16, torch.bfloat16, "auto", False),  # XQA is SM90+
+    ("trtllm_mha", "decode", "gqa-d128", "sm100", 16, torch.float32, "auto", False),  # bf16/fp16 kernels only
+    ("trtllm_mha", "decode", "mha-d64-softcap", "sm100", 16, torch.bfloat16, "auto", False),
+    ("trtllm_mha", "decode", "mla-128h", "sm100", 64, torch.bfloat16, "auto", False),
+    ("trtllm_mla", "decode", "mla-128h", "sm100", 64, torch.bfloat16, "auto", True),
+    ("trtllm_mla", "decode", "mla-128h", "sm100", 16, torch.bfloat16, "auto", False),  # trtllm-gen MLA: 32/64
+    ("trtllm_mla", "decode", "mla-128h", "sm120", 16, torch.bfloat16, "auto", True),  # XQA-MLA builds 16
+    ("trtllm_mla", "decode", "mla-16h", "sm120", 64, torch.bfloat16, "auto", False),  # XQA-MLA: 128 heads
+    ("trtllm_mla", "decode", "mla-128h", "sm89", 64, torch.bfloat16, "auto", False),
+    ("trtllm_mla", "prefill", "mla-128h", "sm100", 64, torch.bfloat16, "auto", False),  # decode only
+    ("flashinfer", "prefill", "gqa32-d512-window", "sm90", 16, torch.bfloat16, "auto", True),  # FA2 for d512
+    ("flashinfer_mla", "decode", "gqa-d128", "sm90", 64, torch.bfloat16, "auto", False),
+    ("triton", "decode", "nsa-16h", "sm90", 64, torch.bfloat16, "auto", False),  # no sparse selection
+    ("nsa_triton", "decode", "nsa-16h", "sm90", 64, torch.bfloat16, "auto", True),
+    ("nsa_triton", "decode", "gqa-d128", "sm90", 64, torch.bfloat16, "auto", False),
+]
+
+
+@pytest.mark.parametrize("name,phase,layer_id,gpu,page,dtype,kv,runs", FACTS)
+def test_declarations_state_the_kernels_facts(stubbed, name, phase, layer_id, gpu, page, dtype, kv, runs):
+    args = dict(LAYERS)[layer_id]
+    stubbed(gpu)
+    policy = check_choice(name, phase, _profile(args), gpu=gpu, capabilities=all_capabilities(),
+                          dtype=str(dtype).removeprefix("torch."), kv_cache_dtype=kv,
+                          assume_installed=frozenset({"flashinfer", "triton"}), page_size=page)
+    ok, why = _runtime_accepts(name, Attention(0, **args), phase, page, dtype, kv)
+    assert (policy.ok, ok) == (runs, runs), (policy.violations, why)
