@@ -14,7 +14,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from attnzoo.errors import ModelLoadError, WeightError
+from attnzoo.errors import ModelLoadError, UnsupportedArchitectureError, WeightError
 from attnzoo.models import registry
 
 log = logging.getLogger("attnzoo")
@@ -169,16 +169,23 @@ def load_config(src: CheckpointSource):
 
 
 def _unknown_llama_shaped(path: Path):
-    """A config.json of a model_type transformers does not know, whose layers are Llama's: a LlamaConfig."""
+    """A config.json of a model_type transformers does not know: a LlamaConfig when its layers are Llama's,
+    else the UnsupportedArchitectureError saying so; None for any other reading problem."""
     from transformers import CONFIG_MAPPING
 
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(d, dict) or d.get("model_type") in CONFIG_MAPPING or not registry.llama_shaped(d):
+    if not isinstance(d, dict) or d.get("model_type") in CONFIG_MAPPING:
         return None
-    return registry.config_object(d, registry.architecture_of(d) or "")
+    arch = registry.architecture_of(d) or "?"
+    if arch not in registry.supported_architectures() and not registry.llama_shaped(d):
+        raise UnsupportedArchitectureError(
+            f"{path}: model_type {d.get('model_type')!r} ({arch}) is unknown to transformers and its layers are not "
+            "Llama's (latent attention, experts, windows, biases or another activation)",
+            fix=f"use a checkpoint of one of: {', '.join(registry.supported_architectures())}")
+    return registry.config_object(d, arch) if arch not in registry.supported_architectures() else None
 
 
 def has_tokenizer(src: CheckpointSource) -> bool:
