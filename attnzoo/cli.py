@@ -144,8 +144,6 @@ def _short(text: str | None, width: int = 72) -> str:
 def _policy_show(args) -> int:
     from tabulate import tabulate
 
-    from attnzoo.policy.resolve import model_patterns, table_cells
-
     cells, patterns = table_cells(args.gpu, args.policy), model_patterns(args.gpu, args.policy)
     if args.json:
         print(json.dumps({"cells": cells, "model_patterns": patterns}, indent=2))
@@ -166,6 +164,46 @@ def _policy_show(args) -> int:
                          f"{p['file']}:{p['line']}") for p in patterns],
                        ("pattern", "gpu", "prefill", "decode", "page", "where"), disable_numparse=True))
     return 0
+
+
+def table_cells(gpu: str | None = None, policy_file=None, *, table=None) -> list[dict]:
+    """Every (architecture, GPU) cell of the table as written, merged by precedence; no capability checks.
+    ``policy_file`` (or $ATTNZOO_POLICY) is merged over the shipped table, as resolve() would."""
+    from attnzoo.policy.resolve import GPUS, FIELDS, applicable, field_summary, gpu_class, user_table, value_of
+    from attnzoo.policy.table import SHIPPED_POLICY, load_table
+
+    shipped = load_table(table or SHIPPED_POLICY, shipped=True)
+    user = user_table(policy_file, [])
+    cells = []
+    for fam in shipped.families.values():
+        for arch in fam.archs:
+            for g in [gpu_class(gpu)] if gpu else GPUS:
+                matches = applicable(shipped, user, arch, fam.name, g, None)
+                cell: dict = {"family": fam.name, "architecture": arch, "gpu": g}
+                for key in FIELDS:
+                    cell[key], src = value_of(matches, key, arch, fam.name, g, shipped)
+                    cell[f"{key}_from"] = src.detail
+                for key in ("reason", "planned", "measured_in"):
+                    cell[key] = next((getattr(m.row, key) for _, _, m in matches if getattr(m.row, key)), None)
+                cells.append({**cell, "field": field_summary(matches)})
+    return cells
+
+
+def model_patterns(gpu: str | None = None, policy_file=None, *, table=None) -> list[dict]:
+    """The model-id pattern rows of the shipped table and the user policy file ("*" = all GPUs)."""
+    from attnzoo.policy.resolve import gpu_class, user_table
+    from attnzoo.policy.table import SHIPPED_POLICY, load_table
+
+    want = gpu_class(gpu) if gpu else None
+    out = []
+    for tbl in (load_table(table or SHIPPED_POLICY, shipped=True), user_table(policy_file, [])):
+        for pattern, entry in (tbl.models.items() if tbl else ()):
+            for g, row in [("*", entry.all_gpus), *entry.gpus.items()]:
+                if (want and g not in ("*", want)) or (row.prefill, row.decode, row.page_size) == (None,) * 3:
+                    continue
+                out.append({"pattern": pattern, "gpu": g, "prefill": row.prefill, "decode": row.decode,
+                            "page_size": row.page_size, "reason": row.reason, "file": str(tbl.path), "line": row.line})
+    return out
 
 
 def _policy_explain(args) -> int:

@@ -16,11 +16,10 @@ import pytest
 import torch
 
 from attnzoo.attention.backends import all_capabilities, backend_names, base, get_backend_class
-from attnzoo.attention.backends.capabilities import GPUS
+from attnzoo.attention.backends.capabilities import GPUS, check_backend
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.layer import Attention
 from attnzoo.policy.profile import ModelProfile
-from attnzoo.policy.resolve import check_choice
 from attnzoo.errors import AttnzooError, BackendError
 
 _CC = {"sm80": (8, 0), "sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm103": (10, 3), "sm120": (12, 0)}
@@ -100,9 +99,9 @@ def test_policy_and_backend_checks_agree_on_a_grid(stubbed):
                     for dtype in (torch.bfloat16, torch.float32):
                         for kv in ("auto", "fp8_e4m3"):
                             for phase in ("prefill", "decode"):
-                                policy = check_choice(name, phase, profile, gpu=gpu, capabilities=caps,
-                                                      dtype=str(dtype).removeprefix("torch."), kv_cache_dtype=kv,
-                                                      assume_installed=assume, page_size=page)
+                                policy = check_backend(caps[name], phase, profile, gpu=gpu,
+                                                       dtype=str(dtype).removeprefix("torch."), kv_cache_dtype=kv,
+                                                       assume_installed=assume, page_size=page)
                                 ok, why = _runtime_accepts(name, layer, phase, page, dtype, kv)
                                 compared += 1
                                 if ok != policy.ok:
@@ -191,8 +190,8 @@ FACTS = [
 def test_declarations_state_the_kernels_facts(stubbed, name, phase, layer_id, gpu, page, dtype, kv, runs):
     args = dict(LAYERS)[layer_id]
     stubbed(gpu)
-    policy = check_choice(name, phase, _profile(args), gpu=gpu, capabilities=all_capabilities(),
-                          dtype=str(dtype).removeprefix("torch."), kv_cache_dtype=kv,
-                          assume_installed=frozenset({"flashinfer", "triton"}), page_size=page)
+    policy = check_backend(all_capabilities()[name], phase, _profile(args), gpu=gpu,
+                           dtype=str(dtype).removeprefix("torch."), kv_cache_dtype=kv,
+                           assume_installed=frozenset({"flashinfer", "triton"}), page_size=page)
     ok, why = _runtime_accepts(name, Attention(0, **args), phase, page, dtype, kv)
     assert (policy.ok, ok) == (runs, runs), (policy.violations, why)

@@ -20,7 +20,8 @@ from attnzoo.attention.backends.base import AttentionBackend
 from attnzoo.policy import GPUS, Overrides, ModelProfile, resolve
 from attnzoo.cli import main as policy_main
 from attnzoo.policy.profile import profile_from_config
-from attnzoo.policy.resolve import gpu_class, table_cells
+from attnzoo.cli import table_cells
+from attnzoo.policy.resolve import gpu_class
 from attnzoo.policy.table import SHIPPED_POLICY, load_table
 from attnzoo.errors import BackendError, PolicyError
 

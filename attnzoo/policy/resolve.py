@@ -16,17 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from attnzoo.attention.backends import all_capabilities, backend_names
-from attnzoo.attention.backends.capabilities import GPU_CLASSES, GPUS, PHASES, BackendCapabilities, Check, check_backend
+from attnzoo.attention.backends.capabilities import GPU_CLASSES, GPUS, PHASES, Check, check_backend
 from attnzoo.attention.kv_cache import KV_CACHE_DTYPES, MAX_PAGE_SIZE
-from attnzoo.attention.kv_layout import KVLayout
+from attnzoo.attention.kv_layout import layout_notes
 from attnzoo.errors import BackendError, PolicyError
 from attnzoo.policy.profile import ModelProfile, architecture_of, dtype_name, profile_from_config, profile_from_table
 from attnzoo.policy.table import SHIPPED_POLICY, UNMEASURED, PolicyTable, load_table
 
 POLICY_ENV = "ATTNZOO_POLICY"
-_FIELDS = ("prefill_backend", "decode_backend", "page_size")
-_ROW_FIELD = dict(zip(_FIELDS, ("prefill", "decode", "page_size")))
-POOL_MLA_LAYOUT = KVLayout.BF16.value  # what KVPool holds for MLA/NSA layers: model-dtype [latent | rope] entries
+FIELDS = ("prefill_backend", "decode_backend", "page_size")
+_ROW_FIELD = dict(zip(FIELDS, ("prefill", "decode", "page_size")))
 
 
 @dataclass
@@ -70,15 +69,13 @@ class Candidate:
     name: str
     phase: str
     accepted: bool
-    reasons: list[str]
     chosen: bool = False
+    reasons: list[str] = field(default_factory=list)
     kernel: str | None = None
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"name": self.name, "phase": self.phase, "accepted": self.accepted, "chosen": self.chosen,
-             "reasons": list(self.reasons)}
-        return {**d, **({"kernel": self.kernel} if self.kernel else {}), **({"notes": self.notes} if self.notes else {})}
+        return {k: v for k, v in self.__dict__.items() if v is not None and v != []}
 
 
 @dataclass
@@ -105,7 +102,7 @@ class Decision:
     kv_bytes_per_token: int | None = None  # set by load_model once the model's KV specs are known
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in ("architecture", "model_id", "gpu", "device_gpu", *_FIELDS)}
+        d = {k: getattr(self, k) for k in ("architecture", "model_id", "gpu", "device_gpu", *FIELDS)}
         return {**d, "sources": {k: s.to_dict() for k, s in self.sources.items()}, "kernels": dict(self.kernels),
                 "adjustments": list(self.adjustments), "notes": list(self.notes), "planned": self.planned,
                 "kv_cache_dtype": self.kv_cache_dtype, "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -124,7 +121,7 @@ class Decision:
         out += [f"{self.architecture}{where} on {gpu}: prefill {self.prefill_backend}, decode {self.decode_backend}, "
                 f"page size {self.page_size}", f"  model: {self.profile.describe()}"]
         shown: set = set()
-        for key in _FIELDS:
+        for key in FIELDS:
             s = self.sources[key]
             out.append(f"  {key.replace('_backend', ' backend').replace('_', ' ') + ':':17}{getattr(self, key)!s:<8} "
                        f"from {s.detail}")
@@ -136,13 +133,11 @@ class Decision:
                                                             if self.kv_bytes_per_token is not None else ""))
         out += [f"  {p} kernel: {self.kernels[p]}" for p in PHASES if p in self.kernels]
         out += [f"  weights {k.replace('_', ' ')}: {t}" for k, t in self.weights.items()]
-        f = self.field_choice
-        if f:
-            out.append(f"  field: SGLang {f['sglang']}; vLLM {f['vllm']}" + (f" (read: {f['read']})" if f.get("read") else ""))
-            out.append("  attnzoo's table row agrees with the field" if f["agrees"] else
-                       "  attnzoo's table row differs from the field: " + (
-                           "unmeasured" if f["justified_by"] == UNMEASURED else f"measured in {f['justified_by']}"))
-            out += [f"  field note: {f['note']}"] if f.get("note") else []
+        if f := self.field_choice:
+            why = "" if f["agrees"] else f["justified_by"] if f["justified_by"] == UNMEASURED else f"measured in {f['justified_by']}"
+            out += [f"  field: SGLang {f['sglang']}; vLLM {f['vllm']}" + (f" (read: {f['read']})" if f.get("read") else ""),
+                    f"  attnzoo's table row {'agrees with the field' if f['agrees'] else 'differs from the field: ' + why}",
+                    *([f"  field note: {f['note']}"] if f.get("note") else [])]
         out += [f"  planned: {self.planned}"] if self.planned else []
         for title, items in (("adjustments made by the automatic policy", self.adjustments), ("notes", self.notes)):
             out += [f"  {title}:", *(f"    - {a}" for a in items)] if items else []
@@ -192,9 +187,9 @@ def resolve(model, gpu: str | None = None, overrides: Overrides | None = None, m
     cls = gpu_class(device_gpu)
     if cls != device_gpu.strip().lower().replace("_", ""):
         notes.append(f"GPU {device_gpu} uses the {cls} rows and capabilities")
-    user = _user_table(ov.policy_file, notes)
+    user = user_table(ov.policy_file, notes)
     arch, fam = profile.architecture, profile.family
-    matches = _matches(shipped, user, arch, fam, cls, model_id)
+    matches = applicable(shipped, user, arch, fam, cls, model_id)
     values: dict[str, Any] = {}
     sources: dict[str, Source] = {}
     for key, (value, kwname) in {
@@ -205,7 +200,7 @@ def resolve(model, gpu: str | None = None, overrides: Overrides | None = None, m
         if value is not None:
             values[key], sources[key] = value, Source("override", f"keyword {kwname}={value!r}")
         else:
-            values[key], sources[key] = _walk(matches, key, arch, fam, cls, shipped)
+            values[key], sources[key] = value_of(matches, key, arch, fam, cls, shipped)
     page = values["page_size"]
     if type(page) is not int or not 1 <= page <= MAX_PAGE_SIZE:
         raise PolicyError(f"page size {page!r} (from {sources['page_size'].detail}) is not an integer in "
@@ -222,9 +217,10 @@ def resolve(model, gpu: str | None = None, overrides: Overrides | None = None, m
     explicit_page = page if sources["page_size"].explicit else None
 
     def check(name: str, phase: str, page_bound: bool = True) -> Check:
-        return check_choice(name, phase, profile, gpu=cls, capabilities=capabilities, dtype=dtype,
-                            kv_cache_dtype=ov.kv_cache_dtype, assume_installed=assume,
-                            page_size=explicit_page if page_bound else None)
+        if name not in capabilities:
+            return Check(name, phase, violations=[f"unknown backend (registered: {', '.join(capabilities)})"])
+        return check_backend(capabilities[name], phase, profile, gpu=cls, dtype=dtype, kv_cache_dtype=ov.kv_cache_dtype,
+                             assume_installed=assume, page_size=explicit_page if page_bound else None)
 
     def valid_fix(phase: str) -> str:
         valid = [n for n in capabilities if check(n, phase).ok]
@@ -272,7 +268,7 @@ def resolve(model, gpu: str | None = None, overrides: Overrides | None = None, m
         if (m := caps.block_table_columns_multiple(page)) > 1:  # the backend pads its own tables: said here
             notes.append(f"{caps.name}: block tables padded to a multiple of {m} columns "
                          f"({caps.block_table_pad_tokens}/page_size)")
-    notes += kv_layout_notes(pre_caps, dec_caps, profile.kind)
+    notes += layout_notes(pre_caps, dec_caps, profile.kind)
     notes += [f"model profile {profile.source}; pass the model's config for an exact check"] \
         if profile.source != "config" and not profile.source.startswith("read from") else []
     notes += ["run dtype not given: backend dtypes not checked"] if dtype is None else []
@@ -286,22 +282,6 @@ def resolve(model, gpu: str | None = None, overrides: Overrides | None = None, m
         field_choice=field_summary(matches), assumed_installed=sorted(assume))
 
 
-def check_choice(name: str, phase: str, profile: ModelProfile, *, gpu: str,
-                 capabilities: dict[str, BackendCapabilities], dtype: str | None = None,
-                 kv_cache_dtype: str = "auto", assume_installed: frozenset[str] = frozenset(),
-                 page_size: int | None = None) -> Check:
-    """The policy's view of backend ``name`` for ``phase`` of ``profile`` on ``gpu``: its declaration's
-    ``check`` (the one the backend runs on its own layers), its package, and the page size if given."""
-    caps = capabilities.get(name)
-    if caps is None:
-        return Check(name, phase, violations=[f"unknown backend (registered: {', '.join(capabilities)})"])
-    chk = check_backend(caps, phase, profile, gpu=gpu, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                        assume_installed=assume_installed)
-    if page_size is not None and not caps.page_size_ok(page_size, gpu):
-        chk.violations.append(f"page size {page_size} unsupported (supports {caps.page_sizes_text(gpu)})")
-    return chk
-
-
 def field_summary(matches) -> dict[str, Any] | None:
     """The most specific row's `field`, with whether it differs and what justifies a difference."""
     f = next((m.row.field for _, _, m in matches if m.row.field), None)
@@ -311,14 +291,14 @@ def field_summary(matches) -> dict[str, Any] | None:
     return dict(f, differs=not f["agrees"], **({} if f["agrees"] else {"justified_by": measured or UNMEASURED}))
 
 
-def _matches(shipped: PolicyTable, user: PolicyTable | None, arch, fam, gpu, model_id) -> list:
+def applicable(shipped: PolicyTable, user: PolicyTable | None, arch, fam, gpu, model_id) -> list:
     return [(t, t is user, m) for t in (user, shipped) if t for m in t.lookup(arch, fam, gpu, model_id)]
 
 
-def _walk(matches, key: str, arch: str, fam: str, gpu: str, shipped: PolicyTable) -> tuple[Any, Source]:
+def value_of(matches, key: str, arch: str, fam: str, gpu: str, shipped: PolicyTable) -> tuple[Any, Source]:
     """The value of one field from the most specific row that sets it, and where it came from."""
     for tbl, is_user, m in matches:
-        if (v := m.row.get(_ROW_FIELD[key])) is not None:
+        if (v := getattr(m.row, _ROW_FIELD[key])) is not None:
             loc = f"{m.row.where} (line {m.row.line})" if m.row.line else m.row.where
             what = {"model": f"model pattern {m.pattern!r}", "arch": "architecture entry",
                     "family": "family entry" if is_user else "family default"}[m.level]
@@ -329,40 +309,6 @@ def _walk(matches, key: str, arch: str, fam: str, gpu: str, shipped: PolicyTable
                              reason=m.row.reason, measured_in=m.row.measured_in)
     raise PolicyError(f"the policy table has no {_ROW_FIELD[key]} value for {arch} on {gpu}",
                       fix=f"add it to [family.{fam}.gpu.{gpu}] in {shipped.path}")
-
-
-def table_cells(gpu: str | None = None, policy_file=None, *, table=None) -> list[dict[str, Any]]:
-    """Every (architecture, GPU) cell of the table as written, merged by precedence; no capability checks.
-    ``policy_file`` (or $ATTNZOO_POLICY) is merged over the shipped table, as resolve() would."""
-    shipped = load_table(table or SHIPPED_POLICY, shipped=True)
-    user = _user_table(policy_file, [])
-    cells = []
-    for fam in shipped.families.values():
-        for arch in fam.archs:
-            for g in [gpu_class(gpu)] if gpu else GPUS:
-                matches = _matches(shipped, user, arch, fam.name, g, None)
-                cell: dict[str, Any] = {"family": fam.name, "architecture": arch, "gpu": g}
-                for key in _FIELDS:
-                    cell[key], src = _walk(matches, key, arch, fam.name, g, shipped)
-                    cell[f"{key}_from"] = src.detail
-                for key in ("reason", "planned", "measured_in"):
-                    cell[key] = next((m.row.get(key) for _, _, m in matches if m.row.get(key)), None)
-                cells.append({**cell, "field": field_summary(matches)})
-    return cells
-
-
-def model_patterns(gpu: str | None = None, policy_file=None, *, table=None) -> list[dict[str, Any]]:
-    """The model-id pattern rows of the shipped table and the user policy file ("*" = all GPUs)."""
-    want = gpu_class(gpu) if gpu else None
-    out = []
-    for tbl in (load_table(table or SHIPPED_POLICY, shipped=True), _user_table(policy_file, [])):
-        for pattern, entry in (tbl.models.items() if tbl else ()):
-            for g, row in [("*", entry.all_gpus), *entry.gpus.items()]:
-                if (want and g not in ("*", want)) or (row.prefill, row.decode, row.page_size) == (None,) * 3:
-                    continue
-                out.append({"pattern": pattern, "gpu": g, "prefill": row.prefill, "decode": row.decode,
-                            "page_size": row.page_size, "reason": row.reason, "file": str(tbl.path), "line": row.line})
-    return out
 
 
 def _profile(model, shipped: PolicyTable, notes: list[str]) -> ModelProfile:
@@ -390,7 +336,7 @@ def _profile(model, shipped: PolicyTable, notes: list[str]) -> ModelProfile:
     return replace(model, family=fam)
 
 
-def _user_table(policy_file, notes: list[str]) -> PolicyTable | None:
+def user_table(policy_file, notes: list[str]) -> PolicyTable | None:
     if policy_file is not None and not isinstance(policy_file, (str, os.PathLike)):
         raise PolicyError(f"policy_file must be a path (str or os.PathLike), got {type(policy_file).__name__}",
                           fix="pass the path of a TOML policy file, e.g. policy_file='my_policy.toml'")
@@ -434,21 +380,7 @@ def _candidates(values, first_choice, fallback, page: int, check, gpu: str, capa
                 if caps is not None and not caps.page_size_ok(page, gpu) else []
             if chk.kernel is not None and chk.kernel.runs_as:
                 notes.append(f"{phase} runs the {chk.kernel.runs_as} backend's kernel here ({chk.kernel.note})")
-            out.append(Candidate(name, phase, chk.ok, chk.reasons, chosen=name == chosen,
+            out.append(Candidate(name, phase, chk.ok, chosen=name == chosen, reasons=chk.reasons,
                                  kernel=chk.kernel.name if chk.kernel else None, notes=notes))
     return out
 
-
-def kv_layout_notes(prefill: BackendCapabilities, decode: BackendCapabilities, kind: str) -> list[str]:
-    """What the Decision says about KV layouts: a mismatch between the phases, and every conversion."""
-    pre, dec = prefill.layout_for(kind), decode.layout_for(kind)
-    notes = [f"prefill ({prefill.name}) reads KV layout {pre} and decode ({decode.name}) reads {dec}: "
-             "the cache is converted between them"] if pre != dec else []
-    phases = {"prefill and decode": prefill} if prefill.name == decode.name else {"prefill": prefill, "decode": decode}
-    for phase, caps in (phases.items() if kind != "mha" else ()):
-        if caps.mla_kv_layout != POOL_MLA_LAYOUT:
-            notes.append(f"{phase} backend {caps.name} reads KV layout {caps.mla_kv_layout}: the pool keeps "
-                         f"{POOL_MLA_LAYOUT} (model dtype) entries and a Triton kernel (attnzoo/attention/kernels/"
-                         f"kv_layout.py) converts each token once, when its layer stores it, into {caps.name}'s "
-                         f"{caps.mla_kv_layout} copy")
-    return notes

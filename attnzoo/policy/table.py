@@ -1,30 +1,5 @@
-"""The policy table as data: read with tomllib into frozen dataclasses, validated with file:line errors.
-
-One schema serves the shipped table (``policy.toml``) and user policy files (``--policy FILE`` or
-``$ATTNZOO_POLICY``)::
-
-    schema = 1
-    [family.<name>]                      # family default, for every GPU (optional fields)
-    fallback = ["triton", "torch"]       # automatic fallback order when a row's backend cannot run a model
-    kinds = ["mha"]                      # attention kinds whose unlisted architectures take this family's rows
-    profile = { kind = "mha", ... }      # the model assumed when only an architecture name is known
-    [family.<name>.gpu.<gpu>]            # family default row for one GPU
-    prefill = "triton"                   # or backend = "..." for both phases
-    decode = "triton"
-    page_size = 16
-    reason = "why"
-    planned = "what replaces it once implemented"
-    measured_in = "benchmarks/results/<file>"   # or "unmeasured": the row differs from the field untested
-    field = { sglang = "fa3", vllm = "FLASH_ATTN (FA3)", agrees = false, note = "..." }
-                                         # the field's choice for this cell; `read` defaults to `field_read`
-    [family.<name>.arch.<Architecture>]  # per-architecture entry: same row fields, its own gpu rows
-    [models."<model id glob>"]           # per-model-id entry (user files), e.g. "google/gemma-4-*"
-    [flagship]                           # hub id = "Architecture": resolved offline, no config read (shipped)
-    [measured]                           # numbers behind the file (written by `attnzoo tune`); not read by resolve
-
-Within one file the most specific row wins, field by field: model-id pattern > architecture entry >
-family default, and within each a GPU row > the entry's all-GPU fields.
-"""
+"""The policy table as data: TOML read with tomllib into frozen dataclasses, validated with file:line errors.
+One schema (documented at the top of policy.toml) serves the shipped table and user policy files."""
 from __future__ import annotations
 
 import fnmatch
@@ -50,12 +25,11 @@ UNMEASURED = "unmeasured"
 ROW_KEYS = ("backend", "prefill", "decode", "page_size", "reason", "planned", "measured_in", "field")
 FIELD_KEYS = ("sglang", "vllm", "agrees", "read", "note")
 _INTS = lambda x: isinstance(x, list) and bool(x) and all(type(i) is int and i > 0 for i in x)  # noqa: E731
-PROFILE_KEYS = {
-    "kind": lambda x: x in ("mha", "mla", "nsa"), "head_dims": _INTS, "v_head_dims": _INTS, "num_kv_heads": _INTS,
-    "num_heads": lambda x: type(x) is int and x > 0, "sliding_window": lambda x: isinstance(x, bool),
-    "softcap": lambda x: isinstance(x, bool), "dtype": lambda x: x in ("float32", "bfloat16", "float16"),
-    "example": lambda x: isinstance(x, str),
-}
+_BOOL = lambda x: isinstance(x, bool)  # noqa: E731
+PROFILE_KEYS = {"kind": lambda x: x in ("mha", "mla", "nsa"), "head_dims": _INTS, "v_head_dims": _INTS,
+                "num_kv_heads": _INTS, "num_heads": lambda x: type(x) is int and x > 0, "sliding_window": _BOOL,
+                "softcap": _BOOL, "dtype": lambda x: x in ("float32", "bfloat16", "float16"),
+                "example": lambda x: isinstance(x, str)}
 # The automatic policy's own machinery: a user file's choices are explicit and never fall back.
 _SHIPPED_ONLY = {"fallback", "profile", "kinds", "flagship"}
 _ENTRY_KEYS = {"family": set(ROW_KEYS) | {"gpu", "arch", "fallback", "profile", "kinds"},
@@ -77,14 +51,9 @@ class Row:
     measured_in: str | None = None
     field: dict[str, Any] | None = None  # the field's choice: FIELD_KEYS
 
-    def get(self, name: str):
-        return getattr(self, name)
-
 
 @dataclass(frozen=True)
 class Entry:
-    where: str
-    line: int | None
     all_gpus: Row
     gpus: dict[str, Row] = field(default_factory=dict)
     profile: dict[str, Any] | None = None
@@ -119,13 +88,8 @@ class PolicyTable:
         return next((f.name for f in self.families.values() if architecture in f.archs), None)
 
     def family_of_kind(self, kind: str) -> str | None:
-        """The family whose rows serve an unlisted architecture of this attention kind ("mha_sinks" falls
-        back to "mha" when no family lists it)."""
-        for k in (kind, kind.split("_")[0]):
-            fam = next((f.name for f in self.families.values() if k in f.kinds), None)
-            if fam:
-                return fam
-        return None
+        """The family serving unlisted architectures of this attention kind ("mha_sinks", unlisted: "mha")."""
+        return next((f.name for k in (kind, kind.split("_")[0]) for f in self.families.values() if k in f.kinds), None)
 
     def architectures(self) -> list[str]:
         return [a for fam in self.families.values() for a in fam.archs]
@@ -151,9 +115,7 @@ class PolicyTable:
     def profile_for(self, architecture: str) -> dict[str, Any] | None:
         """The fallback profile fields for an architecture (arch entry over family), or None."""
         fam = self.families.get(self.family_of(architecture) or "")
-        if fam is None:
-            return None
-        return {**(fam.entry.profile or {}), **(fam.archs[architecture].profile or {})} or None
+        return fam and {**(fam.entry.profile or {}), **(fam.archs[architecture].profile or {})} or None
 
 
 def load_table(path, *, shipped: bool = False) -> PolicyTable:
@@ -272,15 +234,11 @@ class _Parser:
         kp = ("family", name)
         entry = self.entry(body, kp, "family")
         archs = {a: self.entry(b, kp + ("arch", a), "arch") for a, b in self.table(body.get("arch", {}), kp + ("arch",)).items()}
-        lists = {}
         for key, example in (("fallback", '["triton", "torch"]'), ("kinds", '["mha"]')):
-            v = body.get(key, [])
-            if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            if not isinstance(body.get(key, []), list) or not all(isinstance(x, str) for x in body.get(key, [])):
                 raise self.fail(kp + (key,), "expected a list of names", f"write {key} = {example}")
-            lists[key] = tuple(v)
-        for b in lists["fallback"]:
-            self.backend_name(b, kp + ("fallback",))
-        return Family(name, entry, archs, lists["fallback"], lists["kinds"])
+        fallback = tuple(self.backend_name(b, kp + ("fallback",)) for b in body.get("fallback", []))
+        return Family(name, entry, archs, fallback, tuple(body.get("kinds", [])))
 
     def entry(self, body, kp: tuple[str, ...], kind: str) -> Entry:
         self.table(body, kp, _ENTRY_KEYS[kind])
@@ -289,15 +247,11 @@ class _Parser:
             if gpu not in GPUS:
                 raise self.fail(kp + ("gpu", gpu), "unknown GPU", f"use one of: {', '.join(GPUS)}")
             gpus[gpu] = self.row(self.table(rb, kp + ("gpu", gpu), set(ROW_KEYS)), kp + ("gpu", gpu))
-        profile = None
-        if "profile" in body:
-            profile = dict(self.table(body["profile"], kp + ("profile",), set(PROFILE_KEYS)))
-            for k, v in profile.items():
-                if not PROFILE_KEYS[k](v):
-                    raise self.fail(kp + ("profile", k), f"invalid value {v!r}",
-                                    "see the profile fields in attnzoo/policy/policy.toml")
-        row = self.row({k: v for k, v in body.items() if k in ROW_KEYS}, kp)
-        return Entry(row.where, row.line, row, gpus, profile)
+        profile = dict(self.table(body["profile"], kp + ("profile",), set(PROFILE_KEYS))) if "profile" in body else None
+        for k, v in (profile or {}).items():
+            if not PROFILE_KEYS[k](v):
+                raise self.fail(kp + ("profile", k), f"invalid value {v!r}", "see the profile fields in policy.toml")
+        return Entry(self.row({k: v for k, v in body.items() if k in ROW_KEYS}, kp), gpus, profile)
 
     def row(self, body: dict, kp: tuple[str, ...]) -> Row:
         names = {k: self.backend_name(body[k], kp + (k,)) for k in ("backend", "prefill", "decode") if k in body}
