@@ -1,11 +1,6 @@
-"""What the policy needs to know about a model's attention, read from the attention layers its model class
-builds for a Hugging Face config (on the meta device: no memory, no weights), or from the config's keys
-when no model class is registered for it.
-
-Only attention facts matter: the attention kind (which an architecture missing from the table resolves
-by), the q/k and v head dims every layer uses (MLA in its absorbed form, as the shared attention layer
-runs it), sliding windows, attention logit soft-capping, sinks, head counts and dtype.
-"""
+"""What the policy knows of a model's attention: its kind (which an architecture missing from the table
+resolves by), head dims (MLA absorbed, as the shared layer runs it), windows, soft-cap, sinks, head counts
+and dtype; read from the layers its model class builds on the meta device, or from the config's keys."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -61,9 +56,7 @@ class ModelProfile:
 
 
 def dtype_name(value) -> str | None:
-    if value is None:
-        return None
-    name = str(value).replace("torch.", "")
+    name = None if value is None else str(value).replace("torch.", "")
     return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}.get(name, name)
 
 
@@ -76,12 +69,8 @@ def _dtype(cfg):  # config.json files written before transformers 5 say torch_dt
 
 
 def profile_from_config(hf_config, *, architecture: str | None = None, family: str | None = None) -> ModelProfile:
-    """A model's attention profile from its attention layers as its model class builds them (meta device),
-    for an HF config object or a config.json dict; from the config's keys when no class is registered.
-
-    ``architecture`` overrides the config's ``architectures[0]``; ``family`` is looked up in the shipped
-    table when not given (None when the architecture is not listed: resolve() goes by the attention kind).
-    """
+    """The profile of an HF config object or config.json dict. ``architecture`` overrides the config's;
+    ``family`` is looked up in the shipped table when not given (None if unlisted: resolve() uses the kind)."""
     arch = architecture or architecture_of(hf_config)
     if not arch:
         raise PolicyError("the model config names no architecture (config.json has no 'architectures')",
@@ -141,9 +130,8 @@ def _profile_from_keys(cfg, arch: str, family: str | None, dtype: str | None) ->
 
 
 def rank_local(profile: ModelProfile, tensor_parallel_size: int) -> ModelProfile:
-    """What one rank's attention runs at tensor parallel N: the query heads split N ways, the KV heads
-    too, or one per rank where there are fewer than N (each rank keeps a copy); MLA's latent head stays
-    whole. Backend choices that depend on head counts (XQA's group size, FlashInfer's kernels) follow."""
+    """One rank's attention at tensor parallel N: query heads split N ways, KV heads too or one per rank
+    where there are fewer (each keeps a copy); MLA's latent head stays whole. Head-count checks follow."""
     n = tensor_parallel_size
     if n == 1:
         return profile

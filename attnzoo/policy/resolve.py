@@ -10,13 +10,13 @@ family's ``fallback`` list, the page size), and every adjustment is recorded in 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from attnzoo.attention.backends import all_capabilities, backend_names
-from attnzoo.attention.backends.capabilities import GPU_CLASSES, GPUS, PHASES, Check, check_backend
+from attnzoo.attention.backends.base import detect_gpu, gpu_class
+from attnzoo.attention.backends.capabilities import GPUS, PHASES, Check, check_backend
 from attnzoo.attention.kv_cache import KV_CACHE_DTYPES, MAX_PAGE_SIZE
 from attnzoo.attention.kv_layout import layout_notes
 from attnzoo.errors import BackendError, PolicyError
@@ -149,26 +149,6 @@ class Decision:
                            f"{'; '.join(c.reasons)}")
                 out += [f"    {'':17} note: {n}" for n in c.notes]
         return "\n".join(out)
-
-
-def detect_gpu(device=None) -> str:
-    """"cpu", or the CUDA compute capability of ``device`` (default: the current one) as "smXY"."""
-    import torch
-
-    if (device is not None and torch.device(device).type != "cuda") or not torch.cuda.is_available():
-        return "cpu"
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm{major}{minor}"
-
-
-def gpu_class(gpu: str) -> str:
-    """Map a GPU name ("sm90", "sm_86", "SM100", "cpu") to the class the table has rows for."""
-    g = str(gpu).strip().lower().replace("_", "")
-    m = re.fullmatch(r"sm(\d+)(\d)", g)
-    if g in GPUS or (m and (int(m[1]), int(m[2])) in GPU_CLASSES):
-        return g if g in GPUS else GPU_CLASSES[int(m[1]), int(m[2])]
-    raise PolicyError(f"GPU {gpu!r} is not one the policy knows",
-                      fix=f"pass one of: {', '.join(GPUS)} (sm86/sm87 count as sm80, sm121 as sm120)")
 
 
 def resolve(model, gpu: str | None = None, overrides: Overrides | None = None, model_id: str | None = None, *,

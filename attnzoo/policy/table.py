@@ -122,11 +122,9 @@ def load_table(path, *, shipped: bool = False) -> PolicyTable:
     """Read and validate a policy file. Every problem is a PolicyError naming the file, key and line."""
     p = Path(path)
     if not p.is_file():
-        raise PolicyError(
-            f"policy file {str(p)!r} does not exist" if not p.exists() else f"policy file {str(p)!r} is not a file",
-            fix="pass an existing TOML file with --policy / policy_file=, or unset ATTNZOO_POLICY")
-    st = p.stat()
-    return _load(p, st.st_mtime_ns, st.st_size, shipped)
+        raise PolicyError(f"policy file {str(p)!r} {'is not a file' if p.exists() else 'does not exist'}",
+                          fix="pass an existing TOML file with --policy / policy_file=, or unset ATTNZOO_POLICY")
+    return _load(p, p.stat().st_mtime_ns, p.stat().st_size, shipped)
 
 
 @functools.lru_cache(maxsize=32)  # tables are frozen: one parse per file version
@@ -199,10 +197,10 @@ class _Parser:
 
     def parse(self, data: dict) -> PolicyTable:
         self.table(data, (), _TOP_KEYS)
-        self.field_read = data.get("field_read")
-        if self.field_read is not None and not isinstance(self.field_read, str):
-            raise self.fail(("field_read",), "expected a string", 'write field_read = "what was read, versions"')
         self.table(data.get("measured", {}), ("measured",))
+        self.field_read = data.get("field_read", "")
+        if not isinstance(self.field_read, str):
+            raise self.fail(("field_read",), "expected a string", 'write field_read = "what was read, versions"')
         if data.get("schema", SCHEMA_VERSION) != SCHEMA_VERSION:
             raise self.fail(("schema",), f"schema version {data['schema']!r} is not supported",
                             f"set schema = {SCHEMA_VERSION}")
@@ -221,13 +219,11 @@ class _Parser:
                     raise self.fail(("family", fam.name, "arch", arch), f"architecture also listed in family "
                                     f"{seen[arch]!r}", "list each architecture in one family only")
                 seen[arch] = fam.name
-        models = {p: self.entry(b, ("models", p), "models")
-                  for p, b in self.table(data.get("models", {}), ("models",)).items()}
+        models = {p: self.entry(b, ("models", p), "models") for p, b in self.table(data.get("models", {}), ("models",)).items()}
         flagships = self.table(data.get("flagship", {}), ("flagship",))
         for hub_id, arch in flagships.items():
             if arch not in seen:
-                raise self.fail(("flagship", hub_id), f"architecture {arch!r} is not in the table",
-                                f"use one of: {', '.join(seen)}")
+                raise self.fail(("flagship", hub_id), f"architecture {arch!r} is not in the table", f"use one of: {', '.join(seen)}")
         return PolicyTable(self.path, families, models, dict(flagships))
 
     def family(self, name: str, body) -> Family:
@@ -276,9 +272,7 @@ class _Parser:
         for k in ("sglang", "vllm", "agrees"):
             if k not in body:
                 raise self.fail(kp, f"missing {k!r}", 'write field = { sglang = "...", vllm = "...", agrees = false }')
-        if "read" not in body and self.field_read:
-            body["read"] = self.field_read
-        return body
+        return {**body, **({"read": self.field_read} if self.field_read and "read" not in body else {})}
 
     def backend_name(self, value, kp: tuple[str, ...]) -> str:
         if not isinstance(value, str) or value not in backend_names():
