@@ -1,12 +1,9 @@
 """resolve(): which backend runs prefill, which runs decode, and the KV page size, with the reasons.
 
-Precedence, most specific first, field by field (prefill backend, decode backend, page size):
-keyword overrides > user policy file (``Overrides.policy_file`` or ``$ATTNZOO_POLICY``) > the shipped
-per-architecture entry > the shipped family default. An architecture the table does not list takes the
-rows of the family that serves its attention kind (``kinds``). Explicit choices (keywords, user files)
-are checked and raise when they cannot run, never replaced; only the automatic policy adjusts (the
-family's ``fallback`` list, the page size), and every adjustment is recorded in the Decision.
-"""
+Most specific first, field by field: keyword overrides > user policy file (``policy_file`` or
+``$ATTNZOO_POLICY``) > shipped architecture entry > shipped family default; an unlisted architecture takes
+the rows of the family serving its attention kind. Explicit choices that cannot run raise, never replaced;
+only the automatic policy adjusts (the family's ``fallback``, the page size), each adjustment recorded."""
 from __future__ import annotations
 
 import os
@@ -26,6 +23,8 @@ from attnzoo.policy.table import SHIPPED_POLICY, UNMEASURED, PolicyTable, load_t
 POLICY_ENV = "ATTNZOO_POLICY"
 FIELDS = ("prefill_backend", "decode_backend", "page_size")
 _ROW_FIELD = dict(zip(FIELDS, ("prefill", "decode", "page_size")))
+_LEVELS = {"model": ("shipped_model", "model pattern {!r}"), "arch": ("shipped_arch", "architecture entry"),
+           "family": ("family_default", "family default")}
 
 
 @dataclass
@@ -172,13 +171,10 @@ def resolve(model, gpu: str | None = None, overrides: Overrides | None = None, m
     matches = applicable(shipped, user, arch, fam, cls, model_id)
     values: dict[str, Any] = {}
     sources: dict[str, Source] = {}
-    for key, (value, kwname) in {
-        "prefill_backend": (ov.prefill_backend, "prefill_backend") if ov.prefill_backend else (ov.backend, "backend"),
-        "decode_backend": (ov.decode_backend, "decode_backend") if ov.decode_backend else (ov.backend, "backend"),
-        "page_size": (ov.page_size, "page_size"),
-    }.items():
-        if value is not None:
-            values[key], sources[key] = value, Source("override", f"keyword {kwname}={value!r}")
+    for key in FIELDS:  # a phase's own keyword beats backend=
+        kw = key if getattr(ov, key) is not None or key == "page_size" else "backend"
+        if getattr(ov, kw) is not None:
+            values[key], sources[key] = getattr(ov, kw), Source("override", f"keyword {kw}={getattr(ov, kw)!r}")
         else:
             values[key], sources[key] = value_of(matches, key, arch, fam, cls, shipped)
     page = values["page_size"]
@@ -188,10 +184,9 @@ def resolve(model, gpu: str | None = None, overrides: Overrides | None = None, m
     if ov.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise PolicyError(f"unknown kv_cache_dtype {ov.kv_cache_dtype!r}", fix=f"use one of: {', '.join(KV_CACHE_DTYPES)}")
     if ov.kv_cache_dtype != "auto" and profile.kind != "mha":
-        raise PolicyError(
-            f"kv_cache_dtype={ov.kv_cache_dtype!r} is for MHA/GQA models; {arch} is {profile.kind.upper()}, whose "
-            "caches keep their explicit layouts",
-            fix="use kv_cache_dtype='auto' (MLA/NSA fp8 caches are backend layouts: e.g. backend nsa_triton_fp8)")
+        raise PolicyError(f"kv_cache_dtype={ov.kv_cache_dtype!r} is for MHA/GQA models; {arch} is {profile.kind.upper()}, "
+                          "whose caches keep their explicit layouts",
+                          fix="use kv_cache_dtype='auto' (MLA/NSA fp8 caches are backend layouts: e.g. nsa_triton_fp8)")
     capabilities, dtype, assume = all_capabilities(), dtype_name(ov.dtype), frozenset(ov.assume_installed)
     fallback = shipped.families[fam].fallback
     explicit_page = page if sources["page_size"].explicit else None
@@ -238,12 +233,9 @@ def resolve(model, gpu: str | None = None, overrides: Overrides | None = None, m
         adjustments.append(page_adj)
         sources["page_size"] = Source("fallback", f"adjusted from {sources['page_size'].detail}", reason=page_adj)
     pre_caps, dec_caps = capabilities[values["prefill_backend"]], capabilities[values["decode_backend"]]
-    kernels: dict[str, str] = {}
-    for phase in PHASES:
-        k = checks[phase].kernel
-        if k is not None:
-            kernels[phase] = k.name + (f" (the {k.runs_as} backend's kernel: {k.note})" if k.runs_as else "")
-            notes += [f"{phase}: {k.note}"] if k.requires_env else []
+    ks = {phase: k for phase in PHASES if (k := checks[phase].kernel) is not None}
+    kernels = {p: k.name + (f" (the {k.runs_as} backend's kernel: {k.note})" if k.runs_as else "") for p, k in ks.items()}
+    notes += [f"{p}: {k.note}" for p, k in ks.items() if k.requires_env]
     for caps in {pre_caps.name: pre_caps, dec_caps.name: dec_caps}.values():
         if (m := caps.block_table_columns_multiple(page)) > 1:  # the backend pads its own tables: said here
             notes.append(f"{caps.name}: block tables padded to a multiple of {m} columns "
@@ -253,10 +245,9 @@ def resolve(model, gpu: str | None = None, overrides: Overrides | None = None, m
         if profile.source != "config" and not profile.source.startswith("read from") else []
     notes += ["run dtype not given: backend dtypes not checked"] if dtype is None else []
     return Decision(
-        prefill_backend=values["prefill_backend"], decode_backend=values["decode_backend"], page_size=page, gpu=cls,
-        architecture=arch, sources=sources, candidates=_candidates(values, first_choice, fallback, page, check, cls,
-                                                                   capabilities),
-        adjustments=adjustments, planned=next((m.row.planned for _, _, m in matches if m.row.planned), None),
+        **{**values, "page_size": page}, gpu=cls, architecture=arch, sources=sources, adjustments=adjustments,
+        candidates=_candidates(values, first_choice, fallback, page, check, cls, capabilities),
+        planned=next((m.row.planned for _, _, m in matches if m.row.planned), None),
         profile=profile, model_id=model_id, device_gpu=device_gpu, kernels=kernels, notes=notes,
         kv_cache_dtype=ov.kv_cache_dtype, policy_files=[str(t.path) for t in (shipped, user) if t],
         field_choice=field_summary(matches), assumed_installed=sorted(assume))
@@ -279,14 +270,12 @@ def value_of(matches, key: str, arch: str, fam: str, gpu: str, shipped: PolicyTa
     """The value of one field from the most specific row that sets it, and where it came from."""
     for tbl, is_user, m in matches:
         if (v := getattr(m.row, _ROW_FIELD[key])) is not None:
-            loc = f"{m.row.where} (line {m.row.line})" if m.row.line else m.row.where
-            what = {"model": f"model pattern {m.pattern!r}", "arch": "architecture entry",
-                    "family": "family entry" if is_user else "family default"}[m.level]
-            level = "user_policy" if is_user else {"model": "shipped_model", "arch": "shipped_arch",
-                                                   "family": "family_default"}[m.level]
-            detail = f"user policy file {tbl.path}: {what}, {loc}" if is_user else f"shipped policy: {what}, {loc}"
-            return v, Source(level, detail, file=str(tbl.path), where=m.row.where, line=m.row.line, pattern=m.pattern,
-                             reason=m.row.reason, measured_in=m.row.measured_in)
+            level, what = _LEVELS[m.level]
+            what = (what.format(m.pattern) if not is_user or m.level != "family" else "family entry") + ", " + (
+                f"{m.row.where} (line {m.row.line})" if m.row.line else m.row.where)
+            return v, Source("user_policy" if is_user else level, f"user policy file {tbl.path}: {what}" if is_user
+                             else f"shipped policy: {what}", file=str(tbl.path), where=m.row.where, line=m.row.line,
+                             pattern=m.pattern, reason=m.row.reason, measured_in=m.row.measured_in)
     raise PolicyError(f"the policy table has no {_ROW_FIELD[key]} value for {arch} on {gpu}",
                       fix=f"add it to [family.{fam}.gpu.{gpu}] in {shipped.path}")
 
