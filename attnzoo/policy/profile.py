@@ -33,10 +33,8 @@ class ModelProfile:
     @property
     def attention_kind(self) -> str:
         """mha, mha_window, mha_sinks, mla or nsa; or what the model class declares (e.g. a new kind)."""
-        if self.declared_kind:
-            return self.declared_kind
-        if self.kind != "mha":
-            return self.kind
+        if self.declared_kind or self.kind != "mha":
+            return self.declared_kind or self.kind
         return "mha_sinks" if self.uses_sinks else "mha_window" if self.uses_sliding_window else "mha"
 
     def to_dict(self) -> dict[str, Any]:
@@ -69,16 +67,12 @@ def _dtype(cfg):  # config.json files written before transformers 5 say torch_dt
 
 
 def profile_from_config(hf_config, *, architecture: str | None = None, family: str | None = None) -> ModelProfile:
-    """The profile of an HF config object or config.json dict. ``architecture`` overrides the config's;
-    ``family`` is looked up in the shipped table when not given (None if unlisted: resolve() uses the kind)."""
+    """The profile of an HF config object or config.json dict; ``architecture`` overrides the config's. The
+    family is resolve()'s to fill in (the table's, or the attention kind's) when not given."""
     arch = architecture or architecture_of(hf_config)
     if not arch:
         raise PolicyError("the model config names no architecture (config.json has no 'architectures')",
                           fix="give the architecture explicitly (attnzoo policy explain ... --arch ARCH)")
-    if family is None:
-        from attnzoo.policy.table import SHIPPED_POLICY, load_table
-
-        family = load_table(SHIPPED_POLICY, shipped=True).family_of(arch)
     text = _get(hf_config, "text_config")
     dtype = dtype_name(_dtype(hf_config) or (_dtype(text) if text is not None else None))
     try:
@@ -113,8 +107,8 @@ def _profile_from_keys(cfg, arch: str, family: str | None, dtype: str | None) ->
     if not heads:
         raise PolicyError(f"architecture {arch!r} is not implemented and its config has no num_attention_heads",
                           fix="pass the config of a decoder model (or --arch with a listed architecture)")
-    window = bool(_get(cfg, "sliding_window")) and _get(cfg, "use_sliding_window") is not False
-    window |= "sliding_attention" in (_get(cfg, "layer_types") or ())
+    window = (bool(_get(cfg, "sliding_window")) and _get(cfg, "use_sliding_window") is not False
+              or "sliding_attention" in (_get(cfg, "layer_types") or ()))
     rank = _get(cfg, "kv_lora_rank")
     if rank:
         dims, vdims, kv = {rank + _get(cfg, "qk_rope_head_dim")}, {rank}, {1}
@@ -132,25 +126,9 @@ def _profile_from_keys(cfg, arch: str, family: str | None, dtype: str | None) ->
 def rank_local(profile: ModelProfile, tensor_parallel_size: int) -> ModelProfile:
     """One rank's attention at tensor parallel N: query heads split N ways, KV heads too or one per rank
     where there are fewer (each keeps a copy); MLA's latent head stays whole. Head-count checks follow."""
-    n = tensor_parallel_size
-    if n == 1:
+    if (n := tensor_parallel_size) == 1:
         return profile
     kv = profile.num_kv_heads if profile.kind != "mha" else frozenset(max(1, k // n) for k in profile.num_kv_heads)
     return replace(profile, num_heads=profile.num_heads // n if profile.num_heads else None, num_kv_heads=kv,
                    extra={**profile.extra, "tensor_parallel_size": n})
 
-
-def profile_from_table(architecture: str, family: str, fields: dict[str, Any] | None) -> ModelProfile:
-    """The assumed profile when only an architecture name is known (the table's ``profile`` fields)."""
-    if not fields or "kind" not in fields or "head_dims" not in fields:
-        raise PolicyError(f"the policy table has no fallback profile for {architecture!r}",
-                          fix="pass the model's config (a local dir or a cached hub id) instead of the architecture name")
-    example = fields.get("example")
-    return ModelProfile(
-        architecture=architecture, family=family, kind=fields["kind"], head_dims=frozenset(fields["head_dims"]),
-        v_head_dims=frozenset(fields.get("v_head_dims", fields["head_dims"])),
-        uses_sliding_window=bool(fields.get("sliding_window", False)), uses_softcap=bool(fields.get("softcap", False)),
-        num_heads=fields.get("num_heads"), num_kv_heads=frozenset(fields.get("num_kv_heads", [])),
-        dtype=fields.get("dtype"),
-        source="assumed from the architecture name" + (f", shaped like {example}" if example else ""),
-    )

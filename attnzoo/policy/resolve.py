@@ -1,14 +1,11 @@
-"""resolve(): which backend runs prefill, which runs decode, and the KV page size, with the reasons.
-
-Most specific first, field by field: keyword overrides > user policy file (``policy_file`` or
-``$ATTNZOO_POLICY``) > shipped architecture entry > shipped family default; an unlisted architecture takes
-the rows of the family serving its attention kind. Explicit choices that cannot run raise, never replaced;
-only the automatic policy adjusts (the family's ``fallback``, the page size), each adjustment recorded."""
+"""resolve(): the prefill backend, decode backend and KV page size, with the reasons. Most specific first,
+field by field: keywords > user policy file > shipped architecture entry > shipped family default (an
+unlisted architecture takes its attention kind's family). Explicit choices that cannot run raise; only
+the automatic policy adjusts (the family's ``fallback``, the page size), each adjustment recorded."""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from attnzoo.attention.backends import all_capabilities, backend_names
@@ -17,7 +14,7 @@ from attnzoo.attention.backends.capabilities import GPUS, PHASES, Check, check_b
 from attnzoo.attention.kv_cache import KV_CACHE_DTYPES, MAX_PAGE_SIZE
 from attnzoo.attention.kv_layout import layout_notes
 from attnzoo.errors import BackendError, PolicyError
-from attnzoo.policy.profile import ModelProfile, architecture_of, dtype_name, profile_from_config, profile_from_table
+from attnzoo.policy.profile import ModelProfile, dtype_name, profile_from_config
 from attnzoo.policy.table import SHIPPED_POLICY, UNMEASURED, PolicyTable, load_table
 
 POLICY_ENV = "ATTNZOO_POLICY"
@@ -37,8 +34,7 @@ class Overrides:
     page_size: int | None = None
     policy_file: str | os.PathLike | None = None
     dtype: Any = None  # the dtype the model will run in, checked against each backend's dtypes (None: not checked)
-    # Packages to treat as installed ("flashinfer", "triton"): what would run on a machine that has them.
-    assume_installed: tuple[str, ...] = ()
+    assume_installed: tuple[str, ...] = ()  # packages taken as installed: what would run on a machine with them
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8_e4m3"; every chosen backend must read it
 
 
@@ -151,26 +147,21 @@ class Decision:
 
 
 def resolve(model, gpu: str | None = None, overrides: Overrides | None = None, model_id: str | None = None, *,
-            table: str | Path | None = None) -> Decision:
-    """Decide the prefill backend, decode backend and page size for ``model`` on ``gpu``.
-
-    ``model``: an HF config (object or config.json dict), a ``ModelProfile``, or an architecture name.
-    ``gpu``: "cpu", "sm80", ..., or None to detect the current device. ``model_id`` (hub id or path) is
-    matched against the model-id patterns of policy files. ``table`` replaces the shipped table (tests).
-    """
+            table: str | os.PathLike | None = None) -> Decision:
+    """``model``: an HF config (object or config.json dict), a ``ModelProfile`` or an architecture name; ``gpu``:
+    "cpu", "sm80", ... or None for this device; ``model_id`` is matched against the files' model-id patterns;
+    ``table`` replaces the shipped table (tests)."""
     ov = overrides or Overrides()
     shipped = load_table(table or SHIPPED_POLICY, shipped=True)
     notes: list[str] = []
     profile = _profile(model, shipped, notes)
-    device_gpu = detect_gpu() if gpu is None else str(gpu)
-    cls = gpu_class(device_gpu)
+    cls = gpu_class(device_gpu := detect_gpu() if gpu is None else str(gpu))
     if cls != device_gpu.strip().lower().replace("_", ""):
         notes.append(f"GPU {device_gpu} uses the {cls} rows and capabilities")
     user = user_table(ov.policy_file, notes)
     arch, fam = profile.architecture, profile.family
     matches = applicable(shipped, user, arch, fam, cls, model_id)
-    values: dict[str, Any] = {}
-    sources: dict[str, Source] = {}
+    values, sources = {}, {}
     for key in FIELDS:  # a phase's own keyword beats backend=
         kw = key if getattr(ov, key) is not None or key == "page_size" else "backend"
         if getattr(ov, kw) is not None:
@@ -202,9 +193,7 @@ def resolve(model, gpu: str | None = None, overrides: Overrides | None = None, m
         return (f"valid {phase} backends for {arch} on {cls} in this build: {', '.join(valid)}" if valid else
                 f"no registered backend can run {phase} for {arch} on {cls}; use gpu='cpu' with the torch backend")
 
-    checks: dict[str, Check] = {}
-    first_choice: dict[str, str] = {}
-    adjustments: list[str] = []
+    checks, first_choice, adjustments = {}, {}, []
     for phase in PHASES:
         key = f"{phase}_backend"
         name, src = values[key], sources[key]
@@ -213,10 +202,10 @@ def resolve(model, gpu: str | None = None, overrides: Overrides | None = None, m
         chk = checks[phase] = check(name, phase, page_bound=not src.explicit)
         if chk.ok:
             continue
+        if src.explicit and name not in capabilities:
+            raise BackendError(f"unknown attention backend {name!r} (from {src.detail})",
+                               fix=f"choose one of the registered backends: {', '.join(backend_names())}")
         if src.explicit:
-            if name not in capabilities:
-                raise BackendError(f"unknown attention backend {name!r} (from {src.detail})",
-                                   fix=f"choose one of the registered backends: {', '.join(backend_names())}")
             raise BackendError(f"{phase} backend {name!r} (from {src.detail}) cannot run {arch} on {cls}: "
                                f"{'; '.join(chk.violations)}", fix=valid_fix(phase))
         alt = next((a for a in fallback if check(a, phase).ok), None)
@@ -255,8 +244,7 @@ def resolve(model, gpu: str | None = None, overrides: Overrides | None = None, m
 
 def field_summary(matches) -> dict[str, Any] | None:
     """The most specific row's `field`, with whether it differs and what justifies a difference."""
-    f = next((m.row.field for _, _, m in matches if m.row.field), None)
-    if f is None:
+    if (f := next((m.row.field for _, _, m in matches if m.row.field), None)) is None:
         return None
     measured = next((m.row.measured_in for _, _, m in matches if m.row.measured_in), None)
     return dict(f, differs=not f["agrees"], **({} if f["agrees"] else {"justified_by": measured or UNMEASURED}))
@@ -286,22 +274,17 @@ def _profile(model, shipped: PolicyTable, notes: list[str]) -> ModelProfile:
             raise PolicyError(f"architecture {model!r} is not in the policy table {shipped.path}",
                               fix=f"use one of: {', '.join(shipped.architectures())}, or pass the model's config: "
                                   "an unlisted architecture resolves by its attention kind")
-        return profile_from_table(model, fam, shipped.profile_for(model))
-    if not isinstance(model, ModelProfile):
-        arch = architecture_of(model)
-        model = profile_from_config(model, architecture=arch, family=shipped.family_of(arch) if arch else None)
-    if model.family is not None and shipped.family_of(model.architecture) == model.family:
-        return model
-    kind = model.attention_kind
-    fam = shipped.family_of(model.architecture) or shipped.family_of_kind(kind)
-    if fam is None:
-        kinds = sorted({k for f in shipped.families.values() for k in f.kinds})
+        return shipped.profile(model)
+    model = model if isinstance(model, ModelProfile) else profile_from_config(model)
+    if (fam := shipped.family_of(model.architecture)) is not None:  # shipped rows win
+        return model if model.family == fam else replace(model, family=fam)
+    if (fam := shipped.family_of_kind(kind := model.attention_kind)) is None:
+        served = ", ".join(sorted({k for f in shipped.families.values() for k in f.kinds}))
         raise PolicyError(f"architecture {model.architecture!r} is not in the policy table and no family serves its "
-                          f"attention kind {kind!r} (families serve: {', '.join(kinds)})",
+                          f"attention kind {kind!r} (families serve: {served})",
                           fix=f"add {kind!r} to a family's kinds in {shipped.path}, or pass backend= explicitly")
-    if shipped.family_of(model.architecture) is None:
-        notes.append(f"architecture {model.architecture} is not in the policy table: resolved by its attention kind "
-                     f"{kind} to the {fam} family's rows (family.{fam}.kinds)")
+    notes.append(f"architecture {model.architecture} is not in the policy table: resolved by its attention kind "
+                 f"{kind} to the {fam} family's rows (family.{fam}.kinds)")
     return replace(model, family=fam)
 
 
@@ -310,12 +293,10 @@ def user_table(policy_file, notes: list[str]) -> PolicyTable | None:
         raise PolicyError(f"policy_file must be a path (str or os.PathLike), got {type(policy_file).__name__}",
                           fix="pass the path of a TOML policy file, e.g. policy_file='my_policy.toml'")
     env = os.environ.get(POLICY_ENV)
-    if policy_file:
-        notes += [f"${POLICY_ENV}={env} ignored: policy_file/--policy given"] if env else []
-    elif env:
-        notes.append(f"user policy file from ${POLICY_ENV}")
-    path = policy_file or env
-    return load_table(path) if path else None
+    if env:
+        notes.append(f"${POLICY_ENV}={env} ignored: policy_file/--policy given" if policy_file
+                     else f"user policy file from ${POLICY_ENV}")
+    return load_table(policy_file or env) if policy_file or env else None
 
 
 def _settle_page_size(values, sources, gpu: str, capabilities) -> tuple[int, str | None]:
@@ -328,12 +309,11 @@ def _settle_page_size(values, sources, gpu: str, capabilities) -> tuple[int, str
             needs.append(f"{phase} backend {caps.name} needs {caps.page_sizes_text(gpu)}")
     if page in allowed:
         return page, None
-    if not allowed:
-        raise PolicyError(f"no page size satisfies both backends: {'; '.join(needs)}",
-                          fix="choose prefill and decode backends whose page sizes overlap")
-    if src.explicit:
-        raise PolicyError(f"page size {page} (from {src.detail}) is not supported: {'; '.join(needs)}",
-                          fix=f"use a page size in {{{', '.join(map(str, sorted(allowed)))}}}, or other backends")
+    if not allowed or src.explicit:
+        raise PolicyError(f"page size {page} (from {src.detail}) is not supported: {'; '.join(needs)}" if allowed else
+                          f"no page size satisfies both backends: {'; '.join(needs)}",
+                          fix=f"use a page size in {{{', '.join(map(str, sorted(allowed)))}}}, or other backends"
+                          if allowed else "choose prefill and decode backends whose page sizes overlap")
     new = next((p for p in sorted(allowed) if p >= page), max(allowed))
     return new, (f"page size {'raised' if new > page else 'lowered'} from {page} ({src.detail}) to {new}: "
                  f"{'; '.join(needs)}")

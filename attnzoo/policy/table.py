@@ -3,7 +3,6 @@ One schema (documented at the top of policy.toml) serves the shipped table and u
 from __future__ import annotations
 
 import fnmatch
-import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from attnzoo.attention.backends import backend_names
 from attnzoo.attention.backends.capabilities import GPUS
 from attnzoo.attention.kv_cache import MAX_PAGE_SIZE
 from attnzoo.errors import PolicyError
+from attnzoo.policy.profile import ModelProfile
 
 SHIPPED_POLICY = Path(__file__).with_name("policy.toml")
 SCHEMA_VERSION = 1
@@ -38,9 +38,7 @@ _TOP_KEYS = {"schema", "family", "models", "field_read", "measured", "flagship"}
 
 
 @dataclass(frozen=True)
-class Row:
-    """The fields one table row sets; None = not set here (a less specific row decides)."""
-
+class Row:  # the fields one table row sets; None = not set here (a less specific row decides)
     where: str  # dotted path in the file, e.g. family.llama.gpu.sm90
     line: int | None
     prefill: str | None = None
@@ -69,9 +67,7 @@ class Family:
 
 
 @dataclass(frozen=True)
-class Match:
-    """One row that applies to a (model, GPU) lookup, with where it came from."""
-
+class Match:  # one row that applies to a (model, GPU) lookup, and where it came from
     level: str  # "model" | "arch" | "family"
     row: Row
     pattern: str | None = None
@@ -100,22 +96,26 @@ class PolicyTable:
     def lookup(self, architecture: str, family: str | None, gpu: str, model_id: str | None) -> list[Match]:
         """Every row applying to this cell, most specific first."""
         rows = lambda e: ([e.gpus[gpu]] if gpu in e.gpus else []) + [e.all_gpus]  # noqa: E731
-        out: list[Match] = []
-        if model_id:  # hub ids are case-insensitive; more literal characters = more specific
-            hits = [(p, e) for p, e in self.models.items() if fnmatch.fnmatchcase(model_id.lower(), p.lower())]
-            for p, e in sorted(hits, key=lambda pe: -len(pe[0].replace("*", "").replace("?", ""))):
-                out += [Match("model", r, p) for r in rows(e)]
+        # Hub ids are case-insensitive; more literal characters = more specific.
+        hits = [(p, e) for p, e in self.models.items() if model_id and fnmatch.fnmatchcase(model_id.lower(), p.lower())]
+        out = [Match("model", r, p) for p, e in sorted(hits, key=lambda pe: -len(re.sub(r"[*?]", "", pe[0]))) for r in rows(e)]
         fam = self.families.get(family or "")
-        if fam is not None:
-            if architecture in fam.archs:
-                out += [Match("arch", r) for r in rows(fam.archs[architecture])]
-            out += [Match("family", r) for r in rows(fam.entry)]
-        return out
+        entries = [("arch", fam.archs.get(architecture)), ("family", fam.entry)] if fam else []
+        return out + [Match(level, r) for level, e in entries if e for r in rows(e)]
 
-    def profile_for(self, architecture: str) -> dict[str, Any] | None:
-        """The fallback profile fields for an architecture (arch entry over family), or None."""
-        fam = self.families.get(self.family_of(architecture) or "")
-        return fam and {**(fam.entry.profile or {}), **(fam.archs[architecture].profile or {})} or None
+    def profile(self, architecture: str) -> ModelProfile:
+        """The model assumed when only a listed architecture's name is known: its ``profile`` fields."""
+        fam = self.families[self.family_of(architecture)]
+        f = {**(fam.entry.profile or {}), **(fam.archs[architecture].profile or {})}
+        if "kind" not in f or "head_dims" not in f:
+            raise PolicyError(f"the policy table has no fallback profile for {architecture!r}",
+                              fix="pass the model's config (a local dir or a cached hub id), not the architecture name")
+        return ModelProfile(
+            architecture=architecture, family=fam.name, kind=f["kind"], head_dims=frozenset(f["head_dims"]),
+            v_head_dims=frozenset(f.get("v_head_dims", f["head_dims"])), uses_sliding_window=f.get("sliding_window", False),
+            uses_softcap=f.get("softcap", False), num_heads=f.get("num_heads"),
+            num_kv_heads=frozenset(f.get("num_kv_heads", [])), dtype=f.get("dtype"),
+            source="assumed from the architecture name" + (f", shaped like {f['example']}" if "example" in f else ""))
 
 
 def load_table(path, *, shipped: bool = False) -> PolicyTable:
@@ -124,11 +124,6 @@ def load_table(path, *, shipped: bool = False) -> PolicyTable:
     if not p.is_file():
         raise PolicyError(f"policy file {str(p)!r} {'is not a file' if p.exists() else 'does not exist'}",
                           fix="pass an existing TOML file with --policy / policy_file=, or unset ATTNZOO_POLICY")
-    return _load(p, p.stat().st_mtime_ns, p.stat().st_size, shipped)
-
-
-@functools.lru_cache(maxsize=32)  # tables are frozen: one parse per file version
-def _load(p: Path, mtime_ns: int, size: int, shipped: bool) -> PolicyTable:
     try:
         text = p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
@@ -161,22 +156,17 @@ class _Parser:
         self.headers = {n: _parts(m[1]) for n, l in enumerate(lines, 1) if (m := re.match(r"\s*\[+([^\]]+)\]", l))}
 
     def line_of(self, kp: tuple[str, ...]) -> int | None:
-        """The line of a key path: the first table header under it, else the `key =` line below the closest
-        header (tomllib reports no positions); a key of an inline table is found on its line."""
-        hit = next((n for n, h in self.headers.items() if h[:len(kp)] == list(kp)), None)
-        if hit:
+        """The line of a key path (tomllib reports none): its first table header, else its `key =` line."""
+        if hit := next((n for n, h in self.headers.items() if h[:len(kp)] == list(kp)), None):
             return hit
         start, depth = max(((n, len(h)) for n, h in self.headers.items() if list(kp[:len(h)]) == h), default=(0, 0))
         rest = list(kp[depth:])
-        for n in range(start + 1, len(self.lines) + 1):
-            line = self.lines[n - 1]
+        for n, line in enumerate(self.lines[start:], start + 1):
             if n in self.headers:
                 break
-            if "=" not in line or line.lstrip().startswith("#"):
-                continue
-            lhs = _parts(line.split("=", 1)[0])
-            if lhs[:len(rest)] == rest or (rest[:len(lhs)] == lhs and (
-                    len(rest) == len(lhs) or re.search(rf"[{{,]\s*{re.escape(rest[-1])}\s*=", line))):
+            lhs = _parts(line.split("=", 1)[0]) if "=" in line and not line.lstrip().startswith("#") else None
+            if lhs and (lhs[:len(rest)] == rest or (rest[:len(lhs)] == lhs and (
+                    len(rest) == len(lhs) or re.search(rf"[{{,]\s*{re.escape(rest[-1])}\s*=", line)))):
                 return n
         return start or None
 
@@ -228,13 +218,12 @@ class _Parser:
 
     def family(self, name: str, body) -> Family:
         kp = ("family", name)
-        entry = self.entry(body, kp, "family")
         archs = {a: self.entry(b, kp + ("arch", a), "arch") for a, b in self.table(body.get("arch", {}), kp + ("arch",)).items()}
         for key, example in (("fallback", '["triton", "torch"]'), ("kinds", '["mha"]')):
             if not isinstance(body.get(key, []), list) or not all(isinstance(x, str) for x in body.get(key, [])):
                 raise self.fail(kp + (key,), "expected a list of names", f"write {key} = {example}")
         fallback = tuple(self.backend_name(b, kp + ("fallback",)) for b in body.get("fallback", []))
-        return Family(name, entry, archs, fallback, tuple(body.get("kinds", [])))
+        return Family(name, self.entry(body, kp, "family"), archs, fallback, tuple(body.get("kinds", [])))
 
     def entry(self, body, kp: tuple[str, ...], kind: str) -> Entry:
         self.table(body, kp, _ENTRY_KEYS[kind])
