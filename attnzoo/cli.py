@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from attnzoo.attention.kv_cache import KV_CACHE_DTYPES
-from attnzoo.errors import AttnzooError, ModelLoadError, PolicyError
+from attnzoo.errors import AttnzooError, ModelLoadError, PolicyError, UnsupportedArchitectureError
 
 GPU_NAMES = "cpu, sm80, sm89, sm90, sm100, sm103, sm120"
 OPTIONAL_PACKAGES = ("flashinfer", "triton")  # what optional backends import; --assume-installed pretends they do
@@ -249,6 +249,8 @@ def _policy_model(target: str, arch: str | None):
     try:
         config = loader.load_config(loader.resolve_source(path.parent if path.name == "config.json" else target,
                                                           local_only=True))
+    except UnsupportedArchitectureError:  # a family transformers does not know: resolved from its config's keys
+        config = json.loads(((path / "config.json") if path.is_dir() else path).read_text(encoding="utf-8"))
     except ModelLoadError:
         if path.exists():
             raise

@@ -127,6 +127,25 @@ def test_unknown_llama_shaped_architecture_loads_resolves_and_runs(tmp_path, cap
         attnzoo.load_model(str(path), device="cpu")
 
 
+def test_explain_an_unknown_family_by_its_config_keys(tmp_path, capsys):
+    # A sparse-MLA family neither attnzoo nor transformers knows: no policy edit, no model class needed to explain.
+    ckpt = tmp_path / "acme-dsa"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({
+        "architectures": ["AcmeDsaForCausalLM"], "model_type": "acme_dsa", "hidden_size": 2048, "num_attention_heads": 16,
+        "num_hidden_layers": 2, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_topk": 2048, "vocab_size": 1000}))
+    assert cli_main(["policy", "explain", str(ckpt), "--gpu", "sm90", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    ref = resolve("DeepseekV32ForCausalLM", gpu="sm90")
+    assert (data["prefill_backend"], data["decode_backend"]) == (ref.prefill_backend, ref.decode_backend)
+    assert data["profile"]["attention_kind"] == "nsa" and data["profile"]["head_dims"] == [576]
+    assert any("attention kind nsa to the deepseek_nsa family" in n for n in data["notes"])
+    import attnzoo  # loading it is refused by name: no model class runs these layers
+
+    with pytest.raises(UnsupportedArchitectureError, match="acme_dsa"):
+        attnzoo.load_model(str(ckpt), device="cpu")
+
+
 # --------------------------------------------------------------------------- issue 34: named errors
 
 
