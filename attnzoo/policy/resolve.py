@@ -39,9 +39,7 @@ class Overrides:
 
 
 @dataclass
-class Source:
-    """Where one decided value came from."""
-
+class Source:  # where one decided value came from
     level: str  # "override" | "user_policy" | "shipped_model" | "shipped_arch" | "family_default" | "fallback"
     detail: str  # human-readable origin
     file: str | None = None
@@ -259,18 +257,18 @@ def value_of(matches, key: str, arch: str, fam: str, gpu: str, shipped: PolicyTa
     for tbl, is_user, m in matches:
         if (v := getattr(m.row, _ROW_FIELD[key])) is not None:
             level, what = _LEVELS[m.level]
-            what = (what.format(m.pattern) if not is_user or m.level != "family" else "family entry") + ", " + (
-                f"{m.row.where} (line {m.row.line})" if m.row.line else m.row.where)
-            return v, Source("user_policy" if is_user else level, f"user policy file {tbl.path}: {what}" if is_user
-                             else f"shipped policy: {what}", file=str(tbl.path), where=m.row.where, line=m.row.line,
-                             pattern=m.pattern, reason=m.row.reason, measured_in=m.row.measured_in)
+            what = "family entry" if is_user and m.level == "family" else what.format(m.pattern)
+            what += ", " + (f"{m.row.where} (line {m.row.line})" if m.row.line else m.row.where)
+            detail = f"user policy file {tbl.path}: {what}" if is_user else f"shipped policy: {what}"
+            return v, Source("user_policy" if is_user else level, detail, file=str(tbl.path), where=m.row.where,
+                             line=m.row.line, pattern=m.pattern, reason=m.row.reason, measured_in=m.row.measured_in)
     raise PolicyError(f"the policy table has no {_ROW_FIELD[key]} value for {arch} on {gpu}",
                       fix=f"add it to [family.{fam}.gpu.{gpu}] in {shipped.path}")
 
 
 def _profile(model, shipped: PolicyTable, notes: list[str]) -> ModelProfile:
     if isinstance(model, str):
-        if (fam := shipped.family_of(model)) is None:
+        if shipped.family_of(model) is None:
             raise PolicyError(f"architecture {model!r} is not in the policy table {shipped.path}",
                               fix=f"use one of: {', '.join(shipped.architectures())}, or pass the model's config: "
                                   "an unlisted architecture resolves by its attention kind")
