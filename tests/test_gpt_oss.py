@@ -286,7 +286,7 @@ def test_benchmark_shape_is_gpt_oss_20b():
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     e2e = pytest.importorskip("e2e")
-    from attnzoo.defaults.profile import profile_from_config
+    from attnzoo.policy.profile import profile_from_config
 
     config, _ = e2e.make_config("gpt-oss-20b", None)
     assert config.architectures == ["GptOssForCausalLM"] and config.num_hidden_layers == 24

@@ -477,8 +477,8 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
                 kv_cache_tokens, kv_cache_memory, max_batch_tokens, max_running, prefix_caching, cuda_graph,
                 cuda_graph_max_context, cuda_graph_batch_sizes, cascade, load_format, fp8_weights, seed, tensor_parallel_size, kv_cache_dtype,
                 k_scale, v_scale, progress, window_kv_fraction, tp) -> LLM:
-    from attnzoo.defaults import Overrides, resolve
-    from attnzoo.defaults.profile import profile_from_config, rank_local
+    from attnzoo.policy import Overrides, resolve
+    from attnzoo.policy.profile import profile_from_config, rank_local
 
     if load_format not in ("auto", "random"):
         raise ModelLoadError(f"unknown load_format {load_format!r}", fix="use 'auto' or 'random'")
@@ -515,7 +515,7 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
         src = loader.resolve_source(name_or_path)
         config = loader.load_config(src)
     arch = loader.architecture_of(config)
-    cls = model_class(arch)  # unknown architectures fail here, before any weights are read
+    cls = model_class(arch, config)  # unknown architectures fail here (Llama-shaped ones load as Llama)
     overrides = Overrides(
         backend=backend, prefill_backend=prefill_backend, decode_backend=decode_backend,
         page_size=page_size, policy_file=policy_file, dtype=dt, kv_cache_dtype=kv_cache_dtype,

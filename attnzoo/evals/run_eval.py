@@ -171,8 +171,8 @@ def _resolve_policy(config, src, device, dtype, policy_file, b: Backends, tp: in
     """The Decision load_model would take, computed from the config alone (no weights read)."""
     import torch
 
-    from attnzoo.defaults import Overrides, resolve
-    from attnzoo.defaults.profile import profile_from_config, rank_local
+    from attnzoo.policy import Overrides, resolve
+    from attnzoo.policy.profile import profile_from_config, rank_local
 
     try:
         dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")

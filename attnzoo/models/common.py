@@ -140,6 +140,9 @@ class CausalLM(nn.Module):
     # (quantized checkpoints dequantize these at load).
     matrix_weights: tuple[str, ...] = ()
     softcap: float | None = None  # final-logit soft-cap (not an attention one)
+    # The attention kind the policy resolves an unlisted architecture by, when the layers do not show it
+    # (e.g. "mha_sinks"); None: read from the layers (mha, mha_window, mla, nsa).
+    attention_kind: str | None = None
 
     @classmethod
     def shapes_only(cls, config) -> "CausalLM":
