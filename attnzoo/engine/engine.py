@@ -32,7 +32,7 @@ from attnzoo.attention.kv_cache import KVPool, PageAllocator
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.metadata import BatchMetadata, build_metadata
 from attnzoo.engine.prefix_cache import PrefixCache, window_start
-from attnzoo.engine.sampling import SamplingParams, process_logits, sample
+from attnzoo.engine.sampling import OVERFLOW, SamplingParams, process_logits, sample
 from attnzoo.errors import BackendError, KVCacheFullError, NumericsError, RequestError
 
 # max_running=None: admission is bounded by the KV pages each request reserves, the token budget (a
@@ -288,6 +288,14 @@ class Engine:
                 for i, (req, token) in enumerate(zip(batch.sampling_reqs, host.tolist())):
                     if req.finish:  # stopped on the step before, after this step was launched early
                         continue
+                    if token == OVERFLOW:
+                        p = req.params
+                        raise RequestError(
+                            f"sampling prompt {req.index} at output token {len(req.out)}: the logits divided by "
+                            f"temperature={p.temperature!r} overflow float32 (softmax would be NaN and return token 0)"
+                            + ("" if p.repetition_penalty == 1.0 else f"; repetition_penalty={p.repetition_penalty!r} scales them too"),
+                            fix="use temperature=0 for greedy decoding, or a temperature of 1e-3 or more",
+                        )
                     if token < 0:
                         raise NumericsError(
                             f"the model produced non-finite logits (NaN or inf) for prompt {req.index} at output token "

@@ -27,6 +27,7 @@ from attnzoo.layers.moe import FusedMoE, select_experts
 from attnzoo.layers.parallel import (
     SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
 )
+from attnzoo.models import validate
 from attnzoo.models.common import CausalLM, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope_qk
 
 
@@ -276,9 +277,10 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 
 
 def _check_config(config) -> None:
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise ModelLoadError(f"DeepSeek hidden_act {act!r} is not supported", fix="use a checkpoint with hidden_act 'silu'")
+    validate.activation(config, "hidden_act", {"silu": "silu", "swish": "silu"}, arch="DeepSeek", default="silu")
+    # YaRN's mscale is read by mla_softmax_scale; RotaryEmbedding computes the others' frequencies.
+    validate.rope_type(config.rope_parameters, validate.STATIC_ROPE - {"proportional"}, arch="DeepSeek")
+    validate.positive_int(config, "max_position_embeddings", arch="DeepSeek")
     if getattr(config, "attention_bias", False) and config.q_lora_rank is None:
         raise ModelLoadError("attention_bias without q_lora_rank is not supported (q_proj has no bias, "
                              "kv_a_proj_with_mqa would have one)", fix="use attention_bias false, as DeepSeek-V2")
