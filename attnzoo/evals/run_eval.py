@@ -120,6 +120,9 @@ def _check_numbers(args) -> None:
         raise EvalError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}", fix="pass a positive number")
     if args.wave_size is not None and args.wave_size < 1:
         raise EvalError(f"--wave-size must be at least 1, got {args.wave_size}", fix="pass a positive number")
+    for flag, value in (("--k-scale", args.k_scale), ("--v-scale", args.v_scale)):
+        if not 0 < value < float("inf"):  # NaN fails too
+            raise EvalError(f"{flag} must be a positive finite number, got {value}", fix=f"pass {flag} 1.0 (the default)")
     if not 0 < args.alpha < 1:
         raise EvalError(f"--alpha must be between 0 and 1, got {args.alpha}", fix="pass e.g. --alpha 0.05")
     if args.backend and (args.prefill_backend or args.decode_backend):
@@ -352,6 +355,11 @@ def run(args, write: bool = True, sequences: dict | None = None) -> dict:
         if tok is None or getattr(tok, "chat_template", None) is None:
             raise EvalError(f"--apply-chat-template was given but {src.name} has no chat template",
                             fix="drop --apply-chat-template, or evaluate a checkpoint whose tokenizer has a chat template")
+        try:  # a template that does not parse, or raises, would otherwise fail after the model loads
+            tok.apply_chat_template([{"role": "user", "content": "1 + 1?"}], tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja2's TemplateError family, or whatever the template's own code raises
+            raise EvalError(f"the chat template of {src.name} fails on a one-message chat ({type(e).__name__}: {e})",
+                            fix="repair chat_template in tokenizer_config.json, or drop --apply-chat-template") from None
 
     data_files = check_data_dir(args.task, args.data_dir) if args.data_dir else None
     # Reads the documents now, so an unknown task or an unreachable dataset fails before the model loads.
