@@ -22,7 +22,7 @@ from torch import nn
 
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.mla import MLAAttention
-from attnzoo.errors import ModelLoadError
+from attnzoo.errors import ModelLoadError, WeightError
 from attnzoo.layers.moe import FusedMoE, select_experts
 from attnzoo.layers.parallel import (
     SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
@@ -258,13 +258,20 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     def checkpoint_name(self, name: str) -> str | None:
         parts = name.split(".")
+        layer = self.layer_index(name, parts) if parts[0] == "model" else None
         # V3 checkpoints append the multi-token-prediction module as extra layers; generation skips it.
-        if parts[:2] == ["model", "layers"] and int(parts[2]) >= self.config.num_hidden_layers:
-            return None
-        # Expert parallel: another rank's expert (the FusedMoE says which it holds) is dropped here, before
-        # an FP8 plan would dequantize it.
-        if parts[3:5] == ["mlp", "experts"] and not self.model.layers[int(parts[2])].mlp.experts.holds(int(parts[5])):
-            return None
+        if layer is None or layer >= self.config.num_hidden_layers:
+            return None if layer is not None else name
+        if parts[3:5] == ["mlp", "experts"] and len(parts) > 5 and parts[5].isdigit():
+            experts = getattr(self.model.layers[layer].mlp, "experts", None)
+            if experts is None:
+                raise WeightError(f"checkpoint tensor {name!r} is a routed expert of layer {layer}, which config.json "
+                                  "makes a dense layer", fix="the checkpoint does not match its config.json "
+                                  "(first_k_dense_replace)")
+            # Expert parallel: another rank's expert (the FusedMoE says which it holds) is dropped here,
+            # before an FP8 plan would dequantize it; one beyond the config's count goes on to be named.
+            if int(parts[5]) < experts.num_experts and not experts.holds(int(parts[5])):
+                return None
         return name
 
 

@@ -252,8 +252,8 @@ class Gemma4ForCausalLM(CausalLM):
             name = "model." + name[len(_TEXT_PREFIX):]
         parts = name.split(".")
         # Converted checkpoints keep k/v weights on KV-sharing layers, which never use them.
-        if parts[1:2] == ["layers"] and int(parts[2]) in self.consumers and parts[3:4] == ["self_attn"] \
-                and parts[4] in _KV_WEIGHTS:
+        if self.layer_index(name, parts) in self.consumers and parts[3:4] == ["self_attn"] \
+                and parts[4:5] and parts[4] in _KV_WEIGHTS:
             return None
         return name
 
