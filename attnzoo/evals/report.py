@@ -7,10 +7,14 @@ total (``attnzoo.evals.tokens``), and two verdicts: the token-level one and the 
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import math
+import os
 import platform
+import tempfile
 from collections import defaultdict
+from pathlib import Path
 from typing import Any, Iterable
 
 from attnzoo.errors import EvalError
@@ -282,15 +286,69 @@ def _run_label(run: dict) -> dict:
 
 
 def check_saved_report(report: Any, path: str) -> dict:
-    """A saved report must be ours and hold per-question records."""
+    """A saved report must be ours, and hold everything a comparison reads from it (the Decision, the
+    settings, each question's record and token ids), checked in full before a run starts: a malformed
+    record would otherwise fail after the whole evaluation. Returns its run."""
     if not isinstance(report, dict) or report.get("format") != REPORT_FORMAT or "run" not in report:
         raise EvalError(f"{path} is not a run_eval report (format {REPORT_FORMAT})",
                         fix="pass a JSON file written by run_eval --output, or a backend name")
-    run = report["run"]
-    for task, t in run.get("tasks", {}).items():
-        if not t.get("per_question"):
+
+    def bad(where: str, what: str):
+        return EvalError(f"{path} is malformed: {where} {what}",
+                         fix="pass an unedited report written by run_eval --output, or re-run it with --output")
+
+    def need(value, kind, where: str, what: str, *, optional: bool = False):
+        # bool is an int subclass: True is no doc_id or page size.
+        typed = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+        if not (typed or (optional and value is None)):
+            raise bad(where, f"must be {what}, got {value!r:.80}")
+        return value
+
+    run = need(report["run"], dict, "run", "an object")
+    need(run.get("model"), str, "run.model", "a string")
+    need(run.get("label"), str, "run.label", "a string", optional=True)
+    decision = need(run.get("decision"), dict, "run.decision", "an object")
+    for key in ("prefill_backend", "decode_backend"):
+        need(decision.get(key), str, f"run.decision.{key}", "a backend name")
+    if need(decision.get("page_size"), int, "run.decision.page_size", "a positive integer") < 1:
+        raise bad("run.decision.page_size", f"must be a positive integer, got {decision['page_size']!r}")
+    settings = need(run.get("settings", {}), dict, "run.settings", "an object")
+    need(settings.get("kv_cache_dtype"), str, "run.settings.kv_cache_dtype", "a string", optional=True)
+    tasks = need(run.get("tasks"), dict, "run.tasks", "an object")
+    if not tasks:
+        raise bad("run.tasks", "is empty")
+    for task, t in tasks.items():
+        where = f"run.tasks.{task}"
+        records = need(need(t, dict, where, "an object").get("per_question"), list, f"{where}.per_question",
+                       "a list of per-question records")
+        if not records:
             raise EvalError(f"{path} has no per-question records for task {task!r}", fix="re-run run_eval --output to save one")
+        seen = set()
+        for i, r in enumerate(records):
+            at = f"{where}.per_question[{i}]"
+            need(r, dict, at, "an object")
+            doc = need(r.get("doc_id"), int, f"{at}.doc_id", "an integer")
+            if doc in seen:
+                raise bad(f"{at}.doc_id", f"repeats document {doc}")
+            seen.add(doc)
+            need(r.get("answers"), dict, f"{at}.answers", "an object (filter -> answer)")
+            for flt, ok in need(r.get("correct"), dict, f"{at}.correct", "an object (filter -> true/false)").items():
+                need(ok, bool, f"{at}.correct.{flt}", "true or false")
+            need(r.get("prompt_hash"), str, f"{at}.prompt_hash", "a string", optional=True)
+            ids = need(r.get("output_token_ids"), list, f"{at}.output_token_ids", "a list of token ids", optional=True)
+            if ids is not None and not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids):
+                raise bad(f"{at}.output_token_ids", "must hold non-negative integer token ids")
     return run
+
+
+def check_saved_tokens(run: dict, vocab_size: int, path: str) -> None:
+    """The saved token ids are replayed through this model (teacher forcing): each must be in its vocabulary."""
+    for task, t in run["tasks"].items():
+        for i, r in enumerate(t["per_question"]):
+            bad = [x for x in r.get("output_token_ids") or () if x >= vocab_size]
+            if bad:
+                raise EvalError(f"{path}: run.tasks.{task}.per_question[{i}] holds token id {bad[0]}, outside this "
+                                f"model's vocabulary of {vocab_size}", fix="compare against a report of this model")
 
 
 # ------------------------------------------------------------------------------ terminal
@@ -431,6 +489,28 @@ def write_chart(report: dict, path) -> str | None:
     ax2.set_title(f"{tl['identical_generations']}/{tl['questions']} generations identical; verdict: {cmp['verdict']}",
                   fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        _write_atomically(path, lambda fh: fig.savefig(fh, dpi=110, format="png"))
+    except OSError as e:
+        return f"cannot write {path} ({e.strerror or e})"
+    finally:
+        plt.close(fig)
     return None
+
+
+def _write_atomically(path, write) -> None:
+    """``write(binary file)`` into a temporary file beside ``path``, renamed over it once complete: a failed
+    write (full disk, folder removed) leaves no truncated file and keeps a previous one."""
+    path = Path(path).expanduser()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # mkstemp makes it 0600
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -93,13 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------ validation
 
 
-def check_output_path(path: str) -> Path:
+def check_output_path(path: str, flag: str = "--output") -> Path:
+    """``path`` as a file this run can create or replace (checked by creating a file beside it)."""
     out = Path(path).expanduser()
     if out.is_dir():
-        raise EvalError(f"--output {path!r} is a directory", fix="give a file name, e.g. report.json")
+        example = "report.json" if flag == "--output" else "comparison.png"
+        raise EvalError(f"{flag} {path!r} is a directory", fix=f"give a file name, e.g. {example}")
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
-        raise EvalError(f"--output {path!r}: the folder {str(parent)!r} does not exist", fix="create it first, or pick another path")
+        raise EvalError(f"{flag} {path!r}: the folder {str(parent)!r} does not exist", fix="create it first, or pick another path")
     # os.access says yes to root even on read-only mounts; creating a file is the real test.
     try:
         with tempfile.NamedTemporaryFile(dir=parent, prefix=".run_eval-", delete=True):
@@ -107,7 +109,7 @@ def check_output_path(path: str) -> Path:
         if out.exists() and not os.access(out, os.W_OK):
             raise PermissionError(str(out))
     except OSError as e:
-        raise EvalError(f"--output {path!r} is not writable ({e.strerror or e})", fix="pick a path you can write to") from None
+        raise EvalError(f"{flag} {path!r} is not writable ({e.strerror or e})", fix="pick a path you can write to") from None
     return out
 
 
@@ -325,12 +327,14 @@ def run(args, write: bool = True, sequences: dict | None = None) -> dict:
     ``sequences``: filled with this run's (prompt ids, output ids) per (task, doc_id), for teacher forcing
     by the caller (``teacher_force_many``)."""
     from attnzoo.evals.report import REPORT_FORMAT, compare_runs
-    from attnzoo.evals.tasks import check_data_dir, load_tasks, require_lm_eval
+    from attnzoo.evals.tasks import check_data_dir, check_fewshot_pool, load_tasks, require_lm_eval
     from attnzoo.models import loader
 
     require_lm_eval()
     _check_numbers(args)
     out_path = check_output_path(args.output) if args.output else None
+    if args.plot:
+        check_output_path(args.plot, "--plot")
     compare_backend, saved_path = _compare_target(args.compare_to)
     saved = _load_saved(saved_path) if saved_path else None
 
@@ -344,6 +348,10 @@ def run(args, write: bool = True, sequences: dict | None = None) -> dict:
         other = None
     src = loader.resolve_source(args.model)
     config = loader.load_config(src)
+    if saved is not None:
+        from attnzoo.evals.report import check_saved_tokens
+
+        check_saved_tokens(saved, (getattr(config, "text_config", None) or config).vocab_size, str(saved_path))
     tp = _tensor_parallel_size(args)
     _check_context(args, config)
     _resolve_policy(config, src, args.device, args.dtype, args.policy, mine, tp)
@@ -364,6 +372,7 @@ def run(args, write: bool = True, sequences: dict | None = None) -> dict:
     data_files = check_data_dir(args.task, args.data_dir) if args.data_dir else None
     # Reads the documents now, so an unknown task or an unreachable dataset fails before the model loads.
     _, loaded = load_tasks(args.task, data_files)
+    check_fewshot_pool(data_files, loaded, args.num_fewshot)
     if saved is not None:
         _check_saved_matches(saved, args, loaded, src)
     del loaded
