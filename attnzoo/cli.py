@@ -93,13 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    args = build_parser().parse_args(argv)
     try:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except AttnzooError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback through torch
+        print("\nattnzoo: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

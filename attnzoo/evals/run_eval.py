@@ -423,6 +423,11 @@ def write_report(path: Path, report: dict) -> None:
             os.fsync(fh.fileno())
         os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # mkstemp makes it 0600
         os.replace(tmp, path)
+    except KeyboardInterrupt:  # no half-written temporary file left beside the report
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise
     except OSError as e:
         if tmp is not None:
             with contextlib.suppress(OSError):
@@ -492,6 +497,14 @@ def _check_saved_matches(saved: dict, args, loaded, src) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback through lm-eval and torch
+        print("\nrun_eval: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     from attnzoo.evals.report import render
 
     args = build_parser().parse_args(argv)
