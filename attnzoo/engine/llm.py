@@ -112,7 +112,7 @@ def _tensor_parallel_call(method):
     return call
 
 
-def _unicode(text: str, what: str) -> str:
+def valid_text(text: str, what: str) -> str:
     """``text`` when it is valid Unicode; a lone surrogate (bytes decoded with surrogateescape, a broken
     UTF-16 pair) has no UTF-8 form, and the tokenizer would fail on it with a TypeError."""
     try:
@@ -141,7 +141,7 @@ def _chat_message(j: int, m: dict) -> dict:
                                    "{'type': 'text', 'text': '...'}")
             texts.append(part["text"])
         content = "\n".join(texts)
-    return {**m, "content": _unicode(content, f"chat message {j}")}
+    return {**m, "content": valid_text(content, f"chat message {j}")}
 
 
 class LLM:
@@ -185,7 +185,7 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("empty prompt string", fix="pass non-empty text")
-            return self.tokenizer.encode(_unicode(prompt, "the prompt"), add_special_tokens=True)
+            return self.tokenizer.encode(valid_text(prompt, "the prompt"), add_special_tokens=True)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise RequestError("chat messages given but the tokenizer has no chat template", fix="pass a plain string")
@@ -196,7 +196,7 @@ class LLM:
                 raise RequestError(f"the tokenizer's chat template failed on these messages ({type(e).__name__}: {e})",
                                    fix="check the messages against what the template expects (roles, their order), "
                                    "repair chat_template in tokenizer_config.json, or pass a plain string") from None
-            return self.tokenizer.encode(_unicode(text, "the chat template's output"), add_special_tokens=False)
+            return self.tokenizer.encode(valid_text(text, "the chat template's output"), add_special_tokens=False)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
             vocab = self.config_vocab_size
