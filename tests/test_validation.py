@@ -367,10 +367,16 @@ def test_ctrl_c_in_generate_and_run_eval_is_one_line(monkeypatch, capsys):
     def interrupt(*a, **k):
         raise KeyboardInterrupt
 
+    def exit_code(main, argv):
+        try:
+            return main(argv)
+        except KeyboardInterrupt:  # escaping, it would stop the whole test session
+            pytest.fail(f"KeyboardInterrupt escaped {main.__module__}.main")
+
     monkeypatch.setattr(attnzoo, "load_model", interrupt)
-    assert cli.main(["generate", "hi"]) == 130
+    assert exit_code(cli.main, ["generate", "hi"]) == 130
     monkeypatch.setattr(run_eval, "run", interrupt)
-    assert run_eval.main(["gsm8k"]) == 130
+    assert exit_code(run_eval.main, ["gsm8k"]) == 130
     err = capsys.readouterr().err
     assert err.split() == ["attnzoo:", "interrupted", "run_eval:", "interrupted"]
 
