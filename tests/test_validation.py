@@ -87,6 +87,13 @@ def test_tiny_temperature_is_named_not_token_0(llm, monkeypatch):
     assert all(len(c.token_ids) == 4 for c in llm.generate(prompts, max_new_tokens=4, ignore_eos=True))
 
 
+@pytest.mark.parametrize("kwargs", [dict(temperature=1e39), dict(repetition_penalty=1e300)])
+def test_sampling_values_beyond_float32_are_refused_before_work(llm, monkeypatch, kwargs):
+    monkeypatch.setattr(llm.engine, "generate", lambda *a, **k: pytest.fail("work started"))
+    with pytest.raises(RequestError, match=f"{next(iter(kwargs))}=.* beyond float32"):
+        llm.generate([[5, 6, 7]], max_new_tokens=2, **kwargs)
+
+
 @pytest.mark.parametrize("act", ["gelu", "relu", "made_up"])
 def test_unknown_llama_activation_is_refused(tiny_dir, tmp_path, no_weights, act):
     with pytest.raises(ModelLoadError, match=f"hidden_act='{act}'") as e:

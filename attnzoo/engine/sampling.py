@@ -10,6 +10,7 @@ import torch
 from attnzoo.errors import RequestError
 
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 # Token id ``sample`` returns for a row whose scaled logits overflowed (never a real token).
 OVERFLOW = -2
 
@@ -49,6 +50,11 @@ class SamplingParams:
         _real("repetition_penalty", self.repetition_penalty, 0.0, "use a positive value; 1.0 turns it off")
         if self.repetition_penalty == 0:
             raise RequestError("repetition_penalty must be > 0, got 0", fix="use a positive value; 1.0 turns it off")
+        for name in ("temperature", "repetition_penalty"):
+            # Both are applied to float32 logits: past float32's range they become inf (and 0 * inf NaN).
+            if getattr(self, name) > _FLOAT32_MAX:
+                raise RequestError(f"{name}={getattr(self, name)!r} is beyond float32's range, where the logits are "
+                                   "scaled by it", fix=f"pass {name} below 3.4e38")
 
     @property
     def greedy(self) -> bool:
