@@ -286,6 +286,7 @@ _Q = "tasks/gsm8k/per_question"
 @pytest.mark.parametrize("path, value, needle", [
     (f"{_Q}/0/correct", _DELETE, "correct must be an object"),
     (f"{_Q}/1/correct/strict-match", "yes", "correct.strict-match must be true or false"),
+    (f"{_Q}/1/correct", {}, r"per_question\[1\] has no right/wrong score"),
     (f"{_Q}/0/doc_id", "0", "doc_id must be an integer"),
     (f"{_Q}/1/doc_id", 0, "repeats document 0"),
     (f"{_Q}/0/answers", None, "answers must be an object"),

@@ -332,7 +332,11 @@ def check_saved_report(report: Any, path: str) -> dict:
                 raise bad(f"{at}.doc_id", f"repeats document {doc}")
             seen.add(doc)
             need(r.get("answers"), dict, f"{at}.answers", "an object (filter -> answer)")
-            for flt, ok in need(r.get("correct"), dict, f"{at}.correct", "an object (filter -> true/false)").items():
+            correct = need(r.get("correct"), dict, f"{at}.correct", "an object (filter -> true/false)")
+            if not correct:  # the paired test compares these; without them the run would fail at its end
+                raise EvalError(f"{path}: {at} has no right/wrong score (its task is not scored by "
+                                f"{' or '.join(BINARY_METRICS)})", fix="--compare-to needs a task scored by exact_match or acc")
+            for flt, ok in correct.items():
                 need(ok, bool, f"{at}.correct.{flt}", "true or false")
             need(r.get("prompt_hash"), str, f"{at}.prompt_hash", "a string", optional=True)
             ids = need(r.get("output_token_ids"), list, f"{at}.output_token_ids", "a list of token ids", optional=True)
