@@ -155,16 +155,6 @@ def _compare_target(value: str | None) -> tuple[str | None, Path | None]:
     return value, None
 
 
-def _load_saved(path: Path) -> dict:
-    from attnzoo.evals.report import check_saved_report
-
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise EvalError(f"cannot read the report {str(path)!r}: {e}", fix="pass a JSON file written by run_eval --output") from None
-    return check_saved_report(data, str(path))
-
-
 def _tensor_parallel_size(args) -> int:
     from attnzoo.engine.tensor_parallel import torchrun_world
 
@@ -327,6 +317,7 @@ def run(args, write: bool = True, sequences: dict | None = None) -> dict:
     ``sequences``: filled with this run's (prompt ids, output ids) per (task, doc_id), for teacher forcing
     by the caller (``teacher_force_many``)."""
     from attnzoo.evals.report import REPORT_FORMAT, compare_runs
+    from attnzoo.evals.saved import check_saved_matches, check_saved_tokens, load_saved
     from attnzoo.evals.tasks import check_data_dir, check_fewshot_pool, load_tasks, require_lm_eval
     from attnzoo.models import loader
 
@@ -336,7 +327,7 @@ def run(args, write: bool = True, sequences: dict | None = None) -> dict:
     if args.plot:
         check_output_path(args.plot, "--plot")
     compare_backend, saved_path = _compare_target(args.compare_to)
-    saved = _load_saved(saved_path) if saved_path else None
+    saved = load_saved(saved_path) if saved_path else None
 
     mine = Backends(args.backend, args.prefill_backend, args.decode_backend, args.page_size, args.kv_cache_dtype)
     other_kv = args.compare_kv_cache_dtype or args.kv_cache_dtype
@@ -349,8 +340,6 @@ def run(args, write: bool = True, sequences: dict | None = None) -> dict:
     src = loader.resolve_source(args.model)
     config = loader.load_config(src)
     if saved is not None:
-        from attnzoo.evals.report import check_saved_tokens
-
         check_saved_tokens(saved, (getattr(config, "text_config", None) or config).vocab_size, str(saved_path))
     tp = _tensor_parallel_size(args)
     _check_context(args, config)
@@ -374,7 +363,7 @@ def run(args, write: bool = True, sequences: dict | None = None) -> dict:
     _, loaded = load_tasks(args.task, data_files)
     check_fewshot_pool(data_files, loaded, args.num_fewshot)
     if saved is not None:
-        _check_saved_matches(saved, args, loaded, src)
+        check_saved_matches(saved, args, loaded, src)
     del loaded
 
     import torch
@@ -468,32 +457,6 @@ def _rank() -> int:
 
     world = torchrun_world()
     return world[0] if world else 0
-
-
-def _check_saved_matches(saved: dict, args, loaded, src) -> None:
-    """A saved report is comparable only when it ran the same model and the same task settings."""
-    names = set(loaded["tasks"])
-    if set(saved.get("tasks", {})) != names:
-        raise EvalError(f"the saved report is for task(s) {', '.join(sorted(saved.get('tasks', {})))}, not {', '.join(sorted(names))}",
-                        fix="compare against a report of the same task")
-    theirs = saved.get("model")
-    if theirs != src.name and not (theirs and Path(theirs).expanduser().resolve() == Path(src.name).expanduser().resolve()):
-        raise EvalError(f"the saved report evaluated model {theirs!r}, this run {src.name!r}",
-                        fix="pass the saved report's --model, or compare against a report of this model")
-    s = saved.get("settings", {})
-    configs = {name: task.config for name, task in loaded["tasks"].items()}
-    shots = {name: args.num_fewshot if args.num_fewshot is not None else c.num_fewshot for name, c in configs.items()}
-    # 256: AttnzooLM's max_gen_toks default, used when neither the flag nor the task sets one.
-    max_new = args.max_new_tokens or next(((c.generation_kwargs or {}).get("max_gen_toks") for c in configs.values()), None) or 256
-    mine = {"limit": args.limit, "apply_chat_template": args.apply_chat_template,
-            "num_fewshot": shots if len(shots) > 1 else next(iter(shots.values())), "max_new_tokens": max_new}
-    flags = {"limit": "--limit", "apply_chat_template": "--apply-chat-template", "num_fewshot": "--num-fewshot",
-             "max_new_tokens": "--max-new-tokens"}
-    for key, value in mine.items():
-        if key in s and s[key] != value:
-            raise EvalError(f"the saved report was run with {key}={s[key]!r}, this run has {value!r}; "
-                            "the two runs would not answer the same questions the same way",
-                            fix=f"run with the saved report's {flags[key]} ({s[key]!r}), or compare against a matching report")
 
 
 def main(argv: list[str] | None = None) -> int:
