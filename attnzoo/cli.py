@@ -42,7 +42,7 @@ def _generate(args) -> int:
     # The sampling flags are checked before the model loads (which takes seconds to minutes).
     SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed,
                    tuple(args.stop or ())).validate()
-    from attnzoo.engine.llm import valid_text
+    from attnzoo.engine.prompts import valid_text
 
     for i, p in enumerate(args.prompts):  # bytes that are not UTF-8 arrive as lone surrogates
         valid_text(p, f"prompt {i}")

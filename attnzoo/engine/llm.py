@@ -17,6 +17,7 @@ from attnzoo.attention.backends import get_backend_class
 from attnzoo.attention.backends.hybrid import HybridBackend
 from attnzoo.attention.kv_cache import KVPool, kv_storage_dtype, window_group_layers
 from attnzoo.engine.engine import Completion, Engine, check_cascade
+from attnzoo.engine.prompts import chat_message, valid_text
 from attnzoo.engine.sampling import SamplingParams
 from attnzoo.errors import BackendError, ModelLoadError, RequestError
 from attnzoo.models import loader
@@ -112,38 +113,6 @@ def _tensor_parallel_call(method):
     return call
 
 
-def valid_text(text: str, what: str) -> str:
-    """``text`` when it is valid Unicode; a lone surrogate (bytes decoded with surrogateescape, a broken
-    UTF-16 pair) has no UTF-8 form, and the tokenizer would fail on it with a TypeError."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestError(f"{what} holds a lone surrogate {text[e.start]!r} at character {e.start}, which is not "
-                           "valid Unicode text", fix="pass valid text, e.g. text.encode('utf-8', 'replace').decode()"
-                           ) from None
-    return text
-
-
-def _chat_message(j: int, m: dict) -> dict:
-    """Message ``j`` with its content as one string: the OpenAI list-of-parts form is accepted for text
-    parts (joined with newlines, as vLLM does); other parts (images, audio) are refused by name."""
-    content = m.get("content")
-    if not isinstance(m.get("role"), str) or not isinstance(content, (str, list, tuple)):
-        raise RequestError(f"chat message {j} ({m!r}) needs a 'role' string and a 'content'",
-                           fix="pass messages like {'role': 'user', 'content': 'Hi!'}")
-    if isinstance(content, (list, tuple)):
-        texts = []
-        for k, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(f"chat message {j}, content part {k} ({part!r}) is not a text part; attnzoo's "
-                                   "models read text only", fix="pass content as a string, or as parts like "
-                                   "{'type': 'text', 'text': '...'}")
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    return {**m, "content": valid_text(content, f"chat message {j}")}
-
-
 class LLM:
     def __init__(self, *, model, tokenizer, config, architecture, source, decision, pool, engine, dtype, device,
                  progress: bool = False, tp=None, load_timings: dict | None = None,
@@ -189,7 +158,7 @@ class LLM:
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise RequestError("chat messages given but the tokenizer has no chat template", fix="pass a plain string")
-            messages = [_chat_message(j, m) for j, m in enumerate(prompt)]
+            messages = [chat_message(j, m) for j, m in enumerate(prompt)]
             try:
                 text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             except Exception as e:  # jinja2's TemplateError family, or whatever the template's own code raises
