@@ -46,6 +46,10 @@ def _generate(args) -> int:
     # The sampling flags are checked before the model loads (which takes seconds to minutes).
     SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed,
                    tuple(args.stop or ())).validate()
+    from attnzoo.engine.prompts import valid_text
+
+    for i, p in enumerate(args.prompts):  # bytes that are not UTF-8 arrive as lone surrogates
+        valid_text(p, f"prompt {i}")
     llm = _load(args)
     print(f"# {llm.architecture}: prefill={llm.decision.prefill_backend} decode={llm.decision.decode_backend} "
           f"page_size={llm.pool.page_size} device={llm.device}", file=sys.stderr)
@@ -296,13 +300,16 @@ def _policy_backends(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    args = build_parser().parse_args(argv)
     try:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except AttnzooError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback through torch
+        print("\nattnzoo: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

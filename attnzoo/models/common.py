@@ -174,6 +174,18 @@ class CausalLM(nn.Module):
         """Map a checkpoint tensor name to our parameter name; None skips the tensor."""
         return name
 
+    @staticmethod
+    def layer_index(name: str, parts: list[str], at: int = 2) -> int | None:
+        """The layer number of a '...layers.<N>...' tensor name (``parts`` is its split, N at ``at``);
+        None when the name is not under 'layers'. A name with no number there is named, not a ValueError."""
+        if parts[at - 1 : at] != ["layers"]:
+            return None
+        if len(parts) <= at or not parts[at].isdigit():
+            raise WeightError(f"checkpoint tensor {name!r} does not name a layer number after 'layers.'",
+                              fix="check that config.json's architectures matches the weights (an extra module's "
+                              "tensors, e.g. a multi-token-prediction head, must be named layers.<N>...)")
+        return int(parts[at])
+
     def merged_parts(self) -> dict[str, tuple[str, slice, Callable | None]]:
         """Checkpoint-side name of each MergedLinear part's tensor -> (our parameter, its rows, the cut
         of the full tensor to this rank's rows or None)."""

@@ -351,6 +351,9 @@ def iter_gguf(path: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
         raise ModelLoadError(f"GGUF loading supports Llama-architecture files, this one is {arch}", fix="use a safetensors checkpoint")
     for t in reader.tensors:
         parts = t.name.split(".")
+        if len(parts) != (4 if parts[0] == "blk" else 2) or (parts[0] == "blk" and not parts[1].isdigit()):
+            raise WeightError(f"GGUF tensor {t.name!r} is not a Llama tensor name (blk.<N>.<name>.<kind> or "
+                              "<name>.<kind>)", fix="use a Llama GGUF file")
         if parts[0] == "blk":
             layer, base, suffix = parts[1], parts[2], parts[3]
             if base not in _GGUF_LLAMA_NAMES:
