@@ -1,4 +1,4 @@
-"""The ``attnzoo`` command line: ``generate``, ``info``, ``policy`` (show / explain) and ``tune``."""
+"""The ``attnzoo`` command line: ``generate``, ``serve``, ``info``, ``policy`` (show / explain) and ``tune``."""
 from __future__ import annotations
 
 import argparse
@@ -57,6 +57,28 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    try:
+        from attnzoo.server.app import run
+    except ImportError as e:
+        raise AttnzooError(f"serving needs fastapi, uvicorn and prometheus_client ({e})",
+                           fix="pip install 'attnzoo[serve]'") from None
+    if args.model_pos is not None:
+        if args.model is not None and args.model != args.model_pos:
+            raise AttnzooError(f"two models given: {args.model_pos!r} and --model {args.model!r}", fix="give one")
+        args.model = args.model_pos
+    llm = _load(args)
+    name = args.served_model_name or (args.model or llm.architecture)
+    print(f"# serving {name} ({llm.architecture}: prefill={llm.decision.prefill_backend} "
+          f"decode={llm.decision.decode_backend}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    try:
+        run(llm, model_name=name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+            log_level=args.log_level)
+    finally:
+        llm.close()
+    return 0
+
+
 def _info(args) -> int:
     print(json.dumps(_load(args).info(), indent=2, default=str))
     return 0
@@ -79,6 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wrap each prompt as a user chat message (default on)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=_generate)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions)")
+    s.add_argument("model_pos", nargs="?", metavar="MODEL", help="the model (as --model)")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    s.add_argument("--max-queue", type=int, default=1024,
+                   help="requests waiting for admission before new ones get 503 + Retry-After")
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(func=_serve)
 
     i = sub.add_parser("info", help="load a model and print LLM.info() (backends, page size, KV capacity)")
     _add_model_args(i)

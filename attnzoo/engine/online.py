@@ -21,7 +21,7 @@ from attnzoo.errors import AttnzooError, QueueFullError
 @dataclass
 class Event:
     """What a request's listener hears, on the engine thread: a token (``token``, ``logprob``), or the end
-    (``completion``, or ``error`` where the step failed)."""
+    (``completion``, its last token included, or ``error`` where the step failed)."""
 
     token: int | None = None
     logprob: TokenLogprob | None = None
@@ -168,7 +168,7 @@ class OnlineEngine:
                 continue
             for req in updated:
                 h = self._live.get(req.key)
-                if h is not None and req.finish != "abort":
+                if h is not None and not req.finish:  # a last token comes with the completion (a stop string may cut it)
                     h._emit(Event(token=req.out[-1], logprob=req.logprobs[-1] if req.params.logprobs is not None else None))
             for req in finished:
                 h = self._live.pop(req.key, None)
