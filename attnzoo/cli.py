@@ -25,14 +25,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="what the KV cache stores (auto: the model dtype; fp8_e4m3: per-tensor scales 1.0)")
 
 
-def _load(args):
+def _load(args, **extra):
     from attnzoo import load_model
 
     return load_model(
         args.model, backend=args.backend, prefill_backend=args.prefill_backend, decode_backend=args.decode_backend,
         page_size=args.page_size, policy_file=args.policy, dtype=args.dtype, device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, **extra,
     )
 
 
@@ -67,7 +67,8 @@ def _serve(args) -> int:
         if args.model is not None and args.model != args.model_pos:
             raise AttnzooError(f"two models given: {args.model_pos!r} and --model {args.model!r}", fix="give one")
         args.model = args.model_pos
-    llm = _load(args)
+    llm = _load(args, load_format=args.load_format, max_batch_tokens=args.max_batch_tokens,
+                kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory))
     name = args.served_model_name or (args.model or llm.architecture)
     print(f"# serving {name} ({llm.architecture}: prefill={llm.decision.prefill_backend} "
           f"decode={llm.decision.decode_backend}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
@@ -112,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=1024,
                    help="requests waiting for admission before new ones get 503 + Retry-After")
     s.add_argument("--log-level", default="info")
+    s.add_argument("--load-format", default="auto", choices=("auto", "random"),
+                   help="random: weights drawn at random from MODEL's config.json (benchmarks)")
+    s.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per step (default: the engine's)")
+    s.add_argument("--kv-cache-memory", type=float, default=None, help="bytes for the KV cache (default: the engine's)")
     s.set_defaults(func=_serve)
 
     i = sub.add_parser("info", help="load a model and print LLM.info() (backends, page size, KV capacity)")

@@ -166,16 +166,15 @@ async def _stream(parsed, handles, prompts, queue, times, done, tok, prompt_only
                 if ev.logprob is not None:
                     lp = (protocol.chat_logprobs(tok, [ev.logprob]) if parsed.chat else
                           protocol.completion_logprobs(tok, [ev.logprob], [ev.token], len(sent[i])))
-                if delta or lp is not None:
-                    sent[i] += delta
-                    yield _sse(protocol.chunk(parsed, i, delta, None, logprobs=lp))
+                sent[i] += delta  # a chunk per token, its text possibly empty (held back)
+                yield _sse(protocol.chunk(parsed, i, delta, None, logprobs=lp))
             if ev.completion is not None:
                 c = ev.completion
                 finished += 1
                 if len(c.token_ids) > len(times[i]):
                     times[i].append(ev.at)
                 done(i, c)
-                final = "" if prompt_only else c.text
+                final = "" if prompt_only else (c.text or "")
                 usage_out += 0 if prompt_only else len(c.token_ids)
                 lp = None
                 if c.logprobs and not prompt_only and len(c.logprobs) > len(ids[i]):

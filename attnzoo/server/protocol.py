@@ -164,7 +164,7 @@ def chat_logprobs(tok, entries: list[TokenLogprob]) -> dict:
 def choice(parsed: Parsed, index: int, prompt: list[int], c: Completion, tok, *, prompt_only: bool) -> dict:
     """One choice of a non-streamed answer."""
     out_ids = [] if prompt_only else c.token_ids
-    text = "" if prompt_only else c.text
+    text = "" if prompt_only else (c.text or "")  # None: a model served without a tokenizer
     finish = "length" if prompt_only else c.finish_reason
     if parsed.chat:
         ch = {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
