@@ -172,6 +172,7 @@ def test_200_concurrent_requests_give_their_one_at_a_time_outputs(srv):
 def test_client_disconnect_mid_stream_frees_its_pages(srv):
     online = srv.app.state.online
     body = {"model": "tiny", "prompt": "Tell me a long story", "max_tokens": 900, "stream": True, "ignore_eos": True}
+    before = srv.llm.engine.generated_tokens
     host, port = srv.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     conn.request("POST", "/v1/completions", json.dumps(body),
@@ -186,6 +187,7 @@ def test_client_disconnect_mid_stream_frees_its_pages(srv):
     while (online.num_running() or not _pages_all_free(srv.llm)) and time.time() < deadline:
         time.sleep(0.05)
     assert online.num_running() == 0 and _pages_all_free(srv.llm)
+    assert srv.llm.engine.generated_tokens - before < 900  # cancelled, not run to its end
 
 
 def test_bad_requests_get_openai_errors(srv):

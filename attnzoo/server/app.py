@@ -22,7 +22,10 @@ from attnzoo.server.metrics import Metrics
 from attnzoo.server.protocol import APIError
 
 
-def create_app(llm, *, model_name: str, api_key: str | None = None, max_queue: int = 1024) -> FastAPI:
+def create_app(llm, *, model_name: str, api_key: str | None = None, max_queue: int = 1024,
+               on_shutdown=None) -> FastAPI:
+    """The app; ``on_shutdown`` runs after the loop drained (uvicorn re-raises SIGTERM right after: a caller's
+    ``finally`` would not run)."""
     online = OnlineEngine(llm, max_queue=max_queue)
     metrics = Metrics(online)
     tok = llm.tokenizer
@@ -31,6 +34,8 @@ def create_app(llm, *, model_name: str, api_key: str | None = None, max_queue: i
     async def lifespan(app):
         yield
         await asyncio.to_thread(online.shutdown, drain=True)
+        if on_shutdown is not None:
+            on_shutdown()
 
     app = FastAPI(title="attnzoo", lifespan=lifespan)
     app.state.online, app.state.metrics = online, metrics
@@ -200,5 +205,5 @@ def run(llm, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_
     """Serve until SIGTERM/SIGINT; open requests finish first."""
     import uvicorn
 
-    app = create_app(llm, model_name=model_name, api_key=api_key, max_queue=max_queue)
+    app = create_app(llm, model_name=model_name, api_key=api_key, max_queue=max_queue, on_shutdown=llm.close)
     uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
