@@ -147,6 +147,7 @@ async def _stream(parsed, handles, prompts, queue, times, done, tok, prompt_only
     sent = [""] * n
     hold = max((len(s) for s in handles[0].params.stop), default=1) - 1
     usage_out = 0
+    detok = [_Detokenizer(tok) for _ in range(n)]
     try:
         for i in range(n):
             if parsed.chat:
@@ -162,10 +163,8 @@ async def _stream(parsed, handles, prompts, queue, times, done, tok, prompt_only
             if ev.token is not None and not prompt_only:
                 times[i].append(ev.at)
                 ids[i].append(ev.token)
-                text = tok.decode(ids[i], skip_special_tokens=True) if tok is not None else ""
+                text = detok[i].add(ids[i]) if tok is not None else ""
                 cut = len(text) - hold if hold else len(text)
-                while cut > len(sent[i]) and text[cut - 1] == "\ufffd":
-                    cut -= 1
                 delta = text[len(sent[i]):cut] if cut > len(sent[i]) else ""
                 lp = None
                 if ev.logprob is not None:
@@ -198,6 +197,23 @@ async def _stream(parsed, handles, prompts, queue, times, done, tok, prompt_only
         for h in handles:
             if not h.done:
                 h.cancel()
+
+
+class _Detokenizer:
+    """Text of a growing token list, decoding only its last few tokens per new token (the window before
+    ``read`` gives the new tokens their context: leading spaces, merged bytes); a trailing partial UTF-8
+    character waits for the next token."""
+
+    def __init__(self, tok):
+        self.tok, self.text, self.prefix, self.read = tok, "", 0, 0
+
+    def add(self, ids: list[int]) -> str:
+        before = self.tok.decode(ids[self.prefix:self.read], skip_special_tokens=True)
+        now = self.tok.decode(ids[self.prefix:], skip_special_tokens=True)
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.text += now[len(before):]
+            self.prefix, self.read = self.read, len(ids)
+        return self.text
 
 
 def run(llm, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
