@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -38,7 +39,7 @@ def create_app(llm, *, model_name: str, api_key: str | None = None, max_queue: i
             on_shutdown()
 
     app = FastAPI(title="attnzoo", lifespan=lifespan)
-    app.state.online, app.state.metrics = online, metrics
+    app.state.online, app.state.metrics, app.state.bridge = online, metrics, None
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -67,20 +68,22 @@ def create_app(llm, *, model_name: str, api_key: str | None = None, max_queue: i
 
     async def serve(request: Request, chat: bool):
         check_key(request)
+        bridge = app.state.bridge
         try:
             body = json.loads(await request.body())
         except ValueError:
             raise APIError(400, "the request body is not valid JSON") from None
         parsed = protocol.parse(body, chat=chat, llm=llm, model_name=model_name)
         prompt_only = protocol.echo_only(parsed, body)
-        loop = asyncio.get_running_loop()
+        if bridge is None or bridge.loop is not asyncio.get_running_loop():
+            bridge = app.state.bridge = _Bridge(asyncio.get_running_loop())
         queue: asyncio.Queue = asyncio.Queue()
         handles, prompts = [], []
         try:
             for prompt, sps in zip(parsed.prompts, parsed.params):
                 for sp in sps:
                     idx = len(handles)
-                    listener = (lambda ev, idx=idx: loop.call_soon_threadsafe(queue.put_nowait, (idx, ev)))
+                    listener = (lambda ev, idx=idx: bridge.put(queue, (idx, ev)))
                     handles.append(online.submit(prompt, sp, listener))
                     prompts.append(prompt)
         except (QueueFullError, RequestError, KVCacheFullError) as e:
@@ -197,6 +200,29 @@ async def _stream(parsed, handles, prompts, queue, times, done, tok, prompt_only
         for h in handles:
             if not h.done:
                 h.cancel()
+
+
+class _Bridge:
+    """Events from the engine thread to the asyncio loop: queued, with one wake-up of the loop per batch of
+    them (a step's tokens for every request) rather than one per token."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list = []
+
+    def put(self, queue: asyncio.Queue, item) -> None:
+        with self._lock:
+            self._pending.append((queue, item))
+            if len(self._pending) > 1:
+                return  # a wake-up is already on its way
+        self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._pending = self._pending, []
+        for queue, item in items:
+            queue.put_nowait(item)
 
 
 class _Detokenizer:
