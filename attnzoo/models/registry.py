@@ -11,6 +11,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("attnzoo.models.deepseek_v2:DeepseekV2ForCausalLM", "deepseek_v2"),
     "DeepseekV3ForCausalLM": ("attnzoo.models.deepseek_v2:DeepseekV3ForCausalLM", "deepseek_v3"),
     "DeepseekV32ForCausalLM": ("attnzoo.models.deepseek_v32:DeepseekV32ForCausalLM", "deepseek_v32"),
+    "Qwen3ForCausalLM": ("attnzoo.models.qwen3:Qwen3ForCausalLM", "qwen3"),
+    "Qwen3MoeForCausalLM": ("attnzoo.models.qwen3:Qwen3MoeForCausalLM", "qwen3_moe"),
+    "Gemma3ForCausalLM": ("attnzoo.models.gemma3:Gemma3ForCausalLM", "gemma3_text"),
+    "Gemma3ForConditionalGeneration": ("attnzoo.models.gemma3:Gemma3ForCausalLM", "gemma3"),
     "Gemma4ForCausalLM": ("attnzoo.models.gemma4:Gemma4ForCausalLM", "gemma4_text"),
     "Gemma4ForConditionalGeneration": ("attnzoo.models.gemma4:Gemma4ForCausalLM", "gemma4"),
 }
