@@ -267,11 +267,11 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """``model.*`` of a checkpoint: embed_tokens, the layers, the final norm."""
 
-    def __init__(self, config, layers: Iterable[nn.Module], tp: TPContext = SINGLE):
+    def __init__(self, config, layers: Iterable[nn.Module], tp: TPContext = SINGLE, *, norm_offset: float = 0.0):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=norm_offset)
 
 
 class DecoderLM(CausalLM):
