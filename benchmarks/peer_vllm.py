@@ -41,7 +41,9 @@ def run(cmd: list[str], env: dict, log: Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output prefix: PREFIX.json, PREFIX.png, PREFIX_*.log")
-    ap.add_argument("--shape", default="llama8b", choices=("llama8b", "gemma4-31b", "dsv2lite"))
+    # qwen3-30b-a3b: the vLLM driver needs the same shape (e2e.py's QWEN3_30B_A3B, Qwen3MoeForCausalLM) and the
+    # MoE overlay (vsite-moe.tar.xz), as dsv2lite does.
+    ap.add_argument("--shape", default="llama8b", choices=("llama8b", "gemma4-31b", "dsv2lite", "qwen3-30b-a3b"))
     ap.add_argument("--backends", default="default", help="attnzoo backends for e2e.py (default: the policy's)")
     ap.add_argument("--prompts", type=int, default=None, help="first N prompts (default: all 1319)")
     ap.add_argument("--e2e-args", default="", help="more e2e.py arguments, e.g. '--cascade both'")
