@@ -3,6 +3,7 @@ load): greedy tokens equal transformers' on the same file (CPU, torch backend), 
 that runs the model agrees with the torch reference up to bf16 near ties. A sliding-window model (512-token
 windows, local/global RoPE) with real weights. A missing package fails here with the install line: it is a
 test dependency (pyproject's [test] extra, .ci/run), never a silent skip."""
+import copy
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,10 @@ def test_greedy_equals_transformers_on_the_same_gguf(gguf):
     windows = [a.sliding_window for a in llm.model.attention_layers()]
     assert windows == ([512] * 5 + [None]) * 3
     got = llm.generate(PROMPTS, max_new_tokens=STEPS, ignore_eos=True)
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    # The config read from the same file already (a GGUF parse of its 262k-token vocabulary saved); the
+    # weights are transformers' own read and dequantization.
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=copy.deepcopy(llm.config),
+                                              dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     for prompt, completion in zip(PROMPTS, got):
         ids = llm.tokenizer(prompt, return_tensors="pt")["input_ids"]
