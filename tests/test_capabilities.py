@@ -112,6 +112,39 @@ def test_policy_and_backend_checks_agree_on_a_grid(stubbed):
     assert not disagree, f"{len(disagree)} of {compared} disagree, e.g.:\n" + "\n".join(disagree[:10])
 
 
+# Known limits, written from the kernels' documentation rather than read from the declarations, so the grid
+# above (both sides read one declaration) cannot agree on a wrong one: (backend, phase, layer, GPU, page, runs).
+KNOWN = [
+    ("torch", "decode", "mla-100h", "sm80", 1, True),  # the reference runs everything
+    ("triton", "decode", "gqa32-d512-window", "sm80", 1, True),  # any head dim up to 1024, any page
+    ("triton", "prefill", "nsa-16h", "sm90", 64, False),  # NSA runs on the NSA backends only
+    ("flashinfer", "decode", "gqa-d128", "sm90", 16, True),
+    ("flashinfer", "decode", "mla-128h", "sm90", 16, False),  # MLA is flashinfer_mla's
+    ("flashinfer_mla", "decode", "gqa-d128", "sm90", 16, False),
+    ("flashinfer_mla", "decode", "mla-128h", "sm90", 16, True),
+    ("trtllm_mla", "decode", "mla-128h", "sm100", 64, True),  # trtllm-gen MLA: pages 32 or 64
+    ("trtllm_mla", "decode", "mla-128h", "sm100", 16, False),
+    ("trtllm_mla", "decode", "mla-100h", "sm100", 64, False),  # trtllm-gen has no kernel for 65..127 heads
+    ("trtllm_mla", "decode", "mla-128h", "sm90", 64, False),  # no trtllm MLA decode on Hopper
+    ("trtllm_mla", "decode", "mla-128h", "sm120", 128, True),  # XQA-MLA: 128 heads, page up to 128
+    ("trtllm_mla", "decode", "mla-16h", "sm120", 64, False),
+    ("trtllm_mha", "decode", "gqa-d128", "sm90", 16, True),  # XQA on Hopper
+    ("trtllm_mha", "decode", "gqa-d128", "sm90", 128, True),  # XQA also takes page 128
+    ("trtllm_mha", "decode", "gqa-d128", "sm80", 16, False),  # neither XQA nor trtllm-gen before SM90
+]
+
+
+@pytest.mark.parametrize("name,phase,layer_id,gpu,page,runs", KNOWN,
+                         ids=[f"{n}-{ph}-{lid}-{g}-p{pg}" for n, ph, lid, g, pg, _ in KNOWN])
+def test_policy_and_backend_match_known_limits(stubbed, name, phase, layer_id, gpu, page, runs):
+    stubbed(gpu)
+    args = dict(LAYERS)[layer_id]
+    policy = check_choice(name, phase, _profile(args), gpu=gpu, capabilities=all_capabilities(), dtype="bfloat16",
+                          kv_cache_dtype="auto", assume_installed=frozenset({"flashinfer", "triton"}), page_size=page)
+    ok, why = _runtime_accepts(name, Attention(0, **args), phase, page, torch.bfloat16, "auto")
+    assert (policy.ok, ok) == (runs, runs), (policy.violations, why)
+
+
 def test_registry_line_is_the_whole_registration():
     """name and the engine's flags come from the declaration; NSA backends' layout too."""
     for name, c in all_capabilities().items():

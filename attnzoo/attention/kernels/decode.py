@@ -297,9 +297,8 @@ def _decode_stage2(
 
 @functools.lru_cache(maxsize=None)  # callers copy the dict before changing it
 def decode_launch_config(head_dim: int, v_head_dim: int, group: int, dtype: torch.dtype) -> dict:
-    """Tile sizes for stage 1, measured on an H100 (the kernel is bound by KV bandwidth; batch 64,
-    context 4096 reaches 96% of copy bandwidth at d128, 88% at d512). Smaller GPUs shrink them at
-    launch (``common.launch``)."""
+    """Tile sizes for stage 1, tuned on an H100 for KV bandwidth, which bounds the kernel
+    (benchmarks/attention_triton.py). Smaller GPUs shrink them at launch (``common.launch``)."""
     bd, bdr = head_dim_tiles(head_dim)
     width = bd + bdr + value_tile(v_head_dim)
     block_h = MIN_TILE if group <= MIN_TILE else min(64, 1 << (group - 1).bit_length())

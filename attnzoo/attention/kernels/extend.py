@@ -151,9 +151,9 @@ def _extend_kernel(
 
 @functools.lru_cache(maxsize=None)  # callers copy the dict before changing it
 def extend_launch_config(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile sizes measured on an H100 (causal prefill, batch 1: about 220 TFLOP/s at d128, 100 at
-    d512). The float32 accumulator [v_dim, BLOCK_M] and the k/v tiles bound the tiles as head dims
-    grow; smaller GPUs shrink them at launch (``common.launch``)."""
+    """Tile sizes tuned on an H100 for causal prefill (benchmarks/attention_triton.py). The float32 accumulator
+    [v_dim, BLOCK_M] and the k/v tiles bound the tiles as head dims grow; smaller GPUs shrink them at launch
+    (``common.launch``)."""
     bd, bdr = head_dim_tiles(head_dim)
     width = max(bd + bdr, value_tile(v_head_dim))
     if width <= 128:
