@@ -243,3 +243,29 @@ class CausalLM(nn.Module):
         if self.tied_lm_head and hasattr(self, "lm_head"):
             self.lm_head.weight = self.model.embed_tokens.weight
 
+
+class PreNormDecoderLayer(nn.Module):
+    """norm -> self_attn -> norm -> mlp, each residual add fused with the norm after it (Llama, DeepSeek,
+    gpt-oss). Subclasses build ``self_attn``, ``mlp``, ``input_layernorm`` and ``post_attention_layernorm``."""
+
+    def forward(self, x, residual, cos, sin, ctx):
+        """x: the previous layer's output; residual: the stream before it (None in the first layer).
+        -> this layer's output and the stream before it: each add is fused with the norm after it."""
+        x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, cos, sin, ctx), residual)
+        return self.mlp(x), residual
+
+
+class RotaryDecoderLM(CausalLM):
+    """A stack of ``PreNormDecoderLayer``-shaped layers sharing one RoPE table: ``self.model`` (``embed_tokens``,
+    ``layers``, ``norm``), ``self.rotary`` and ``self.lm_head``, built by the subclass."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x, residual = self.model.embed_tokens(input_ids), None
+        cos, sin = self.rotary(positions)
+        for layer in self.model.layers:
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return self.model.norm.add_and_norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -28,7 +28,9 @@ from attnzoo.layers.moe import FusedMoE, select_experts
 from attnzoo.layers.parallel import (
     SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
 )
-from attnzoo.models.common import CausalLM, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope_qk
+from attnzoo.models.common import (
+    GatedMLP, MergedLinear, PreNormDecoderLayer, RMSNorm, RotaryDecoderLM, RotaryEmbedding, apply_rope_qk,
+)
 
 log = logging.getLogger("attnzoo")
 
@@ -200,7 +202,7 @@ class DeepseekMoE(nn.Module):
         return self.tp.all_reduce(self.experts(x, weights, ids, add=self.shared_experts(x)))
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, layer_id: int, *, scoring: str, interleaved_rope: bool, attention_cls=None,
                  tp: TPContext = SINGLE):
         super().__init__()
@@ -211,12 +213,6 @@ class DeepseekDecoderLayer(nn.Module):
             self.mlp = _mlp(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, residual, cos, sin, ctx):
-        """As LlamaDecoderLayer: -> this layer's output and the stream before it."""
-        x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, cos, sin, ctx), residual)
-        return self.mlp(x), residual
 
 
 class DeepseekModel(nn.Module):
@@ -231,7 +227,7 @@ class DeepseekModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class DeepseekV2ForCausalLM(CausalLM):
+class DeepseekV2ForCausalLM(RotaryDecoderLM):
     scoring = "softmax"
     attention_cls = DeepseekAttention  # V3.2 swaps in its indexer-carrying subclass
     matrix_weights = ("kv_b_proj",)  # absorbed MLA folds it into the query and the output
@@ -252,15 +248,6 @@ class DeepseekV2ForCausalLM(CausalLM):
     def interleaved_rope(config) -> bool:
         return True  # V2 rotates interleaved pairs (its complex-number form)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x, residual = self.model.embed_tokens(input_ids), None
-        cos, sin = self.rotary(positions)
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, cos, sin, ctx)
-        return self.model.norm.add_and_norm(x, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
 
     def checkpoint_name(self, name: str) -> str | None:
         parts = name.split(".")

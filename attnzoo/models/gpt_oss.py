@@ -9,7 +9,6 @@ their biases; the official checkpoints store the two weights MXFP4 (``*_blocks``
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from attnzoo.attention.layer import Attention, ForwardContext
@@ -18,7 +17,9 @@ from attnzoo.layers.moe import FusedMoE, select_experts
 from attnzoo.layers.parallel import (
     SINGLE, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding, mark_shard, narrow,
 )
-from attnzoo.models.common import CausalLM, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope_qk
+from attnzoo.models.common import (
+    MergedLinear, PreNormDecoderLayer, RMSNorm, RotaryDecoderLM, RotaryEmbedding, apply_rope_qk,
+)
 
 
 class GptOssAttention(nn.Module):
@@ -72,18 +73,13 @@ class GptOssMLP(nn.Module):
         return self.tp.all_reduce(self.experts(x, w, idx))
 
 
-class GptOssDecoderLayer(nn.Module):
+class GptOssDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, layer_id: int, tp: TPContext = SINGLE):
         super().__init__()
         self.self_attn = GptOssAttention(config, layer_id, tp)
         self.mlp = GptOssMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, residual, cos, sin, ctx):
-        x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, cos, sin, ctx), residual)
-        return self.mlp(x), residual
 
 
 class GptOssModel(nn.Module):
@@ -94,7 +90,7 @@ class GptOssModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class GptOssForCausalLM(CausalLM):
+class GptOssForCausalLM(RotaryDecoderLM):
     def __init__(self, config, tp: TPContext = SINGLE):
         super().__init__()
         self.config = config
@@ -108,12 +104,3 @@ class GptOssForCausalLM(CausalLM):
         # The sinks live on the shared attention layer, which the backends read.
         return name.replace(".self_attn.sinks", ".self_attn.attn.sinks")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x, residual = self.model.embed_tokens(input_ids), None
-        cos, sin = self.rotary(positions)
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, cos, sin, ctx)
-        return self.model.norm.add_and_norm(x, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()

@@ -1,12 +1,13 @@
 """Llama (LlamaForCausalLM): RMSNorm, RoPE (incl. llama3 scaling), GQA, SwiGLU, tied or untied head."""
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.layers.parallel import SINGLE, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding
-from attnzoo.models.common import CausalLM, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope_qk
+from attnzoo.models.common import (
+    GatedMLP, MergedLinear, PreNormDecoderLayer, RMSNorm, RotaryDecoderLM, RotaryEmbedding, apply_rope_qk,
+)
 
 
 class LlamaAttention(nn.Module):
@@ -32,20 +33,13 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, layer_id: int, tp: TPContext = SINGLE):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, tp)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, residual, cos, sin, ctx):
-        """x: the previous layer's output; residual: the stream before it (None in the first layer).
-        -> this layer's output and the stream before it: each add is fused with the norm after it."""
-        x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, cos, sin, ctx), residual)
-        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -56,7 +50,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaForCausalLM(CausalLM):
+class LlamaForCausalLM(RotaryDecoderLM):
     def __init__(self, config, tp: TPContext = SINGLE):
         super().__init__()
         self.config = config
@@ -67,12 +61,3 @@ class LlamaForCausalLM(CausalLM):
         rope_type = config.rope_parameters.get("rope_type", "default")
         self.rotary = RotaryEmbedding(config, rope_type=rope_type, head_dim=head_dim)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x, residual = self.model.embed_tokens(input_ids), None
-        cos, sin = self.rotary(positions)
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, cos, sin, ctx)
-        return self.model.norm.add_and_norm(x, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
