@@ -1,13 +1,17 @@
-"""The ``attnzoo`` command line: ``generate``, ``info``, ``policy`` (show / explain) and ``tune``."""
+"""The ``attnzoo`` command line: ``generate``, ``info``, ``policy`` (show / explain / backends) and ``tune``."""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from attnzoo.attention.kv_cache import KV_CACHE_DTYPES
-from attnzoo.errors import AttnzooError
+from attnzoo.errors import AttnzooError, ModelLoadError, PolicyError, UnsupportedArchitectureError
+
+GPU_NAMES = "cpu, sm80, sm89, sm90, sm100, sm103, sm120"
+OPTIONAL_PACKAGES = ("flashinfer", "triton")  # what optional backends import; --assume-installed pretends they do
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -42,6 +46,10 @@ def _generate(args) -> int:
     # The sampling flags are checked before the model loads (which takes seconds to minutes).
     SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed,
                    tuple(args.stop or ())).validate()
+    from attnzoo.engine.prompts import valid_text
+
+    for i, p in enumerate(args.prompts):  # bytes that are not UTF-8 arrive as lone surrogates
+        valid_text(p, f"prompt {i}")
     llm = _load(args)
     print(f"# {llm.architecture}: prefill={llm.decision.prefill_backend} decode={llm.decision.decode_backend} "
           f"page_size={llm.pool.page_size} device={llm.device}", file=sys.stderr)
@@ -84,22 +92,224 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(i)
     i.set_defaults(func=_info)
 
-    from attnzoo.defaults.cli import add_subparser
+    _add_policy(sub)
     from attnzoo.tune import add_subparser as add_tune
 
-    add_subparser(sub)
     add_tune(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    args = build_parser().parse_args(argv)
+# ------------------------------------------------------------------------------------------ policy
+
+POLICY_HELP = """Print the attention-backend policy table, explain one model's decision, or list the backends.
+
+`explain` reads no weights and never downloads: MODEL_OR_ARCH is an architecture name, a local checkpoint
+directory, a .gguf file, a hub id whose config.json is in the local Hugging Face cache, or one of the
+zoo's flagship hub ids (answered from the shipped table). --arch names the architecture otherwise.
+A --gpu other than this machine's answers what would run there, with the optional packages assumed
+installed (said in the output; --assume-installed '' checks this machine's packages instead).
+"""
+
+
+def _add_policy(sub) -> None:
+    p = sub.add_parser("policy", help="show the attention-backend policy or explain one model's decision",
+                       description=POLICY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cmds = p.add_subparsers(dest="policy_command", required=True)
+    show = cmds.add_parser("show", help="print the policy table (every architecture x GPU cell)")
+    show.add_argument("--gpu", default=None, help=f"only this GPU: {GPU_NAMES}")
+    show.add_argument("--policy", default=None, help="merge this user policy file over the shipped table")
+    show.add_argument("--json", action="store_true", help="print JSON, with the full reasons")
+    show.set_defaults(func=_policy_show)
+    ex = cmds.add_parser("explain", help="resolve one model and print the decision with every candidate's reasons")
+    ex.add_argument("model", metavar="MODEL_OR_ARCH", help="architecture name, checkpoint dir, .gguf file or hub id")
+    ex.add_argument("--gpu", default=None, help=f"{GPU_NAMES} (default: this machine's)")
+    ex.add_argument("--policy", default=None, help="user policy file (TOML, same schema as the shipped table)")
+    ex.add_argument("--backend", default=None, help="backend for prefill and decode")
+    ex.add_argument("--prefill-backend", default=None)
+    ex.add_argument("--decode-backend", default=None)
+    ex.add_argument("--page-size", type=int, default=None)
+    ex.add_argument("--dtype", default=None, help="the dtype the model will run in (checked against the backends)")
+    ex.add_argument("--arch", default=None, help="the architecture, when the model's config.json is not at hand")
+    ex.add_argument("--assume-installed", nargs="?", const=",".join(OPTIONAL_PACKAGES), default=None,
+                    metavar="PKG[,PKG]", help="answer for a machine that has these packages (default with the flag: "
+                    f"{', '.join(OPTIONAL_PACKAGES)}; without it: all of them for another --gpu, none here)")
+    ex.add_argument("--json", action="store_true", help="print the Decision as JSON")
+    ex.set_defaults(func=_policy_explain)
+    caps = cmds.add_parser("backends", help="print every backend's declared capabilities")
+    caps.add_argument("--json", action="store_true", help="print JSON")
+    caps.set_defaults(func=_policy_backends)
+
+
+def _short(text: str | None, width: int = 72) -> str:
+    text = (text or "").split("; ")[0]
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _policy_show(args) -> int:
+    from tabulate import tabulate
+
+    cells, patterns = table_cells(args.gpu, args.policy), model_patterns(args.gpu, args.policy)
+    if args.json:
+        print(json.dumps({"cells": cells, "model_patterns": patterns}, indent=2))
+        return 0
+    rows = []
+    for c in cells:
+        f = c["field"]
+        vs = "-" if f is None else "agrees" if f["agrees"] else (
+            "differs, unmeasured" if f["justified_by"] == "unmeasured" else "differs, measured")
+        note = f"planned: {c['planned']}" if c["planned"] else c["reason"]
+        rows.append((c["architecture"], c["gpu"], c["prefill_backend"], c["decode_backend"], c["page_size"], vs,
+                     _short(note)))
+    print(tabulate(rows, ("architecture", "gpu", "prefill", "decode", "page", "vs field", "planned / reason"),
+                   disable_numparse=True))
+    if patterns:
+        print("\nmodel-id patterns (applied by `explain` and load_model when the model id matches):")
+        print(tabulate([(p["pattern"], p["gpu"], p["prefill"] or "", p["decode"] or "", p["page_size"] or "",
+                         f"{p['file']}:{p['line']}") for p in patterns],
+                       ("pattern", "gpu", "prefill", "decode", "page", "where"), disable_numparse=True))
+    return 0
+
+
+def table_cells(gpu: str | None = None, policy_file=None, *, table=None) -> list[dict]:
+    """Every (architecture, GPU) cell of the table as written, merged by precedence; no capability checks.
+    ``policy_file`` (or $ATTNZOO_POLICY) is merged over the shipped table, as resolve() would."""
+    from attnzoo.policy.resolve import GPUS, FIELDS, applicable, field_summary, gpu_class, user_table, value_of
+    from attnzoo.policy.table import SHIPPED_POLICY, load_table
+
+    shipped = load_table(table or SHIPPED_POLICY, shipped=True)
+    user = user_table(policy_file, [])
+    cells = []
+    for fam in shipped.families.values():
+        for arch in fam.archs:
+            for g in [gpu_class(gpu)] if gpu else GPUS:
+                matches = applicable(shipped, user, arch, fam.name, g, None)
+                cell: dict = {"family": fam.name, "architecture": arch, "gpu": g}
+                for key in FIELDS:
+                    cell[key], src = value_of(matches, key, arch, fam.name, g, shipped)
+                    cell[f"{key}_from"] = src.detail
+                for key in ("reason", "planned", "measured_in"):
+                    cell[key] = next((getattr(m.row, key) for _, _, m in matches if getattr(m.row, key)), None)
+                cells.append({**cell, "field": field_summary(matches)})
+    return cells
+
+
+def model_patterns(gpu: str | None = None, policy_file=None, *, table=None) -> list[dict]:
+    """The model-id pattern rows of the shipped table and the user policy file ("*" = all GPUs)."""
+    from attnzoo.policy.resolve import gpu_class, user_table
+    from attnzoo.policy.table import SHIPPED_POLICY, load_table
+
+    want = gpu_class(gpu) if gpu else None
+    out = []
+    for tbl in (load_table(table or SHIPPED_POLICY, shipped=True), user_table(policy_file, [])):
+        for pattern, entry in (tbl.models.items() if tbl else ()):
+            for g, row in [("*", entry.all_gpus), *entry.gpus.items()]:
+                if (want and g not in ("*", want)) or (row.prefill, row.decode, row.page_size) == (None,) * 3:
+                    continue
+                out.append({"pattern": pattern, "gpu": g, "prefill": row.prefill, "decode": row.decode,
+                            "page_size": row.page_size, "reason": row.reason, "file": str(tbl.path), "line": row.line})
+    return out
+
+
+def _policy_explain(args) -> int:
+    from attnzoo.policy.resolve import Overrides, detect_gpu, gpu_class, resolve
+
+    model, model_id, notes = _policy_model(args.model, args.arch)
+    here = gpu_class(detect_gpu())
+    elsewhere = args.gpu is not None and gpu_class(args.gpu) != here
+    given = args.assume_installed
+    assume = tuple(p for p in (given if given is not None else ",".join(OPTIONAL_PACKAGES) if elsewhere else "")
+                   .split(",") if p)
+    unknown = [p for p in assume if p not in OPTIONAL_PACKAGES]
+    if unknown:
+        raise PolicyError(f"--assume-installed: unknown package(s) {', '.join(unknown)}",
+                          fix=f"use some of: {', '.join(OPTIONAL_PACKAGES)}")
+    decision = resolve(model, gpu=args.gpu, model_id=model_id, overrides=Overrides(
+        backend=args.backend, prefill_backend=args.prefill_backend, decode_backend=args.decode_backend,
+        page_size=args.page_size, policy_file=args.policy, dtype=args.dtype, assume_installed=assume))
+    if elsewhere and given is None:
+        notes.append(f"--gpu {args.gpu} is not this machine ({here}): the answer is what would run there, with "
+                     f"{', '.join(OPTIONAL_PACKAGES)} assumed installed (--assume-installed '' checks this machine's)")
+    decision.notes[:0] = notes
+    print(json.dumps(decision.to_dict(), indent=2) if args.json else decision.explain())
+    return 0
+
+
+def _policy_model(target: str, arch: str | None):
+    """MODEL_OR_ARCH (+ --arch) -> (what resolve() takes: a config or an architecture name, model id, notes)."""
+    from attnzoo.models import loader
+    from attnzoo.models.registry import architecture_of
+    from attnzoo.policy.table import SHIPPED_POLICY, load_table
+
+    table = load_table(SHIPPED_POLICY, shipped=True)
+    known = table.architectures()
+    if arch is not None and arch not in known:
+        raise PolicyError(f"--arch {arch!r} is not an architecture the policy knows", fix=f"use one of: {', '.join(known)}")
+    if target in known:
+        if arch is not None and arch != target:
+            raise PolicyError(f"MODEL_OR_ARCH is architecture {target!r} but --arch says {arch!r}",
+                              fix="give the architecture once")
+        return target, None, []
+    path = Path(target).expanduser()
     try:
+        config = loader.load_config(loader.resolve_source(path.parent if path.name == "config.json" else target,
+                                                          local_only=True))
+    except UnsupportedArchitectureError:  # a family transformers does not know: resolved from its config's keys
+        config = json.loads(((path / "config.json") if path.is_dir() else path).read_text(encoding="utf-8"))
+    except ModelLoadError:
+        if path.exists():
+            raise
+        config = None
+    if config is None:
+        flagship = table.flagship(target)
+        if arch is None and flagship is None:
+            raise PolicyError(
+                f"{target!r} is not a known architecture, a local checkpoint, a flagship hub id, or a hub id whose "
+                "config.json is in the local Hugging Face cache",
+                fix=f"pass --arch ARCH (one of: {', '.join(known)}), or download the config first: "
+                    f"hf download {target} config.json")
+        note = [] if arch else [f"{target} is in the shipped flagship table: {flagship}, its shape from the table "
+                                "(no config read)"]
+        return arch or flagship, target, note
+    if arch is not None:  # --arch renames the config's architecture: e.g. a multimodal checkpoint as its text model
+        config.architectures = [arch]
+    elif not architecture_of(config):
+        raise PolicyError(f"the config of {target!r} names no architecture", fix="pass --arch ARCH")
+    return config, target, []
+
+
+def _policy_backends(args) -> int:
+    from attnzoo.attention.backends import all_capabilities
+
+    data = [dict(c.to_dict(), registered=True) for c in all_capabilities().values()]  # declared = registered
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    for d in data:
+        print(f"{d['name']} (registered): {d['description']}")
+        for phase in ("prefill", "decode"):
+            ks = "; ".join(f"{k['kernel']} on {', '.join(k['gpus'])}" for k in d[phase]) or "none"
+            print(f"  {phase}: {ks}")
+        print(f"  kinds {', '.join(d['kinds'])}; head dims {d['head_dims']}; page sizes {d['page_sizes']}; "
+              f"dtypes {', '.join(d['dtypes'])}; sliding window {d['sliding_window']}; "
+              f"soft-cap {d['logit_softcap']}; sinks {d['attention_sinks']}; cuda graphs {d['cuda_graph']}; "
+              f"cascade {d['cascade']}")
+        if d["extra"]:
+            print(f'  needs: pip install "attnzoo[{d["extra"]}]" (module {d["module"]})')
+        print("".join(f"  note: {n}\n" for n in d["notes"]), end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except AttnzooError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback through torch
+        print("\nattnzoo: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

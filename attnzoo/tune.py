@@ -14,10 +14,13 @@ test of the machinery, not a measurement.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +68,7 @@ def layer_shapes(config) -> dict[LayerShape, int]:
 
     arch = loader.architecture_of(config)
     counts: dict[LayerShape, int] = {}
-    for m in model_class(arch).shapes_only(config).attention_layers():
+    for m in model_class(arch, config).shapes_only(config).attention_layers():
         if m.index_head_dim:
             raise PolicyError(f"{arch} has sparse (NSA) attention layers, which `attnzoo tune` does not time yet",
                               fix="time NSA backends with benchmarks/ scripts, and write the policy file by hand")
@@ -139,7 +142,7 @@ def time_ms(fn, device: torch.device, *, warmup: int = 2, iters: int = 5, flush:
 
 def _page_size_for(config, gpu: str, phase: str, backend: str, dtype) -> int:
     """The page size the policy gives ``backend`` for ``phase`` (raises if it cannot run this model here)."""
-    from attnzoo.defaults import Overrides, resolve
+    from attnzoo.policy import Overrides, resolve
 
     d = resolve(config, gpu=gpu, overrides=Overrides(**{f"{phase}_backend": backend}, dtype=dtype))
     return d.page_size
@@ -166,8 +169,8 @@ def tune(model: str, *, device=None, dtype=None, backends: list[str] | None = No
     from tqdm import tqdm
 
     from attnzoo.attention.backends import backend_names, capabilities_of, get_backend_class
-    from attnzoo.defaults import detect_gpu, gpu_class
-    from attnzoo.defaults.table import SHIPPED_POLICY, load_table
+    from attnzoo.policy import detect_gpu, gpu_class
+    from attnzoo.policy.table import SHIPPED_POLICY, load_table
     from attnzoo.engine.llm import _pick_device, _pick_dtype
     from attnzoo.models import loader
 
@@ -181,6 +184,8 @@ def tune(model: str, *, device=None, dtype=None, backends: list[str] | None = No
     shapes = layer_shapes(config)
     points = points or (GPU_POINTS if dev.type == "cuda" else CPU_POINTS)
     dtype_name = str(dt).removeprefix("torch.")
+    out_path = Path(output or f"attnzoo_policy_{arch}_{gpu}.toml")
+    check_writable(out_path)  # before the timing, which takes minutes
 
     unknown = [b for b in backends or () if b not in backend_names()]
     if unknown:
@@ -243,19 +248,51 @@ def tune(model: str, *, device=None, dtype=None, backends: list[str] | None = No
         best[phase] = min(scores.items(), key=lambda kv: kv[1])
 
     page = _pair_page_size(config, gpu, best["prefill"][0], best["decode"][0], dtype_name)
-    out_path = Path(output or f"attnzoo_policy_{arch}_{gpu}.toml")
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     result = {"model": model, "architecture": arch, "family": family, "gpu": gpu, "device": device_name,
               "dtype": dtype_name, "layer_shapes": {s.describe(): n for s, n in shapes.items()},
               "prefill": best["prefill"][0], "decode": best["decode"][0], "page_size": page,
               "score_ms": {p: round(best[p][1], 4) for p in PHASES}, "rows": rows, "skipped": skipped,
               "versions": _versions(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "file": str(out_path)}
-    out_path.write_text(_policy_text(result), encoding="utf-8")
+    write_atomic(out_path, _policy_text(result))
     return result
 
 
+def check_writable(path: Path) -> None:
+    """Raise a PolicyError now if ``path`` cannot be written (a missing folder, a read-only place)."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        problem = "is a directory"
+    elif not parent.is_dir():
+        problem = f"is in {str(parent)!r}, which does not exist"
+    elif not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        problem = "is not writable here (read-only file or folder)"
+    else:
+        return
+    raise PolicyError(f"--output {str(path)!r} {problem}",
+                      fix="pass --output a file path in an existing, writable folder (mkdir -p the folder first)")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write through a temporary file in the same folder and os.replace: a reader (or a full disk) never
+    sees a truncated policy file in place of the old one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise PolicyError(f"cannot write {str(path)!r} ({e.strerror or e})",
+                          fix="free disk space or pass --output a writable place; the old file is unchanged") from None
+
+
 def _pair_page_size(config, gpu: str, prefill: str, decode: str, dtype_name: str) -> int:
-    from attnzoo.defaults import Overrides, resolve
+    from attnzoo.policy import Overrides, resolve
 
     return resolve(config, gpu=gpu, overrides=Overrides(prefill_backend=prefill, decode_backend=decode,
                                                         dtype=dtype_name)).page_size
@@ -319,8 +356,15 @@ def format_table(r: dict) -> str:
         mark = "*" if row["backend"] == r[row["phase"]] else " "
         out.append(f"{row['phase']:8} {row['batch']:>5} {row['context']:>7} {mark}{row['backend']:16} "
                    f"{row['page_size']:>4} {row['ms']:>10.4f}")
-    out += [f"skipped {s['backend']} ({s['phase']}): {s['why']}" for s in r["skipped"]]
-    return "\n".join(out)
+    out += [f"skipped {s['backend']} ({s['phase']}): {_short(s['why'])}" for s in r["skipped"]]
+    return "\n".join(out + (["(the full reasons: --json)"] if r["skipped"] else []))
+
+
+def _short(why: str, width: int = 80) -> str:
+    """The first constraint a skipped backend violates, in one short line (the full text is in --json)."""
+    why = why.split(": ", 1)[1] if " cannot run " in why else why
+    why = why.split("; ")[0]
+    return why if len(why) <= width else why[: width - 3] + "..."
 
 
 def parse_points(text: str) -> tuple[tuple[int, int], ...]:

@@ -40,7 +40,7 @@ KV_DTYPES = tuple(KV_CACHE_DTYPES)
 
 def _runnable(backend: str, kv: str, gpu: str) -> str | None:
     """None when the policy accepts (backend, kv dtype) for SmolLM2 here, else why not."""
-    from attnzoo.defaults import Overrides, resolve
+    from attnzoo.policy import Overrides, resolve
     from attnzoo.models import loader
 
     config = loader.load_config(loader.resolve_source(None))
@@ -94,7 +94,7 @@ def main() -> int:
 
     import torch
 
-    from attnzoo.defaults import detect_gpu
+    from attnzoo.policy import detect_gpu
     from attnzoo.evals.report import compare_runs, write_chart
 
     t_start = time.perf_counter()

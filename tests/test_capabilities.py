@@ -16,11 +16,10 @@ import pytest
 import torch
 
 from attnzoo.attention.backends import all_capabilities, backend_names, base, get_backend_class
-from attnzoo.attention.backends.capabilities import GPUS
+from attnzoo.attention.backends.capabilities import GPUS, check_backend
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.layer import Attention
-from attnzoo.defaults.profile import ModelProfile
-from attnzoo.defaults.resolve import check_choice
+from attnzoo.policy.profile import ModelProfile
 from attnzoo.errors import AttnzooError, BackendError
 
 _CC = {"sm80": (8, 0), "sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm103": (10, 3), "sm120": (12, 0)}
@@ -100,9 +99,9 @@ def test_policy_and_backend_checks_agree_on_a_grid(stubbed):
                     for dtype in (torch.bfloat16, torch.float32):
                         for kv in ("auto", "fp8_e4m3"):
                             for phase in ("prefill", "decode"):
-                                policy = check_choice(name, phase, profile, gpu=gpu, capabilities=caps,
-                                                      dtype=str(dtype).removeprefix("torch."), kv_cache_dtype=kv,
-                                                      assume_installed=assume, page_size=page)
+                                policy = check_backend(caps[name], phase, profile, gpu=gpu,
+                                                       dtype=str(dtype).removeprefix("torch."), kv_cache_dtype=kv,
+                                                       assume_installed=assume, page_size=page)
                                 ok, why = _runtime_accepts(name, layer, phase, page, dtype, kv)
                                 compared += 1
                                 if ok != policy.ok:
@@ -110,39 +109,6 @@ def test_policy_and_backend_checks_agree_on_a_grid(stubbed):
                                                     f"policy {policy.violations or 'accepts'}; backend {why or 'accepts'}")
     assert compared == len(GPUS) * len(LAYERS) * len(backend_names()) * 5 * 2 * 2 * 2
     assert not disagree, f"{len(disagree)} of {compared} disagree, e.g.:\n" + "\n".join(disagree[:10])
-
-
-# Known limits, written from the kernels' documentation rather than read from the declarations, so the grid
-# above (both sides read one declaration) cannot agree on a wrong one: (backend, phase, layer, GPU, page, runs).
-KNOWN = [
-    ("torch", "decode", "mla-100h", "sm80", 1, True),  # the reference runs everything
-    ("triton", "decode", "gqa32-d512-window", "sm80", 1, True),  # any head dim up to 1024, any page
-    ("triton", "prefill", "nsa-16h", "sm90", 64, False),  # NSA runs on the NSA backends only
-    ("flashinfer", "decode", "gqa-d128", "sm90", 16, True),
-    ("flashinfer", "decode", "mla-128h", "sm90", 16, False),  # MLA is flashinfer_mla's
-    ("flashinfer_mla", "decode", "gqa-d128", "sm90", 16, False),
-    ("flashinfer_mla", "decode", "mla-128h", "sm90", 16, True),
-    ("trtllm_mla", "decode", "mla-128h", "sm100", 64, True),  # trtllm-gen MLA: pages 32 or 64
-    ("trtllm_mla", "decode", "mla-128h", "sm100", 16, False),
-    ("trtllm_mla", "decode", "mla-100h", "sm100", 64, False),  # trtllm-gen has no kernel for 65..127 heads
-    ("trtllm_mla", "decode", "mla-128h", "sm90", 64, False),  # no trtllm MLA decode on Hopper
-    ("trtllm_mla", "decode", "mla-128h", "sm120", 128, True),  # XQA-MLA: 128 heads, page up to 128
-    ("trtllm_mla", "decode", "mla-16h", "sm120", 64, False),
-    ("trtllm_mha", "decode", "gqa-d128", "sm90", 16, True),  # XQA on Hopper
-    ("trtllm_mha", "decode", "gqa-d128", "sm90", 128, True),  # XQA also takes page 128
-    ("trtllm_mha", "decode", "gqa-d128", "sm80", 16, False),  # neither XQA nor trtllm-gen before SM90
-]
-
-
-@pytest.mark.parametrize("name,phase,layer_id,gpu,page,runs", KNOWN,
-                         ids=[f"{n}-{ph}-{lid}-{g}-p{pg}" for n, ph, lid, g, pg, _ in KNOWN])
-def test_policy_and_backend_match_known_limits(stubbed, name, phase, layer_id, gpu, page, runs):
-    stubbed(gpu)
-    args = dict(LAYERS)[layer_id]
-    policy = check_choice(name, phase, _profile(args), gpu=gpu, capabilities=all_capabilities(), dtype="bfloat16",
-                          kv_cache_dtype="auto", assume_installed=frozenset({"flashinfer", "triton"}), page_size=page)
-    ok, why = _runtime_accepts(name, Attention(0, **args), phase, page, torch.bfloat16, "auto")
-    assert (policy.ok, ok) == (runs, runs), (policy.violations, why)
 
 
 def test_registry_line_is_the_whole_registration():
@@ -162,7 +128,7 @@ def test_declarations_read_without_kernel_libraries():
         sys.modules["triton"] = None  # as if not installed: importing it raises
         sys.modules["flashinfer"] = None
         from attnzoo.attention.backends import all_capabilities
-        from attnzoo.defaults import Overrides, resolve
+        from attnzoo.policy import Overrides, resolve
         assert len(all_capabilities()) >= 8
         d = resolve("DeepseekV3ForCausalLM", gpu="sm100", overrides=Overrides(assume_installed=("flashinfer", "triton")))
         assert d.decode_backend == "trtllm_mla", d.decode_backend
@@ -190,3 +156,42 @@ def test_runtime_errors_name_the_constraint(stubbed):
     with pytest.raises(AttnzooError):
         get_backend_class("flashinfer")(KVPool([Attention(0, 8, 2, 128).kv_cache_spec()], num_pages=2,
                                                page_size=16, dtype=torch.float32, device="cpu"))
+
+
+# Facts about the kernels, written out from their libraries' documentation and sources (not read from the
+# declarations): the grid above only shows that the policy and the backends read one declaration the same way;
+# these show that the declaration says what the kernels do. (backend, phase, layer id, gpu, page, dtype, kv, runs)
+FACTS = [
+    ("torch", "decode", "gqa32-d512-window", "cpu", 1, torch.float32, "auto", True),
+    ("torch", "prefill", "nsa-16h", "cpu", 64, torch.float32, "auto", True),
+    ("trtllm_mha", "decode", "gqa-d128", "sm100", 16, torch.bfloat16, "auto", True),
+    ("trtllm_mha", "decode", "gqa-d128", "sm100", 8, torch.bfloat16, "auto", False),  # trtllm-gen: 16/32/64
+    ("trtllm_mha", "decode", "gqa-d128", "sm100", 128, torch.bfloat16, "auto", False),
+    ("trtllm_mha", "decode", "gqa-d128", "sm90", 128, torch.bfloat16, "auto", True),  # XQA takes 128
+    ("trtllm_mha", "decode", "gqa-d128", "sm80", 16, torch.bfloat16, "auto", False),  # XQA is SM90+
+    ("trtllm_mha", "decode", "gqa-d128", "sm100", 16, torch.float32, "auto", False),  # bf16/fp16 kernels only
+    ("trtllm_mha", "decode", "mha-d64-softcap", "sm100", 16, torch.bfloat16, "auto", False),
+    ("trtllm_mha", "decode", "mla-128h", "sm100", 64, torch.bfloat16, "auto", False),
+    ("trtllm_mla", "decode", "mla-128h", "sm100", 64, torch.bfloat16, "auto", True),
+    ("trtllm_mla", "decode", "mla-128h", "sm100", 16, torch.bfloat16, "auto", False),  # trtllm-gen MLA: 32/64
+    ("trtllm_mla", "decode", "mla-128h", "sm120", 16, torch.bfloat16, "auto", True),  # XQA-MLA builds 16
+    ("trtllm_mla", "decode", "mla-16h", "sm120", 64, torch.bfloat16, "auto", False),  # XQA-MLA: 128 heads
+    ("trtllm_mla", "decode", "mla-128h", "sm89", 64, torch.bfloat16, "auto", False),
+    ("trtllm_mla", "prefill", "mla-128h", "sm100", 64, torch.bfloat16, "auto", False),  # decode only
+    ("flashinfer", "prefill", "gqa32-d512-window", "sm90", 16, torch.bfloat16, "auto", True),  # FA2 for d512
+    ("flashinfer_mla", "decode", "gqa-d128", "sm90", 64, torch.bfloat16, "auto", False),
+    ("triton", "decode", "nsa-16h", "sm90", 64, torch.bfloat16, "auto", False),  # no sparse selection
+    ("nsa_triton", "decode", "nsa-16h", "sm90", 64, torch.bfloat16, "auto", True),
+    ("nsa_triton", "decode", "gqa-d128", "sm90", 64, torch.bfloat16, "auto", False),
+]
+
+
+@pytest.mark.parametrize("name,phase,layer_id,gpu,page,dtype,kv,runs", FACTS)
+def test_declarations_state_the_kernels_facts(stubbed, name, phase, layer_id, gpu, page, dtype, kv, runs):
+    args = dict(LAYERS)[layer_id]
+    stubbed(gpu)
+    policy = check_backend(all_capabilities()[name], phase, _profile(args), gpu=gpu,
+                           dtype=str(dtype).removeprefix("torch."), kv_cache_dtype=kv,
+                           assume_installed=frozenset({"flashinfer", "triton"}), page_size=page)
+    ok, why = _runtime_accepts(name, Attention(0, **args), phase, page, dtype, kv)
+    assert (policy.ok, ok) == (runs, runs), (policy.violations, why)

@@ -98,7 +98,8 @@ def test_bad_checkpoints(tmp_path, tiny_dir):
     d = tmp_path / "weird"
     shutil.copytree(tiny_dir, d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["architectures"] = ["FancyNetForCausalLM"]
+    # An unknown name with Llama's layers loads as Llama (tests/test_policy_kinds.py); with experts it is refused.
+    cfg.update(architectures=["FancyNetForCausalLM"], num_local_experts=4)
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedArchitectureError, match="LlamaForCausalLM"):
         attnzoo.load_model(d)

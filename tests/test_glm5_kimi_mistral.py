@@ -18,7 +18,7 @@ from transformers import (
 )
 
 import attnzoo
-from attnzoo.defaults.cli import main as policy_main
+from attnzoo.cli import main as policy_main
 from attnzoo.errors import ModelLoadError, RequestError
 from attnzoo.layers.fp8 import dequantize, quantize_weight
 from helpers import assert_matches_hf, random_prompts, save_checkpoint
@@ -293,7 +293,7 @@ def test_e2e_glm5_shape_is_full_width_at_reduced_depth(e2e):
     config, fields = e2e.make_config("glm5", 6)
     assert config.architectures == ["GlmMoeDsaForCausalLM"] and config.num_hidden_layers == 6
     assert config.indexer_types == ["full"] * 6 and config.mlp_layer_types == ["dense"] * 3 + ["sparse"] * 3
-    from attnzoo.defaults.profile import profile_from_config
+    from attnzoo.policy.profile import profile_from_config
 
     profile = profile_from_config(config)
     assert (profile.kind, profile.num_heads, sorted(profile.head_dims), sorted(profile.v_head_dims)) == \

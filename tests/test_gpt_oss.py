@@ -281,7 +281,7 @@ def test_moe_biases_and_clamped_swiglu_match_transformers_and_fused():
 
 
 def test_benchmark_shape_is_gpt_oss_20b(e2e):
-    from attnzoo.defaults.profile import profile_from_config
+    from attnzoo.policy.profile import profile_from_config
 
     config, _ = e2e.make_config("gpt-oss-20b", None)
     assert config.architectures == ["GptOssForCausalLM"] and config.num_hidden_layers == 24

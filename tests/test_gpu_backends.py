@@ -541,6 +541,8 @@ def tiny_deepseek_v3(path):
     return save_checkpoint(DeepseekV3ForCausalLM(cfg).eval(), path)
 
 
+
+
 def _model_params():
     # (model, builder, backend kwargs, page size): every applicable backend, and mixed prefill/decode.
     out = [
@@ -555,7 +557,6 @@ def _model_params():
             ("llama-d128-gqa4", lambda p: tiny_llama(p, heads=4, kv_heads=1, head_dim=128),
              dict(prefill_backend="flashinfer", decode_backend="trtllm_mha"), 64),
         ]
-    # Gemma 4 and DeepSeek-V3 always: a model that stops loading fails these rather than dropping out of the list.
     out.append(("gemma4-31b-like", tiny_gemma4, dict(backend="flashinfer"), 64))
     if XQA_OR_TRTLLM_GEN:
         out.append(("gemma4-31b-like", tiny_gemma4, dict(backend="trtllm_mha"), 64))

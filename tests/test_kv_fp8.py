@@ -136,7 +136,7 @@ def test_triton_fp8_matches_torch_fp8_reference():
 
 
 def test_policy_declares_kv_dtypes(monkeypatch):
-    from attnzoo.defaults import Overrides, resolve
+    from attnzoo.policy import Overrides, resolve
     from attnzoo.attention.backends import all_capabilities
     from attnzoo.attention.backends import capabilities as caps_mod
 

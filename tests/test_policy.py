@@ -17,11 +17,12 @@ from attnzoo.attention import backends as backend_registry
 from attnzoo.attention.backends import all_capabilities, backend_names, get_backend_class
 from attnzoo.attention.backends import capabilities as caps_mod
 from attnzoo.attention.backends.base import AttentionBackend
-from attnzoo.defaults import GPUS, Overrides, ModelProfile, resolve
-from attnzoo.defaults.cli import main as policy_main
-from attnzoo.defaults.profile import profile_from_config
-from attnzoo.defaults.resolve import gpu_class, table_cells
-from attnzoo.defaults.table import SHIPPED_POLICY, load_table
+from attnzoo.policy import GPUS, Overrides, ModelProfile, resolve
+from attnzoo.cli import main as policy_main
+from attnzoo.policy.profile import profile_from_config
+from attnzoo.cli import table_cells
+from attnzoo.policy.resolve import gpu_class
+from attnzoo.policy.table import SHIPPED_POLICY, load_table
 from attnzoo.errors import BackendError, PolicyError
 
 CAPABILITIES = all_capabilities()  # the backend classes' declarations, by name
@@ -190,7 +191,7 @@ def test_profiles_from_hf_configs():
     for arch in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"):
         g = p[arch]
         assert (g.head_dims, g.v_head_dims, g.num_kv_heads) == ({32, 64}, {32, 64}, {1, 2}), arch
-        assert g.uses_sliding_window and not g.uses_softcap and g.family == "gemma4"
+        assert g.uses_sliding_window and not g.uses_softcap and resolve(cfgs[arch], gpu="cpu").profile.family == "gemma4"
     for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
         assert (p[arch].kind, p[arch].head_dims, p[arch].v_head_dims) == ("mla", {48}, {32})
     assert p["DeepseekV32ForCausalLM"].kind == "nsa"
@@ -581,17 +582,38 @@ def test_cli_explain_by_hub_id_without_weights(capsys, tmp_path, monkeypatch, fl
     import huggingface_hub.constants as hf_constants
 
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
-    rc = policy_main(["policy", "explain", "google/gemma-4-31B-it", "--gpu", "sm100", "--json",
+    rc = policy_main(["policy", "explain", "some-org/some-model", "--gpu", "sm100", "--json",
                       "--arch", "Gemma4ForConditionalGeneration"])
     assert rc == 0
     data = json.loads(capsys.readouterr().out)
     assert (data["prefill_backend"], data["decode_backend"], data["page_size"]) == ("trtllm_mha", "trtllm_mha", 64)
-    assert data["model_id"] == "google/gemma-4-31B-it" and data["kernels"]["decode"].startswith("trtllm-gen")
+    assert data["model_id"] == "some-org/some-model" and data["kernels"]["decode"].startswith("trtllm-gen")
     assert all({"name", "accepted", "reasons"} <= set(c) for c in data["candidates"])
-    # Not cached and no --arch: a clear error suggesting --arch.
-    rc = policy_main(["policy", "explain", "google/gemma-4-31B-it", "--gpu", "sm100"])
+    # Not cached, not a flagship and no --arch: a clear error suggesting --arch.
+    rc = policy_main(["policy", "explain", "some-org/some-model", "--gpu", "sm100"])
     err = capsys.readouterr().err
     assert rc == 2 and "--arch" in err and "Hugging Face cache" in err
+
+
+def test_cli_explain_flagship_offline_for_another_gpu(capsys, tmp_path, monkeypatch, flashinfer_missing):
+    # Issue 38: the README's command, offline, on a CPU machine without FlashInfer: what would run on sm100.
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert policy_main(["policy", "explain", "google/gemma-4-31B-it", "--gpu", "sm100", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["architecture"], data["prefill_backend"], data["decode_backend"], data["page_size"]) == (
+        "Gemma4ForConditionalGeneration", "trtllm_mha", "trtllm_mha", 64)
+    assert data["hypothetical"]["assumed_installed"] == ["flashinfer", "triton"] and not data["adjustments"]
+    assert any("flagship table" in n for n in data["notes"]) and any("not this machine" in n for n in data["notes"])
+    assert data["profile"]["head_dims"] == [256, 512]
+    # The local GPU, or an explicit empty --assume-installed, checks this machine's packages.
+    assert policy_main(["policy", "explain", "google/gemma-4-31B-it", "--gpu", "sm100", "--assume-installed", ""]) == 0
+    assert capsys.readouterr().out.startswith("Gemma4ForConditionalGeneration (google/gemma-4-31B-it) on sm100: "
+                                              "prefill triton, decode triton")
+    assert policy_main(["policy", "explain", "deepseek-ai/DeepSeek-V3", "--gpu", "cpu"]) == 0
+    assert "HYPOTHETICAL" not in capsys.readouterr().out
 
 
 def test_cli_explain_reads_cached_and_local_configs(capsys, tmp_path, monkeypatch):
@@ -616,8 +638,9 @@ def test_cli_explain_reads_cached_and_local_configs(capsys, tmp_path, monkeypatc
     pol = write(tmp_path, '[models."*ckpt"]\ndecode = "torch"\n')
     assert policy_main(["policy", "explain", str(local), "--gpu", "sm90", "--policy", str(pol),
                         "--prefill-backend", "torch", "--page-size", "32"]) == 0
-    out = capsys.readouterr().out
-    assert "prefill torch, decode torch, page size 32" in out.splitlines()[0]
+    out = capsys.readouterr().out.splitlines()  # sm90 is not this machine: a hypothetical answer, said first
+    assert out[0].startswith("HYPOTHETICAL") and "prefill torch, decode torch, page size 32" in out[1]
+    out = "\n".join(out)
     assert "keyword prefill_backend='torch'" in out and "model pattern '*ckpt'" in out
     # An explicit choice that cannot run: exit 2 and the reason.
     assert policy_main(["policy", "explain", "DeepseekV3ForCausalLM", "--gpu", "sm90", "--backend", "trtllm_mla"]) == 2
@@ -629,8 +652,9 @@ def test_cli_show_and_backends(capsys, tmp_path):
     shown = json.loads(capsys.readouterr().out)
     assert len(shown["cells"]) == len(ARCHS) * len(GPUS) and shown["model_patterns"] == []
     assert policy_main(["policy", "show", "--gpu", "sm100"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert len(out) == 1 + len(ARCHS) and all(" sm100 " in l for l in out[1:])
+    out = capsys.readouterr().out.splitlines()  # a table: header, rule, one line per architecture
+    assert len(out) == 2 + len(ARCHS) and all(" sm100 " in l for l in out[2:])
+    assert max(map(len, out)) < 200 and set(out[1]) <= {"-", " "}
     # A user policy file is merged in, its model-id patterns listed.
     pol = write(tmp_path, USER_POLICY)
     assert policy_main(["policy", "show", "--gpu", "sm90", "--policy", str(pol), "--json"]) == 0

@@ -16,10 +16,10 @@ import torch
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.layer import Attention
 from attnzoo.attention.metadata import build_metadata
-from attnzoo.defaults import GPUS, ModelProfile, Overrides, resolve
+from attnzoo.policy import GPUS, ModelProfile, Overrides, resolve
 from attnzoo.attention.backends import capabilities as caps_mod
-from attnzoo.defaults.cli import main as policy_main
-from attnzoo.defaults.table import SHIPPED_POLICY, load_table
+from attnzoo.cli import main as policy_main
+from attnzoo.policy.table import SHIPPED_POLICY, load_table
 from attnzoo.errors import BackendError, PolicyError
 
 ROOT = Path(__file__).parents[1]
@@ -303,3 +303,18 @@ def test_tune_on_cpu_writes_a_policy_file_load_model_uses(tmp_path, capsys):
     assert llm.decision.sources["decode_backend"].level == "user_policy"
     with pytest.raises(PolicyError, match="unknown backend"):
         tune(str(tmp_path / "ckpt"), device="cpu", backends=["fa3"], output=out, progress=False)
+
+
+def test_field_page_is_generated_from_the_table():
+    # docs/policy_field.md is the table's field comparison; a row edit without regenerating it fails here.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("policy_field_doc", ROOT / "scripts" / "policy_field_doc.py")
+    doc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(doc)
+    text = doc.render()
+    assert (ROOT / "docs" / "policy_field.md").read_text(encoding="utf-8") == text, \
+        "docs/policy_field.md is stale: run python scripts/policy_field_doc.py"
+    for fam, gpu, row in _shipped_rows():  # every GPU row with a field choice is on the page
+        if row.field:
+            assert row.field["vllm"].replace("|", "\\|") in text, row.where

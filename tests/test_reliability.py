@@ -301,11 +301,20 @@ def eval_setup(tiny_dir, tmp_path_factory):
     return str(tiny_dir), str(d)
 
 
+_DECISION = {"prefill_backend": "torch", "decode_backend": "torch", "page_size": 16}
+
+
+def _record(doc_id: int) -> dict:
+    """One question's record as run_eval --output saves it."""
+    return {"doc_id": doc_id, "prompt_hash": "ab", "target": "1", "answers": {"strict-match": "1"},
+            "correct": {"strict-match": True}, "response": "w5 #### 1", "output_token_ids": [5, 6]}
+
+
 def _saved(tmp_path, model, **settings) -> Path:
     base = {"task": "gsm8k", "limit": 2, "num_fewshot": 1, "apply_chat_template": False, "max_new_tokens": 8}
     base.update(settings)
-    rep = {"format": 1, "run": {"model": model, "settings": base,
-                                "tasks": {"gsm8k": {"per_question": [{"doc_id": 0}, {"doc_id": 1}]}}}}
+    rep = {"format": 1, "run": {"model": model, "settings": base, "decision": _DECISION,
+                                "tasks": {"gsm8k": {"per_question": [_record(0), _record(1)]}}}}
     path = tmp_path / "saved.json"
     path.write_text(json.dumps(rep))
     return path

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from transformers import Gemma4ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import attnzoo
-from attnzoo.defaults.profile import profile_from_config, rank_local
+from attnzoo.policy.profile import profile_from_config, rank_local
 from attnzoo.errors import EvalError, ModelLoadError
 from attnzoo.layers.fp8 import FP8, Fp8Linear
 from attnzoo.layers.parallel import TPContext

@@ -102,3 +102,22 @@ class LayoutCache:
 
         rows = self._rows[layer_id]
         pack_rows(entries, rows.view(-1, rows.shape[-1]), self.layout, rank=self.rank[layer_id], slots=slot_mapping)
+
+
+POOL_MLA_LAYOUT = KVLayout.BF16.value  # what KVPool holds for MLA/NSA layers: model-dtype [latent | rope] entries
+
+
+def layout_notes(prefill, decode, kind: str) -> list[str]:
+    """What a Decision says about the KV layouts its two backends (their capabilities) read: a mismatch
+    between the phases, and every conversion from the pool's entries."""
+    pre, dec = prefill.layout_for(kind), decode.layout_for(kind)
+    notes = [f"prefill ({prefill.name}) reads KV layout {pre} and decode ({decode.name}) reads {dec}: "
+             "the cache is converted between them"] if pre != dec else []
+    phases = {"prefill and decode": prefill} if prefill.name == decode.name else {"prefill": prefill, "decode": decode}
+    for phase, caps in (phases.items() if kind != "mha" else ()):
+        if caps.mla_kv_layout != POOL_MLA_LAYOUT:
+            notes.append(f"{phase} backend {caps.name} reads KV layout {caps.mla_kv_layout}: the pool keeps "
+                         f"{POOL_MLA_LAYOUT} (model dtype) entries and a Triton kernel (attnzoo/attention/kernels/"
+                         f"kv_layout.py) converts each token once, when its layer stores it, into {caps.name}'s "
+                         f"{caps.mla_kv_layout} copy")
+    return notes

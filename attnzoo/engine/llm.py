@@ -17,6 +17,7 @@ from attnzoo.attention.backends import get_backend_class
 from attnzoo.attention.backends.hybrid import HybridBackend
 from attnzoo.attention.kv_cache import KVPool, kv_storage_dtype, window_group_layers
 from attnzoo.engine.engine import Completion, Engine, check_cascade
+from attnzoo.engine.prompts import chat_message, valid_text
 from attnzoo.engine.sampling import SamplingParams
 from attnzoo.errors import BackendError, ModelLoadError, RequestError
 from attnzoo.models import loader
@@ -153,16 +154,18 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("empty prompt string", fix="pass non-empty text")
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self.tokenizer.encode(valid_text(prompt, "the prompt"), add_special_tokens=True)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise RequestError("chat messages given but the tokenizer has no chat template", fix="pass a plain string")
-            for j, m in enumerate(prompt):
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
-                    raise RequestError(f"chat message {j} ({m!r}) needs a 'role' string and a 'content'",
-                                       fix="pass messages like {'role': 'user', 'content': 'Hi!'}")
-            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            messages = [chat_message(j, m) for j, m in enumerate(prompt)]
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # jinja2's TemplateError family, or whatever the template's own code raises
+                raise RequestError(f"the tokenizer's chat template failed on these messages ({type(e).__name__}: {e})",
+                                   fix="check the messages against what the template expects (roles, their order), "
+                                   "repair chat_template in tokenizer_config.json, or pass a plain string") from None
+            return self.tokenizer.encode(valid_text(text, "the chat template's output"), add_special_tokens=False)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
             vocab = self.config_vocab_size
@@ -477,8 +480,8 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
                 kv_cache_tokens, kv_cache_memory, max_batch_tokens, max_running, prefix_caching, cuda_graph,
                 cuda_graph_max_context, cuda_graph_batch_sizes, cascade, load_format, fp8_weights, seed, tensor_parallel_size, kv_cache_dtype,
                 k_scale, v_scale, progress, window_kv_fraction, tp) -> LLM:
-    from attnzoo.defaults import Overrides, resolve
-    from attnzoo.defaults.profile import profile_from_config, rank_local
+    from attnzoo.policy import Overrides, resolve
+    from attnzoo.policy.profile import profile_from_config, rank_local
 
     if load_format not in ("auto", "random"):
         raise ModelLoadError(f"unknown load_format {load_format!r}", fix="use 'auto' or 'random'")
@@ -491,6 +494,11 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
                                            or not 0 < window_kv_fraction <= 1):
         raise ModelLoadError(f"window_kv_fraction must be a number in (0, 1] or None, got {window_kv_fraction!r}",
                              fix=f"pass e.g. window_kv_fraction={WINDOW_KV_FRACTION}, or None for one KV page group")
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        # The scales divide every stored k/v: 0, a negative or NaN would fill the cache with inf/NaN.
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float("inf"):
+            raise ModelLoadError(f"{name} must be a positive finite number, got {value!r}",
+                                 fix=f"pass {name}=1.0 (values kept as they are) or the checkpoint's calibrated scale")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise ModelLoadError(f"seed must be an integer in [0, 2**64), got {seed!r}", fix="pass seed=0 (any int)")
     if cuda_graph_batch_sizes is not None and (
@@ -515,7 +523,7 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
         src = loader.resolve_source(name_or_path)
         config = loader.load_config(src)
     arch = loader.architecture_of(config)
-    cls = model_class(arch)  # unknown architectures fail here, before any weights are read
+    cls = model_class(arch, config)  # unknown architectures fail here (Llama-shaped ones load as Llama)
     overrides = Overrides(
         backend=backend, prefill_backend=prefill_backend, decode_backend=decode_backend,
         page_size=page_size, policy_file=policy_file, dtype=dt, kv_cache_dtype=kv_cache_dtype,

@@ -93,13 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------ validation
 
 
-def check_output_path(path: str) -> Path:
+def check_output_path(path: str, flag: str = "--output") -> Path:
+    """``path`` as a file this run can create or replace (checked by creating a file beside it)."""
     out = Path(path).expanduser()
     if out.is_dir():
-        raise EvalError(f"--output {path!r} is a directory", fix="give a file name, e.g. report.json")
+        example = "report.json" if flag == "--output" else "comparison.png"
+        raise EvalError(f"{flag} {path!r} is a directory", fix=f"give a file name, e.g. {example}")
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
-        raise EvalError(f"--output {path!r}: the folder {str(parent)!r} does not exist", fix="create it first, or pick another path")
+        raise EvalError(f"{flag} {path!r}: the folder {str(parent)!r} does not exist", fix="create it first, or pick another path")
     # os.access says yes to root even on read-only mounts; creating a file is the real test.
     try:
         with tempfile.NamedTemporaryFile(dir=parent, prefix=".run_eval-", delete=True):
@@ -107,7 +109,7 @@ def check_output_path(path: str) -> Path:
         if out.exists() and not os.access(out, os.W_OK):
             raise PermissionError(str(out))
     except OSError as e:
-        raise EvalError(f"--output {path!r} is not writable ({e.strerror or e})", fix="pick a path you can write to") from None
+        raise EvalError(f"{flag} {path!r} is not writable ({e.strerror or e})", fix="pick a path you can write to") from None
     return out
 
 
@@ -120,6 +122,9 @@ def _check_numbers(args) -> None:
         raise EvalError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}", fix="pass a positive number")
     if args.wave_size is not None and args.wave_size < 1:
         raise EvalError(f"--wave-size must be at least 1, got {args.wave_size}", fix="pass a positive number")
+    for flag, value in (("--k-scale", args.k_scale), ("--v-scale", args.v_scale)):
+        if not 0 < value < float("inf"):  # NaN fails too
+            raise EvalError(f"{flag} must be a positive finite number, got {value}", fix=f"pass {flag} 1.0 (the default)")
     if not 0 < args.alpha < 1:
         raise EvalError(f"--alpha must be between 0 and 1, got {args.alpha}", fix="pass e.g. --alpha 0.05")
     if args.backend and (args.prefill_backend or args.decode_backend):
@@ -150,16 +155,6 @@ def _compare_target(value: str | None) -> tuple[str | None, Path | None]:
     return value, None
 
 
-def _load_saved(path: Path) -> dict:
-    from attnzoo.evals.report import check_saved_report
-
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise EvalError(f"cannot read the report {str(path)!r}: {e}", fix="pass a JSON file written by run_eval --output") from None
-    return check_saved_report(data, str(path))
-
-
 def _tensor_parallel_size(args) -> int:
     from attnzoo.engine.tensor_parallel import torchrun_world
 
@@ -171,8 +166,8 @@ def _resolve_policy(config, src, device, dtype, policy_file, b: Backends, tp: in
     """The Decision load_model would take, computed from the config alone (no weights read)."""
     import torch
 
-    from attnzoo.defaults import Overrides, resolve
-    from attnzoo.defaults.profile import profile_from_config, rank_local
+    from attnzoo.policy import Overrides, resolve
+    from attnzoo.policy.profile import profile_from_config, rank_local
 
     try:
         dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -322,14 +317,17 @@ def run(args, write: bool = True, sequences: dict | None = None) -> dict:
     ``sequences``: filled with this run's (prompt ids, output ids) per (task, doc_id), for teacher forcing
     by the caller (``teacher_force_many``)."""
     from attnzoo.evals.report import REPORT_FORMAT, compare_runs
-    from attnzoo.evals.tasks import check_data_dir, load_tasks, require_lm_eval
+    from attnzoo.evals.saved import check_saved_matches, check_saved_tokens, load_saved
+    from attnzoo.evals.tasks import check_data_dir, check_fewshot_pool, load_tasks, require_lm_eval
     from attnzoo.models import loader
 
     require_lm_eval()
     _check_numbers(args)
     out_path = check_output_path(args.output) if args.output else None
+    if args.plot:
+        check_output_path(args.plot, "--plot")
     compare_backend, saved_path = _compare_target(args.compare_to)
-    saved = _load_saved(saved_path) if saved_path else None
+    saved = load_saved(saved_path) if saved_path else None
 
     mine = Backends(args.backend, args.prefill_backend, args.decode_backend, args.page_size, args.kv_cache_dtype)
     other_kv = args.compare_kv_cache_dtype or args.kv_cache_dtype
@@ -341,6 +339,8 @@ def run(args, write: bool = True, sequences: dict | None = None) -> dict:
         other = None
     src = loader.resolve_source(args.model)
     config = loader.load_config(src)
+    if saved is not None:
+        check_saved_tokens(saved, (getattr(config, "text_config", None) or config).vocab_size, str(saved_path))
     tp = _tensor_parallel_size(args)
     _check_context(args, config)
     _resolve_policy(config, src, args.device, args.dtype, args.policy, mine, tp)
@@ -352,12 +352,18 @@ def run(args, write: bool = True, sequences: dict | None = None) -> dict:
         if tok is None or getattr(tok, "chat_template", None) is None:
             raise EvalError(f"--apply-chat-template was given but {src.name} has no chat template",
                             fix="drop --apply-chat-template, or evaluate a checkpoint whose tokenizer has a chat template")
+        try:  # a template that does not parse, or raises, would otherwise fail after the model loads
+            tok.apply_chat_template([{"role": "user", "content": "1 + 1?"}], tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja2's TemplateError family, or whatever the template's own code raises
+            raise EvalError(f"the chat template of {src.name} fails on a one-message chat ({type(e).__name__}: {e})",
+                            fix="repair chat_template in tokenizer_config.json, or drop --apply-chat-template") from None
 
     data_files = check_data_dir(args.task, args.data_dir) if args.data_dir else None
     # Reads the documents now, so an unknown task or an unreachable dataset fails before the model loads.
     _, loaded = load_tasks(args.task, data_files)
+    check_fewshot_pool(data_files, loaded, args.num_fewshot)
     if saved is not None:
-        _check_saved_matches(saved, args, loaded, src)
+        check_saved_matches(saved, args, loaded, src)
     del loaded
 
     import torch
@@ -406,6 +412,11 @@ def write_report(path: Path, report: dict) -> None:
             os.fsync(fh.fileno())
         os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # mkstemp makes it 0600
         os.replace(tmp, path)
+    except KeyboardInterrupt:  # no half-written temporary file left beside the report
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise
     except OSError as e:
         if tmp is not None:
             with contextlib.suppress(OSError):
@@ -448,33 +459,15 @@ def _rank() -> int:
     return world[0] if world else 0
 
 
-def _check_saved_matches(saved: dict, args, loaded, src) -> None:
-    """A saved report is comparable only when it ran the same model and the same task settings."""
-    names = set(loaded["tasks"])
-    if set(saved.get("tasks", {})) != names:
-        raise EvalError(f"the saved report is for task(s) {', '.join(sorted(saved.get('tasks', {})))}, not {', '.join(sorted(names))}",
-                        fix="compare against a report of the same task")
-    theirs = saved.get("model")
-    if theirs != src.name and not (theirs and Path(theirs).expanduser().resolve() == Path(src.name).expanduser().resolve()):
-        raise EvalError(f"the saved report evaluated model {theirs!r}, this run {src.name!r}",
-                        fix="pass the saved report's --model, or compare against a report of this model")
-    s = saved.get("settings", {})
-    configs = {name: task.config for name, task in loaded["tasks"].items()}
-    shots = {name: args.num_fewshot if args.num_fewshot is not None else c.num_fewshot for name, c in configs.items()}
-    # 256: AttnzooLM's max_gen_toks default, used when neither the flag nor the task sets one.
-    max_new = args.max_new_tokens or next(((c.generation_kwargs or {}).get("max_gen_toks") for c in configs.values()), None) or 256
-    mine = {"limit": args.limit, "apply_chat_template": args.apply_chat_template,
-            "num_fewshot": shots if len(shots) > 1 else next(iter(shots.values())), "max_new_tokens": max_new}
-    flags = {"limit": "--limit", "apply_chat_template": "--apply-chat-template", "num_fewshot": "--num-fewshot",
-             "max_new_tokens": "--max-new-tokens"}
-    for key, value in mine.items():
-        if key in s and s[key] != value:
-            raise EvalError(f"the saved report was run with {key}={s[key]!r}, this run has {value!r}; "
-                            "the two runs would not answer the same questions the same way",
-                            fix=f"run with the saved report's {flags[key]} ({s[key]!r}), or compare against a matching report")
-
-
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback through lm-eval and torch
+        print("\nrun_eval: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     from attnzoo.evals.report import render
 
     args = build_parser().parse_args(argv)

@@ -140,6 +140,9 @@ class CausalLM(nn.Module):
     # (quantized checkpoints dequantize these at load).
     matrix_weights: tuple[str, ...] = ()
     softcap: float | None = None  # final-logit soft-cap (not an attention one)
+    # The attention kind the policy resolves an unlisted architecture by, when the layers do not show it
+    # (e.g. "mha_sinks"); None: read from the layers (mha, mha_window, mla, nsa).
+    attention_kind: str | None = None
 
     @classmethod
     def shapes_only(cls, config) -> "CausalLM":
@@ -170,6 +173,18 @@ class CausalLM(nn.Module):
     def checkpoint_name(self, name: str) -> str | None:
         """Map a checkpoint tensor name to our parameter name; None skips the tensor."""
         return name
+
+    @staticmethod
+    def layer_index(name: str, parts: list[str], at: int = 2) -> int | None:
+        """The layer number of a '...layers.<N>...' tensor name (``parts`` is its split, N at ``at``);
+        None when the name is not under 'layers'. A name with no number there is named, not a ValueError."""
+        if parts[at - 1 : at] != ["layers"]:
+            return None
+        if len(parts) <= at or not parts[at].isdigit():
+            raise WeightError(f"checkpoint tensor {name!r} does not name a layer number after 'layers.'",
+                              fix="check that config.json's architectures matches the weights (an extra module's "
+                              "tensors, e.g. a multi-token-prediction head, must be named layers.<N>...)")
+        return int(parts[at])
 
     def merged_parts(self) -> dict[str, tuple[str, slice, Callable | None]]:
         """Checkpoint-side name of each MergedLinear part's tensor -> (our parameter, its rows, the cut

@@ -23,11 +23,12 @@ from torch import nn
 
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.mla import MLAAttention
-from attnzoo.errors import ModelLoadError
+from attnzoo.errors import ModelLoadError, WeightError
 from attnzoo.layers.moe import FusedMoE, select_experts
 from attnzoo.layers.parallel import (
     SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
 )
+from attnzoo.models import validate
 from attnzoo.models.common import (
     GatedMLP, MergedLinear, PreNormDecoderLayer, RMSNorm, RotaryDecoderLM, RotaryEmbedding, apply_rope_qk,
 )
@@ -251,15 +252,24 @@ class DeepseekV2ForCausalLM(RotaryDecoderLM):
 
     def checkpoint_name(self, name: str) -> str | None:
         parts = name.split(".")
+        layer = self.layer_index(name, parts) if parts[0] == "model" else None
         # V3 checkpoints append the multi-token-prediction module as extra layers; generation skips it.
-        if parts[:2] == ["model", "layers"] and int(parts[2]) >= self.config.num_hidden_layers:
-            self._skipped_mtp.add(int(parts[2]))
+        if layer is None:
+            return name
+        if layer >= self.config.num_hidden_layers:
+            self._skipped_mtp.add(layer)
             return None
-        # Expert parallel: another rank's expert (the FusedMoE says which it holds) is dropped here, before
-        # an FP8 plan would dequantize it. Stacked expert tensors (gate_up_proj) are cut by the FusedMoE.
-        if parts[3:5] == ["mlp", "experts"] and parts[5].isdigit() \
-                and not self.model.layers[int(parts[2])].mlp.experts.holds(int(parts[5])):
-            return None
+        if parts[3:5] == ["mlp", "experts"] and len(parts) > 5 and parts[5].isdigit():
+            experts = getattr(self.model.layers[layer].mlp, "experts", None)
+            if experts is None:
+                raise WeightError(f"checkpoint tensor {name!r} is a routed expert of layer {layer}, which config.json "
+                                  "makes a dense layer", fix="the checkpoint does not match its config.json "
+                                  "(first_k_dense_replace)")
+            # Expert parallel: another rank's expert (the FusedMoE says which it holds) is dropped here, before
+            # an FP8 plan would dequantize it; one beyond the config's count goes on to be named. Stacked expert
+            # tensors (gate_up_proj) are cut by the FusedMoE.
+            if int(parts[5]) < experts.num_experts and not experts.holds(int(parts[5])):
+                return None
         return name
 
     def after_weights_loaded(self) -> None:
@@ -278,9 +288,10 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 
 
 def _check_config(config) -> None:
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise ModelLoadError(f"DeepSeek hidden_act {act!r} is not supported", fix="use a checkpoint with hidden_act 'silu'")
+    validate.activation(config, "hidden_act", {"silu": "silu", "swish": "silu"}, arch="DeepSeek", default="silu")
+    # YaRN's mscale is read by mla_softmax_scale; RotaryEmbedding computes the others' frequencies.
+    validate.rope_type(config.rope_parameters, validate.STATIC_ROPE - {"proportional"}, arch="DeepSeek")
+    validate.positive_int(config, "max_position_embeddings", arch="DeepSeek")
     if getattr(config, "attention_bias", False) and config.q_lora_rank is None:
         raise ModelLoadError("attention_bias without q_lora_rank is not supported (q_proj has no bias, "
                              "kv_a_proj_with_mqa would have one)", fix="use attention_bias false, as DeepSeek-V2")

@@ -5,9 +5,13 @@ from torch import nn
 
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.layers.parallel import SINGLE, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding
+from attnzoo.models import validate
 from attnzoo.models.common import (
     GatedMLP, MergedLinear, PreNormDecoderLayer, RMSNorm, RotaryDecoderLM, RotaryEmbedding, apply_rope_qk,
 )
+
+# transformers' activation names (ACT2FN) our gated-MLP kernel runs, and its name for each.
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 class LlamaAttention(nn.Module):
@@ -37,7 +41,8 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, layer_id: int, tp: TPContext = SINGLE):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, tp)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp=tp)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, validate.activation(
+            config, "hidden_act", ACTIVATIONS, arch="Llama", default="silu"), tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -53,11 +58,13 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(RotaryDecoderLM):
     def __init__(self, config, tp: TPContext = SINGLE):
         super().__init__()
+        validate.head_counts(config, arch="Llama")
+        validate.positive_int(config, "max_position_embeddings", arch="Llama")
+        rope_type = validate.rope_type(config.rope_parameters, validate.STATIC_ROPE - {"proportional"}, arch="Llama")
         self.config = config
         self.model = LlamaModel(config, tp)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp=tp)
         self.tied_lm_head = bool(getattr(config, "tie_word_embeddings", False))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rope_type = config.rope_parameters.get("rope_type", "default")
         self.rotary = RotaryEmbedding(config, rope_type=rope_type, head_dim=head_dim)
 

@@ -14,7 +14,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from attnzoo.errors import ModelLoadError, WeightError
+from attnzoo.errors import ModelLoadError, UnsupportedArchitectureError, WeightError
 from attnzoo.models import registry
 
 log = logging.getLogger("attnzoo")
@@ -52,7 +52,7 @@ def _is_hub_id(name: str) -> bool:
     return re.fullmatch(r"[\w][\w.-]*/[\w][\w.-]*", name) is not None and not name.endswith(".gguf")
 
 
-def resolve_source(name_or_path: str | os.PathLike | None) -> CheckpointSource:
+def resolve_source(name_or_path: str | os.PathLike | None, *, local_only: bool = False) -> CheckpointSource:
     if name_or_path is None:
         p = default_model_path()
         return CheckpointSource("SmolLM2-135M-Instruct (embedded GGUF)", p.parent, p.name)
@@ -69,10 +69,10 @@ def resolve_source(name_or_path: str | os.PathLike | None) -> CheckpointSource:
         return CheckpointSource(name, p)
     if not _is_hub_id(name):
         raise ModelLoadError(f"model path {name!r} does not exist", fix="check the path, or pass a hub id like 'org/name'")
-    return CheckpointSource(name, _hub_snapshot(name))
+    return CheckpointSource(name, _hub_snapshot(name, local_only))
 
 
-def _hub_snapshot(repo_id: str) -> Path:
+def _hub_snapshot(repo_id: str, local_only: bool = False) -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
@@ -83,6 +83,8 @@ def _hub_snapshot(repo_id: str) -> Path:
         pass
     not_cached = f"hub model {repo_id!r} is not in the local Hugging Face cache"
     local_fix = "pass a local checkpoint directory, or download it where there is a network (`hf download REPO`)"
+    if local_only:
+        raise ModelLoadError(not_cached, fix=local_fix)
     # Without these checks the hub client retries each file for tens of seconds, one log line a retry.
     if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         raise ModelLoadError(f"{not_cached} and HF_HUB_OFFLINE is set", fix=f"unset HF_HUB_OFFLINE, or {local_fix}")
@@ -157,12 +159,35 @@ def load_config(src: CheckpointSource):
     try:
         config = AutoConfig.from_pretrained(src.directory, **src.hf_kwargs)
     except Exception as e:
+        if not src.gguf_file and (config := _unknown_llama_shaped(src.directory / "config.json")) is not None:
+            check_config(config, src.name)
+            return config
         if src.gguf_file:
             raise _corrupt(src.directory / src.gguf_file, e) from None
         raise ModelLoadError(f"cannot read {src.directory / 'config.json'} of {src.name!r} ({type(e).__name__}: {e})",
                              fix="repair or re-download config.json") from None
     check_config(config, src.name)
     return config
+
+
+def _unknown_llama_shaped(path: Path):
+    """A config.json of a model_type transformers does not know: a LlamaConfig when its layers are Llama's,
+    else the UnsupportedArchitectureError saying so; None for any other reading problem."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(d, dict) or d.get("model_type") in CONFIG_MAPPING:
+        return None
+    arch = registry.architecture_of(d) or "?"
+    if arch not in registry.supported_architectures() and not registry.llama_shaped(d):
+        raise UnsupportedArchitectureError(
+            f"{path}: model_type {d.get('model_type')!r} ({arch}) is unknown to transformers and its layers are not "
+            "Llama's (latent attention, experts, windows, biases or another activation)",
+            fix=f"use a checkpoint of one of: {', '.join(registry.supported_architectures())}")
+    return registry.config_object(d, arch) if arch not in registry.supported_architectures() else None
 
 
 def has_tokenizer(src: CheckpointSource) -> bool:
@@ -326,6 +351,9 @@ def iter_gguf(path: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
         raise ModelLoadError(f"GGUF loading supports Llama-architecture files, this one is {arch}", fix="use a safetensors checkpoint")
     for t in reader.tensors:
         parts = t.name.split(".")
+        if len(parts) != (4 if parts[0] == "blk" else 2) or (parts[0] == "blk" and not parts[1].isdigit()):
+            raise WeightError(f"GGUF tensor {t.name!r} is not a Llama tensor name (blk.<N>.<name>.<kind> or "
+                              "<name>.<kind>)", fix="use a Llama GGUF file")
         if parts[0] == "blk":
             layer, base, suffix = parts[1], parts[2], parts[3]
             if base not in _GGUF_LLAMA_NAMES:

@@ -1,8 +1,12 @@
 """Hugging Face ``architectures`` name -> our model class, imported only when asked for."""
 from __future__ import annotations
 
+import logging
+
 from attnzoo.errors import UnsupportedArchitectureError
 from attnzoo.lazy import import_object
+
+log = logging.getLogger(__name__)
 
 # architecture -> (our class, config.json's model_type): configs read from GGUF files name only a
 # model_type, and a config.json dict becomes its transformers config class through the model_type.
@@ -29,11 +33,33 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def model_class(architecture: str):
+# Keys whose presence means the layers are not Llama's (latent or sparse attention, experts, biases, norms).
+_NOT_LLAMA = ("kv_lora_rank", "q_lora_rank", "index_topk", "num_experts", "n_routed_experts", "num_local_experts",
+              "attn_logit_softcapping", "qk_norm", "use_qk_norm", "layer_types", "mlp_bias", "attention_bias")
+
+
+def llama_shaped(config) -> bool:
+    """Whether a config for an unknown architecture describes Llama's layers: dense GQA attention with RoPE
+    and a SwiGLU MLP, nothing the Llama model would silently drop."""
+    text = _get(config, "text_config")
+    if text is not None:
+        return False
+    need = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+    return (all(_get(config, k) for k in need) and not any(_get(config, k) for k in _NOT_LLAMA)
+            and _get(config, "hidden_act") in (None, "silu") and not _get(config, "sliding_window"))
+
+
+def model_class(architecture: str, config=None):
+    """Our class for ``architecture``; an unknown one whose ``config`` is Llama-shaped loads as Llama."""
     if architecture not in _MODELS:
+        if config is not None and llama_shaped(config):
+            log.info("architecture %s is not in attnzoo's registry; its config is Llama-shaped: loading it with "
+                     "the Llama model", architecture)
+            return import_object(_MODELS["LlamaForCausalLM"][0])
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} is not implemented in attnzoo",
-            fix=f"use a checkpoint of one of: {', '.join(supported_architectures())}",
+            fix=f"use a checkpoint of one of: {', '.join(supported_architectures())} (or any config with "
+                "Llama-shaped layers)",
         )
     return import_object(_MODELS[architecture][0])
 
@@ -55,5 +81,10 @@ def config_object(config, architecture: str):
         return config
     from transformers import AutoConfig
 
-    model_type = config.get("model_type") or _MODELS[architecture][1]
-    return AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
+    from transformers import CONFIG_MAPPING, LlamaConfig
+
+    model_type = config.get("model_type") or _MODELS.get(architecture, ("", "llama"))[1]
+    kw = {k: v for k, v in config.items() if k != "model_type"}
+    if model_type not in CONFIG_MAPPING and llama_shaped(config):  # an unknown family with Llama's layers
+        return LlamaConfig(**kw)
+    return AutoConfig.for_model(model_type, **kw)

@@ -39,18 +39,19 @@ their pinned page lists), must not rewrite them before the last plan's copies le
 """
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import torch
 
-from attnzoo.attention.backends.capabilities import BackendCapabilities, gpu_of
+from attnzoo.attention.backends.capabilities import GPU_CLASSES, GPUS, BackendCapabilities, gpu_of
 from attnzoo.attention.kv_cache import KVLayout, KVPool
 from attnzoo.attention.kv_layout import LayoutCache
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.attention.reference import NSAStepCache
-from attnzoo.errors import BackendError
+from attnzoo.errors import BackendError, PolicyError
 
 
 @dataclass
@@ -203,3 +204,21 @@ def device_gpu(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu"
     return gpu_of(torch.cuda.get_device_capability(device))
+
+
+def gpu_class(gpu: str) -> str:
+    """The class the policy has rows for of a GPU name ("sm90", "sm_86", "SM100", "cpu")."""
+    g = str(gpu).strip().lower().replace("_", "")
+    m = re.fullmatch(r"sm(\d+)(\d)", g)
+    if g in GPUS or (m and (int(m[1]), int(m[2])) in GPU_CLASSES):
+        return g if g in GPUS else GPU_CLASSES[int(m[1]), int(m[2])]
+    raise PolicyError(f"GPU {gpu!r} is not one the policy knows",
+                      fix=f"pass one of: {', '.join(GPUS)} (sm86/sm87 count as sm80, sm121 as sm120)")
+
+
+def detect_gpu(device=None) -> str:
+    """"cpu", or the CUDA compute capability of ``device`` (default: the current one) as "smXY"."""
+    if (device is not None and torch.device(device).type != "cuda") or not torch.cuda.is_available():
+        return "cpu"
+    return "sm%d%d" % torch.cuda.get_device_capability(device)
+

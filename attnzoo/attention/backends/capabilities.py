@@ -1,5 +1,5 @@
 """What an attention backend can run: the typed declaration on each backend class, and the one check
-that the policy (``attnzoo/defaults/resolve.py``) and the backend itself both call.
+that the policy (``attnzoo/policy/resolve.py``) and the backend itself both call.
 
 A backend states every limit once, as ``capabilities = BackendCapabilities(...)`` on its class, next to
 its code. The policy reads the declarations through the registry (``attnzoo.attention.backends``); a
@@ -451,8 +451,10 @@ class Check:
 
 
 def check_backend(caps: BackendCapabilities, phase: str, shape, *, gpu: str, dtype: str | None = None,
-                  kv_cache_dtype: str = "auto", assume_installed: frozenset[str] = frozenset()) -> Check:
-    """The policy's check of a registered backend for one phase: its package, then ``caps.check``."""
+                  kv_cache_dtype: str = "auto", assume_installed: frozenset[str] = frozenset(),
+                  page_size: int | None = None) -> Check:
+    """The policy's check of a registered backend for one phase: its package, ``caps.check`` (the one the
+    backend runs on its own layers), and the page size if given."""
     chk = Check(caps.name, phase, passed=["registered in this build"])
     if caps.module is not None and caps.module in assume_installed:
         chk.passed.append(f"package {caps.module!r} assumed installed (hypothetical)")
@@ -465,6 +467,8 @@ def check_backend(caps: BackendCapabilities, phase: str, shape, *, gpu: str, dty
     chk.violations += inner.violations
     chk.passed += inner.passed
     chk.kernel = inner.kernel
+    if page_size is not None and not caps.page_size_ok(page_size, gpu):
+        chk.violations.append(f"page size {page_size} unsupported (supports {caps.page_sizes_text(gpu)})")
     return chk
 
 
