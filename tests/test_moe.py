@@ -1,4 +1,4 @@
-"""The fused MoE (attnzoo/layers/moe.py) against the per-expert reference.
+"""The fused MoE (attnzoo/layers/moe/) against the per-expert reference.
 
 Without a GPU the Triton kernels run in the interpreter on tiny shapes; with one, the same cases run on
 the GPU, plus the realistic shapes, the FP8 kernel and CUDA-graph replays marked ``gpu``.
