@@ -1,4 +1,4 @@
-"""The ``attnzoo`` command line: ``generate``, ``info``, ``policy`` (show / explain / backends) and ``tune``."""
+"""The ``attnzoo`` command line: ``generate``, ``serve``, ``info``, ``policy`` (show / explain / backends) and ``tune``."""
 from __future__ import annotations
 
 import argparse
@@ -29,14 +29,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="what the KV cache stores (auto: the model dtype; fp8_e4m3: per-tensor scales 1.0)")
 
 
-def _load(args):
+def _load(args, **extra):
     from attnzoo import load_model
 
     return load_model(
         args.model, backend=args.backend, prefill_backend=args.prefill_backend, decode_backend=args.decode_backend,
         page_size=args.page_size, policy_file=args.policy, dtype=args.dtype, device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, **extra,
     )
 
 
@@ -65,6 +65,29 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    try:
+        from attnzoo.server.app import run
+    except ImportError as e:
+        raise AttnzooError(f"serving needs fastapi, uvicorn and prometheus_client ({e})",
+                           fix="pip install 'attnzoo[serve]'") from None
+    if args.model_pos is not None:
+        if args.model is not None and args.model != args.model_pos:
+            raise AttnzooError(f"two models given: {args.model_pos!r} and --model {args.model!r}", fix="give one")
+        args.model = args.model_pos
+    llm = _load(args, load_format=args.load_format, max_batch_tokens=args.max_batch_tokens,
+                kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory))
+    name = args.served_model_name or (args.model or llm.architecture)
+    print(f"# serving {name} ({llm.architecture}: prefill={llm.decision.prefill_backend} "
+          f"decode={llm.decision.decode_backend}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    try:
+        run(llm, model_name=name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+            log_level=args.log_level)
+    finally:
+        llm.close()
+    return 0
+
+
 def _info(args) -> int:
     print(json.dumps(_load(args).info(), indent=2, default=str))
     return 0
@@ -87,6 +110,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wrap each prompt as a user chat message (default on)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=_generate)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions)")
+    s.add_argument("model_pos", nargs="?", metavar="MODEL", help="the model (as --model)")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    s.add_argument("--max-queue", type=int, default=1024,
+                   help="requests waiting for admission before new ones get 503 + Retry-After")
+    s.add_argument("--log-level", default="info")
+    s.add_argument("--load-format", default="auto", choices=("auto", "random"),
+                   help="random: weights drawn at random from MODEL's config.json (benchmarks)")
+    s.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per step (default: the engine's)")
+    s.add_argument("--kv-cache-memory", type=float, default=None, help="bytes for the KV cache (default: the engine's)")
+    s.set_defaults(func=_serve)
 
     i = sub.add_parser("info", help="load a model and print LLM.info() (backends, page size, KV capacity)")
     _add_model_args(i)

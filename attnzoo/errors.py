@@ -45,3 +45,7 @@ class NumericsError(AttnzooError):
 
 class EvalError(AttnzooError):
     """An evaluation run is misconfigured (task, data, output path, limit)."""
+
+
+class QueueFullError(AttnzooError):
+    """The server's request queue is full, or the server is shutting down: retry later."""

@@ -92,6 +92,14 @@ GPT_OSS_20B = dict(
     swiglu_limit=7.0, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
 )
+# Qwen/Qwen3-30B-A3B: 48 layers, all MoE (128 routed experts top-8, renormalised, no shared expert), GQA 32/4
+# heads of 128 with QK-norm.
+QWEN3_30B_A3B = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
+    rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+)
 DEEPSEEK_SHAPES = {  # shape -> (fields, transformers config class name, architecture)
     "dsv2lite": (DSV2_LITE, "DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "dsv3": (DSV3, "DeepseekV3Config", "DeepseekV3ForCausalLM"),
@@ -119,6 +127,9 @@ def make_config(shape: str, layers: int | None):
         fields = dict(GPT_OSS_20B, num_hidden_layers=n,
                       layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)])
         config, arch = transformers.GptOssConfig(**fields), "GptOssForCausalLM"
+    elif shape == "qwen3-30b-a3b":
+        fields = dict(QWEN3_30B_A3B, num_hidden_layers=layers or QWEN3_30B_A3B["num_hidden_layers"])
+        config, arch = transformers.Qwen3MoeConfig(**fields), "Qwen3MoeForCausalLM"
     elif shape in DEEPSEEK_SHAPES:
         base, cls, arch = DEEPSEEK_SHAPES[shape]
         fields = dict(base)
@@ -133,7 +144,7 @@ def make_config(shape: str, layers: int | None):
 
 # The official DeepSeek-V3 checkpoints' quantization_config (float8_e4m3fn weights, a scale per 128x128 block).
 FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-SHAPE_NAMES = ("llama8b", "llama70b", "gemma4-31b", "gpt-oss-20b", *DEEPSEEK_SHAPES)
+SHAPE_NAMES = ("llama8b", "llama70b", "gemma4-31b", "gpt-oss-20b", "qwen3-30b-a3b", *DEEPSEEK_SHAPES)
 
 
 def warm_up(llm, prompts) -> dict:

@@ -52,3 +52,18 @@ def test_step_kinds_split_wall_and_roofline_by_decode_and_extend():
     got = step_kinds(steps, t0=100.0, prof=prof, limits=limits)
     assert got == {"decode_wall_s": 0.75, "decode_roofline_s": 20.0, "extend_wall_s": 1.0 + 1.25,
                    "extend_roofline_s": 20.0}
+
+
+def test_qwen3_30b_a3b_shape_builds_on_the_meta_device():
+    """The full-size shape builds (no memory): Qwen3-30B-A3B's 30.5B parameters, 3.3B active per token."""
+    from attnzoo.models.registry import model_class
+
+    config, fields = e2e.make_config("qwen3-30b-a3b", None)
+    assert config.architectures == ["Qwen3MoeForCausalLM"] and fields["num_hidden_layers"] == 48
+    model = model_class("Qwen3MoeForCausalLM").shapes_only(config)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = total - experts + experts * config.num_experts_per_tok // config.num_experts
+    assert 30.0e9 < total < 31.0e9 and 3.0e9 < active < 3.6e9, (total, active)
+    attn = model.attention_layers()
+    assert len(attn) == 48 and (attn[0].num_heads, attn[0].num_kv_heads, attn[0].head_dim) == (32, 4, 128)

@@ -358,7 +358,7 @@ def test_compare_to_a_matching_report_gets_past_validation(eval_setup, tmp_path,
 def test_stop_strings_without_tokenizer_fail_before_work(hf_model, tmp_path, monkeypatch):
     d = save_checkpoint(hf_model, tmp_path / "notok", with_tokenizer=False)
     llm = attnzoo.load_model(d, backend="torch", page_size=4)
-    monkeypatch.setattr(llm.engine, "_step", lambda batch: pytest.fail("a step ran"))
+    monkeypatch.setattr(llm.engine.runner, "launch", lambda *a, **k: pytest.fail("a step ran"))
     for kw in (dict(stop=["w5"]), dict(stop_strings="w5")):
         with pytest.raises(RequestError, match="no tokenizer|has none"):
             llm.generate([[5, 6, 7]], max_new_tokens=4, **kw)

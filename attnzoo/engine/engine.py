@@ -69,6 +69,7 @@ class Engine:
                                    max_running=max_running)
         self.runner = Runner(model, pool, backends, prefix_caching=prefix_caching, cascade=cascade,
                              cascade_min_saved_tokens=cascade_min_saved_tokens, max_rows=self.scheduler.max_running)
+        self.scheduler.gone = self.runner.gone  # one list: the scheduler adds ended requests, each step sends them
         self.step_log: list[dict] | None = None  # set to [] to record one summary per step (benchmarks)
         self.overlap = True
         self.early_launch = True

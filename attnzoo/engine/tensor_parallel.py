@@ -165,6 +165,9 @@ class TPGroup:
 
     def publish(self, message) -> None:
         kind, payload = message
+        for key in (payload.get("gone") or ()) if kind == "step" else ():
+            self._sent.pop(key, None)
+            self._wsent.pop(key, None)
         if kind == "step" and payload.get("keys") is not None:
             new = []
             for key, table in zip(payload["keys"], payload["block_tables"]):  # int32 arrays (Request.page_table)
@@ -185,6 +188,9 @@ class TPGroup:
 
     def decode(self, payload: dict) -> dict:
         """A step as rank 0 published it -> the step with whole block tables."""
+        for key in payload.get("gone") or ():  # requests that ended: a long-running server never reuses keys
+            self.tables.pop(key, None)
+            self.window_tables.pop(key, None)
         if payload.get("keys") is not None:
             for key, pages in zip(payload["keys"], payload["block_tables"]):
                 if pages or key not in self.tables:

@@ -18,7 +18,7 @@ from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.errors import WeightError
 from attnzoo.layers import fused
 from attnzoo.layers.fp8 import Fp8MergedLinear
-from attnzoo.layers.parallel import SINGLE, RowParallelLinear, TPContext, narrow
+from attnzoo.layers.parallel import SINGLE, RowParallelLinear, TPContext, VocabParallelEmbedding, narrow
 
 
 class RMSNorm(nn.Module):
@@ -259,9 +259,17 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
 
-class PreNormDecoderLayer(nn.Module):
-    """norm -> self_attn -> norm -> mlp, each residual add fused with the norm after it (Llama, DeepSeek,
-    gpt-oss). Subclasses build ``self_attn``, ``mlp``, ``input_layernorm`` and ``post_attention_layernorm``."""
+
+class DecoderLayer(nn.Module):
+    """The pre-norm residual block of Llama, DeepSeek and Qwen3: x + self_attn(norm(x)), then + mlp(norm(x)).
+    The model file builds ``self_attn`` (forward(x, cos, sin, ctx)) and ``mlp`` (forward(x))."""
+
+    def __init__(self, hidden: int, eps: float, self_attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
 
     def forward(self, x, residual, cos, sin, ctx):
         """x: the previous layer's output; residual: the stream before it (None in the first layer).
@@ -271,9 +279,18 @@ class PreNormDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class RotaryDecoderLM(CausalLM):
-    """A stack of ``PreNormDecoderLayer``-shaped layers sharing one RoPE table: ``self.model`` (``embed_tokens``,
-    ``layers``, ``norm``), ``self.rotary`` and ``self.lm_head``, built by the subclass."""
+class DecoderModel(nn.Module):
+    """``model.*`` of a checkpoint: embed_tokens, the layers, the final norm."""
+
+    def __init__(self, config, layers: Iterable[nn.Module], tp: TPContext = SINGLE, *, norm_offset: float = 0.0):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=norm_offset)
+
+
+class DecoderLM(CausalLM):
+    """A ``DecoderModel`` of ``DecoderLayer`` s that share one RoPE (``self.rotary``), and ``lm_head``."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.model.embed_tokens(input_ids), None

@@ -25,13 +25,11 @@ from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.mla import MLAAttention
 from attnzoo.errors import ModelLoadError, WeightError
 from attnzoo.layers.moe import FusedMoE, select_experts
-from attnzoo.layers.parallel import (
-    SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
+from attnzoo.layers.parallel import SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext
+from attnzoo.models.common import (
+    DecoderLayer, DecoderLM, DecoderModel, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope_qk,
 )
 from attnzoo.models import validate
-from attnzoo.models.common import (
-    GatedMLP, MergedLinear, PreNormDecoderLayer, RMSNorm, RotaryDecoderLM, RotaryEmbedding, apply_rope_qk,
-)
 
 log = logging.getLogger("attnzoo")
 
@@ -203,32 +201,7 @@ class DeepseekMoE(nn.Module):
         return self.tp.all_reduce(self.experts(x, weights, ids, add=self.shared_experts(x)))
 
 
-class DeepseekDecoderLayer(PreNormDecoderLayer):
-    def __init__(self, config, layer_id: int, *, scoring: str, interleaved_rope: bool, attention_cls=None,
-                 tp: TPContext = SINGLE):
-        super().__init__()
-        self.self_attn = (attention_cls or DeepseekAttention)(config, layer_id, interleaved_rope=interleaved_rope, tp=tp)
-        if layer_id >= config.first_k_dense_replace:
-            self.mlp = DeepseekMoE(config, scoring, tp)
-        else:
-            self.mlp = _mlp(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class DeepseekModel(nn.Module):
-    def __init__(self, config, *, scoring: str, interleaved_rope: bool, attention_cls=None, tp: TPContext = SINGLE):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, scoring=scoring, interleaved_rope=interleaved_rope,
-                                 attention_cls=attention_cls, tp=tp)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class DeepseekV2ForCausalLM(RotaryDecoderLM):
+class DeepseekV2ForCausalLM(DecoderLM):
     scoring = "softmax"
     attention_cls = DeepseekAttention  # V3.2 swaps in its indexer-carrying subclass
     matrix_weights = ("kv_b_proj",)  # absorbed MLA folds it into the query and the output
@@ -237,8 +210,15 @@ class DeepseekV2ForCausalLM(RotaryDecoderLM):
         super().__init__()
         _check_config(config)
         self.config, self.tp = config, tp
-        self.model = DeepseekModel(config, scoring=self.scoring, interleaved_rope=self.interleaved_rope(config),
-                                   attention_cls=self.attention_cls, tp=tp)
+        interleaved = self.interleaved_rope(config)
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        layers = (DecoderLayer(
+            config.hidden_size, config.rms_norm_eps,
+            self.attention_cls(config, i, interleaved_rope=interleaved, tp=tp),
+            DeepseekMoE(config, self.scoring, tp) if i >= config.first_k_dense_replace
+            else _mlp(config.hidden_size, config.intermediate_size, mlp_bias, tp),
+        ) for i in range(config.num_hidden_layers))
+        self.model = DecoderModel(config, layers, tp)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp=tp)
         self.tied_lm_head = bool(getattr(config, "tie_word_embeddings", False))
         rope_type = config.rope_parameters.get("rope_type", "default")
@@ -248,7 +228,6 @@ class DeepseekV2ForCausalLM(RotaryDecoderLM):
     @staticmethod
     def interleaved_rope(config) -> bool:
         return True  # V2 rotates interleaved pairs (its complex-number form)
-
 
     def checkpoint_name(self, name: str) -> str | None:
         parts = name.split(".")

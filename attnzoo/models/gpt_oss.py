@@ -15,10 +15,10 @@ from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.errors import ModelLoadError
 from attnzoo.layers.moe import FusedMoE, select_experts
 from attnzoo.layers.parallel import (
-    SINGLE, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding, mark_shard, narrow,
+    SINGLE, ParallelLMHead, RowParallelLinear, TPContext, mark_shard, narrow,
 )
 from attnzoo.models.common import (
-    MergedLinear, PreNormDecoderLayer, RMSNorm, RotaryDecoderLM, RotaryEmbedding, apply_rope_qk,
+    DecoderLayer, DecoderLM, DecoderModel, MergedLinear, RotaryEmbedding, apply_rope_qk,
 )
 
 
@@ -73,28 +73,14 @@ class GptOssMLP(nn.Module):
         return self.tp.all_reduce(self.experts(x, w, idx))
 
 
-class GptOssDecoderLayer(PreNormDecoderLayer):
-    def __init__(self, config, layer_id: int, tp: TPContext = SINGLE):
-        super().__init__()
-        self.self_attn = GptOssAttention(config, layer_id, tp)
-        self.mlp = GptOssMLP(config, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class GptOssModel(nn.Module):
-    def __init__(self, config, tp: TPContext = SINGLE):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
-        self.layers = nn.ModuleList(GptOssDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class GptOssForCausalLM(RotaryDecoderLM):
+class GptOssForCausalLM(DecoderLM):
     def __init__(self, config, tp: TPContext = SINGLE):
         super().__init__()
         self.config = config
-        self.model = GptOssModel(config, tp)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        layers = (DecoderLayer(h, eps, GptOssAttention(config, i, tp), GptOssMLP(config, tp))
+                  for i in range(config.num_hidden_layers))
+        self.model = DecoderModel(config, layers, tp)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp=tp)
         self.tied_lm_head = bool(getattr(config, "tie_word_embeddings", False))
         rope_type = config.rope_parameters.get("rope_type", "default")
