@@ -54,7 +54,7 @@ def test_step_kinds_split_wall_and_roofline_by_decode_and_extend():
                    "extend_roofline_s": 20.0}
 
 
-def test_qwen3_30b_a3b_shape_builds_on_the_meta_device():
+def test_qwen3_30b_a3b_shape_builds_on_the_meta_device(e2e):
     """The full-size shape builds (no memory): Qwen3-30B-A3B's 30.5B parameters, 3.3B active per token."""
     from attnzoo.models.registry import model_class
 
