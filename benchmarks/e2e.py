@@ -34,12 +34,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from attention import matmul_tflops  # noqa: E402
-from attention_triton import copy_bandwidth, versions  # noqa: E402
+from common import git_sha, versions  # noqa: E402
 from gemma4 import GEMMA4_31B  # noqa: E402  (google/gemma-4-31B-it's text model)
+
+from attnzoo.roofline import device_limits, model_profile, roofline_seconds, step_kinds  # noqa: E402
 
 LLAMA_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -145,99 +145,6 @@ def make_config(shape: str, layers: int | None):
 # The official DeepSeek-V3 checkpoints' quantization_config (float8_e4m3fn weights, a scale per 128x128 block).
 FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 SHAPE_NAMES = ("llama8b", "llama70b", "gemma4-31b", "gpt-oss-20b", "qwen3-30b-a3b", *DEEPSEEK_SHAPES)
-
-
-def device_limits() -> dict:
-    """Measured device-to-device copy bandwidth (read + write bytes) and bf16 matmul rate."""
-    return {"copy_bytes_per_s": copy_bandwidth("cuda") * 1e9, "matmul_flops_per_s": matmul_tflops("cuda") * 1e12}
-
-
-def model_profile(llm) -> dict:
-    """What the roofline needs from a loaded model: dense and per-expert weight bytes, attention layers."""
-    size = {"dense_bytes": 0, "expert_bytes": 0, "dense_params": 0, "expert_params": 0}
-    for name, p in llm.model.named_parameters():
-        part = "expert" if ".experts." in name else "dense"
-        size[f"{part}_bytes"] += p.numel() * p.element_size()
-        if not name.endswith("scale_inv"):
-            size[f"{part}_params"] += p.numel()
-    cfg = getattr(llm.config, "text_config", None) or llm.config
-    num_experts = getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_experts", None) or 0
-    top_k = getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "top_k_experts", None) or 0
-    layers = []
-    for a in llm.model.attention_layers():
-        elt = llm.pool.dtype.itemsize
-        spec = a.kv_cache_spec()
-        kv = 0 if spec.shared_from is not None else spec.values_per_token() * elt
-        layers.append({"window": a.sliding_window, "kv_bytes": kv,
-                       "flops_per_pair": 2 * a.num_heads * (a.head_dim + a.v_head_dim)})
-        if a.sparse:  # NSA: the selected tokens' MLA entries, in the layout the decode backend reads
-            layout = llm.engine.decode_backend.mla_kv_layout
-            layers[-1].update(kv_bytes=layout.row_bytes(a.v_head_dim, a.head_dim - a.v_head_dim, llm.pool.dtype),
-                              topk=cfg.index_topk, index_bytes=a.index_head_dim * elt,
-                              index_flops_per_pair=2 * cfg.index_n_heads * a.index_head_dim)
-    return {**size, "num_experts": num_experts if size["expert_params"] else 0, "top_k": top_k, "layers": layers}
-
-
-def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: bool = True) -> float:
-    """Per step: max(bytes moved / copy bandwidth, FLOPs / matmul rate), summed.
-
-    Bytes: dense weights, the experts the step's tokens can touch (expected distinct experts of
-    ``tokens x top_k`` uniform picks), and the KV each layer reads (sliding layers: at most the window per
-    request, from the step's mean context; NSA layers: the MLA entries of at most ``topk`` selected tokens
-    per request, plus every cached token's indexer key when the mean context exceeds ``topk``, below which
-    selection keeps every token and the indexer need not run). ``shared_once``: a cascade step reads its
-    shared prefix once, and a sliding layer the part of it inside every request's window once (token-exact,
-    a lower bound on the page-granular split the backends make). FLOPs: 2 x active weights per token
-    (dense + top_k experts) + attention over the step's token pairs (NSA: over the selected ones, plus the
-    indexer's scores over every pair).
-    """
-    E, k = prof["num_experts"], prof["top_k"]
-    per_expert = prof["expert_bytes"] / max(E, 1)
-    active_params = prof["dense_params"] + (prof["expert_params"] / E * k if E else 0)
-    total = 0.0
-    for s in steps:
-        n = s["new_tokens"]
-        touched = E * (1 - (1 - k / E) ** n) if E else 0
-        weight_bytes = prof["dense_bytes"] + per_expert * touched
-        mean_ctx = s["kv_tokens"] / max(s["num_reqs"], 1)
-        shared = s["shared_prefix_len"] if shared_once else 0
-        saved = shared * (s["num_reqs"] - 1)
-        kv_bytes = 0.0
-        attn_flops = 0.0
-        for layer in prof["layers"]:
-            if layer["window"]:
-                # Windowed cascade: the prefix tokens inside every request's window (those after the longest
-                # request's window start) are read once; step logs without max_seq_len count none.
-                seen = max(0, shared - max(0, s.get("max_seq_len", 1 << 62) - layer["window"]))
-                kv_bytes += layer["kv_bytes"] * (s["num_reqs"] * min(mean_ctx, layer["window"])
-                                                 - seen * (s["num_reqs"] - 1))
-                attn_flops += layer["flops_per_pair"] * n * min(mean_ctx, layer["window"])
-            elif layer.get("topk"):  # NSA: at most topk selected tokens per query
-                kv_bytes += layer["kv_bytes"] * s["num_reqs"] * min(mean_ctx, layer["topk"])
-                attn_flops += layer["flops_per_pair"] * n * min(mean_ctx, layer["topk"])
-            else:
-                kv_bytes += layer["kv_bytes"] * (s["kv_tokens"] - saved)
-                attn_flops += layer["flops_per_pair"] * s["attn_pairs"]
-            if layer.get("topk") and mean_ctx > layer["topk"]:
-                kv_bytes += layer["index_bytes"] * s["kv_tokens"]
-                attn_flops += layer["index_flops_per_pair"] * s["attn_pairs"]
-        flops = 2 * active_params * n + attn_flops
-        total += max((weight_bytes + kv_bytes) / limits["copy_bytes_per_s"], flops / limits["matmul_flops_per_s"])
-    return total
-
-
-def step_kinds(steps: list[dict], *, t0: float, prof: dict, limits: dict) -> dict:
-    """Wall and roofline seconds of the decode steps and of the extend (prompt) steps apart. A step's wall is
-    the time from the previous step's tokens reaching the host to its own (the first: from ``t0``): with the
-    next step launched before the host reads a step's tokens, that is the GPU's time per step once the
-    pipeline is full."""
-    out = {}
-    for kind, decode in (("decode", True), ("extend", False)):
-        mine = [(s, s["t"] - (steps[i - 1]["t"] if i else t0)) for i, s in enumerate(steps)
-                if (s["new_tokens"] == s["num_reqs"]) == decode]
-        out[f"{kind}_wall_s"] = sum(d for _, d in mine)
-        out[f"{kind}_roofline_s"] = roofline_seconds([s for s, _ in mine], prof, limits)
-    return out
 
 
 def warm_up(llm, prompts) -> dict:
@@ -472,7 +379,7 @@ def main(argv=None):
             print(json.dumps(r), flush=True)
             results.append(r)
 
-    meta = {"device": torch.cuda.get_device_name(), **versions(), "shape": args.shape,
+    meta = {"device": torch.cuda.get_device_name(), **versions(), "git_sha": git_sha(), "shape": args.shape,
             "model": f"{args.shape}-shaped, random {args.weights} weights", "config": cfg,
             "workload": f"{len(prompts)} GSM8K 8-shot prompts ({len(data['prefix'])}-token shared prefix), "
                         f"{args.new_tokens} output tokens each, EOS ignored", "limits": limits}

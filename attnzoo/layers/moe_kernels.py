@@ -1,4 +1,4 @@
-"""Triton kernels of the fused MoE (``attnzoo/layers/moe.py``, which imports this module on first use so
+"""Triton kernels of the fused MoE (``attnzoo/layers/moe/fused.py``, which imports this module on first use so
 that importing a model file never imports triton; on CPU the interpreter must be chosen first).
 
 * ``align_kernel``: the expert sort and padding of ``moe_align_block_size`` (one launch).

@@ -4,9 +4,8 @@ It is the oracle every other backend is tested against, on CPU and GPU, so it fa
 speed: the whole score matrix materialised, in float32. Requests are still batched: each step's
 requests are sorted into a few groups of similar query and context lengths
 (``padded_groups``), and each group runs as one padded batch (``padded_attention_reference``), so
-on a GPU a step costs a few dozen torch ops per layer however many requests it holds. (One request at
-a time, an extend step cost 36 ops per request and layer: ~47,000 per layer with GSM8K's 1319
-requests, 133 output tok/s on an H200.)
+on a GPU a step costs a few dozen torch ops per layer however many requests it holds, where one request
+at a time would cost dozens per request (benchmarks/torch_ref_step.py).
 An fp8 pool is read by dequantizing (value times the pool's per-tensor scale, in float32):
 quantize-dequantize, so the fp8 KV cache runs, and is checked, on the CPU.
 """
@@ -36,8 +35,7 @@ from attnzoo.attention.reference import (
 # Per group, by device type: at most this many gathered key tokens (requests x longest context) and
 # query-key pairs (requests x longest chunk x longest context); a request over either is a group of its
 # own. A GPU takes large groups (few launches; SmolLM2's keys and values of one in float32: 0.75 GiB),
-# a CPU small ones whose float32 copies stay in its caches (64 decode rows x 1000 tokens: 3x faster
-# than one group, and than one request at a time).
+# a CPU small ones whose float32 copies stay in its caches.
 GROUP_BUDGETS = {"cuda": (1 << 19, 1 << 24), "cpu": (1 << 14, 1 << 18)}
 
 
