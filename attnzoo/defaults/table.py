@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from attnzoo.attention.backends import backend_names
-from attnzoo.attention.backends.capabilities import GPUS
+from attnzoo.attention.backends.capabilities import ATTENTION_KINDS, GPUS
 from attnzoo.attention.kv_cache import MAX_PAGE_SIZE
 from attnzoo.errors import PolicyError
 
@@ -342,7 +342,7 @@ class _Parser:
             if k not in PROFILE_KEYS:
                 raise self.unknown(kp + (k,), PROFILE_KEYS)
             ok = {
-                "kind": lambda x: x in ("mha", "mla", "nsa"),
+                "kind": lambda x: x in ATTENTION_KINDS,
                 "head_dims": _int_list, "v_head_dims": _int_list, "num_kv_heads": _int_list,
                 "num_heads": lambda x: isinstance(x, int) and x > 0,
                 "sliding_window": lambda x: isinstance(x, bool), "softcap": lambda x: isinstance(x, bool),

@@ -99,7 +99,7 @@ def _fake_quant_fp8(x: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
 
 def moe_reference(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_start: int = 0,
                   w13_scale_inv=None, w2_scale_inv=None, block=(128, 128), quantize_activations: bool = False,
-                  ue8m0: bool = False):
+                  ue8m0: bool = False, swiglu_limit: float = 0.0):
     """The per-expert loop: for each local expert with tokens, its gated MLP on those tokens.
 
     One float32 row per (token, slot), summed over the slots at the end: deterministic (no atomic
@@ -137,6 +137,8 @@ def moe_reference(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expe
         if quantize_activations:
             gate_up = gate_up.to(x.dtype).float()  # the kernel stores it in the model dtype
         gate, up = gate_up.chunk(2, dim=-1)
+        if swiglu_limit:  # DeepSeek-V4: gate clamped above, up on both sides, before the activation
+            gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
         h = _act(gate, act) * up
         if quantize_activations:
             h = _fake_quant_fp8(h, ue8m0)
@@ -423,7 +425,7 @@ def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *
     )
 
 
-def _act_and_mul(gate_up: torch.Tensor, act: str, quant: bool, dtype, ue8m0: bool = False):
+def _act_and_mul(gate_up: torch.Tensor, act: str, quant: bool, dtype, ue8m0: bool = False, limit: float = 0.0):
     """[M, 2I] -> act(gate) * up [M, I] in ``dtype``, or (float8 [M, I], float32 scales [M, groups]) quantized
     as ``fp8.act_quant`` quantizes (the same Triton function, fused here to save a pass over [M, I])."""
     m, inter = gate_up.shape[0], gate_up.shape[1] // 2
@@ -433,13 +435,15 @@ def _act_and_mul(gate_up: torch.Tensor, act: str, quant: bool, dtype, ue8m0: boo
     _kernels().act_kernel[(m, _cdiv(inter, block * groups))](
         gate_up, y.view(torch.uint8) if quant else y, s, inter, gate_up.stride(0), y.stride(0), s.stride(0),
         ACT=1 if act == "silu" else 2, QUANT=quant, UE8M0=ue8m0, MIN_AMAX=MIN_AMAX, BLOCK=block, GROUPS=groups,
+        LIMIT=float(limit),
     )
     return y, (s if quant else None)
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_start: int = 0,
               holds_all_experts: bool = True, w13_scale_inv=None, w2_scale_inv=None, block=(128, 128),
-              ue8m0: bool = False, add: torch.Tensor | None = None, config: MoEConfig | None = None) -> torch.Tensor:
+              ue8m0: bool = False, add: torch.Tensor | None = None, config: MoEConfig | None = None,
+              swiglu_limit: float = 0.0) -> torch.Tensor:
     """The experts' weighted sum per token through the grouped Triton GEMMs (see the module docstring).
 
     ``holds_all_experts=False`` (an expert-parallel share): rows of assignments to other ranks' experts
@@ -456,7 +460,7 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
                       topk_ids[i : i + MAX_CHUNK_TOKENS], act=act, expert_start=expert_start,
                       holds_all_experts=holds_all_experts, w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv,
                       block=block, ue8m0=ue8m0, add=None if add is None else add[i : i + MAX_CHUNK_TOKENS],
-                      config=config)
+                      config=config, swiglu_limit=swiglu_limit)
             for i in range(0, t, MAX_CHUNK_TOKENS)
         ])
     num_local, inter = w2.shape[0], w2.shape[2]
@@ -476,7 +480,7 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
     flat_weights = topk_weights.reshape(-1).float().contiguous()
     _grouped_gemm(a, a_scale, w13, w13_scale_inv, gate_up, flat_weights, align, cfg, num_valid=t * k, rows_per_a=k,
                   split_n=inter, mul_weight=False, block=block)
-    h, h_scale = _act_and_mul(gate_up, act, fp8, x.dtype, ue8m0)
+    h, h_scale = _act_and_mul(gate_up, act, fp8, x.dtype, ue8m0, swiglu_limit)
     down = (torch.empty if holds_all_experts else torch.zeros)(t * k, x.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(h, h_scale, w2, w2_scale_inv, down, flat_weights, align, cfg, num_valid=t * k, rows_per_a=1,
                   split_n=w2.shape[1], mul_weight=True, block=block)
@@ -522,7 +526,7 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu", *,
                  experts: range | None = None, quant: str | None = None, block=(128, 128), ue8m0: bool = False,
-                 init_std: float = 0.02):
+                 init_std: float = 0.02, swiglu_limit: float = 0.0):
         super().__init__()
         build_as = _BUILD_AS.get()
         if quant is None and build_as is not None:
@@ -537,6 +541,7 @@ class FusedMoE(nn.Module):
         if quant not in (None, "fp8"):
             raise ModelLoadError(f"MoE weight format {quant!r} is not supported", fix="use quant=None or 'fp8'")
         self.num_experts, self.hidden, self.intermediate, self.act = num_experts, hidden, intermediate, act
+        self.swiglu_limit = float(swiglu_limit or 0.0)  # > 0: gate and up clamped (DeepSeek-V4)
         self.expert_start, self.num_local = experts.start, len(experts)
         self.quant, self.block = quant, tuple(block)
         self.ue8m0 = bool(quant) and ue8m0  # FP8 activation scales rounded up to powers of two (scale_fmt)
@@ -598,11 +603,11 @@ class FusedMoE(nn.Module):
         if _fused_triton(x):
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
                              expert_start=self.expert_start, holds_all_experts=self.num_local == self.num_experts,
-                             add=add, **self._weights())
+                             add=add, swiglu_limit=self.swiglu_limit, **self._weights())
         # FP8 on CPU: the w8a8 arithmetic in float32, as Fp8Linear's CPU emulation.
         out = moe_reference(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
                             expert_start=self.expert_start, quantize_activations=self.quant == "fp8",
-                            **self._weights())
+                            swiglu_limit=self.swiglu_limit, **self._weights())
         return out if add is None else out + add
 
     # -- loading --------------------------------------------------------------------------------

@@ -122,15 +122,19 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr,
 @triton.jit
 def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
                ACT: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, MIN_AMAX: tl.constexpr,
-               BLOCK: tl.constexpr, GROUPS: tl.constexpr):
+               BLOCK: tl.constexpr, GROUPS: tl.constexpr, LIMIT: tl.constexpr = 0.0):
     # y = act(x[:, :width]) * x[:, width:] (ACT 1 silu, 2 gelu-tanh), in float32, for GROUPS x BLOCK channels
-    # of one row; with QUANT, FP8 with one scale per BLOCK (= the quantization group) channels.
+    # of one row; with QUANT, FP8 with one scale per BLOCK (= the quantization group) channels. LIMIT > 0
+    # clamps gate above and up on both sides first (DeepSeek-V4's SwiGLU).
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     offs = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     ok = offs < width
     gate = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + width + offs, mask=ok, other=0.0).to(tl.float32)
+    if LIMIT > 0:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
     if ACT == 1:
         v = gate * tl.sigmoid(gate) * up
     else:

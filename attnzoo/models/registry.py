@@ -11,6 +11,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("attnzoo.models.deepseek_v2:DeepseekV2ForCausalLM", "deepseek_v2"),
     "DeepseekV3ForCausalLM": ("attnzoo.models.deepseek_v2:DeepseekV3ForCausalLM", "deepseek_v3"),
     "DeepseekV32ForCausalLM": ("attnzoo.models.deepseek_v32:DeepseekV32ForCausalLM", "deepseek_v32"),
+    "DeepseekV4ForCausalLM": ("attnzoo.models.deepseek_v4:DeepseekV4ForCausalLM", "deepseek_v4"),
     "Gemma4ForCausalLM": ("attnzoo.models.gemma4:Gemma4ForCausalLM", "gemma4_text"),
     "Gemma4ForConditionalGeneration": ("attnzoo.models.gemma4:Gemma4ForCausalLM", "gemma4"),
 }

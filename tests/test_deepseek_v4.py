@@ -1,0 +1,58 @@
+"""DeepSeek-V4 (compressed sparse / heavily compressed / sliding attention, mHC, hash + learned MoE) on CPU
+against transformers: float32 logits and greedy tokens over prompts longer than several compression blocks
+and the window, so that block completion, eviction from the window and the indexer's top-k all happen."""
+import pytest
+import torch
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+import attnzoo
+from helpers import assert_matches_hf, random_prompts, save_checkpoint
+
+VOCAB = 128
+# Small rates and window so that short prompts cover many blocks: CSA 4:1, HCA 8:1 (128 in the released
+# model), window 12, index_topk 3 (fewer than the entries a 40-token prompt has).
+BASE = dict(vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_attention_heads=4, num_key_value_heads=1,
+            head_dim=32, q_lora_rank=16, qk_rope_head_dim=8, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=16, index_topk=3,
+            sliding_window=12, compress_rate_csa=4, compress_rate_hca=8, hc_mult=2, hc_sinkhorn_iters=4,
+            max_position_embeddings=512, swiglu_limit=1.5, routed_scaling_factor=1.5)
+
+
+def tiny_v4(layer_types, mlp_layer_types, seed=0, **kw):
+    cfg = DeepseekV4Config(**{**BASE, "num_hidden_layers": len(layer_types), "layer_types": layer_types,
+                              "mlp_layer_types": mlp_layer_types, **kw})
+    torch.manual_seed(seed)
+    hf = DeepseekV4ForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # the default init leaves sinks, biases and mHC at neutral values: make them count
+        for name, p in hf.named_parameters():
+            if any(k in name for k in ("sinks", "position_bias", ".base", "hc_base", "e_score_correction_bias")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif name.endswith("gate.weight") or name.endswith(".fn") or name.endswith("hc_fn"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        for layer in hf.model.layers:
+            if hasattr(layer.mlp.gate, "tid2eid"):
+                layer.mlp.gate.tid2eid.copy_(torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(VOCAB)]))
+    return hf
+
+
+MODELS = {
+    # every kind, hash then learned routing
+    "all-kinds": (["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"],
+                  ["hash_moe", "moe", "moe"]),
+    # HCA at the window's size and CSA with a YaRN compress rope
+    "yarn": (["heavily_compressed_attention", "compressed_sparse_attention"], ["hash_moe", "moe"]),
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_matches_transformers(tmp_path, name):
+    kinds, mlps = MODELS[name]
+    kw = {}
+    if name == "yarn":
+        kw = dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                   "beta_fast": 32, "beta_slow": 1}, compress_rate_hca=12)
+    hf = tiny_v4(kinds, mlps, **kw)
+    save_checkpoint(hf, tmp_path)
+    llm = attnzoo.load_model(tmp_path, page_size=8, backend="torch", device="cpu")
+    assert_matches_hf(llm, hf, random_prompts(VOCAB, [5, 41]), steps=20)
