@@ -337,3 +337,32 @@ class KVPool:
             views["v"][page, :, off] = quantize_fp8(v, self.v_scale) if self.is_fp8 else v.to(self.kv_dtype)
         if index_k is not None:
             views["index_k"][page, off] = index_k.to(self.kv_dtype)
+
+
+def layer_kind(spec: KVCacheSpec) -> str:
+    """How ``kv_bytes_by_kind`` names a layer's cache: "csa", "hca" (compressed attention), "sliding",
+    "mla", "nsa", "full"."""
+    if spec.compress_rate:
+        return "csa" if spec.index_compressed_dim else "hca"
+    if spec.sliding_window:
+        return "sliding"
+    if spec.v_from_k:
+        return "nsa" if spec.index_head_dim else "mla"
+    return "full"
+
+
+def kv_bytes_by_kind(specs: list[KVCacheSpec | None], page_size: int, dtype: torch.dtype) -> dict[str, dict]:
+    """Per layer kind: its layers, the bytes per token they need while the token is in their window
+    (raw keys, compressor state: ``per_window_token``; a pool without a window group keeps these for
+    ever), and for every token of context (compressed entries at this page size, or the whole entry of a
+    layer without a window: ``per_context_token``), summed over the kind's layers."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    out: dict[str, dict] = {}
+    for s in specs:
+        if s is None or s.shared_from is not None:
+            continue
+        d = out.setdefault(layer_kind(s), {"layers": 0, "per_window_token": 0, "per_context_token": 0.0})
+        d["layers"] += 1
+        d["per_window_token" if s.sliding_window else "per_context_token"] += elt * s.values_per_token()
+        d["per_context_token"] += elt * s.compressed_values_per_page(page_size) / page_size
+    return out
