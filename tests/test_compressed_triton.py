@@ -1,0 +1,59 @@
+"""The compressed-attention (DeepSeek-V4) Triton kernels under the interpreter against the torch reference
+(attention/compressed_reference.py) on tiny shapes: window + compressed entries (HCA: all, CSA: the
+indexer's picks, sliding: none) with sinks, and the indexer's scores + top-k, in extend and decode steps."""
+import pytest
+import torch
+
+from attnzoo.attention.compressed import CompressedAttention
+from attnzoo.attention.compressed_reference import attend_reference, topk_reference
+from attnzoo.attention.kv_cache import KVPool
+from attnzoo.attention.metadata import build_metadata
+from attnzoo.attention.reference import select_topk, token_requests
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter check; the gpu tests run the kernels")
+PS, D, H, DI, HI = 4, 32, 4, 16, 2
+
+
+def _case(kind, decode, seed=0):
+    rate = {"sliding": 0, "hca": 8, "csa": 4}[kind]
+    layer = CompressedAttention(0, H, D, sliding_window=6, scale=D**-0.5, compress_rate=rate, overlap=kind == "csa",
+                                state_dim=8 if rate else 0, index_dim=DI if kind == "csa" else 0,
+                                index_n_heads=HI if kind == "csa" else 0, index_topk=3 if kind == "csa" else 0)
+    pool = KVPool([layer.kv_cache_spec()], num_pages=40, page_size=PS, dtype=torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(seed)
+    names = ["k"] + (["compressed"] if rate else []) + (["index_compressed"] if kind == "csa" else [])
+    for name in names:
+        v = pool.view(0, name)
+        v.copy_(torch.randn(v.shape, generator=g))
+    prefix, q_lens = ([17, 30, 9], [1, 1, 1]) if decode else ([0, 13, 21], [19, 5, 1])
+    tables = [list(range(1 + 10 * i, 1 + 10 * i + -(-(p + n) // PS))) for i, (p, n) in enumerate(zip(prefix, q_lens))]
+    meta = build_metadata(prefix_lens=prefix, q_lens=q_lens, block_tables=tables, page_size=PS, device="cpu")
+    t = meta.num_tokens
+    q = torch.randn(t, H, D, generator=g)
+    sinks = torch.randn(H, generator=g)
+    return layer, pool, meta, q, sinks, g
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["extend", "decode"])
+@pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
+def test_attend_and_topk_match_reference(kind, decode):
+    from attnzoo.attention.kernels import compressed as kernels
+
+    layer, pool, meta, q, sinks, g = _case(kind, decode)
+    ids = None
+    reqs = token_requests(meta)
+    if kind == "csa":
+        iq, w = torch.randn(q.shape[0], HI, DI, generator=g), torch.rand(q.shape[0], HI, generator=g)
+        keys = pool.view(0, "index_compressed")
+        want = topk_reference(keys, iq, w, meta, rate=4, topk=3, scale=DI**-0.5)
+        s = kernels.scores(iq, w, keys.reshape(-1, DI), meta.block_tables, reqs, meta.positions,
+                           width=meta.max_seq_len // 4, rate=4, page_size=PS, scale=DI**-0.5)
+        got = select_topk(s, 3)
+        assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+        ids = want
+    comp = pool.view(0, "compressed") if layer.compress_rate else None
+    want = attend_reference(pool.k(0), comp, q, sinks, ids, meta, window=6, rate=layer.compress_rate, scale=layer.scale)
+    got = kernels.attend(q, pool.k(0).reshape(-1, D), None if comp is None else comp.reshape(-1, D), sinks,
+                         meta.block_tables, meta.block_tables, reqs, meta.positions, ids, window=6,
+                         rate=layer.compress_rate, page_size=PS, scale=layer.scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
