@@ -90,3 +90,40 @@ def test_mixed_batches_window_group_and_prefix_hits_match_one_at_a_time(v4_dir):
         "no step mixed a prefill chunk with other requests"
     info = llm.info()["kv_bytes_per_token_by_kind"]
     assert set(info) == {"csa", "hca", "sliding"}
+
+
+def test_fp8_checkpoint_loads_as_stored(tmp_path):
+    """An FP8 block-quantized V4 checkpoint (attention projections, experts and shared experts in FP8; the
+    compressors, indexer keys and router as stored in float) loads: dequantized at load on CPU it equals the
+    dequantized checkpoint, and kept FP8 (fp8_weights='fp8', float32 emulation) it decodes the same tokens."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from attnzoo.layers.fp8 import Fp8Linear, dequantize, quantize_weight
+
+    hf = tiny_v4(*MODELS["all-kinds"])
+    save_checkpoint(hf, tmp_path / "hf", with_tokenizer=False)
+    fp8, ref = {}, {}
+    for name, t in load_file(tmp_path / "hf" / "model.safetensors").items():
+        if name.endswith(".weight") and name.split(".")[-2] in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "w1", "w2", "w3"):
+            w8, s = quantize_weight(t)
+            fp8[name], fp8[name + "_scale_inv"] = w8, s
+            ref[name] = dequantize(w8, s)
+        else:
+            fp8[name] = ref[name] = t
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for d, tensors, quant in (("fp8", fp8, True), ("ref", ref, False)):
+        (tmp_path / d).mkdir()
+        q = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}} if quant else {}
+        (tmp_path / d / "config.json").write_text(json.dumps({**cfg, **q}))
+        save_file(tensors, tmp_path / d / "model.safetensors")
+    want = attnzoo.load_model(tmp_path / "ref", backend="torch", device="cpu")
+    deq = attnzoo.load_model(tmp_path / "fp8", backend="torch", device="cpu")
+    prompt = random_prompts(VOCAB, [30])[0]
+    assert (deq.logits(prompt) - want.logits(prompt)).abs().max().item() <= 1e-4
+    kept = attnzoo.load_model(tmp_path / "fp8", backend="torch", device="cpu", fp8_weights="fp8")
+    assert sum(isinstance(m, Fp8Linear) for m in kept.model.modules()) >= 3
+    assert kept.model.model.layers[0].mlp.experts.quant == "fp8"
+    assert _tokens(kept, [prompt], 6) == _tokens(want, [prompt], 6)

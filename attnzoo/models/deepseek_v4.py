@@ -240,6 +240,8 @@ class DeepseekV4Model(nn.Module):
 
 
 class DeepseekV4ForCausalLM(CausalLM):
+    matrix_weights = ("o_a_proj",)  # the grouped output projection is a batched matmul over its weight
+
     def __init__(self, config):
         super().__init__()
         _check_config(config)
