@@ -72,10 +72,21 @@ DSV3 = dict(
 )
 # deepseek-ai/DeepSeek-V3.2-Exp: DeepSeek-V3 plus the sparse-attention indexer (64 heads of 128, top-2048). Use --layers.
 DSV32 = dict(DSV3, index_topk=2048, index_head_dim=128, index_n_heads=64)
+# deepseek-ai/DeepSeek-V4-Flash: 43 layers of shared-KV MQA (64 heads of 512, window 128), CSA (4:1, indexer
+# 64 heads of 128, top-512) and HCA (128:1) layers, mHC (4 streams), 256 routed experts top-6 (the first 3
+# layers hash-routed). transformers' config defaults; its default layer schedule (2 HCA, then CSA/HCA
+# interleaved) is cut to the depth. Use --layers.
+DSV4_FLASH = dict(
+    vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43, num_attention_heads=64,
+    num_key_value_heads=1, head_dim=512, q_lora_rank=1024, qk_rope_head_dim=64, n_routed_experts=256,
+    num_experts_per_tok=6, n_shared_experts=1, o_groups=8, o_lora_rank=1024, index_n_heads=64, index_head_dim=128,
+    index_topk=512, sliding_window=128, hc_mult=4, max_position_embeddings=1048576,
+)
 DEEPSEEK_SHAPES = {  # shape -> (fields, transformers config class name, architecture)
     "dsv2lite": (DSV2_LITE, "DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "dsv3": (DSV3, "DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "dsv32": (DSV32, "DeepseekV32Config", "DeepseekV32ForCausalLM"),
+    "dsv4-flash": (DSV4_FLASH, "DeepseekV4Config", "DeepseekV4ForCausalLM"),
 }
 
 
@@ -131,6 +142,13 @@ def model_profile(llm) -> dict:
         elt = llm.pool.dtype.itemsize
         spec = a.kv_cache_spec()
         kv = 0 if spec.shared_from is not None else spec.values_per_token() * elt
+        if a.kind == "dsv4":  # compressed attention: what each layer kind reads per step (roofline_seconds)
+            layers.append({"window": a.sliding_window, "kv_bytes": a.head_dim * elt,
+                           "flops_per_pair": 2 * a.num_heads * 2 * a.head_dim, "rate": a.compress_rate,
+                           "compressed_bytes": a.head_dim * elt, "csa_topk": a.index_topk,
+                           "index_bytes": a.index_dim * elt, "index_flops_per_pair": 2 * a.index_n_heads * a.index_dim,
+                           "state_bytes": a.state_dim * elt * (2 if a.overlap else 1)})
+            continue
         layers.append({"window": a.sliding_window, "kv_bytes": kv,
                        "flops_per_pair": 2 * a.num_heads * (a.head_dim + a.v_head_dim)})
         if a.index_head_dim:  # NSA: the selected tokens' MLA entries, in the layout the decode backend reads
@@ -148,7 +166,10 @@ def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: b
     ``tokens x top_k`` uniform picks), and the KV each layer reads (sliding layers: at most the window per
     request, from the step's mean context; NSA layers: the MLA entries of at most ``topk`` selected tokens
     per request, plus every cached token's indexer key when the mean context exceeds ``topk``, below which
-    selection keeps every token and the indexer need not run). ``shared_once``: a cascade step reads its
+    selection keeps every token and the indexer need not run; compressed (DeepSeek-V4) layers: the raw window,
+    then one entry per ``rate`` tokens of context, all of them (HCA) or the indexer's ``csa_topk`` (CSA, which
+    also reads every entry's indexer key), plus each new token's compressor state once (twice with overlap)
+    when its block is pooled). ``shared_once``: a cascade step reads its
     shared prefix once, and a sliding layer the part of it inside every request's window once (token-exact,
     a lower bound on the page-granular split the backends make). FLOPs: 2 x active weights per token
     (dense + top_k experts) + attention over the step's token pairs (NSA: over the selected ones, plus the
@@ -181,6 +202,14 @@ def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: b
             else:
                 kv_bytes += layer["kv_bytes"] * (s["kv_tokens"] - saved)
                 attn_flops += layer["flops_per_pair"] * s["attn_pairs"]
+            if layer.get("rate"):  # compressed entries: HCA every one, CSA the indexer's top-k plus every index key
+                entries = mean_ctx / layer["rate"]
+                read = min(entries, layer["csa_topk"]) if layer["csa_topk"] else entries
+                kv_bytes += layer["compressed_bytes"] * s["num_reqs"] * read + layer["state_bytes"] * n
+                attn_flops += layer["flops_per_pair"] * n * read
+                if layer["csa_topk"]:
+                    kv_bytes += layer["index_bytes"] * s["num_reqs"] * entries
+                    attn_flops += layer["index_flops_per_pair"] * n * entries
             if layer.get("topk") and mean_ctx > layer["topk"]:
                 kv_bytes += layer["index_bytes"] * s["kv_tokens"]
                 attn_flops += layer["index_flops_per_pair"] * s["attn_pairs"]

@@ -127,3 +127,31 @@ def test_fp8_checkpoint_loads_as_stored(tmp_path):
     assert sum(isinstance(m, Fp8Linear) for m in kept.model.modules()) >= 3
     assert kept.model.model.layers[0].mlp.experts.quant == "fp8"
     assert _tokens(kept, [prompt], 6) == _tokens(want, [prompt], 6)
+
+
+def test_dsv4_flash_shape_and_roofline_per_layer_kind():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    e2e = pytest.importorskip("e2e")
+    config, _ = e2e.make_config("dsv4-flash", 4)
+    assert config.architectures == ["DeepseekV4ForCausalLM"] and (config.head_dim, config.hc_mult) == (512, 4)
+    assert config.layer_types == ["heavily_compressed_attention"] * 3 + ["compressed_sparse_attention"]
+    cfg = tiny_v4(*MODELS["all-kinds"]).config
+    cfg.architectures = ["DeepseekV4ForCausalLM"]
+    llm = attnzoo.load_model(cfg, load_format="random", device="cpu", dtype="bfloat16", backend="torch")
+    csa, hca, sliding = e2e.model_profile(llm)["layers"]
+    # bf16: raw key 32 x 2, entry 32 x 2, indexer key 16 x 2; CSA state (4 x 32 + 4 x 16) x 2, read twice
+    assert (csa["kv_bytes"], csa["compressed_bytes"], csa["index_bytes"], csa["state_bytes"]) == (64, 64, 32, 768)
+    assert (hca["rate"], hca["csa_topk"], hca["state_bytes"]) == (8, 0, 2 * 32 * 2) and sliding["rate"] == 0
+    bytes_only = {"copy_bytes_per_s": 1.0, "matmul_flops_per_s": float("inf")}
+    step = {"num_reqs": 2, "new_tokens": 2, "kv_tokens": 80, "shared_prefix_len": 0, "attn_pairs": 80}
+
+    def alone(layer):
+        return e2e.roofline_seconds([step], {"num_experts": 0, "top_k": 0, "dense_bytes": 0, "expert_bytes": 0,
+                                             "dense_params": 0, "expert_params": 0, "layers": [layer]}, bytes_only)
+    # context 40, window 12: the window, then CSA the top-3 of 10 entries + every indexer key, HCA all 5
+    assert alone(sliding) == 64 * 2 * 12
+    assert alone(csa) == 64 * 2 * 12 + 64 * 2 * 3 + 768 * 2 + 32 * 2 * 10
+    assert alone(hca) == 64 * 2 * 12 + 64 * 2 * 5 + 128 * 2
