@@ -57,3 +57,31 @@ def test_attend_and_topk_match_reference(kind, decode):
                          meta.block_tables, meta.block_tables, reqs, meta.positions, ids, window=6,
                          rate=layer.compress_rate, page_size=PS, scale=layer.scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+GPU = torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_gpu_every_v4_backend_matches_torch_and_transformers(tmp_path):
+    """On CUDA, float32: compressed_triton against transformers (logits within 1e-4, greedy equal) and its
+    bf16 greedy decode against the torch backend's (mixed batch, window page group, a prefix hit)."""
+    import attnzoo
+    from helpers import assert_greedy_close, assert_matches_hf, random_prompts, save_checkpoint
+    from test_deepseek_v4 import MODELS, VOCAB, tiny_v4
+
+    hf = tiny_v4(*MODELS["all-kinds"])
+    save_checkpoint(hf, tmp_path)
+    llm = attnzoo.load_model(tmp_path, page_size=8, backend="compressed_triton", device="cuda", dtype="float32")
+    assert llm.info()["decode_backend"] == "compressed_triton"
+    assert_matches_hf(llm, hf, random_prompts(VOCAB, [5, 41]), steps=20)
+    prefix = random_prompts(VOCAB, [23], seed=3)[0]
+    prompts = [prefix + t for t in random_prompts(VOCAB, [3, 9, 14], seed=4)] + random_prompts(VOCAB, [30], seed=5)
+    outs = {}
+    for backend in ("torch", "compressed_triton"):
+        m = attnzoo.load_model(tmp_path, page_size=2, backend=backend, device="cuda", dtype="bfloat16",
+                               window_kv_fraction=0.5, max_batch_tokens=12)
+        m.generate(prompts[:1], max_new_tokens=4, ignore_eos=True)
+        outs[backend] = m.generate(prompts, max_new_tokens=16, ignore_eos=True, return_logits=True)
+    assert_greedy_close(outs["compressed_triton"], outs["torch"], 0.05, "compressed_triton vs torch")

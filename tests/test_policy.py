@@ -38,6 +38,8 @@ EXPECTED = {
     "gemma4": {**_MHA, "cpu": ("torch", "torch", 16)},
     "deepseek_mla": {**_MLA, "cpu": ("torch", "torch", 16)},
     "deepseek_nsa": {g: ("torch", "torch", 64) if g == "cpu" else ("nsa_triton", "nsa_triton", 64) for g in GPUS},
+    "deepseek_v4": {g: ("torch", "torch", 64) if g == "cpu" else ("compressed_triton", "compressed_triton", 64)
+                    for g in GPUS},
 }
 ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -46,6 +48,7 @@ ARCHS = {
     "DeepseekV2ForCausalLM": "deepseek_mla",
     "DeepseekV3ForCausalLM": "deepseek_mla",
     "DeepseekV32ForCausalLM": "deepseek_nsa",
+    "DeepseekV4ForCausalLM": "deepseek_v4",
 }
 
 
