@@ -55,7 +55,8 @@ def test_matches_transformers(tmp_path, name):
     hf = tiny_v4(kinds, mlps, **kw)
     save_checkpoint(hf, tmp_path)
     llm = attnzoo.load_model(tmp_path, page_size=8, backend="torch", device="cpu")
-    assert_matches_hf(llm, hf, random_prompts(VOCAB, [5, 41]), steps=20)
+    # 37 + 12 tokens: past the window (12), CSA's entries (12) past its top-3, HCA's 4 to 6 blocks
+    assert_matches_hf(llm, hf, random_prompts(VOCAB, [5, 37] if name == "all-kinds" else [33]), steps=12)
 
 
 @pytest.fixture(scope="module")
@@ -121,12 +122,12 @@ def test_fp8_checkpoint_loads_as_stored(tmp_path):
         save_file(tensors, tmp_path / d / "model.safetensors")
     want = attnzoo.load_model(tmp_path / "ref", backend="torch", device="cpu")
     deq = attnzoo.load_model(tmp_path / "fp8", backend="torch", device="cpu")
-    prompt = random_prompts(VOCAB, [30])[0]
+    prompt = random_prompts(VOCAB, [26])[0]
     assert (deq.logits(prompt) - want.logits(prompt)).abs().max().item() <= 1e-4
     kept = attnzoo.load_model(tmp_path / "fp8", backend="torch", device="cpu", fp8_weights="fp8")
     assert sum(isinstance(m, Fp8Linear) for m in kept.model.modules()) >= 3
     assert kept.model.model.layers[0].mlp.experts.quant == "fp8"
-    assert _tokens(kept, [prompt], 6) == _tokens(want, [prompt], 6)
+    assert _tokens(kept, [prompt], 4) == _tokens(want, [prompt], 4)
 
 
 def test_dsv4_flash_shape_and_roofline_per_layer_kind():
@@ -138,9 +139,12 @@ def test_dsv4_flash_shape_and_roofline_per_layer_kind():
     config, _ = e2e.make_config("dsv4-flash", 4)
     assert config.architectures == ["DeepseekV4ForCausalLM"] and (config.head_dim, config.hc_mult) == (512, 4)
     assert config.layer_types == ["heavily_compressed_attention"] * 3 + ["compressed_sparse_attention"]
+    from types import SimpleNamespace
+
+    from attnzoo.models.deepseek_v4 import DeepseekV4ForCausalLM as Ours
+
     cfg = tiny_v4(*MODELS["all-kinds"]).config
-    cfg.architectures = ["DeepseekV4ForCausalLM"]
-    llm = attnzoo.load_model(cfg, load_format="random", device="cpu", dtype="bfloat16", backend="torch")
+    llm = SimpleNamespace(model=Ours(cfg), config=cfg, pool=SimpleNamespace(dtype=torch.bfloat16))  # what it reads
     csa, hca, sliding = e2e.model_profile(llm)["layers"]
     # bf16: raw key 32 x 2, entry 32 x 2, indexer key 16 x 2; CSA state (4 x 32 + 4 x 16) x 2, read twice
     assert (csa["kv_bytes"], csa["compressed_bytes"], csa["index_bytes"], csa["state_bytes"]) == (64, 64, 32, 768)

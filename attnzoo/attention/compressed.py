@@ -105,22 +105,36 @@ class CompressedAttention(Attention):
         return backend.dsv4_attend(self, q, sinks, entry_ids, meta, ctx.plan).to(q.dtype)
 
     def _compress_completed(self, meta: BatchMetadata, pool, compress: CompressFn) -> None:
-        """Pool the blocks whose last token is in this step and store their entries."""
-        blocks = completed_blocks(meta, self.compress_rate)
-        if blocks is None:
-            return
-        reqs, first = blocks
+        """Pool the blocks whose last token is in this step and store their entries.
+
+        EXTEND steps find those blocks on the host. DECODE steps (row i is request i, one token each) pool
+        one block per row on the device, whether or not the row's token ends one: rows that do not store
+        their entry in page 0, which nobody reads. No host lengths and fixed shapes: a captured decode
+        step replays it for any positions."""
         r, ps, dev = self.compress_rate, meta.page_size, meta.positions.device
         span = 2 * r if self.overlap else r
-        pos = first[:, None] - (r if self.overlap else 0) + np.arange(span)[None, :]  # [n, span]
-        valid = pos >= 0
+        if meta.is_decode:
+            reqs_d = torch.arange(meta.positions.shape[0], device=dev)
+            done = (meta.positions + 1) % r == 0
+            first_d = meta.positions + 1 - r
+            pos_d = first_d[:, None] - (r if self.overlap else 0) + torch.arange(span, device=dev)[None, :]
+            valid = (pos_d >= 0) | ~done[:, None]  # rows that store nothing pool finite values
+            pos_d = torch.minimum(pos_d.clamp_min(0), meta.positions[:, None])
+        else:
+            blocks = completed_blocks(meta, r)
+            if blocks is None:
+                return
+            reqs, first = blocks
+            pos = first[:, None] - (r if self.overlap else 0) + np.arange(span)[None, :]  # [n, span]
+            reqs_d, first_d = torch.from_numpy(reqs).to(dev), torch.from_numpy(first).to(dev)
+            valid, pos_d = torch.from_numpy(pos >= 0).to(dev), torch.from_numpy(np.maximum(pos, 0)).to(dev)
         tables = meta.block_tables_for(self.sliding_window)
-        reqs_d = torch.from_numpy(reqs).to(dev)
-        pos_d = torch.from_numpy(np.maximum(pos, 0)).to(dev)
         state_slots = tables.long()[reqs_d[:, None], pos_d // ps] * ps + pos_d % ps
         states = pool.view(self.layer_id, "state").view(-1, self.state_dim)[state_slots]
-        entries, index_entries = compress(states, torch.from_numpy(valid).to(dev), torch.from_numpy(first).to(dev))
-        eslots = entry_slots(meta.block_tables, reqs_d, torch.from_numpy(first // r).to(dev), r, ps)
+        entries, index_entries = compress(states, valid, first_d.clamp_min(0))
+        eslots = entry_slots(meta.block_tables, reqs_d, first_d.clamp_min(0) // r, r, ps)
+        if meta.is_decode:
+            eslots = torch.where(done, eslots, 0)
         pool.view(self.layer_id, "compressed").view(-1, self.head_dim)[eslots] = entries.to(pool.kv_dtype)
         if index_entries is not None:
             pool.view(self.layer_id, "index_compressed").view(-1, self.index_dim)[eslots] = \
