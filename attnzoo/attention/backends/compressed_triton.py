@@ -4,10 +4,14 @@
 for prefill and decode. It serves compressed layers only (``base.CompressedBackend``, called by
 ``attention/compressed.py``); its plan holds the request of each row of the step.
 
-CUDA graphs: not yet. Block completion (``CompressedAttention``) pools a data-dependent number of blocks
-per step, sized on the host.
+CUDA graphs (decode): a decode step pools one block per row on the device (``CompressedAttention``), the
+attention kernel's loops are bounded by values it reads on the device, and the indexer's score width
+(the most entries of any request) is the captured step's, whose lengths are the graph's longest context.
+The request of each decode row (row i is request i) comes from a static buffer.
 """
 from __future__ import annotations
+
+import torch
 
 from attnzoo.attention.backends.base import AttentionBackend, CompressedBackend, NSAPlan
 from attnzoo.attention.backends.capabilities import CUDA_GPUS, BackendCapabilities, Kernel, gpu_set
@@ -46,6 +50,7 @@ class CompressedTritonBackend(AttentionBackend, CompressedBackend):
         attention_sinks=True,
         module="triton",
         extra="triton",
+        cuda_graph=True,
         notes=("compressed (CSA/HCA/sliding) layers only: DeepSeek-V4",),
     )
     fix = "use backend='torch' on CPU (or set TRITON_INTERPRET=1 before importing attnzoo, for tests)"
@@ -54,9 +59,20 @@ class CompressedTritonBackend(AttentionBackend, CompressedBackend):
         super().__init__(pool)
         self.require_pool()
         self._kernels = _import_kernels()
+        self._graph_reqs: torch.Tensor | None = None  # [max_batch] int64, device: row i -> request i
 
     def prepare(self, meta: BatchMetadata) -> NSAPlan:
         return NSAPlan(token_reqs=token_requests(meta))
+
+    def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
+        self._graph_reqs = torch.arange(max_batch_size, device=self.pool.device)
+
+    def prepare_graph(self, meta: BatchMetadata, capturing: bool) -> NSAPlan:
+        if self._graph_reqs is None:
+            raise BackendError("prepare_graph before init_graph_state", fix="call init_graph_state first")
+        if not meta.is_decode:
+            raise BackendError(f"{self.name} captures decode steps only", fix="run extend steps eagerly")
+        return NSAPlan(token_reqs=self._graph_reqs[: meta.num_reqs])
 
     def _reqs(self, meta, plan):
         return plan.token_reqs if isinstance(plan, NSAPlan) and plan.token_reqs is not None else token_requests(meta)
