@@ -59,6 +59,21 @@ def test_attend_and_topk_match_reference(kind, decode):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+
+def test_model_on_the_interpreter_matches_transformers(tmp_path):
+    """The whole model through compressed_triton (Triton interpreter): a 30-token prefill (past the window,
+    CSA entries past the top-k) and decode steps that complete blocks, against transformers."""
+    import attnzoo
+    from helpers import assert_matches_hf, random_prompts, save_checkpoint
+    from test_deepseek_v4 import MODELS, VOCAB, tiny_v4
+
+    hf = tiny_v4(*MODELS["all-kinds"])
+    save_checkpoint(hf, tmp_path)
+    llm = attnzoo.load_model(tmp_path, page_size=8, backend="compressed_triton", device="cpu")
+    assert llm.info()["decode_backend"] == "compressed_triton"
+    assert_matches_hf(llm, hf, random_prompts(VOCAB, [30]), steps=4)
+
+
 GPU = torch.cuda.is_available()
 
 
