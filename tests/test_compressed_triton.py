@@ -9,8 +9,7 @@ from attnzoo.attention.compressed_reference import attend_reference, topk_refere
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import build_metadata
 from attnzoo.attention.reference import select_topk, token_requests
-
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter check; the gpu tests run the kernels")
+interpreter = pytest.mark.skipif(GPU, reason="interpreter check; the gpu tests run the kernels on CUDA")
 PS, D, H, DI, HI = 4, 32, 4, 16, 2
 
 
@@ -34,6 +33,7 @@ def _case(kind, decode, seed=0):
     return layer, pool, meta, q, sinks, g
 
 
+@interpreter
 @pytest.mark.parametrize("decode", [False, True], ids=["extend", "decode"])
 @pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
 def test_attend_and_topk_match_reference(kind, decode):
@@ -60,6 +60,7 @@ def test_attend_and_topk_match_reference(kind, decode):
 
 
 
+@interpreter
 def test_model_on_the_interpreter_matches_transformers(tmp_path):
     """The whole model through compressed_triton (Triton interpreter): a 30-token prefill (past the window,
     CSA entries past the top-k) and decode steps that complete blocks, against transformers."""
@@ -73,8 +74,6 @@ def test_model_on_the_interpreter_matches_transformers(tmp_path):
     assert llm.info()["decode_backend"] == "compressed_triton"
     assert_matches_hf(llm, hf, random_prompts(VOCAB, [30]), steps=4)
 
-
-GPU = torch.cuda.is_available()
 
 
 @pytest.mark.gpu
