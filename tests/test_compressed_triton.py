@@ -9,6 +9,8 @@ from attnzoo.attention.compressed_reference import attend_reference, topk_refere
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import build_metadata
 from attnzoo.attention.reference import select_topk, token_requests
+
+GPU = torch.cuda.is_available()
 interpreter = pytest.mark.skipif(GPU, reason="interpreter check; the gpu tests run the kernels on CUDA")
 PS, D, H, DI, HI = 4, 32, 4, 16, 2
 
