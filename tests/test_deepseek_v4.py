@@ -93,6 +93,10 @@ def test_mixed_batches_window_group_and_prefix_hits_match_one_at_a_time(v4_dir):
     assert set(info) == {"csa", "hca", "sliding"}
 
 
+# What a V4 FP8 checkpoint stores in FP8 (DeepSeek's names): the attention projections and every expert.
+FP8_LEAVES = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "w1", "w2", "w3")
+
+
 def test_fp8_checkpoint_loads_as_stored(tmp_path):
     """An FP8 block-quantized V4 checkpoint (attention projections, experts and shared experts in FP8; the
     compressors, indexer keys and router as stored in float) loads: dequantized at load on CPU it equals the
@@ -107,7 +111,7 @@ def test_fp8_checkpoint_loads_as_stored(tmp_path):
     save_checkpoint(hf, tmp_path / "hf", with_tokenizer=False)
     fp8, ref = {}, {}
     for name, t in load_file(tmp_path / "hf" / "model.safetensors").items():
-        if name.endswith(".weight") and name.split(".")[-2] in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "w1", "w2", "w3"):
+        if name.endswith(".weight") and name.split(".")[-2] in FP8_LEAVES:
             w8, s = quantize_weight(t)
             fp8[name], fp8[name + "_scale_inv"] = w8, s
             ref[name] = dequantize(w8, s)

@@ -125,4 +125,5 @@ class CSACompressor(Compressor):
 
     def pool(self, states, valid, first):
         split = Compressor.state_dim.fget(self)
-        return super().pool(states[..., :split], valid, first)[0], self.indexer.pool(states[..., split:], valid, first)[0]
+        return (super().pool(states[..., :split], valid, first)[0],
+                self.indexer.pool(states[..., split:], valid, first)[0])

@@ -43,7 +43,8 @@ RENAMES = [(r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.co
            (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."),
            (r"\.ape$", ".position_bias"), (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
            (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."),
-           (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+           (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."),
+           (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
            (r"\.(shared_experts|experts\.\d+)\.w1\.", r".\1.gate_proj."),
            (r"\.(shared_experts|experts\.\d+)\.w2\.", r".\1.down_proj."),
            (r"\.(shared_experts|experts\.\d+)\.w3\.", r".\1.up_proj.")]
@@ -112,8 +113,8 @@ class HyperConnection(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        n, self.iters, self.eps, self.norm_eps = config.hc_mult, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
-        self.n = n
+        self.n = n = config.hc_mult
+        self.iters, self.eps, self.norm_eps = config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
         self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * config.hidden_size, dtype=torch.float32))
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
@@ -147,7 +148,8 @@ class HyperHead(nn.Module):
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         flat = streams.flatten(1).float()
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()) + self.eps
+        mixes = F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()
+        pre = torch.sigmoid(mixes) + self.eps
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
@@ -164,7 +166,9 @@ class Router(nn.Module):
         std = getattr(config, "initializer_range", 0.02)
         self.weight = nn.Parameter(torch.randn(config.n_routed_experts, config.hidden_size) * std)
         if hashed:
-            self.tid2eid = nn.Parameter(torch.zeros(config.vocab_size, self.top_k, dtype=torch.long), requires_grad=False)
+            # Random until loaded, so that random-weight models (load_format="random") spread tokens.
+            ids = torch.randint(0, config.n_routed_experts, (config.vocab_size, self.top_k))
+            self.tid2eid = nn.Parameter(ids, requires_grad=False)
         else:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32),
                                                         requires_grad=False)
@@ -234,7 +238,8 @@ class DeepseekV4Model(nn.Module):
         rope_dim = int(config.head_dim * config.partial_rotary_factor)
         self.ropes = nn.ModuleDict({label: V4Rope(config, label, rope_dim) for label in ("main", "compress")})
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, i, self.ropes) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, i, self.ropes)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(config)
 
