@@ -75,18 +75,18 @@ def test_mixed_batches_window_group_and_prefix_hits_match_one_at_a_time(v4_dir):
     released as the window moves on), and prefix-cache hits ending mid-block (page size 2: a hit at 22
     tokens is inside a CSA block of 4 and an HCA block of 8) give the tokens of one request at a time."""
     prefix = random_prompts(VOCAB, [23], seed=3)[0]
-    prompts = [prefix + t for t in random_prompts(VOCAB, [3, 9, 14], seed=4)] + random_prompts(VOCAB, [30], seed=5)
+    prompts = [prefix + t for t in random_prompts(VOCAB, [3, 14], seed=4)] + random_prompts(VOCAB, [20], seed=5)
     alone = attnzoo.load_model(v4_dir, page_size=2, backend="torch", device="cpu", prefix_caching=False)
-    want = [_tokens(alone, [p], 10)[0] for p in prompts]
+    want = [_tokens(alone, [p], 8)[0] for p in prompts]
     llm = attnzoo.load_model(v4_dir, page_size=2, backend="torch", device="cpu", window_kv_fraction=0.5,
                              max_batch_tokens=12)
     assert llm.engine.pool.has_window_group and llm.engine.pool.window == 12
-    assert _tokens(llm, prompts[:1], 10) == want[:1]
+    assert _tokens(llm, prompts[:1], 8) == want[:1]
     full, wpages = llm.engine.prefix_cache.match(prompts[1])
     assert len(full) == 11  # 22 tokens: mid-block for both rates
     llm.engine._unmatch(full, wpages)
     llm.engine.step_log = []
-    assert _tokens(llm, prompts[1:], 10) == want[1:]
+    assert _tokens(llm, prompts[1:], 8) == want[1:]
     assert any(s["num_reqs"] > 1 and s["new_tokens"] > s["num_reqs"] for s in llm.engine.step_log), \
         "no step mixed a prefill chunk with other requests"
     info = llm.info()["kv_bytes_per_token_by_kind"]
