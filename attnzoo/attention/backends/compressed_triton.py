@@ -51,7 +51,10 @@ class CompressedTritonBackend(AttentionBackend, CompressedBackend):
         module="triton",
         extra="triton",
         cuda_graph=True,
-        notes=("compressed (CSA/HCA/sliding) layers only: DeepSeek-V4",),
+        notes=("compressed (CSA/HCA/sliding) layers only: DeepSeek-V4",
+               "no FlashInfer backend serves these layers: FlashInfer 0.7.2.post1's deepseek_v41_decode is SM100 "
+               "decode only over its own MXFP8 window / FP4 compressed caches (window 128, 64 heads of 512), and its "
+               "dsa_* kernels are MLA-shaped training kernels without sinks or a raw window"),
     )
     fix = "use backend='torch' on CPU (or set TRITON_INTERPRET=1 before importing attnzoo, for tests)"
 
