@@ -163,3 +163,17 @@ def test_dsv4_flash_shape_and_roofline_per_layer_kind():
     assert alone(sliding) == 64 * 2 * 12
     assert alone(csa) == 64 * 2 * 12 + 64 * 2 * 3 + 768 * 2 + 32 * 2 * 10
     assert alone(hca) == 64 * 2 * 12 + 64 * 2 * 5 + 128 * 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter check; on a GPU the fused path is the default")
+def test_fused_moe_clamps_swiglu_like_the_reference():
+    """The fused MoE's act kernel (Triton interpreter) clamps gate and up at swiglu_limit as the reference."""
+    from attnzoo.layers.moe import fused_moe, moe_reference
+
+    g = torch.Generator().manual_seed(0)
+    x, w13, w2 = (torch.randn(*s, generator=g) for s in ((9, 32), (4, 32, 32), (4, 32, 16)))
+    ids = torch.randint(0, 4, (9, 2), generator=g)
+    weights = torch.rand(9, 2, generator=g)
+    want = moe_reference(x, w13, w2, weights, ids, swiglu_limit=1.5)
+    assert (want - moe_reference(x, w13, w2, weights, ids)).abs().max() > 0.1  # the clamp bites
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, swiglu_limit=1.5), want, rtol=1e-5, atol=1e-5)
