@@ -51,6 +51,13 @@ def model_profile(llm) -> dict:
         elt = llm.pool.dtype.itemsize
         spec = a.kv_cache_spec()
         kv = 0 if spec.shared_from is not None else spec.values_per_token() * elt
+        if a.kind == "dsv4":  # compressed attention: what each layer kind reads per step (roofline_seconds)
+            layers.append({"window": a.sliding_window, "kv_bytes": a.head_dim * elt,
+                           "flops_per_pair": 2 * a.num_heads * 2 * a.head_dim, "rate": a.compress_rate,
+                           "compressed_bytes": a.head_dim * elt, "csa_topk": a.index_topk,
+                           "index_bytes": a.index_dim * elt, "index_flops_per_pair": 2 * a.index_n_heads * a.index_dim,
+                           "state_bytes": a.state_dim * elt * (2 if a.overlap else 1)})
+            continue
         layers.append({"window": a.sliding_window, "kv_bytes": kv,
                        "flops_per_pair": 2 * a.num_heads * (a.head_dim + a.v_head_dim)})
         if a.sparse:  # NSA: the selected tokens' MLA entries, in the layout the decode backend reads
@@ -68,7 +75,10 @@ def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: b
     ``tokens x top_k`` uniform picks), and the KV each layer reads (sliding layers: at most the window per
     request, from the step's mean context; NSA layers: the MLA entries of at most ``topk`` selected tokens
     per request, plus every cached token's indexer key when the mean context exceeds ``topk``, below which
-    selection keeps every token and the indexer need not run). ``shared_once``: a cascade step reads its
+    selection keeps every token and the indexer need not run; compressed (DeepSeek-V4) layers: the raw window,
+    then one entry per ``rate`` tokens of context, all of them (HCA) or the indexer's ``csa_topk`` (CSA, which
+    also reads every entry's indexer key), plus each new token's compressor state once (twice with overlap)
+    when its block is pooled). ``shared_once``: a cascade step reads its
     shared prefix once, and a sliding layer the part of it inside every request's window once (token-exact,
     a lower bound on the page-granular split the backends make). FLOPs: 2 x active weights per token
     (dense + top_k experts) + attention over the step's token pairs (NSA: over the selected ones, plus the
@@ -101,6 +111,14 @@ def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: b
             else:
                 kv_bytes += layer["kv_bytes"] * (s["kv_tokens"] - saved)
                 attn_flops += layer["flops_per_pair"] * s["attn_pairs"]
+            if layer.get("rate"):  # compressed entries: HCA every one, CSA the indexer's top-k plus every index key
+                entries = mean_ctx / layer["rate"]
+                read = min(entries, layer["csa_topk"]) if layer["csa_topk"] else entries
+                kv_bytes += layer["compressed_bytes"] * s["num_reqs"] * read + layer["state_bytes"] * n
+                attn_flops += layer["flops_per_pair"] * n * read
+                if layer["csa_topk"]:
+                    kv_bytes += layer["index_bytes"] * s["num_reqs"] * entries
+                    attn_flops += layer["index_flops_per_pair"] * n * entries
             if layer.get("topk") and mean_ctx > layer["topk"]:
                 kv_bytes += layer["index_bytes"] * s["kv_tokens"]
                 attn_flops += layer["index_flops_per_pair"] * s["attn_pairs"]

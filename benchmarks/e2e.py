@@ -100,11 +100,22 @@ QWEN3_30B_A3B = dict(
     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
     rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
 )
+# deepseek-ai/DeepSeek-V4-Flash: 43 layers of shared-KV MQA (64 heads of 512, window 128), CSA (4:1, indexer
+# 64 heads of 128, top-512) and HCA (128:1) layers, mHC (4 streams), 256 routed experts top-6 (the first 3
+# layers hash-routed). transformers' config defaults; its default layer schedule (2 HCA, then CSA/HCA
+# interleaved) is cut to the depth. Use --layers.
+DSV4_FLASH = dict(
+    vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43, num_attention_heads=64,
+    num_key_value_heads=1, head_dim=512, q_lora_rank=1024, qk_rope_head_dim=64, n_routed_experts=256,
+    num_experts_per_tok=6, n_shared_experts=1, o_groups=8, o_lora_rank=1024, index_n_heads=64, index_head_dim=128,
+    index_topk=512, sliding_window=128, hc_mult=4, max_position_embeddings=1048576,
+)
 DEEPSEEK_SHAPES = {  # shape -> (fields, transformers config class name, architecture)
     "dsv2lite": (DSV2_LITE, "DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "dsv3": (DSV3, "DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "dsv32": (DSV32, "DeepseekV32Config", "DeepseekV32ForCausalLM"),
     "glm5": (GLM5, "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
+    "dsv4-flash": (DSV4_FLASH, "DeepseekV4Config", "DeepseekV4ForCausalLM"),
 }
 
 

@@ -42,6 +42,8 @@ EXPECTED = {
     "deepseek_nsa": {g: ("torch", "torch", 64) if g == "cpu" else ("nsa_triton", "nsa_triton", 64) for g in GPUS},
     # sinks: triton on Hopper (no FA3 with sinks here), trtllm-gen on Blackwell
     "gpt_oss": {**_MHA, "sm90": ("triton", "triton", 16), "cpu": ("torch", "torch", 16)},
+    "deepseek_v4": {g: ("torch", "torch", 64) if g == "cpu" else ("compressed_triton", "compressed_triton", 64)
+                    for g in GPUS},
 }
 ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -60,6 +62,7 @@ ARCHS = {
     "Mistral3ForConditionalGeneration": "deepseek_mla",
     "GlmMoeDsaForCausalLM": "deepseek_nsa",
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV4ForCausalLM": "deepseek_v4",
 }
 # Mistral 4's 256-wide latent: trtllm_mla (576 / 512 only) cannot decode it, its Blackwell rows say flashinfer_mla.
 _MISTRAL4 = {**EXPECTED["deepseek_mla"], **dict.fromkeys(("sm100", "sm103"), ("flashinfer_mla", "flashinfer_mla", 64))}

@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from attnzoo.attention.backends import get_backend_class
 from attnzoo.attention.backends.hybrid import HybridBackend
-from attnzoo.attention.kv_cache import KVPool, kv_storage_dtype, window_group_layers
+from attnzoo.attention.kv_cache import KVPool, kv_bytes_by_kind, kv_storage_dtype, window_group_layers
 from attnzoo.engine.engine import Completion, Engine, check_cascade
 from attnzoo.engine.prompts import chat_message, valid_text
 from attnzoo.engine.sampling import SamplingParams
@@ -70,7 +70,7 @@ WINDOW_KV_FRACTION = None
 
 def _window_split(specs, context_len: int, window_kv_fraction: float | None) -> bool:
     """Whether the pool gets a window page group: sliding layers whose window is shorter than the context."""
-    windows = [specs[i].sliding_window for i in window_group_layers(specs)] if window_kv_fraction is not None else []
+    windows = [specs[i].kept_window() for i in window_group_layers(specs)] if window_kv_fraction is not None else []
     return bool(windows) and context_len > max(windows)
 
 
@@ -373,6 +373,7 @@ class LLM:
             "kv_cache_tokens": self.engine.allocator.capacity * self.pool.page_size,
             "kv_page_groups": self._page_groups_info(),
             "kv_bytes_per_token": kv_bytes_per_token,
+            "kv_bytes_per_token_by_kind": kv_bytes_by_kind(specs, self.pool.page_size, self.pool.kv_dtype),
             "kv_layers_with_memory": sum(1 for i in range(len(specs)) if self.pool.owns_memory(i)),
             "kv_element_bytes": elt,
             "context_len": self.engine.context_len,

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from attnzoo.attention.backends.base import NSABackend, NSAPlan, StepPlan
+from attnzoo.attention.backends.base import CompressedBackend, NSABackend, NSAPlan, StepPlan
 from attnzoo.attention.backends.capabilities import ALL_DTYPES, FP8_KV, GPUS, BackendCapabilities, Kernel
+from attnzoo.attention.compressed_reference import attend_reference, topk_reference
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.attention.reference import (
@@ -79,11 +80,11 @@ class TorchPlan(NSAPlan):
     unpad: torch.Tensor | None = None
 
 
-class TorchBackend(NSABackend):
+class TorchBackend(NSABackend, CompressedBackend):
     capabilities = BackendCapabilities(
         name="torch",
         description="exact float32-accumulating reference over gathered pages; the correctness oracle",
-        kinds=frozenset({"mha", "mla", "nsa"}),
+        kinds=frozenset({"mha", "mla", "nsa", "dsv4"}),
         prefill=(Kernel("torch reference", frozenset(GPUS)),),
         decode=(Kernel("torch reference", frozenset(GPUS)),),
         max_head_dim=1024,
@@ -159,3 +160,14 @@ class TorchBackend(NSABackend):
         slots = positions_to_slots(positions, meta, plan.token_reqs, plan.shared)
         entries = entries_of(layer, self.pool)
         return sparse_mla_reference(entries, q, slots, rank=layer.v_head_dim, scale=layer.scale).to(q.dtype)
+
+    # ---- compressed (DeepSeek-V4) layers: attention/compressed_reference.py ----
+    def dsv4_topk(self, layer, q, weights, meta, plan, *, topk, scale):
+        return topk_reference(self.pool.view(layer.layer_id, "index_compressed"), q, weights, meta,
+                              rate=layer.compress_rate, topk=topk, scale=scale)
+
+    def dsv4_attend(self, layer, q, sinks, entry_ids, meta, plan):
+        self.check_layer("decode" if meta.is_decode else "prefill", layer)
+        compressed = self.pool.view(layer.layer_id, "compressed") if layer.compress_rate else None
+        return attend_reference(self.pool.k(layer.layer_id), compressed, q, sinks, entry_ids, meta,
+                                window=layer.sliding_window, rate=layer.compress_rate, scale=layer.scale)

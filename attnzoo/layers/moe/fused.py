@@ -100,7 +100,7 @@ def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *
     )
 
 
-def _act_and_mul(gate_up: torch.Tensor, act: str, quant: bool, dtype, ue8m0: bool = False):
+def _act_and_mul(gate_up: torch.Tensor, act: str, quant: bool, dtype, ue8m0: bool = False, clamp: float = 0.0):
     """[M, 2I] -> act(gate) * up [M, I] in ``dtype``, or (float8 [M, I], float32 scales [M, groups]) quantized
     as ``fp8.act_quant`` quantizes (the same Triton function, fused here to save a pass over [M, I])."""
     m, inter = gate_up.shape[0], gate_up.shape[1] // 2
@@ -109,7 +109,7 @@ def _act_and_mul(gate_up: torch.Tensor, act: str, quant: bool, dtype, ue8m0: boo
     s = torch.empty(m, _cdiv(inter, QUANT_GROUP), dtype=torch.float32, device=gate_up.device) if quant else y
     _kernels().act_kernel[(m, _cdiv(inter, block * groups))](
         gate_up, y.view(torch.uint8) if quant else y, s, inter, gate_up.stride(0), y.stride(0), s.stride(0),
-        ACT=ACTIVATIONS.index(act) + 1, ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT, QUANT=quant, UE8M0=ue8m0,
+        ACT=ACTIVATIONS.index(act) + 1, ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT, CLAMP=float(clamp), QUANT=quant, UE8M0=ue8m0,
         MIN_AMAX=MIN_AMAX, BLOCK=block, GROUPS=groups,
     )
     return y, (s if quant else None)
@@ -118,7 +118,8 @@ def _act_and_mul(gate_up: torch.Tensor, act: str, quant: bool, dtype, ue8m0: boo
 def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_start: int = 0,
               holds_all_experts: bool = True, w13_scale_inv=None, w2_scale_inv=None, block=(128, 128),
               ue8m0: bool = False, add: torch.Tensor | None = None, config: MoEConfig | None = None,
-              w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+              w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+              swiglu_limit: float = 0.0) -> torch.Tensor:
     """The experts' weighted sum per token through the grouped Triton GEMMs (see the module docstring).
 
     ``holds_all_experts=False`` (an expert-parallel share): rows of assignments to other ranks' experts
@@ -136,7 +137,7 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
                       topk_ids[i : i + MAX_CHUNK_TOKENS], act=act, expert_start=expert_start,
                       holds_all_experts=holds_all_experts, w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv,
                       block=block, ue8m0=ue8m0, add=None if add is None else add[i : i + MAX_CHUNK_TOKENS],
-                      config=config, w13_bias=w13_bias, w2_bias=w2_bias)
+                      config=config, w13_bias=w13_bias, w2_bias=w2_bias, swiglu_limit=swiglu_limit)
             for i in range(0, t, MAX_CHUNK_TOKENS)
         ])
     num_local, inter = w2.shape[0], w2.shape[2]
@@ -156,7 +157,7 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
     flat_weights = topk_weights.reshape(-1).float().contiguous()
     _grouped_gemm(a, a_scale, w13, w13_scale_inv, gate_up, flat_weights, align, cfg, num_valid=t * k, rows_per_a=k,
                   split_n=inter, mul_weight=False, block=block, bias=w13_bias)
-    h, h_scale = _act_and_mul(gate_up, act, fp8, x.dtype, ue8m0)
+    h, h_scale = _act_and_mul(gate_up, act, fp8, x.dtype, ue8m0, swiglu_limit)
     down = (torch.empty if holds_all_experts else torch.zeros)(t * k, x.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(h, h_scale, w2, w2_scale_inv, down, flat_weights, align, cfg, num_valid=t * k, rows_per_a=1,
                   split_n=w2.shape[1], mul_weight=True, block=block, bias=w2_bias)

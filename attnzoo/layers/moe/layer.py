@@ -51,7 +51,7 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu", *,
                  experts: range | None = None, quant: str | None = None, block=(128, 128), ue8m0: bool = False,
-                 init_std: float = 0.02, bias: bool = False, stacked_layout: str = "gate_up"):
+                 init_std: float = 0.02, bias: bool = False, stacked_layout: str = "gate_up", swiglu_limit: float = 0.0):
         super().__init__()
         build_as = _BUILD_AS.get()
         if quant is None and build_as is not None:
@@ -69,6 +69,7 @@ class FusedMoE(nn.Module):
             raise ModelLoadError(f"stacked expert layout {stacked_layout!r} is unknown", fix=f"use one of {STACKED_LAYOUTS}")
         self.stacked_layout = stacked_layout
         self.num_experts, self.hidden, self.intermediate, self.act = num_experts, hidden, intermediate, act
+        self.swiglu_limit = float(swiglu_limit or 0.0)  # > 0: gate and up clamped (DeepSeek-V4)
         self.expert_start, self.num_local = experts.start, len(experts)
         self.quant, self.block = quant, tuple(block)
         self.ue8m0 = bool(quant) and ue8m0  # FP8 activation scales rounded up to powers of two (scale_fmt)
@@ -135,11 +136,11 @@ class FusedMoE(nn.Module):
         if _fused_triton(x):
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
                              expert_start=self.expert_start, holds_all_experts=self.num_local == self.num_experts,
-                             add=add, **self._weights())
+                             add=add, swiglu_limit=self.swiglu_limit, **self._weights())
         # FP8 on CPU: the w8a8 arithmetic in float32, as Fp8Linear's CPU emulation.
         out = moe_reference(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
                             expert_start=self.expert_start, quantize_activations=self.quant == "fp8",
-                            **self._weights())
+                            swiglu_limit=self.swiglu_limit, **self._weights())
         return out if add is None else out + add
 
     # -- loading --------------------------------------------------------------------------------

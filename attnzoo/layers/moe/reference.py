@@ -20,7 +20,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _act_and_mul_ref(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+def _act_and_mul_ref(gate: torch.Tensor, up: torch.Tensor, act: str, clamp: float = 0.0) -> torch.Tensor:
+    if clamp:  # DeepSeek-V4: gate clamped above, up on both sides, before the activation
+        gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
     if act == "swiglu_clamped":
         gate, up = gate.clamp(max=SWIGLU_LIMIT), up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
         return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
@@ -50,7 +52,7 @@ def _fake_quant_fp8(x: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
 
 def moe_reference(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_start: int = 0,
                   w13_scale_inv=None, w2_scale_inv=None, block=(128, 128), quantize_activations: bool = False,
-                  ue8m0: bool = False, w13_bias=None, w2_bias=None):
+                  ue8m0: bool = False, w13_bias=None, w2_bias=None, swiglu_limit: float = 0.0):
     """The per-expert loop: for each local expert with tokens, its gated MLP on those tokens.
 
     One float32 row per (token, slot), summed over the slots at the end: deterministic (no atomic
@@ -89,7 +91,7 @@ def moe_reference(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expe
         if quantize_activations:
             gate_up = gate_up.to(x.dtype).float()  # the kernel stores it in the model dtype
         gate, up = gate_up.chunk(2, dim=-1)
-        h = _act_and_mul_ref(gate, up, act)
+        h = _act_and_mul_ref(gate, up, act, swiglu_limit)
         if quantize_activations:
             h = _fake_quant_fp8(h, ue8m0)
         out[rows] = F.linear(h, b, None if w2_bias is None else w2_bias[e].to(b.dtype)).float() * flat_w[rows, None]
