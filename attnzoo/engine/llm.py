@@ -389,7 +389,8 @@ class LLM:
         }
 
     def close(self) -> None:
-        """Tensor parallel from one process: stop the ranks this model spawned (also done at exit)."""
+        """Tensor parallel from one process: stop the ranks this model spawned (also done at exit); later
+        calls raise DistributedError."""
         if self.tp is not None:
             self.tp.close()
 
@@ -461,9 +462,10 @@ def load_model(
     from attnzoo.engine import tensor_parallel
 
     kwargs = {k: v for k, v in locals().items() if k != "tensor_parallel"}
-    group = tensor_parallel.launch(tensor_parallel_size, device, kwargs)
+    group = tensor_parallel.launch(tensor_parallel_size, device, kwargs, load_model)
     try:
-        llm = _load_model(**kwargs, tp=group)
+        with tensor_parallel.loading(group):
+            llm = _load_model(**kwargs, tp=group)
     except BaseException:
         if group is not None:
             group.close(abort=True)

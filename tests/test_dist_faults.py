@@ -1,0 +1,164 @@
+"""Tensor-parallel faults (issue #34): a rank that dies at start, at import or mid-run fails the caller within
+seconds naming the rank, its exit code and its last error; SIGINT on rank 0 during generate stops the call at a
+step boundary and the group goes on; every call on a broken or closed group raises DistributedError. CPU, gloo;
+every test bounded in time (nothing may wait for a 600 s rendezvous)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import attnzoo
+import dist_fault_ranks
+from attnzoo.engine import tensor_parallel
+from attnzoo.engine.ranks import LocalRanks
+from attnzoo.errors import DistributedError
+from helpers import random_prompts, save_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 160
+PROMPTS = random_prompts(VOCAB, [5, 9, 13], seed=4)
+START_S = 30  # a spawned rank's imports take seconds; a dead one must fail the caller well before this
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return save_checkpoint(LlamaForCausalLM(cfg).eval(), tmp_path_factory.mktemp("llama"))
+
+
+def _load(path, **kw):
+    return attnzoo.load_model(path, device="cpu", backend="torch", page_size=4, kv_cache_tokens=512, **kw)
+
+
+def _tokens(llm, n=24):
+    return [o.token_ids for o in llm.generate(PROMPTS, max_new_tokens=n, ignore_eos=True)]
+
+
+def _on_step(llm, k: int, action) -> None:
+    """Run ``action`` on rank 0 just before its k-th step goes out (a step boundary, deterministic)."""
+    channel, seen = llm.tp.channel, [0]
+    broadcast = channel.broadcast
+
+    def hooked(message):
+        if message[1] == "step":
+            seen[0] += 1
+            if seen[0] == k:
+                action()
+        return broadcast(message)
+
+    channel.broadcast = hooked
+
+
+# ---------------------------------------------------------------------------------------- start
+
+
+def test_store_listens_on_loopback_only():
+    ranks = LocalRanks(1, None, ())  # no other ranks: the store alone
+    try:
+        assert ranks._listener.getsockname()[0] == "127.0.0.1"
+    finally:
+        ranks.terminate()
+
+
+@pytest.mark.parametrize("target, want", [
+    (dist_fault_ranks.die_at_start, r"rank 1 \(pid \d+\) was killed by SIGKILL"),
+    (dist_fault_ranks.raise_at_start, r"rank 1 \(pid \d+\) exited with code 1; its last error: ValueError: rank 1 "
+                                      r"fails on purpose"),
+])
+def test_rank_dying_at_start_fails_fast(target, want):
+    t0 = time.monotonic()
+    ranks = LocalRanks(2, target, ())
+    try:
+        with pytest.raises(DistributedError, match=want) as e:
+            ranks.wait_joined(timeout=START_S)
+    finally:
+        ranks.terminate()
+    assert e.value.rank == 1 and time.monotonic() - t0 < START_S
+
+
+def test_rank_failing_to_import_fails_fast(monkeypatch):
+    monkeypatch.setenv("ATTNZOO_TEST_FAIL_IMPORT", "1")  # spawned ranks inherit it; this process imported already
+    ranks = LocalRanks(2, dist_fault_ranks.check_in, ())
+    try:
+        with pytest.raises(DistributedError, match="exited with code 1; its last error: ImportError: "
+                                                   "dist_fault_ranks: this import fails on purpose"):
+            ranks.wait_joined(timeout=START_S)
+    finally:
+        ranks.terminate()
+
+
+def test_script_from_stdin_fails_fast_naming_the_rank(llama):
+    """`python - < script.py`: a spawned rank cannot import the main module (<stdin>)."""
+    script = textwrap.dedent(f"""
+        import attnzoo
+        attnzoo.load_model({str(llama)!r}, device="cpu", backend="torch", tensor_parallel_size=2)
+        """)
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=60,
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode != 0 and time.monotonic() - t0 < 60
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("attnzoo.errors.DistributedError: tensor-parallel rank 1"), out.stderr[-2000:]
+    assert "exited with code 1; its last error: FileNotFoundError" in last and "<stdin>" in last
+
+
+# ---------------------------------------------------------------------------------------- running
+
+
+def test_interrupt_stops_at_a_step_and_the_group_goes_on(llama):
+    llm = _load(llama, tensor_parallel_size=2)
+    try:
+        ref = _tokens(llm)
+        free = llm.engine.allocator.num_free
+        _on_step(llm, 3, lambda: os.kill(os.getpid(), signal.SIGINT))
+        with pytest.raises(KeyboardInterrupt):
+            _tokens(llm)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert llm.engine.allocator.num_free == free  # the abandoned requests' KV pages are back
+        assert _tokens(llm) == ref  # rank 1 dropped the abandoned step's tables too
+        # A second interrupt stops the step at once: the group is closed, with a named error.
+        _on_step(llm, 2, lambda: (os.kill(os.getpid(), signal.SIGINT), os.kill(os.getpid(), signal.SIGINT)))
+        with pytest.raises(KeyboardInterrupt):
+            _tokens(llm)
+        with pytest.raises(DistributedError, match="second interrupt"):
+            _tokens(llm)
+        assert all(not p.is_alive() for p in llm.tp.workers)
+    finally:
+        llm.close()
+    with pytest.raises(DistributedError, match="closed"):
+        llm.logits(PROMPTS[0])
+
+
+def test_rank_killed_mid_run_fails_fast_and_every_later_call(llama):
+    llm = _load(llama, tensor_parallel_size=2)
+    try:
+        worker = llm.tp.workers[0]
+        _on_step(llm, 2, lambda: os.kill(worker.pid, signal.SIGKILL))
+        t0 = time.monotonic()
+        with pytest.raises(DistributedError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL") as e:
+            _tokens(llm)
+        assert e.value.rank == 1 and e.value.exitcode == -signal.SIGKILL and time.monotonic() - t0 < 10
+        for call in (lambda: _tokens(llm), lambda: llm.logits(PROMPTS[0])):
+            with pytest.raises(DistributedError, match="killed by SIGKILL.*; the group is closed"):
+                call()
+    finally:
+        llm.close()
+    # The group was torn down: a new one starts in this process.
+    again = _load(llama, tensor_parallel_size=2)
+    try:
+        assert len(_tokens(again, 4)) == len(PROMPTS)
+    finally:
+        again.close()
+    with pytest.raises(DistributedError, match=r"closed \(llm.close\(\)\)"):
+        again.generate(PROMPTS[0])
