@@ -550,7 +550,14 @@ def _spawned_rank(rank: int, world: int, host: str, port: int, load, load_kwargs
     follow(first.tp.channel, load, {first.tp.model_id: first})
 
 
-def follow(channel: _Channel, load, models: dict) -> None:
+def forget(channel: _Channel | None) -> None:
+    """``channel`` (None: any) is closed: a later load starts a new group."""
+    global _CHANNEL
+    if channel is None or _CHANNEL is channel:
+        _CHANNEL = None
+
+
+def follow(channel: _Channel, load, models: dict, *, destroy: bool = True) -> None:
     """A rank other than its group's rank 0: serve rank 0's models (load, step, drop) until it shuts the group."""
     try:
         while True:  # rank 0's steps run inside next(); other messages come out of it
@@ -566,7 +573,8 @@ def follow(channel: _Channel, load, models: dict) -> None:
     finally:
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        forget(channel)
+        if destroy and dist.is_initialized():
             dist.destroy_process_group()
 
 
