@@ -85,6 +85,9 @@ class DataParallelLLM:
         self._ranks, self._owns_world = ranks, owns_world
         self._broken: DistributedError | None = None
         self._closed = False
+        self._local_busy = False  # the main thread runs replica 0's share of a call
+        if ranks is not None:
+            ranks.on_death.append(lambda rank: self._interrupt_local())
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, len(groups)), thread_name_prefix="attnzoo-replica")
 
     def __getattr__(self, name):  # tokenizer, config, source, decision, device, engine, model ...: replica 0's
@@ -113,6 +116,8 @@ class DataParallelLLM:
         """The error a broken replica fails the call with (a dead rank named with its exit code and last
         error, where this process started it); every later call raises it too."""
         failed = self._ranks.failure(grace=5.0) if self._ranks is not None else None
+        if not replica.local:
+            self._interrupt_local()
         if failed is None:
             failed = e if isinstance(e, DistributedError) else DistributedError(
                 f"data-parallel replica {replica.index} (rank {replica.leader}) stopped answering: {e}",
@@ -120,6 +125,14 @@ class DataParallelLLM:
                 rank=replica.leader)
         self._break(failed)
         return self._broken
+
+    def _interrupt_local(self) -> None:
+        """A replica failed while the main thread runs replica 0's share: stop that share now (it would run
+        to its end before the failure is reported: minutes of an evaluation)."""
+        if self._local_busy:
+            import _thread
+
+            _thread.interrupt_main()
 
     def _break(self, failed: DistributedError) -> None:
         if self._broken is None:
@@ -154,11 +167,28 @@ class DataParallelLLM:
                 futures.append((lo, replica, kw))
             else:
                 futures.append((lo, replica, self._pool.submit(replica.generate, batch[lo:hi], **kw)))
+        try:
+            return self._collect(futures, batch, shards, n, on_finish)
+        except KeyboardInterrupt as e:  # a replica failed (_interrupt_local) just as replica 0's share ended
+            if self._broken is None:
+                raise
+            raise self._broken from e
+
+    def _collect(self, futures, batch, shards, n, on_finish) -> list:
         results, error = [], None
         for lo, replica, job in futures:  # every replica's call ends before this one does
             try:
                 if isinstance(job, dict):
-                    part = replica.generate(batch[lo:lo + _size(shards, replica.index)], **job)
+                    self._local_busy = threading.current_thread() is threading.main_thread()
+                    try:
+                        part = replica.generate(batch[lo:lo + _size(shards, replica.index)], **job)
+                    except KeyboardInterrupt as e:  # another replica failed (_interrupt_local), or the user
+                        failed = self._broken or (self._ranks.failure(grace=1.0) if self._ranks else None)
+                        if failed is None:
+                            raise
+                        raise self.fail(failed, replica) from e
+                    finally:
+                        self._local_busy = False
                 else:
                     part = job.result()
                     if on_finish is not None:
