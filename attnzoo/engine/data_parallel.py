@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-from attnzoo.engine import tensor_parallel
+from attnzoo.engine import launch as tp_launch, tensor_parallel
 from attnzoo.engine.ranks import LocalRanks, rank_main
 from attnzoo.errors import DistributedError, ModelLoadError
 
@@ -270,24 +270,24 @@ def launch(load_kwargs: dict, load_replica):
     world_env = tensor_parallel.torchrun_world()
     if world_env is None:
         tp = load_kwargs["tensor_parallel_size"] = tp or 1
-        dev = tensor_parallel._rank_device(load_kwargs.get("device"), 0, dp * tp)
+        dev = tp_launch.rank_device(load_kwargs.get("device"), 0, dp * tp)
         if dist.is_available() and dist.is_initialized():
             raise ModelLoadError("torch.distributed is already initialised in this process (another parallel model?)",
                                  fix="close the other model first (llm.close()), or launch with torchrun")
         ranks = LocalRanks(dp * tp, _spawned_rank, (load_replica, load_kwargs), what="data-parallel")
-        ranks.on_death.append(lambda rank: tensor_parallel._interrupt_main_if_loading())
+        ranks.on_death.append(lambda rank: tp_launch.interrupt_main_if_loading())
         try:
             ranks.wait_joined()
-            with tensor_parallel._loopback_gloo():
+            with tp_launch.loopback():
                 dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=ranks.store, rank=0,
                                         world_size=dp * tp, timeout=datetime.timedelta(minutes=10))
                 pairs = _groups(0, dp, tp, dev, ranks)
-            tensor_parallel._LOADING.set()
+            tp_launch.LOADING.set()
             try:
                 llm = load_replica(load_kwargs)
                 infos = [_ready(g) for g in pairs]  # every replica loaded, or the first one's error
             finally:
-                tensor_parallel._LOADING.clear()
+                tp_launch.LOADING.clear()
         except BaseException as e:
             failed = ranks.failure(grace=5.0)
             ranks.terminate()
@@ -306,7 +306,7 @@ def launch(load_kwargs: dict, load_replica):
         raise ModelLoadError(f"data_parallel_size={dp} x tensor_parallel_size={tp} is {dp * tp} ranks, but torchrun "
                              f"started {world}", fix=f"run torchrun --nproc-per-node {dp * tp}, or pass sizes whose "
                                                      f"product is {world}")
-    dev = tensor_parallel._rank_device(load_kwargs.get("device"), local_rank, local_rank + 1)
+    dev = tp_launch.rank_device(load_kwargs.get("device"), local_rank, local_rank + 1)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     owns = not dist.is_initialized()
@@ -321,7 +321,7 @@ def _groups(rank: int, dp: int, tp: int, dev, ranks) -> list:
     (rank 0: all of them; replica k's leader: its own, first in the list; others: none)."""
     import torch.distributed as dist
 
-    tensor_parallel.groups(rank, dp * tp, tp, dev, spmd=False, owns_group=False, ranks=ranks)
+    tp_launch.groups(rank, dp * tp, tp, dev, spmd=False, owns_group=False, ranks=ranks)
     pairs = []
     for k in range(1, dp):
         g = dist.new_group([0, k * tp], backend="gloo", timeout=_TIMEOUT)
@@ -354,10 +354,10 @@ def _serve_or_lead(rank: int, tp: int, pairs: list, load_replica, load_kwargs: d
         llm = load_replica(load_kwargs)
     except BaseException as e:
         if leader:
-            dist.broadcast_object_list([(False, tensor_parallel._portable(e))], group=pairs[0], group_src=1)
+            dist.broadcast_object_list([(False, tensor_parallel.portable(e))], group=pairs[0], group_src=1)
         raise
     if not leader:  # follow this replica's leader until it shuts its group
-        tensor_parallel.follow(llm.tp.channel, None, {llm.tp.model_id: llm}, destroy=owns)
+        tp_launch.follow(llm.tp.channel, None, {llm.tp.model_id: llm}, destroy=owns)
         return None
     dist.broadcast_object_list([(True, None)], group=pairs[0], group_src=1)
     try:
@@ -370,7 +370,7 @@ def _serve_or_lead(rank: int, tp: int, pairs: list, load_replica, load_kwargs: d
             try:
                 reply = (getattr(llm, method)(*args, **kwargs), None)
             except Exception as e:
-                reply = (None, tensor_parallel._portable(e))
+                reply = (None, tensor_parallel.portable(e))
             dist.broadcast_object_list([reply], group=pairs[0], group_src=1)
     finally:
         _close_replica(llm)
@@ -385,7 +385,7 @@ def _spawned_rank(rank: int, world: int, host: str, port: int, load_replica, loa
     store = rank_main(rank, world, host, port)
     dp = load_kwargs["data_parallel_size"]
     tp = world // dp
-    dev = tensor_parallel._rank_device(load_kwargs.get("device"), rank, rank + 1)
+    dev = tp_launch.rank_device(load_kwargs.get("device"), rank, rank + 1)
     if dev.type == "cpu":  # CPU ranks share the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     else:

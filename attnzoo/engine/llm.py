@@ -473,11 +473,11 @@ def load_model(
 
 def _load_replica(kwargs: dict) -> LLM:
     """One replica of the model: this process alone, or the tensor-parallel group it leads or joins."""
-    from attnzoo.engine import tensor_parallel
+    from attnzoo.engine import launch, tensor_parallel
 
-    group = tensor_parallel.launch(kwargs["tensor_parallel_size"], kwargs["device"], kwargs, load_model)
+    group = launch.launch(kwargs["tensor_parallel_size"], kwargs["device"], kwargs, load_model)
     try:
-        with tensor_parallel.loading(group):
+        with launch.loading(group):
             llm = _load_model(**kwargs, tp=group)
     except BaseException:
         if group is not None:

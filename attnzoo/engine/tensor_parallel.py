@@ -1,4 +1,4 @@
-"""Tensor-parallel process groups: starting the ranks, and rank 0 driving the others step by step.
+"""Tensor-parallel process groups: rank 0 driving the others step by step (started by ``launch``).
 
 Two routes lead to the same group of N processes (one per GPU with NCCL, or N CPU processes on gloo):
 
@@ -17,6 +17,9 @@ meet rank 0's) and drop the logits. Several models can share one group (a second
 the same size joins it; spawned ranks load it too): messages name their model, so rank 0 may step
 them in any interleaving (teacher forcing steps runs A and B in lockstep). Each rank's KV pool holds its own heads at the page ids rank 0
 hands out, so the pools are sized alike: the smallest page count any rank can afford.
+
+Failures are the group's own: a rank that dies fails rank 0's call with a DistributedError naming it (and
+every later call), an interrupt on rank 0 stops a call at a step boundary (``_Channel.interrupts``).
 """
 from __future__ import annotations
 
@@ -31,14 +34,13 @@ import weakref
 import numpy as np
 import torch
 
-from attnzoo.engine.ranks import LocalRanks, loopback_gloo, rank_main
+from attnzoo.engine.ranks import LocalRanks
 from attnzoo.errors import AttnzooError, DistributedError, ModelLoadError
 from attnzoo.layers.parallel import TPContext
 
 # Ranks 1..N-1 wait on the control group while rank 0 is idle (a user between calls): a collective
 # timeout there would kill a healthy group.
 _CONTROL_TIMEOUT = datetime.timedelta(days=30)
-_SERVE_ENV = "ATTNZOO_TP_SERVE"  # set in spawned ranks: serve rank 0 until shutdown, return nothing
 _NO_PAGES = np.zeros(0, dtype=np.int32)
 
 
@@ -327,7 +329,7 @@ class TPGroup:
                     if isinstance(e, KeyboardInterrupt):
                         raise
                     raise channel.broken from e
-                self.publish(("end", (None, _portable(e) if self.spmd else None)))
+                self.publish(("end", (None, portable(e) if self.spmd else None)))
                 raise
             self.publish(("end", (result if self.spmd else None, None)))
             if channel.interrupted:  # after the last step: the call is done, the interrupt still stands
@@ -355,7 +357,7 @@ class TPGroup:
                 channel.fail(failed or DistributedError(f"closing a model failed: {e}", fix="load the models again"))
 
 
-def _portable(e: BaseException) -> BaseException:
+def portable(e: BaseException) -> BaseException:
     """The exception itself if it pickles (to re-raise it on the other ranks), else its text."""
     try:
         pickle.dumps(e)
@@ -364,190 +366,17 @@ def _portable(e: BaseException) -> BaseException:
         return AttnzooError(f"rank 0 failed: {type(e).__name__}: {e}")
 
 
-def _rank_device(device, local_rank: int, gpus_needed: int) -> torch.device:
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise ModelLoadError(f"tensor parallelism runs on CUDA GPUs or the CPU, not {dev}", fix="pass device='cuda' or 'cpu'")
-    if dev.index is not None:
-        raise ModelLoadError(f"device {str(dev)!r} names one GPU, but each tensor-parallel rank takes its own",
-                             fix="pass device='cuda': rank r uses cuda:r (cuda:LOCAL_RANK under torchrun)")
-    if torch.cuda.device_count() < gpus_needed:
-        raise ModelLoadError(f"tensor parallelism needs {gpus_needed} GPUs here, {torch.cuda.device_count()} are visible",
-                             fix="lower tensor_parallel_size, or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
-    return torch.device("cuda", local_rank)
+def current() -> _Channel | None:
+    """This process's open channel (a second model joins it), or None."""
+    return _CHANNEL if _CHANNEL is not None and _CHANNEL.live() else None
 
 
-def launch(tensor_parallel_size: int | None, device, load_kwargs: dict, load) -> TPGroup | None:
-    """Join (torchrun, spawned rank, a data-parallel replica) or start (one process, N > 1) a tensor-parallel
-    group; None: one process. ``load(**load_kwargs)`` is what a spawned rank runs to build each model
-    (``load_model``: passed down, so this module never imports the engine's API)."""
-    import torch.distributed as dist
-
-    world_env = torchrun_world()
-    if tensor_parallel_size is not None and (not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1):
-        raise ModelLoadError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}",
-                             fix="pass tensor_parallel_size=N with N >= 1")
-    replicas = load_kwargs.get("data_parallel_size") or 1
-    if world_env is None or replicas > 1:
-        n = tensor_parallel_size or 1
-        if replicas > 1:  # attnzoo.engine.data_parallel built this replica's group, if it has one
-            return _CHANNEL.join() if n > 1 and _CHANNEL is not None and _CHANNEL.live() else None
-        if n == 1:
-            return None
-        if _CHANNEL is not None and _CHANNEL.live() and _CHANNEL.ranks is not None:
-            return _join_spawned(_CHANNEL, n, device, load_kwargs)
-        if dist.is_available() and dist.is_initialized():
-            raise ModelLoadError("torch.distributed is already initialised in this process (another tensor-parallel model?)",
-                                 fix="close the other model first (llm.close()), or launch with torchrun")
-        dev = _rank_device(device, 0, n)
-        ranks = LocalRanks(n, _spawned_rank, (load, load_kwargs))
-        try:
-            group = start_world(ranks, dev, tensor_parallel_size=n)
-        except BaseException:
-            ranks.terminate()
-            raise
-        return group
-
-    rank, local_rank, world = world_env
-    if tensor_parallel_size not in (None, world):
-        raise ModelLoadError(f"tensor_parallel_size={tensor_parallel_size} but torchrun started {world} processes",
-                             fix=f"pass tensor_parallel_size={world} (or leave it unset), or run torchrun --nproc-per-node "
-                                 f"{tensor_parallel_size}")
-    dev = _rank_device(device, local_rank, local_rank + 1)
-    if _CHANNEL is not None and _CHANNEL.live():  # a second model on this process group
-        if _CHANNEL.device != dev:
-            raise ModelLoadError(f"this rank's tensor-parallel group runs on {_CHANNEL.device}, not {dev}",
-                                 fix="load every model of the group on the same device")
-        return _CHANNEL.join()
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    owns = not dist.is_initialized()
-    if owns:
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    if dist.get_world_size() != world:
-        raise ModelLoadError(f"torch.distributed's world has {dist.get_world_size()} ranks, WORLD_SIZE says {world}",
-                             fix="initialise the default process group over all ranks, or leave it to attnzoo")
-    spawned = os.environ.get(_SERVE_ENV) == "1"
-    return groups(rank, world, world, dev, spmd=not spawned, owns_group=owns or spawned)
-
-
-def start_world(ranks: LocalRanks | None, dev: torch.device, *, tensor_parallel_size: int, replicas: int = 1):
-    """Rank 0 of a group it spawned: wait for every rank to start (a dead one fails fast, named), then
-    initialise torch.distributed on the loopback and build the groups (``groups``)."""
-    import torch.distributed as dist
-
-    world = tensor_parallel_size * replicas
-    ranks.wait_joined()
-    # A rank dying from here on closes its sockets: the collective waiting on it fails (gloo), or the
-    # watcher interrupts the main thread (a rank that fails while rank 0 loads its own part).
-    main = threading.main_thread()
-    ranks.on_death.append(lambda rank: main.is_alive() and _interrupt_main_if_loading())
-    with _loopback_gloo():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=ranks.store, rank=0, world_size=world,
-                                timeout=datetime.timedelta(minutes=10))
-        return groups(0, world, tensor_parallel_size, dev, spmd=False, owns_group=True, ranks=ranks)
-
-
-_LOADING = threading.Event()  # rank 0's main thread is loading a model of a spawned group
-
-
-def _interrupt_main_if_loading() -> None:
-    if _LOADING.is_set():
-        import _thread
-
-        _thread.interrupt_main()
-
-
-@contextlib.contextmanager
-def loading(group: TPGroup | None):
-    """Rank 0 of a spawned group loading a model: a rank that dies meanwhile interrupts the load at once
-    (rank 0 would otherwise load its whole part before a collective notices), and the load fails with
-    that rank's error."""
-    watch = group is not None and group.leader and threading.current_thread() is threading.main_thread()
-    if watch:
-        _LOADING.set()
-    try:
-        yield
-    except BaseException as e:
-        failed = None if group is None else group.channel.failure_of(e)
-        if failed is not None:
-            group.channel.fail(failed)
-            raise group.channel.broken from e
-        raise
-    finally:
-        _LOADING.clear()
-
-
-@contextlib.contextmanager
-def _loopback_gloo():
-    saved = os.environ.get("GLOO_SOCKET_IFNAME")
-    loopback_gloo(os.environ)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("GLOO_SOCKET_IFNAME", None)
-
-
-def groups(rank: int, world: int, tensor_parallel_size: int, dev: torch.device, *, spmd: bool, owns_group: bool,
-           ranks: LocalRanks | None = None) -> TPGroup | None:
-    """Every rank alike (the same groups in the same order): one tensor-parallel group and its gloo control
-    group per replica of ``tensor_parallel_size`` consecutive ranks. Sets this rank's channel and returns
-    its place in it (None: replicas of one rank each)."""
-    import torch.distributed as dist
-
+def open_channel(ctx: TPContext, control, dev: torch.device, *, spmd: bool, owns_group: bool, ranks) -> TPGroup:
+    """This process's channel from now on, and the first model's place in it."""
     global _CHANNEL
-    tp = tensor_parallel_size
-    if tp == 1:
-        return None
-    mine = None
-    for first in range(0, world, tp):
-        members = list(range(first, first + tp))
-        forward = dist.group.WORLD if tp == world else dist.new_group(members)
-        control = dist.new_group(members, backend="gloo", timeout=_CONTROL_TIMEOUT)
-        if rank in members:
-            mine = forward, control
-    ctx = TPContext(rank=rank % tp, world_size=tp, group=mine[0])
-    _CHANNEL = _Channel(ctx, mine[1], dev, spmd=spmd, owns_group=owns_group)
+    _CHANNEL = _Channel(ctx, control, dev, spmd=spmd, owns_group=owns_group)
     _CHANNEL.ranks = ranks
     return _CHANNEL.join()
-
-
-def _join_spawned(channel: _Channel, n: int, device, load_kwargs: dict) -> TPGroup:
-    """Rank 0 of a spawned group loads another model: the other ranks load it too, in the same order."""
-    if n != channel.ctx.world_size:
-        raise ModelLoadError(f"a tensor-parallel group of {channel.ctx.world_size} processes is running here, and "
-                             f"tensor_parallel_size={n} asks for another size",
-                             fix=f"close its models first (llm.close()), or pass tensor_parallel_size="
-                                 f"{channel.ctx.world_size}")
-    dev = _rank_device(device, 0, n)
-    if dev != channel.device:
-        raise ModelLoadError(f"the running tensor-parallel group is on {channel.device}, not {dev}",
-                             fix="load every model of the group on the same device, or close its models first")
-    channel.check()
-    channel.broadcast((None, "load", load_kwargs))
-    return channel.join()
-
-
-def _spawned_rank(rank: int, world: int, host: str, port: int, load, load_kwargs: dict) -> None:
-    """Rank ``rank`` of a group started by load_model in one process: the torchrun route, then serve."""
-    import torch.distributed as dist
-
-    store = rank_main(rank, world, host, port)
-    os.environ[_SERVE_ENV] = "1"
-    device = load_kwargs.get("device")
-    dev = _rank_device(device, rank, rank + 1)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=10))
-    if str(device).startswith("cpu") or (device is None and not torch.cuda.is_available()):
-        # CPU ranks share the machine's cores with rank 0.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    first = load(**load_kwargs)
-    follow(first.tp.channel, load, {first.tp.model_id: first})
 
 
 def forget(channel: _Channel | None) -> None:
@@ -555,27 +384,6 @@ def forget(channel: _Channel | None) -> None:
     global _CHANNEL
     if channel is None or _CHANNEL is channel:
         _CHANNEL = None
-
-
-def follow(channel: _Channel, load, models: dict, *, destroy: bool = True) -> None:
-    """A rank other than its group's rank 0: serve rank 0's models (load, step, drop) until it shuts the group."""
-    try:
-        while True:  # rank 0's steps run inside next(); other messages come out of it
-            model_id, kind, payload = channel.next()
-            if kind == "shutdown":
-                break
-            if kind == "load":
-                llm = load(**payload)
-                models[llm.tp.model_id] = llm
-            elif kind == "drop":
-                models.pop(model_id).tp.close()
-            # "end": a call on rank 0 ended (its result stays there)
-    finally:
-        import torch.distributed as dist
-
-        forget(channel)
-        if destroy and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def register_close(llm, group: TPGroup) -> None:
