@@ -163,3 +163,37 @@ def test_rank_killed_mid_run_fails_fast_and_every_later_call(llama):
         again.close()
     with pytest.raises(DistributedError, match=r"closed \(llm.close\(\)\)"):
         again.generate(PROMPTS[0])
+
+
+# ---------------------------------------------------------------------------------------- torchrun
+
+
+def test_torchrun_rank_killed_mid_run_fails_the_job_naming_it(llama, tmp_path):
+    """Every rank runs the script; rank 1 dies after the first call: rank 0's next call fails with a
+    DistributedError, unless torchrun stopped it first (it stops the others when one fails), and torchrun
+    exits non-zero naming rank 1; nothing hangs."""
+    script = tmp_path / "tp.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal
+        import attnzoo
+        from attnzoo.errors import DistributedError
+
+        if __name__ == "__main__":
+            llm = attnzoo.load_model({str(llama)!r}, device="cpu", backend="torch", page_size=4, kv_cache_tokens=512)
+            llm.generate([[5, 6, 7]], max_new_tokens=2)
+            if os.environ["RANK"] == "1":
+                os.kill(os.getpid(), signal.SIGKILL)
+            try:
+                llm.generate([[5, 6, 7]], max_new_tokens=64, ignore_eos=True)
+            except DistributedError as e:
+                print("rank 0 named error:", e, flush=True)
+                raise SystemExit(3)
+        """))
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+                          str(script)], capture_output=True, text=True, timeout=120, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text[-3000:]
+    assert "local_rank: 1" in text and "exitcode  : -9" in text, text[-3000:]
+    assert time.monotonic() - t0 < 120
