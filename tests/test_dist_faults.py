@@ -37,6 +37,20 @@ def llama(tmp_path_factory):
     return save_checkpoint(LlamaForCausalLM(cfg).eval(), tmp_path_factory.mktemp("llama"))
 
 
+def _run_bounded(argv: list, timeout: float, stdin: str | None = None) -> tuple[int, str]:
+    """(exit code, stdout + stderr) of a command; it and every process it started are killed at ``timeout``."""
+    job = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else None, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    try:
+        text, _ = job.communicate(stdin, timeout=timeout)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    return job.returncode, text
+
+
 def _load(path, **kw):
     return attnzoo.load_model(path, device="cpu", backend="torch", page_size=4, kv_cache_tokens=512, **kw)
 
@@ -105,11 +119,10 @@ def test_script_from_stdin_fails_fast_naming_the_rank(llama):
         attnzoo.load_model({str(llama)!r}, device="cpu", backend="torch", tensor_parallel_size=2)
         """)
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=60,
-                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert out.returncode != 0 and time.monotonic() - t0 < 60
-    last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("attnzoo.errors.DistributedError: tensor-parallel rank 1"), out.stderr[-2000:]
+    code, text = _run_bounded([sys.executable, "-"], 60, stdin=script)
+    assert code != 0 and time.monotonic() - t0 < 60
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("attnzoo.errors.DistributedError: tensor-parallel rank 1"), text[-2000:]
     assert "exited with code 1; its last error: FileNotFoundError" in last and "<stdin>" in last
 
 
@@ -190,10 +203,8 @@ def test_torchrun_rank_killed_mid_run_fails_the_job_naming_it(llama, tmp_path):
                 raise SystemExit(3)
         """))
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
-                          str(script)], capture_output=True, text=True, timeout=120, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
-    text = out.stdout + out.stderr
-    assert out.returncode != 0, text[-3000:]
+    code, text = _run_bounded([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                               str(script)], 90)
+    assert code != 0, text[-3000:]
     assert "local_rank: 1" in text and "exitcode  : -9" in text, text[-3000:]
-    assert time.monotonic() - t0 < 120
+    assert time.monotonic() - t0 < 90
