@@ -19,6 +19,7 @@ import concurrent.futures
 import datetime
 import os
 import threading
+import weakref
 
 import torch
 
@@ -82,10 +83,12 @@ class DataParallelLLM:
         self.local = llm
         self.replicas = [Replica(0, 0, llm=llm, owner=self)] + [
             Replica(k, k * tensor_parallel_size, group=g, owner=self) for k, g in enumerate(groups, start=1)]
-        self._ranks, self._owns_world = ranks, owns_world
+        self._ranks = ranks
         self._broken: DistributedError | None = None
         self._closed = False
         self._local_busy = False  # the main thread runs replica 0's share of a call
+        self._broken_flag: list = []  # non-empty once broken (read by the finalizer, which holds no self)
+        self._finalizer = weakref.finalize(self, _shut, groups, llm, ranks, owns_world, self._broken_flag)
         if ranks is not None:
             ranks.on_death.append(lambda rank: self._interrupt_local())
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, len(groups)), thread_name_prefix="attnzoo-replica")
@@ -138,6 +141,7 @@ class DataParallelLLM:
         if self._broken is None:
             self._broken = DistributedError(f"{failed.problem}; the replicas were stopped", fix=failed.fix,
                                             rank=failed.rank, exitcode=failed.exitcode)
+            self._broken_flag.append(True)
             if self._ranks is not None:
                 self._ranks.terminate()
 
@@ -209,24 +213,28 @@ class DataParallelLLM:
         return {**self.local.info(), "data_parallel_size": len(self.replicas)}
 
     def close(self) -> None:
-        """Stop every replica (also done at exit); later calls raise DistributedError."""
-        import torch.distributed as dist
-
-        if self._closed:
-            return
+        """Stop every replica (also done when this object is collected, or at exit); later calls raise
+        DistributedError."""
         self._closed = True
-        if self._broken is None:
-            for replica in self.replicas[1:]:
-                try:
-                    dist.broadcast_object_list([("shutdown", None, None, None)], group=replica._group, group_src=0)
-                except Exception:  # a replica already gone: the ranks are stopped below
-                    pass
         self._pool.shutdown(wait=False)
-        _close_replica(self.local)
-        if self._ranks is not None:
-            self._ranks.join(timeout=60)
-        if self._owns_world and dist.is_initialized():
-            dist.destroy_process_group()
+        self._finalizer()
+
+
+def _shut(pairs: list, local, ranks: LocalRanks | None, owns_world: bool, broken: list) -> None:
+    """The replicas' leaders stop serving (their other ranks with them), then replica 0's ranks."""
+    import torch.distributed as dist
+
+    if not broken:
+        for group in pairs:
+            try:
+                dist.broadcast_object_list([("shutdown", None, None, None)], group=group, group_src=0)
+            except Exception:  # a replica already gone: the ranks are stopped below
+                pass
+    _close_replica(local)
+    if ranks is not None:
+        ranks.join(timeout=60)
+    if owns_world and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _blocks(n: int, parts: int) -> list[tuple[int, int]]:

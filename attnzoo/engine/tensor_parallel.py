@@ -324,17 +324,29 @@ class TPGroup:
                 result = fn()
             except BaseException as e:
                 failed = channel.failure_of(e)
-                if failed is not None:
-                    channel.fail(failed)
-                    if isinstance(e, KeyboardInterrupt):
-                        raise
-                    raise channel.broken from e
-                self.publish(("end", (None, portable(e) if self.spmd else None)))
-                raise
-            self.publish(("end", (result if self.spmd else None, None)))
+                if failed is None:
+                    self._end(None, e)
+                    raise
+                channel.fail(failed)
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                raise channel.broken from e
+            self._end(result, None)
             if channel.interrupted:  # after the last step: the call is done, the interrupt still stands
                 raise KeyboardInterrupt
         return result
+
+    def _end(self, result, error: BaseException | None) -> None:
+        """Rank 0: tell the others the call ended (with its result or error under torchrun)."""
+        try:
+            self.publish(("end", (result if self.spmd else None, None if error is None or not self.spmd
+                                  else portable(error))))
+        except Exception as e:  # a rank died after the call's last step
+            failed = self.channel.failure_of(e)
+            if failed is None:
+                raise
+            self.channel.fail(failed)
+            raise self.channel.broken from e
 
     def close(self, *, abort: bool = False) -> None:
         """Done with this model: rank 0 of a spawned group tells the other ranks to drop it, and stops them
