@@ -71,7 +71,6 @@ class _Channel:
         self.broken: DistributedError | None = None  # why every later call fails
         self.interrupted = False  # rank 0: SIGINT during a call; the next step boundary stops it
         self.forced = False  # rank 0: a second SIGINT stopped a step midway: the group cannot go on
-        self.data = None  # data parallel: this replica's place among the replicas (attnzoo.engine.data_parallel)
 
     @property
     def workers(self) -> list:
@@ -156,11 +155,11 @@ class _Channel:
     def interrupts(self):
         """Rank 0 during a call: the first SIGINT stops the call at the next step boundary (the step in
         flight finishes on every rank and is dropped), a second one at once (the group is then closed)."""
-        self.interrupted = self.forced = False
         if threading.current_thread() is not threading.main_thread() or \
                 signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-            yield  # another thread, or the user's own handler: leave SIGINT alone
+            yield  # another thread, an enclosing call, or the user's own handler: leave SIGINT alone
             return
+        self.interrupted = self.forced = False
 
         def on_sigint(signum, frame):
             if self.interrupted:
