@@ -25,7 +25,7 @@ import torch
 
 from attnzoo.engine import launch as tp_launch, tensor_parallel
 from attnzoo.engine.ranks import LocalRanks, rank_main
-from attnzoo.errors import DistributedError, ModelLoadError
+from attnzoo.errors import AttnzooError, DistributedError, ModelLoadError
 
 _TIMEOUT = datetime.timedelta(days=30)  # replicas wait for rank 0's next call as long as the user likes
 
@@ -293,11 +293,14 @@ def launch(load_kwargs: dict, load_replica):
             tp_launch.LOADING.set()
             try:
                 llm = load_replica(load_kwargs)
-                infos = [_ready(g) for g in pairs]  # every replica loaded, or the first one's error
+                for group in pairs:  # every replica loaded, or the first one's error
+                    _ready(group)
             finally:
                 tp_launch.LOADING.clear()
         except BaseException as e:
-            failed = ranks.failure(grace=5.0)
+            # A collective a dead rank closed, or the watcher's interrupt: wait for its exit to name it.
+            plain = isinstance(e, AttnzooError) and not isinstance(e, DistributedError)
+            failed = ranks.failure(grace=0.0 if plain else 5.0)
             ranks.terminate()
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -305,7 +308,6 @@ def launch(load_kwargs: dict, load_replica):
             if failed is not None:
                 raise failed from e
             raise
-        del infos
         return DataParallelLLM(llm, pairs, tp, ranks, owns_world=True)
 
     rank, local_rank, world = world_env
