@@ -90,6 +90,11 @@ def test_a_replica_killed_mid_run_fails_the_call_naming_its_rank(tiny_model):
         prompts = [[1, 40 + i, 50 + i] for i in range(4)]
         want = [o.token_ids for o in llm.generate(prompts, max_new_tokens=4, ignore_eos=True)]
         assert [o.token_ids for o in llm.replicas[1].generate(prompts, max_new_tokens=4, ignore_eos=True)] == want
+        # Sampled, one int seed: output i gets seed + i wherever it runs, as on one replica.
+        one = attnzoo.load_model(tiny_model, device="cpu", backend="torch", kv_cache_tokens=1024)
+        sampled = dict(max_new_tokens=6, ignore_eos=True, temperature=1.0, seed=5, num_return_sequences=2)
+        assert [o.token_ids for o in llm.generate(prompts, **sampled)] == \
+            [o.token_ids for o in one.generate(prompts, **sampled)]
         pid = llm._ranks.processes[1].pid
         os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
