@@ -112,18 +112,26 @@ def test_rank_failing_to_import_fails_fast(monkeypatch):
         ranks.terminate()
 
 
-def test_script_from_stdin_fails_fast_naming_the_rank(llama):
-    """`python - < script.py`: a spawned rank cannot import the main module (<stdin>)."""
+@pytest.mark.parametrize("how, want", [
+    ("stdin", "exited with code 1; its last error: FileNotFoundError: [Errno 2] No such file or directory: "),
+    ("no guard", "exited with code 1; its last error: attnzoo.errors.ModelLoadError: this spawned rank ran the main "
+                 "script's load_model while importing it (the script has no `if __name__ == '__main__':` guard)"),
+])
+def test_script_whose_ranks_cannot_start_fails_fast_naming_the_rank(llama, tmp_path, how, want):
+    """`python - < script.py` (a spawned rank cannot import the main module, <stdin>), or a script without
+    the `__main__` guard (each spawned rank would start ranks of its own)."""
     script = textwrap.dedent(f"""
         import attnzoo
         attnzoo.load_model({str(llama)!r}, device="cpu", backend="torch", tensor_parallel_size=2)
         """)
+    (tmp_path / "script.py").write_text(script)
     t0 = time.monotonic()
-    code, text = _run_bounded([sys.executable, "-"], 60, stdin=script)
+    argv = [sys.executable, "-"] if how == "stdin" else [sys.executable, str(tmp_path / "script.py")]
+    code, text = _run_bounded(argv, 60, stdin=script if how == "stdin" else None)
     assert code != 0 and time.monotonic() - t0 < 60
     last = text.strip().splitlines()[-1]
     assert last.startswith("attnzoo.errors.DistributedError: tensor-parallel rank 1"), text[-2000:]
-    assert "exited with code 1; its last error: FileNotFoundError" in last and "<stdin>" in last
+    assert want in last
 
 
 # ---------------------------------------------------------------------------------------- running

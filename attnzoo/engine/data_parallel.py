@@ -282,6 +282,7 @@ def launch(load_kwargs: dict, load_replica):
         if dist.is_available() and dist.is_initialized():
             raise ModelLoadError("torch.distributed is already initialised in this process (another parallel model?)",
                                  fix="close the other model first (llm.close()), or launch with torchrun")
+        tp_launch.check_not_importing_main()
         ranks = LocalRanks(dp * tp, _spawned_rank, (load_replica, load_kwargs), what="data-parallel")
         ranks.on_death.append(lambda rank: tp_launch.interrupt_main_if_loading())
         try:

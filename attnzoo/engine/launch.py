@@ -62,6 +62,7 @@ def launch(tensor_parallel_size: int | None, device, load_kwargs: dict, load) ->
             raise ModelLoadError("torch.distributed is already initialised in this process (another tensor-parallel model?)",
                                  fix="close the other model first (llm.close()), or launch with torchrun")
         dev = rank_device(device, 0, n)
+        check_not_importing_main()
         ranks = LocalRanks(n, _spawned_rank, (load, load_kwargs))
         try:
             group = start_world(ranks, dev, tensor_parallel_size=n)
@@ -92,6 +93,17 @@ def launch(tensor_parallel_size: int | None, device, load_kwargs: dict, load) ->
                              fix="initialise the default process group over all ranks, or leave it to attnzoo")
     spawned = os.environ.get(_SERVE_ENV) == "1"
     return groups(rank, world, world, dev, spmd=not spawned, owns_group=owns or spawned)
+
+
+def check_not_importing_main() -> None:
+    """A spawned rank imports the main script: one that loads a parallel model at import would start ranks
+    from every rank."""
+    import multiprocessing.process
+
+    if getattr(multiprocessing.process.current_process(), "_inheriting", False):
+        raise ModelLoadError("this spawned rank ran the main script's load_model while importing it (the script has "
+                             "no `if __name__ == '__main__':` guard)",
+                             fix="put the script's work under `if __name__ == '__main__':`, or launch it with torchrun")
 
 
 def start_world(ranks: LocalRanks | None, dev: torch.device, *, tensor_parallel_size: int, replicas: int = 1):

@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import multiprocessing.connection
 import os
+import re
 import signal
 import socket
 import sys
@@ -25,6 +26,7 @@ from attnzoo.errors import DistributedError
 
 STORE_HOST_ENV = "ATTNZOO_STORE_HOST"
 _JOINED = "attnzoo/joined/"
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Warning)(:|$)")
 _SCRIPT_FIX = ("read rank {rank}'s error above. A script run as `python - < file`, or without an `if __name__ == "
                "'__main__':` guard, cannot start ranks (each spawned rank imports the main script): run it from a file "
                "under the guard, or launch every rank with torchrun")
@@ -71,9 +73,14 @@ class _Tail:
             self.lines.append(pending.decode(errors="replace").rstrip())
 
     def last_error(self) -> str:
-        """The last non-blank line (an exception's type and message, as a traceback ends)."""
+        """The last exception's type and message (its lines joined), else the last non-blank line."""
         self.thread.join(timeout=1.0)  # the rank is gone: its last lines are on their way
-        return next((line.strip() for line in reversed(self.lines) if line.strip()), "no error output")
+        lines = list(self.lines)
+        for i in range(len(lines) - 1, -1, -1):
+            if _EXCEPTION.match(lines[i]):
+                text = " ".join(line.strip() for line in lines[i:] if line.strip())
+                return text if len(text) <= 500 else text[:497] + "..."
+        return next((line.strip() for line in reversed(lines) if line.strip()), "no error output")
 
 
 @contextlib.contextmanager
