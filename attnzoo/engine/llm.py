@@ -393,7 +393,8 @@ class LLM:
         }
 
     def close(self) -> None:
-        """Tensor parallel from one process: stop the ranks this model spawned (also done at exit)."""
+        """Tensor parallel from one process: stop the ranks this model spawned (also done at exit); later
+        calls raise DistributedError."""
         if self.tp is not None:
             self.tp.close()
 
@@ -421,6 +422,7 @@ def load_model(
     fp8_weights: str = "auto",
     seed: int = 0,
     tensor_parallel_size: int | None = None,
+    data_parallel_size: int | None = None,
     kv_cache_dtype: str = "auto",
     k_scale: float = 1.0,
     v_scale: float = 1.0,
@@ -443,6 +445,9 @@ def load_model(
     ``tensor_parallel_size=N``: split the model over N GPUs (N CPU processes on CPU): this process is
     rank 0 and starts the others. Under torchrun, every rank calls load_model (N defaults to WORLD_SIZE)
     and the other ranks' generate/logits follow rank 0's (``attnzoo.engine.tensor_parallel``).
+    ``data_parallel_size=N``: N replicas (each ``tensor_parallel_size`` ranks); returns a
+    ``DataParallelLLM`` whose ``generate`` spreads the prompts over them (``attnzoo.engine.data_parallel``;
+    under torchrun, ranks other than 0 serve inside this call and return None).
     ``kv_cache_dtype``: "auto" (the model dtype) or "fp8_e4m3" (MHA/GQA models: half the bytes of bf16,
     so twice the KV capacity in the same memory); the pool stores k / k_scale and v / v_scale. The
     scales are per tensor and default to 1.0, as vLLM's default (calculate_kv_scales=False): no
@@ -462,12 +467,22 @@ def load_model(
     token. ``info()["kv_page_groups"]`` reports both capacities and the split.
     Every argument, the device and the backend choices are checked before any weights are read.
     """
-    from attnzoo.engine import tensor_parallel
+    kwargs = dict(locals())
+    from attnzoo.engine import data_parallel
 
-    kwargs = {k: v for k, v in locals().items() if k != "tensor_parallel"}
-    group = tensor_parallel.launch(tensor_parallel_size, device, kwargs)
+    if data_parallel.wanted(data_parallel_size):
+        return data_parallel.launch(kwargs, _load_replica)
+    return _load_replica(kwargs)
+
+
+def _load_replica(kwargs: dict) -> LLM:
+    """One replica of the model: this process alone, or the tensor-parallel group it leads or joins."""
+    from attnzoo.engine import launch, tensor_parallel
+
+    group = launch.launch(kwargs["tensor_parallel_size"], kwargs["device"], kwargs, load_model)
     try:
-        llm = _load_model(**kwargs, tp=group)
+        with launch.loading(group):
+            llm = _load_model(**kwargs, tp=group)
     except BaseException:
         if group is not None:
             group.close(abort=True)
@@ -479,7 +494,7 @@ def load_model(
 
 def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype, device, page_size, policy_file,
                 kv_cache_tokens, kv_cache_memory, max_batch_tokens, max_running, prefix_caching, cuda_graph,
-                cuda_graph_max_context, cuda_graph_batch_sizes, cascade, load_format, fp8_weights, seed, tensor_parallel_size, kv_cache_dtype,
+                cuda_graph_max_context, cuda_graph_batch_sizes, cascade, load_format, fp8_weights, seed, tensor_parallel_size, data_parallel_size, kv_cache_dtype,
                 k_scale, v_scale, progress, window_kv_fraction, tp) -> LLM:
     from attnzoo.policy import Overrides, resolve
     from attnzoo.policy.profile import profile_from_config, rank_local

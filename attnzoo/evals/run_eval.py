@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                    help="split the model over N GPUs (default: 1, or WORLD_SIZE under torchrun, where rank 0 reports)")
+    p.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
+                   help="N replicas of the model (each --tensor-parallel-size ranks), the questions split between them; "
+                        "the report does not depend on N (under torchrun: WORLD_SIZE = N x tensor-parallel size)")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N questions")
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's, 5 for gsm8k)")
     p.add_argument("--apply-chat-template", action="store_true", help="format prompts with the tokenizer's chat template")
@@ -133,6 +136,13 @@ def _check_numbers(args) -> None:
     if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         raise EvalError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}",
                         fix="pass a positive number")
+    if args.data_parallel_size is not None and args.data_parallel_size < 1:
+        raise EvalError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}",
+                        fix="pass a positive number")
+    if (args.data_parallel_size or 1) > 1 and (args.compare_to is not None or args.compare_kv_cache_dtype is not None):
+        raise EvalError("--data-parallel-size > 1 runs one evaluation; comparisons (--compare-to, "
+                        "--compare-kv-cache-dtype) teacher-force on one replica",
+                        fix="drop --data-parallel-size for a comparison, or compare two saved reports with --compare-to")
     if args.compare_page_size is not None and args.compare_to is None:
         raise EvalError("--compare-page-size needs --compare-to", fix="add --compare-to BACKEND")
     if args.logit_compare_limit is not None and args.logit_compare_limit < 0:
@@ -159,7 +169,7 @@ def _tensor_parallel_size(args) -> int:
     from attnzoo.engine.tensor_parallel import torchrun_world
 
     world = torchrun_world()
-    return args.tensor_parallel_size or (world[2] if world else 1)
+    return args.tensor_parallel_size or (world[2] // (args.data_parallel_size or 1) if world else 1)
 
 
 def _resolve_policy(config, src, device, dtype, policy_file, b: Backends, tp: int = 1):
@@ -193,6 +203,14 @@ def _load(args, b: Backends, **kw):
                       tensor_parallel_size=args.tensor_parallel_size, **kw)
 
 
+def _load_replicas(args, b: Backends):
+    """The evaluated model: one replica, or ``--data-parallel-size`` of them (None on torchrun ranks other
+    than 0: they served rank 0's replicas until it closed them)."""
+    if (args.data_parallel_size or 1) == 1:
+        return _load(args, b)
+    return _load(args, b, data_parallel_size=args.data_parallel_size)
+
+
 def _evaluate(args, data_files, b: Backends, label: str) -> tuple[dict, dict]:
     """Load the model with backends ``b``, run the task; return the run's report and each question's
     (prompt ids, output ids), keyed (task, doc_id), for teacher forcing."""
@@ -203,7 +221,9 @@ def _evaluate(args, data_files, b: Backends, label: str) -> tuple[dict, dict]:
     from attnzoo.evals.tasks import load_tasks
 
     t_load = time.perf_counter()
-    llm = _load(args, b)
+    llm = _load_replicas(args, b)
+    if llm is None:
+        return None, {}
     load_s = time.perf_counter() - t_load
     lm = AttnzooLM(llm=llm, pretrained=args.model, wave_size=args.wave_size)
     # Fresh task objects per run: lm-eval stores each run's instances and responses on them.
@@ -225,7 +245,7 @@ def _evaluate(args, data_files, b: Backends, label: str) -> tuple[dict, dict]:
         "max_new_tokens": args.max_new_tokens or next(
             (c.get("generation_kwargs", {}).get("max_gen_toks") for c in configs.values()), None) or lm.max_gen_toks,
         "data_dir": str(Path(args.data_dir).resolve()) if args.data_dir else None,
-        "backends_asked": b.describe(),
+        "backends_asked": b.describe(), "data_parallel_size": args.data_parallel_size or 1,
         "kv_cache_dtype": b.kv_cache_dtype, "k_scale": args.k_scale, "v_scale": args.v_scale,
         "policy_file": args.policy,
         "seeds": {k: results.get("config", {}).get(k) for k in ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")},
@@ -373,6 +393,8 @@ def run(args, write: bool = True, sequences: dict | None = None) -> dict:
         1 << 62 if on_gpu else CPU_LOGIT_COMPARE_LIMIT)
     report: dict[str, Any] = {"format": REPORT_FORMAT}
     report["run"], seqs = _evaluate(args, data_files, mine, label=mine.describe())
+    if report["run"] is None:  # a torchrun rank other than 0 of a data-parallel run: rank 0 reports
+        return report
     if sequences is not None:
         sequences.update(seqs)
     prompts = {k: p for k, (p, _) in seqs.items()}
