@@ -38,24 +38,25 @@ def hf_greedy(hf_model, prompt: list[int], steps: int):
     hf_model.generation_config.eos_token_id = None
     hf_model.generation_config.pad_token_id = 0
     out = hf_model.generate(
-        torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=0, do_sample=False,
+        torch.tensor([prompt], device=hf_model.device), max_new_tokens=steps, min_new_tokens=0, do_sample=False,
         output_logits=True, return_dict_in_generate=True,
     )
-    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits, 1)[0].float()
+    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits, 1)[0].float().cpu()
 
 
 @torch.no_grad()
 def assert_matches_hf(llm, hf_model, prompts: list[list[int]], *, steps: int = 32, atol: float = 1e-4) -> None:
-    """Prefill logits and every step of a greedy decode equal transformers' within ``atol``."""
+    """Prefill logits and every step of a greedy decode equal transformers' within ``atol`` (transformers run
+    where ``hf_model`` is: compare on the same device, where top-k ties break the same way)."""
     hf_model.eval()
     ours = llm.generate(prompts, max_new_tokens=steps, ignore_eos=True, return_logits=True)
     for prompt, got in zip(prompts, ours):
-        ref_prefill = hf_model(torch.tensor([prompt])).logits[0].float()
-        diff = (llm.logits(prompt) - ref_prefill).abs().max().item()
+        ref_prefill = hf_model(torch.tensor([prompt], device=hf_model.device)).logits[0].float().cpu()
+        diff = (llm.logits(prompt).cpu() - ref_prefill).abs().max().item()
         assert diff <= atol, f"prefill logits differ by {diff}"
         ref_tokens, ref_logits = hf_greedy(hf_model, prompt, steps)
         assert got.token_ids == ref_tokens, "greedy tokens differ from transformers"
-        diff = (got.logits - ref_logits).abs().max().item()
+        diff = (got.logits.cpu() - ref_logits).abs().max().item()
         assert diff <= atol, f"decode logits differ by {diff}"
 
 

@@ -91,7 +91,10 @@ def test_gpu_every_v4_backend_matches_torch_and_transformers(tmp_path):
     save_checkpoint(hf, tmp_path)
     llm = attnzoo.load_model(tmp_path, page_size=8, backend="compressed_triton", device="cuda", dtype="float32")
     assert llm.info()["decode_backend"] == "compressed_triton"
-    assert_matches_hf(llm, hf, random_prompts(VOCAB, [5, 41]), steps=20)
+    # transformers on the GPU too: its indexer's top-k breaks ties between equal (ReLU-zero) scores differently
+    # on the CPU and on CUDA (0.035 apart on the 41-token prompt), and ours breaks them as CUDA's does.
+    assert_matches_hf(llm, hf.cuda(), random_prompts(VOCAB, [5, 41]), steps=20)
+    hf.cpu()
     prefix = random_prompts(VOCAB, [23], seed=3)[0]
     prompts = [prefix + t for t in random_prompts(VOCAB, [3, 9, 14], seed=4)] + random_prompts(VOCAB, [30], seed=5)
     outs = {}

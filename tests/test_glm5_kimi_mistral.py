@@ -277,10 +277,11 @@ def test_gpu_nsa_backends_match_torch_on_glm5(tmp_path, backend):
     128 wide for the fp8 layout), eager and with CUDA graphs: greedy tokens identical, logits close."""
     save_checkpoint(tiny_glm5(kv_lora_rank=128), tmp_path)
     prompts = random_prompts(140, [7, 21, 3], seed=5)
-    opts = dict(page_size=4, dtype="float32", max_running=8)
+    # A small KV cache: each load would otherwise size its pool (and the fp8 layout copy) from free memory.
+    opts = dict(page_size=4, dtype="float32", max_running=8, kv_cache_tokens=4096)
     want = attnzoo.load_model(tmp_path, backend="torch", device="cpu", **opts).generate(
         prompts, max_new_tokens=12, ignore_eos=True, return_logits=True)
-    tol = 5e-2 if backend.endswith("fp8") else 1e-3
+    tol = 1e-1 if backend.endswith("fp8") else 1e-3  # an fp8 latent: the project's fp8 KV bound
     for graphs in (False, True):
         llm = attnzoo.load_model(tmp_path, backend=backend, device="cuda", cuda_graph=graphs, **opts)
         got = llm.generate(prompts, max_new_tokens=12, ignore_eos=True, return_logits=True)
