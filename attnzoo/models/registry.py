@@ -22,6 +22,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Mistral4ForCausalLM": ("attnzoo.models.kimi_mistral:Mistral4ForCausalLM", "mistral4"),
     # Mistral Small 4: Mistral 4 text inside Mistral 3's multimodal wrapper (other text models are refused).
     "Mistral3ForConditionalGeneration": ("attnzoo.models.kimi_mistral:Mistral3ForConditionalGeneration", "mistral3"),
+    # Mistral Large 4: GLM-5's MLA + DSA with Mistral's changes (text part; vision tower skipped).
+    "MistralLarge4ForConditionalGeneration": ("attnzoo.models.mistral_large4:MistralLarge4ForConditionalGeneration",
+                                              "mistral_large4"),
     "Gemma4ForCausalLM": ("attnzoo.models.gemma4:Gemma4ForCausalLM", "gemma4_text"),
     "Gemma4ForConditionalGeneration": ("attnzoo.models.gemma4:Gemma4ForCausalLM", "gemma4"),
     "GptOssForCausalLM": ("attnzoo.models.gpt_oss:GptOssForCausalLM", "gpt_oss"),
