@@ -153,3 +153,24 @@ def test_gpu_nsa_backends_match_torch(tmp_path, backend):
             assert (o.logits[0] - w.logits[0]).abs().max().item() <= tol, (backend, graphs)
             if not backend.endswith("fp8"):
                 assert o.token_ids == w.token_ids, (backend, graphs)
+
+
+def test_pool_sharing_layer_keeps_its_own_indexer_keys():
+    """A layer reading another's latent owns only its indexer keys: counted per page, stored alone, and
+    its latent views (the pool's and a layout copy's) are the producer's."""
+    from attnzoo.attention.kv_cache import KVCacheSpec, KVLayout, KVPool
+    from attnzoo.attention.kv_layout import LayoutCache
+
+    own = KVCacheSpec(1, 128 + 64, 128, v_from_k=True, index_head_dim=16)
+    specs = [own, KVCacheSpec(1, 192, 128, v_from_k=True, index_head_dim=16, shared_from=0),
+             KVCacheSpec(1, 192, 128, v_from_k=True, shared_from=0)]
+    assert KVPool.bytes_per_page(specs, 4, torch.float32) == 4 * 4 * (192 + 16 + 16)
+    pool = KVPool(specs, num_pages=3, page_size=4, dtype=torch.float32, device="cpu")
+    assert pool.k(1) is pool.k(0) and pool.k(2) is pool.k(0) and pool.index_k(1) is not pool.index_k(0)
+    slots = torch.tensor([5, 6])
+    pool.store(1, slots, None, None, index_k=torch.ones(2, 16))
+    assert pool.index_k(1)[1, 1:3].eq(1).all() and pool.index_k(0).eq(0).all() and pool.k(0).eq(0).all()
+    with pytest.raises(RuntimeError, match="reads a shared KV cache"):
+        pool.store(1, slots, torch.ones(2, 1, 192), None)
+    copy = LayoutCache(pool, KVLayout.FP8_NOPE_SCALED_BF16_ROPE)
+    assert copy.view(1) is copy.view(0) and copy.view(2) is copy.view(0)
