@@ -111,6 +111,21 @@ def test_in_memory_names_and_mtp_head(ml4_dir, tmp_path, caplog):
     assert (llm.logits(PROMPTS[0]) - want).abs().max().item() <= 1e-4
 
 
+def test_tensor_parallel_2_equals_1(ml4_dir):
+    """Heads (and their query scales) split over 2 ranks; the indexer, latents and sharing replicated."""
+    from test_tensor_parallel import _check_same, _run
+
+    opts = dict(device="cpu", backend="torch", page_size=4, kv_cache_tokens=256)
+    ref = _run(attnzoo.load_model(ml4_dir[0], **opts))
+    llm = attnzoo.load_model(ml4_dir[0], tensor_parallel_size=2, **opts)
+    try:
+        got = _run(llm)
+    finally:
+        llm.close()
+    assert got["info"]["decision"]["profile"]["num_heads"] == 2
+    _check_same(ref, got, "mistral_large4")
+
+
 def test_image_placeholder_is_refused(ml4_dir):
     llm = _load(ml4_dir[0])
     with pytest.raises(RequestError, match=f"token id {IMAGE}, an image/video placeholder"):
