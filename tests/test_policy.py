@@ -54,6 +54,7 @@ ARCHS = {
     "Mistral4ForCausalLM": "deepseek_mla",
     "Mistral3ForConditionalGeneration": "deepseek_mla",
     "GlmMoeDsaForCausalLM": "deepseek_nsa",
+    "MistralLarge4ForConditionalGeneration": "deepseek_nsa",
     "GptOssForCausalLM": "gpt_oss",
 }
 # Mistral 4's 256-wide latent: trtllm_mla (576 / 512 only) cannot decode it, its Blackwell rows say flashinfer_mla.
