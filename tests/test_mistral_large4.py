@@ -165,9 +165,11 @@ def test_gpu_nsa_backends_match_torch(tmp_path, backend):
         llm = attnzoo.load_model(tmp_path, backend=backend, device="cuda", cuda_graph=graphs, **opts)
         got = llm.generate(prompts, max_new_tokens=12, ignore_eos=True, return_logits=True)
         for w, o in zip(want, got):
-            assert (o.logits[0] - w.logits[0]).abs().max().item() <= tol, (backend, graphs)
-            if not backend.endswith("fp8"):
-                assert o.token_ids == w.token_ids, (backend, graphs)
+            if backend.endswith("fp8"):  # fp8 noise may flip a later token: the first step only
+                assert (o.logits[0] - w.logits[0]).abs().max().item() <= tol, (backend, graphs)
+                continue
+            assert o.token_ids == w.token_ids, (backend, graphs)
+            assert (o.logits - w.logits).abs().max().item() <= tol, (backend, graphs)
 
 
 def test_pool_sharing_layer_keeps_its_own_indexer_keys():
