@@ -56,7 +56,8 @@ def tiny_mistral_large4(**text):
                 scaling.scale.copy_(torch.rand(scaling.scale.shape, generator=g) * 0.5)
                 scaling.bias.copy_(0.5 + torch.rand(scaling.bias.shape, generator=g))
             if idx is not None:
-                for p in (idx.wq_b.weight, idx.wk.weight, idx.weights_proj.weight, idx.k_norm.bias, idx.q_input_norm.bias):
+                for p in (idx.wq_b.weight, idx.wk.weight, idx.weights_proj.weight, idx.k_norm.bias,
+                          idx.q_input_norm.bias):
                     p.copy_(rnd(p.shape, 0.3))
         hf.lm_head.weight.mul_(20)
     return hf
