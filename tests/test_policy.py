@@ -61,6 +61,7 @@ ARCHS = {
     "Mistral4ForCausalLM": "deepseek_mla",
     "Mistral3ForConditionalGeneration": "deepseek_mla",
     "GlmMoeDsaForCausalLM": "deepseek_nsa",
+    "MistralLarge4ForConditionalGeneration": "deepseek_nsa",
     "GptOssForCausalLM": "gpt_oss",
     "DeepseekV4ForCausalLM": "deepseek_v4",
 }

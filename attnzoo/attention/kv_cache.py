@@ -94,7 +94,10 @@ class KVCacheSpec:
     overlap: bool = False
 
     def values_per_token(self) -> int:
-        """Values per token in the layer's own group (the window group for a windowed layer)."""
+        """Values per token in the layer's own group (the window group for a windowed layer); a KV-sharing
+        layer stores only its own indexer keys, if any."""
+        if self.shared_from is not None:
+            return self.index_head_dim
         v = 0 if self.v_from_k else self.num_kv_heads * self.v_head_dim
         return self.num_kv_heads * self.head_dim + v + self.index_head_dim + self.state_dim
 
@@ -229,11 +232,13 @@ class KVPool:
         layout: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {}
         offset = 0
         for lid, spec in enumerate(specs):
-            if spec is None or spec.shared_from is not None:
+            if spec is None or (spec.shared_from is not None and not spec.index_head_dim):
                 continue
             n = num_window_pages if lid in self._window_layers else num_pages
-            parts = {"k": (n, spec.num_kv_heads, page_size, spec.head_dim)}
-            if not spec.v_from_k:
+            parts = {}
+            if spec.shared_from is None:
+                parts["k"] = (n, spec.num_kv_heads, page_size, spec.head_dim)
+            if spec.shared_from is None and not spec.v_from_k:
                 parts["v"] = (n, spec.num_kv_heads, page_size, spec.v_head_dim)
             if spec.index_head_dim:
                 parts["index_k"] = (n, page_size, spec.index_head_dim)
@@ -262,9 +267,10 @@ class KVPool:
                 continue
             if spec.shared_from is not None:
                 src = spec.shared_from
-                if src not in self._views:
+                if src not in self._views or "k" not in self._views[src]:
                     raise ValueError(f"layer {lid} shares the KV of layer {src}, which owns none")
-                self._views[lid] = self._views[src]
+                # Its own indexer keys, if any (Mistral Large 4: a layer sharing a latent may still index)
+                self._views[lid] = {**self._views[src], **self._views.get(lid, {})}
             elif spec.v_from_k:
                 self._views[lid]["v"] = self._views[lid]["k"][..., : spec.v_head_dim]
 
@@ -275,10 +281,11 @@ class KVPool:
         group's layers as ``window_group_layers`` splits them)."""
         elt = torch.empty((), dtype=dtype).element_size()
         window = window_group_layers(specs) if group is not None else set()
-        owning = [(i, s) for i, s in enumerate(specs) if s is not None and s.shared_from is None]
-        own = page_size * sum(s.values_per_token() for i, s in owning
+        layers = [(i, s) for i, s in enumerate(specs) if s is not None]
+        own = page_size * sum(s.values_per_token() for i, s in layers
                               if group is None or (i in window) == (group == "window"))
-        compressed = sum(s.compressed_values_per_page(page_size) for _, s in owning) if group != "window" else 0
+        compressed = (sum(s.compressed_values_per_page(page_size) for _, s in layers if s.shared_from is None)
+                      if group != "window" else 0)
         return elt * (own + compressed)
 
     @property
@@ -313,26 +320,29 @@ class KVPool:
         self,
         layer_id: int,
         slot_mapping: torch.Tensor,  # [num_tokens] int64
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: the indexer keys only
         v: torch.Tensor | None,  # [num_tokens, num_kv_heads, v_head_dim]; None when v_from_k
         index_k: torch.Tensor | None = None,  # [num_tokens, index_head_dim]
     ) -> None:
-        """The one store path: write this step's new tokens at their slots."""
-        if not self.owns_memory(layer_id):
+        """The one store path: write this step's new tokens at their slots. A KV-sharing layer stores
+        only its own indexer keys (k None)."""
+        if k is not None and not self.owns_memory(layer_id):
             raise RuntimeError(f"layer {layer_id} reads a shared KV cache and must not write it")
         views = self._views[layer_id]
         if self.device.type == "cuda":
             # One Triton launch per layer for k and v (torch indexing costs several kernels each).
             from attnzoo.attention.kernels.store import store_kv, store_rows
 
-            store_kv(slot_mapping, k, views["k"], v, views["v"] if v is not None else None,
-                     k_scale=self.k_scale, v_scale=self.v_scale)
+            if k is not None:
+                store_kv(slot_mapping, k, views["k"], v, views["v"] if v is not None else None,
+                         k_scale=self.k_scale, v_scale=self.v_scale)
             if index_k is not None:
                 store_rows(slot_mapping, index_k, views["index_k"])
             return
         page = slot_mapping // self.page_size
         off = slot_mapping % self.page_size
-        views["k"][page, :, off] = quantize_fp8(k, self.k_scale) if self.is_fp8 else k.to(self.kv_dtype)
+        if k is not None:
+            views["k"][page, :, off] = quantize_fp8(k, self.k_scale) if self.is_fp8 else k.to(self.kv_dtype)
         if v is not None:
             views["v"][page, :, off] = quantize_fp8(v, self.v_scale) if self.is_fp8 else v.to(self.kv_dtype)
         if index_k is not None:

@@ -92,6 +92,9 @@ class LayoutCache:
             self._rows[lid] = torch.zeros(pool.num_pages, pool.page_size, nbytes, dtype=torch.uint8,
                                           device=pool.device)
         self.nbytes = sum(t.numel() for t in self._rows.values())
+        for lid, spec in enumerate(pool.specs):  # KV-sharing layers read their producer's copy, as its pool views
+            if spec is not None and spec.shared_from in self._rows:
+                self._rows[lid], self.rank[lid] = self._rows[spec.shared_from], self.rank[spec.shared_from]
 
     def view(self, layer_id: int) -> torch.Tensor:
         return self._rows[layer_id]

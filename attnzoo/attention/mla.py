@@ -58,6 +58,7 @@ class MLAAttention(nn.Module):
         scale: float,
         index_head_dim: int = 0,  # NSA (V3.2): indexer key width kept beside the entry
         sparse: bool = False,  # NSA: top-k selection (with index_head_dim 0: reused from an earlier layer)
+        kv_shared_from: int | None = None,  # read this earlier layer's latent cache; store no entry
     ):
         super().__init__()
         self.num_heads = num_heads
@@ -68,7 +69,7 @@ class MLAAttention(nn.Module):
         self.attn = Attention(
             layer_id, num_heads, 1, kv_lora_rank + qk_rope_head_dim,
             v_head_dim=kv_lora_rank, scale=scale, kind="mla", index_head_dim=index_head_dim,
-            sparse=sparse,
+            sparse=sparse, kv_shared_from=kv_shared_from,
         )
 
     @property
@@ -79,14 +80,14 @@ class MLAAttention(nn.Module):
         self,
         q_nope: torch.Tensor,  # [T, H, qk_nope]
         q_pe: torch.Tensor,  # [T, H, qk_rope], roped
-        latent: torch.Tensor,  # [T, kv_lora_rank], after kv_a_layernorm
-        k_pe: torch.Tensor,  # [T, qk_rope], roped
+        latent: torch.Tensor | None,  # [T, kv_lora_rank], after kv_a_layernorm; None on KV-sharing layers
+        k_pe: torch.Tensor | None,  # [T, qk_rope], roped; None on KV-sharing layers
         kv_b_weight: torch.Tensor,  # [H * (qk_nope + v_head_dim), kv_lora_rank]
         ctx: ForwardContext,
     ) -> torch.Tensor:  # [T, H * v_head_dim]
         t = q_nope.shape[0]
         w_uk, w_uv = split_kv_b(kv_b_weight, self.num_heads, self.qk_nope_head_dim)
-        entry = torch.cat([latent, k_pe], dim=-1)[:, None, :]  # [T, 1, rank + rope]
+        entry = None if latent is None else torch.cat([latent, k_pe], dim=-1)[:, None, :]  # [T, 1, rank + rope]
         q = torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)  # [T, H, rank + rope]
         o = self.attn(q, entry, None, ctx).view(t, self.num_heads, self.kv_lora_rank)
         return latent_to_values(o, w_uv).reshape(t, self.num_heads * self.v_head_dim)

@@ -73,10 +73,10 @@ class NSAAttention(MLAAttention):
 
     def __init__(self, layer_id: int, num_heads: int, *, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, scale: float, index_head_dim: int, index_n_heads: int,
-                 index_topk: int):
+                 index_topk: int, kv_shared_from: int | None = None):
         super().__init__(layer_id, num_heads, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
                          qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim, scale=scale,
-                         index_head_dim=index_head_dim, sparse=True)
+                         index_head_dim=index_head_dim, sparse=True, kv_shared_from=kv_shared_from)
         if index_topk < 1:
             raise ModelLoadError(f"index_topk must be a positive token count, the config has {index_topk}",
                                  fix="set index_topk in config.json (2048 in the released models)")
@@ -88,8 +88,8 @@ class NSAAttention(MLAAttention):
         self,
         q_nope: torch.Tensor,  # [T, H, qk_nope]
         q_pe: torch.Tensor,  # [T, H, qk_rope], roped
-        latent: torch.Tensor,  # [T, kv_lora_rank]
-        k_pe: torch.Tensor,  # [T, qk_rope], roped
+        latent: torch.Tensor | None,  # [T, kv_lora_rank]; None on KV-sharing layers
+        k_pe: torch.Tensor | None,  # [T, qk_rope], roped; None on KV-sharing layers
         kv_b_weight: torch.Tensor,  # [H * (qk_nope + v_head_dim), kv_lora_rank]
         ctx: ForwardContext,
         *,
@@ -98,20 +98,26 @@ class NSAAttention(MLAAttention):
         index_weights: torch.Tensor | None,  # [T, Hi], the indexer's per-head weights
     ) -> torch.Tensor:  # [T, H * v_head_dim]
         """With index_q None (a layer without its own indexer: GLM-5's "shared" layers) the layer attends
-        over the positions the step's previous indexer layer selected (``ctx.nsa_positions``)."""
+        over the positions the step's previous indexer layer selected (``ctx.nsa_positions``). A KV-sharing
+        layer (``kv_shared_from``: Mistral Large 4) stores no entry, only its own indexer keys if it has an
+        indexer, and attends over its producer's entries (the pool's and the layout copies' views alias them)."""
         meta, layer = ctx.meta, self.attn
         t = q_nope.shape[0]
         backend, plan = nsa_backend(ctx.backends.for_step(meta)), ctx.plan
         if not isinstance(plan, NSAPlan):
             raise BackendError(f"the step's plan is a {type(plan).__name__}, not the NSAPlan of {backend.name!r}",
                                fix="prepare the step with the backends that run it (HybridBackend.prepare)")
-        entry = torch.cat([latent, k_pe], dim=-1)  # [T, rank + rope]
-        ctx.pool.store(layer.layer_id, meta.slot_mapping, entry[:, None, :], None, index_k=index_k)
-        # Both backends of the engine, not just this step's: a token stored by prefill is read by decode
-        # later, in the decode backend's layout. Converting now reads it once, from values in hand.
-        for b in ctx.backends.distinct():
-            if nsa_backend(b).mla_kv_layout is not KVLayout.BF16:
-                b.kv_copy.store(layer.layer_id, meta.slot_mapping, entry)
+        if layer.kv_shared_from is not None:
+            if index_k is not None:
+                ctx.pool.store(layer.layer_id, meta.slot_mapping, None, None, index_k=index_k)
+        else:
+            entry = torch.cat([latent, k_pe], dim=-1)  # [T, rank + rope]
+            ctx.pool.store(layer.layer_id, meta.slot_mapping, entry[:, None, :], None, index_k=index_k)
+            # Both backends of the engine, not just this step's: a token stored by prefill is read by decode
+            # later, in the decode backend's layout. Converting now reads it once, from values in hand.
+            for b in ctx.backends.distinct():
+                if nsa_backend(b).mla_kv_layout is not KVLayout.BF16:
+                    b.kv_copy.store(layer.layer_id, meta.slot_mapping, entry)
         if index_q is None:
             positions = ctx.nsa_positions
             if positions is None:

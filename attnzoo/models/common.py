@@ -62,11 +62,15 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = inv_freq.float()
         self.scaling = scaling
 
+    def frequencies(self, device: torch.device) -> torch.Tensor:
+        """The inverse frequencies [rotary_dim / 2] float32 on ``device`` (Mistral Large 4 scales them)."""
+        if self.inv_freq.device != device:
+            self.inv_freq = self.inv_freq.to(device)
+        return self.inv_freq
+
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens] -> cos, sin [num_tokens, rotary_dim] in float32."""
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        freqs = positions.float()[:, None] * self.frequencies(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.scaling, emb.sin() * self.scaling
 

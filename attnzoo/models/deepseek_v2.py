@@ -58,6 +58,10 @@ class DeepseekAttention(nn.Module):
     ``index_head_dim`` reserves the indexer key cache beside the MLA entry.
     """
 
+    @staticmethod
+    def owns_latent(config, layer_id: int) -> bool:
+        return True  # Mistral Large 4's KV-sharing layers read an earlier layer's latent instead
+
     def __init__(self, config, layer_id: int, *, interleaved_rope: bool, index_head_dim: int = 0,
                  tp: TPContext = SINGLE):
         super().__init__()
@@ -65,7 +69,7 @@ class DeepseekAttention(nn.Module):
         # Tensor parallel: heads split across ranks; the latent (q_a, kv_a) is computed and cached whole
         # on every rank, since each rank's heads read all of it.
         self.num_heads = tp.split(heads, "num_attention_heads")
-        self.q_lora_rank = config.q_lora_rank
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)  # Mistral Large 4's config has no such key
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
@@ -77,15 +81,18 @@ class DeepseekAttention(nn.Module):
         # q_proj is split over the ranks by heads; the latents are computed whole on every rank.
         kv_a = self.kv_lora_rank + self.qk_rope_head_dim
         if self.q_lora_rank is None:
-            parts, shards = {"q_proj": heads * self.qk_head_dim, "kv_a_proj_with_mqa": kv_a}, {}
+            parts, shards = {"q_proj": heads * self.qk_head_dim}, {}
         else:
-            parts = {"q_a_proj": self.q_lora_rank, "kv_a_proj_with_mqa": kv_a}
+            parts = {"q_a_proj": self.q_lora_rank}
             shards = {"q_a_proj": (0, self.q_lora_rank)}
             # The latent norms use RMSNorm's default eps in the reference, not config.rms_norm_eps.
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * self.qk_head_dim, bias=False, tp=tp)
-        self.q_kv_a_proj = MergedLinear(h, parts, bias=bias, tp=tp, shards={**shards, "kv_a_proj_with_mqa": (0, kv_a)})
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
+        self.kv_a_layernorm = None
+        if self.owns_latent(config, layer_id):
+            parts["kv_a_proj_with_mqa"], shards["kv_a_proj_with_mqa"] = kv_a, (0, kv_a)
+            self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
+        self.q_kv_a_proj = MergedLinear(h, parts, bias=bias, tp=tp, shards=shards)
         self.kv_b_proj = ColumnParallelLinear(
             self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False, tp=tp
         )
@@ -139,7 +146,8 @@ class DeepseekRouter(nn.Module):
                     fix="use a config with topk_method 'greedy' or 'group_limited_greedy'",
                 )
         else:
-            self.norm_topk_prob = bool(config.norm_topk_prob)
+            # Mistral Large 4's config has no switch: it always renormalises.
+            self.norm_topk_prob = bool(getattr(config, "norm_topk_prob", True))
         if scoring == "sigmoid":
             # float32 whatever the model dtype, as in the reference: rounded to bf16 it would change
             # which experts win close calls.

@@ -32,10 +32,14 @@ class DeepseekV32Indexer(nn.Module):
         self.interleaved_rope = interleaved_rope  # V3.2: rotate-half; GLM-5: interleaved pairs
         self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim
-        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wq_b = nn.Linear(self.query_input_dim(config), self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
+
+    @staticmethod
+    def query_input_dim(config) -> int:
+        return config.q_lora_rank  # wq_b reads the q low-rank residual (Mistral Large 4: the hidden states)
 
     def _apply(self, fn, recurse=True):
         # model.to(dtype) must not round weights_proj (transformers keeps it in float32).
@@ -59,6 +63,7 @@ class DeepseekV32Indexer(nn.Module):
 
 class DeepseekV32Attention(DeepseekAttention):
     indexer_interleaved_rope = False  # GLM-5 ropes its indexer on interleaved pairs
+    indexer_cls = DeepseekV32Indexer
 
     @staticmethod
     def has_indexer(config, layer_id: int) -> bool:
@@ -68,13 +73,16 @@ class DeepseekV32Attention(DeepseekAttention):
         # Tensor parallel: the indexer is replicated (it scores tokens for all heads alike).
         super().__init__(config, layer_id, interleaved_rope=interleaved_rope, tp=tp)
         own = self.has_indexer(config, layer_id)
-        self.indexer = DeepseekV32Indexer(config, interleaved_rope=self.indexer_interleaved_rope) if own else None
-        self.mla = NSAAttention(
-            layer_id, self.num_heads, kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
-            qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, scale=self.mla.scale,
-            index_head_dim=config.index_head_dim if own else 0, index_n_heads=config.index_n_heads,
-            index_topk=config.index_topk,
-        )
+        self.indexer = self.indexer_cls(config, interleaved_rope=self.indexer_interleaved_rope) if own else None
+        self.mla = self.nsa_core(config, layer_id, own)
+
+    def nsa_core(self, config, layer_id: int, own_indexer: bool, **overrides) -> NSAAttention:
+        """The attention core; ``overrides``: NSAAttention keywords as a subclass needs them."""
+        kw = dict(kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                  qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, scale=self.mla.scale,
+                  index_head_dim=config.index_head_dim if own_indexer else 0, index_n_heads=config.index_n_heads,
+                  index_topk=config.index_topk)
+        return NSAAttention(layer_id, self.num_heads, **{**kw, **overrides})
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         q_nope, q_pe, q_resid, latent, k_pe = self.project(x, cos, sin)

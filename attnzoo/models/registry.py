@@ -27,6 +27,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("attnzoo.models.gemma3:Gemma3ForCausalLM", "gemma3_text"),
     "Gemma3ForConditionalGeneration": ("attnzoo.models.gemma3:Gemma3ForCausalLM", "gemma3"),
     "DeepseekV4ForCausalLM": ("attnzoo.models.deepseek_v4:DeepseekV4ForCausalLM", "deepseek_v4"),
+    # Mistral Large 4: GLM-5's MLA + DSA with Mistral's changes (text part; vision tower skipped).
+    "MistralLarge4ForConditionalGeneration": ("attnzoo.models.mistral_large4:MistralLarge4ForConditionalGeneration",
+                                              "mistral_large4"),
     "Gemma4ForCausalLM": ("attnzoo.models.gemma4:Gemma4ForCausalLM", "gemma4_text"),
     "Gemma4ForConditionalGeneration": ("attnzoo.models.gemma4:Gemma4ForCausalLM", "gemma4"),
     "GptOssForCausalLM": ("attnzoo.models.gpt_oss:GptOssForCausalLM", "gpt_oss"),
