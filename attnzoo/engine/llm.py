@@ -696,22 +696,23 @@ def _say(msg: str) -> None:
 
 
 class _GenerationProgress:
-    """``on_finish`` hook printing 'generating: k/N done' (in place on a terminal) and a summary line."""
+    """``on_finish`` hook: a tqdm bar of finished sequences on a terminal, and a summary line."""
 
     def __init__(self, total: int):
-        self.total, self.done, self.t0 = total, 0, time.perf_counter()
-        self.tty = _stderr_is_terminal()
+        from tqdm.auto import tqdm
+
+        self.total, self.t0 = total, time.perf_counter()
         _say(f"generating {total} sequence(s) ...")
+        self.bar = tqdm(total=total, desc="attnzoo: generating", unit="seq", file=sys.stderr, leave=False,
+                        disable=not _stderr_is_terminal())
 
     def __call__(self, index: int) -> None:
-        self.done += 1
-        if self.tty:
-            print(f"\rattnzoo: generating: {self.done}/{self.total} done", end="", file=sys.stderr, flush=True)
+        self.bar.update(1)
 
     def close(self, outs) -> None:
+        self.bar.close()
         dt = time.perf_counter() - self.t0
         tokens = sum(len(o.token_ids) for o in outs)
-        print("\r" if self.tty else "", end="", file=sys.stderr)
         _say(f"generated {tokens} tokens for {self.total} sequence(s) in {dt:.1f} s ({tokens / max(dt, 1e-9):.1f} tok/s)")
 
 
