@@ -96,8 +96,12 @@ def write_chart(report: dict, path) -> str | None:
     phases = [k for k in ("output_tokens_per_s", "prefill_tokens_per_s", "decode_tokens_per_s")
               if (sp.get(k) or {}).get("a") is not None or (sp.get(k) or {}).get("b") is not None]
     for offset, side, color, label in ((-0.2, "a", A_COLOR, la), (0.2, "b", B_COLOR, lb)):
-        speed.bar([i + offset for i in range(len(phases))], [sp[k][side] or 0 for k in phases], width=0.4, color=color,
-                  label=label)
+        bars = speed.bar([i + offset for i in range(len(phases))], [sp[k][side] or 0 for k in phases], width=0.4,
+                         color=color, label=label)
+        speed.bar_label(bars, labels=[f"{sp[k][side]:.3g}" if sp[k][side] else "" for k in phases], fontsize=7)
+    values = [sp[k][side] for k in phases for side in ("a", "b") if sp[k][side]]
+    if values and max(values) > 20 * min(values):  # prefill runs far faster than decode: keep both readable
+        speed.set_yscale("log")
     speed.set_xticks(range(len(phases)), [k.replace("_tokens_per_s", "") for k in phases], fontsize=8)
     speed.set_ylabel("tokens / s")
     ratio = (sp.get("output_tokens_per_s") or {}).get("b_over_a")
