@@ -27,7 +27,7 @@ log = logging.getLogger("attnzoo")
 
 DESCRIPTION = """Evaluate a model with lm-evaluation-harness through attnzoo's engine.
 Example: run_eval gsm8k --data-dir ../shared/data/gsm8k --limit 50
-         run_eval gsm8k --limit 10 --compare-kv-cache-dtype fp8_e4m3 --plot cmp.png   # CPU: fp32 vs fp8 KV
+         run_eval gsm8k --limit 5 --compare-kv-cache-dtype fp8_e4m3 --plot cmp.png   # CPU: fp32 vs fp8 KV
          run_eval gsm8k --backend triton --compare-to torch --limit 200 --output report.json   # GPU"""
 # Teacher forcing replays every compared question through both backends: all of them on a GPU, a few
 # on a CPU (where one SmolLM2 question costs seconds per backend). --logit-compare-limit overrides.
