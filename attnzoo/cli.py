@@ -1,4 +1,4 @@
-"""The ``attnzoo`` command line: ``generate``, ``info``, ``policy`` (show / explain / backends) and ``tune``."""
+"""The ``attnzoo`` command line: ``generate``, ``serve``, ``info``, ``policy`` (show / explain / backends) and ``tune``."""
 from __future__ import annotations
 
 import argparse
@@ -32,7 +32,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--v-scale", type=float, default=1.0, help="fp8 KV cache: the per-tensor scale of v (default 1.0)")
 
 
-def _load(args):
+def _load(args, **extra):
     from attnzoo import load_model
 
     return load_model(
@@ -40,7 +40,7 @@ def _load(args):
         page_size=args.page_size, policy_file=args.policy, dtype=args.dtype, device=args.device,
         k_scale=args.k_scale, v_scale=args.v_scale,
         tensor_parallel_size=args.tensor_parallel_size,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, **extra,
     )
 
 
@@ -53,7 +53,11 @@ def _generate(args) -> int:
     n = args.num_return_sequences
     if n < 1 or (n > 1 and args.temperature == 0):
         raise RequestError(f"-n {n}: " + ("must be >= 1" if n < 1 else "greedy decoding returns n identical texts"),
-                             fix="pass -n 1, or sample with --temperature > 0")
+                           fix="pass -n 1, or sample with --temperature > 0")
+    from attnzoo.engine.prompts import valid_text
+
+    for i, p in enumerate(args.prompts):  # bytes that are not UTF-8 arrive as lone surrogates
+        valid_text(p, f"prompt {i}")
     llm = _load(args)
     print(f"# {llm.architecture}: prefill={llm.decision.prefill_backend} decode={llm.decision.decode_backend} "
           f"page_size={llm.pool.page_size} device={llm.device}", file=sys.stderr)
@@ -74,6 +78,29 @@ def _generate(args) -> int:
         else:
             label = f"{prompt} [{i % n + 1}/{n}]" if n > 1 else prompt
             print(f"### {label}\n{out.text}\n[{out.finish_reason}, {len(out.token_ids)} tokens]")
+    return 0
+
+
+def _serve(args) -> int:
+    try:
+        from attnzoo.server.app import run
+    except ImportError as e:
+        raise AttnzooError(f"serving needs fastapi, uvicorn and prometheus_client ({e})",
+                           fix="pip install 'attnzoo[serve]'") from None
+    if args.model_pos is not None:
+        if args.model is not None and args.model != args.model_pos:
+            raise AttnzooError(f"two models given: {args.model_pos!r} and --model {args.model!r}", fix="give one")
+        args.model = args.model_pos
+    llm = _load(args, load_format=args.load_format, max_batch_tokens=args.max_batch_tokens,
+                kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory))
+    name = args.served_model_name or (args.model or llm.architecture)
+    print(f"# serving {name} ({llm.architecture}: prefill={llm.decision.prefill_backend} "
+          f"decode={llm.decision.decode_backend}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    try:
+        run(llm, model_name=name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+            log_level=args.log_level)
+    finally:
+        llm.close()
     return 0
 
 
@@ -122,6 +149,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wrap each prompt as a user chat message (default: when the tokenizer has a chat template)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=_generate)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions)")
+    s.add_argument("model_pos", nargs="?", metavar="MODEL", help="the model (as --model)")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    s.add_argument("--max-queue", type=int, default=1024,
+                   help="requests waiting for admission before new ones get 503 + Retry-After")
+    s.add_argument("--log-level", default="info")
+    s.add_argument("--load-format", default="auto", choices=("auto", "random"),
+                   help="random: weights drawn at random from MODEL's config.json (benchmarks)")
+    s.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per step (default: the engine's)")
+    s.add_argument("--kv-cache-memory", type=float, default=None, help="bytes for the KV cache (default: the engine's)")
+    s.set_defaults(func=_serve)
 
     i = sub.add_parser("info", help="load a model and print LLM.info() (backends, page size, KV capacity)")
     _add_model_args(i)
@@ -336,13 +379,16 @@ def _policy_backends(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    args = build_parser().parse_args(argv)
     try:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except AttnzooError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback through torch
+        print("\nattnzoo: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

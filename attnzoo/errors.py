@@ -45,3 +45,23 @@ class NumericsError(AttnzooError):
 
 class EvalError(AttnzooError):
     """An evaluation run is misconfigured (task, data, output path, limit)."""
+
+
+class QueueFullError(AttnzooError):
+    """The server's request queue is full, or the server is shutting down: retry later."""
+
+
+class DistributedError(AttnzooError):
+    """A rank of a tensor- or data-parallel group failed (``rank``, ``exitcode`` where known), or the group is
+    closed or broken: every later call on it raises this too."""
+
+    def __init__(self, problem: str, *, fix: str | None = None, rank: int | None = None, exitcode: int | None = None):
+        super().__init__(problem, fix=fix)
+        self.rank, self.exitcode = rank, exitcode
+
+    def __reduce__(self):  # the keyword-only arguments survive pickling (a rank re-raises rank 0's error)
+        return _rebuild_distributed_error, (self.problem, self.fix, self.rank, self.exitcode)
+
+
+def _rebuild_distributed_error(problem, fix, rank, exitcode):
+    return DistributedError(problem, fix=fix, rank=rank, exitcode=exitcode)

@@ -20,14 +20,12 @@ before each run), achieved bandwidth (q + needed KV read + output written, over 
 to the copy bandwidth for decode, and attention TFLOP/s with its ratio to the matmul rate for prefill.
 Writes attention_<gpu>.json and attention_<gpu>.png (when matplotlib imports) to --output-dir.
 
-Shapes, the case builder, byte/FLOP counts and timing helpers are shared with
-``benchmarks/attention_triton.py`` (imported, not copied).
+Shapes, the case builder and byte/FLOP counts are ``benchmarks/attention_cases.py``'s, shared with
+``benchmarks/attention_triton.py``.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -35,14 +33,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from attention_triton import SHAPES, Case, copy_bandwidth, kv_bytes_needed, parse_ints, time_cuda, versions  # noqa: E402
+from attention_cases import SHAPES, Case, kv_bytes_needed  # noqa: E402
+from common import gpu_slug, parse_ints, time_cuda, write_result  # noqa: E402
 
 from attnzoo.attention.backends import backend_names, get_backend_class  # noqa: E402
 from attnzoo.attention.backends.torch_ref import TorchBackend  # noqa: E402
 from attnzoo.errors import AttnzooError  # noqa: E402
+from attnzoo.roofline import copy_bandwidth, matmul_tflops  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -100,15 +99,6 @@ QUICK_GRIDS = {
     ("mha", "extend"): ([1], [4096]),
     ("mla", "extend"): ([1], [4096]),
 }
-
-
-def matmul_tflops(device, n: int = 8192) -> float:
-    """bf16 n x n x n matmul rate on random data (TFLOP/s), the prefill ceiling."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    flush = torch.empty(1, dtype=torch.uint8, device=device)
-    ms = time_cuda(lambda: a @ b, warmup=3, iters=10, flush=flush)
-    return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
 def kernel_of(backend, layer, mode: str) -> str:
@@ -225,7 +215,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
     cc = (props.major, props.minor)
-    slug = re.sub(r"[^a-z0-9]+", "_", props.name.lower()).strip("_")
+    slug = gpu_slug()
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -312,10 +302,7 @@ def main(argv=None) -> int:
 
     result = {
         "benchmark": "attention",
-        "device": props.name,
-        "sm": f"sm{cc[0]}{cc[1]}",
         "num_sms": props.multi_processor_count,
-        "versions": versions(),
         "dtype": args.dtype,
         "page_size": args.page_size,
         "copy_bandwidth_GBps": copy_gbps,
@@ -326,11 +313,9 @@ def main(argv=None) -> int:
         "checks": checks,
         "rows": rows,
         "args": vars(args),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "wall_s": time.perf_counter() - t_start,
     }
-    json_path = out_dir / f"attention_{slug}.json"
-    json_path.write_text(json.dumps(result, indent=2, default=str))
+    json_path = write_result(out_dir / f"attention_{slug}.json", result)
     log(f"wrote {json_path}")
     png = write_chart(rows, out_dir / f"attention_{slug}.png",
                       f"{props.name}: attention backends, bf16, page size {args.page_size}")

@@ -17,146 +17,23 @@ goes to ``--output`` (default ``benchmarks/results/attention_triton_<gpu>.json``
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import re
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from attention_cases import DEFAULT_SHAPES, SHAPES, Case, Shape, kv_bytes_needed  # noqa: E402
+from common import RESULTS, gpu_slug, parse_ints, time_cuda, write_result  # noqa: E402
+
 from attnzoo.attention.backends import backend_names, get_backend_class  # noqa: E402
 from attnzoo.attention.backends.torch_ref import TorchBackend  # noqa: E402
 from attnzoo.attention.kv_cache import KVPool  # noqa: E402
-from attnzoo.attention.layer import Attention  # noqa: E402
-from attnzoo.attention.metadata import ForwardMode, build_metadata  # noqa: E402
 from attnzoo.errors import AttnzooError  # noqa: E402
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    heads: int
-    kv_heads: int
-    head_dim: int
-    v_head_dim: int
-    window: int | None = None
-    kind: str = "mha"
-    source: str = ""
-
-
-# Public configs: Llama-3.1-8B config.json; Gemma-4-31B text_config (num_attention_heads 32,
-# num_key_value_heads 16 / head_dim 256 on sliding layers with sliding_window 1024,
-# num_global_key_value_heads 4 / global_head_dim 512 on full-attention layers); DeepSeek-V3 absorbed
-# MLA (128 heads, kv_lora_rank 512 + qk_rope_head_dim 64).
-SHAPES = {
-    s.name: s
-    for s in (
-        Shape("llama3.1-8b", 32, 8, 128, 128, source="meta-llama/Llama-3.1-8B"),
-        Shape("gemma4-31b-global", 32, 4, 512, 512, source="google/gemma-4-31B-it full_attention"),
-        Shape("gemma4-31b-sliding", 32, 16, 256, 256, window=1024, source="google/gemma-4-31B-it sliding_attention"),
-        Shape("deepseek-v3-mla", 128, 1, 576, 512, kind="mla", source="deepseek-ai/DeepSeek-V3 absorbed MLA"),
-    )
-}
-DEFAULT_SHAPES = ["llama3.1-8b", "gemma4-31b-global", "gemma4-31b-sliding"]
-
-
-def layer_for(shape: Shape) -> Attention:
-    return Attention(0, shape.heads, shape.kv_heads, shape.head_dim, v_head_dim=shape.v_head_dim,
-                     sliding_window=shape.window, kind=shape.kind)
-
-
-class Case:
-    """One layer's pool, step metadata and query for (shape, mode, batch, context)."""
-
-    def __init__(self, shape: Shape, mode: str, batch: int, ctx: int, page_size: int, dtype, device, seed=0):
-        self.shape, self.mode, self.batch, self.ctx = shape, mode, batch, ctx
-        self.layer = layer_for(shape)
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        pages_per_req = -(-ctx // page_size)
-        # Decode over a sliding window only reads the last `window` tokens: give the earlier positions
-        # page 0 (reserved, never read by a correct kernel) so long contexts fit in memory.
-        first_real = 0
-        if mode == "decode" and shape.window:
-            first_real = max(0, (ctx - shape.window) // page_size)
-        real = pages_per_req - first_real
-        num_pages = batch * real + 1
-        self.pool = KVPool([self.layer.kv_cache_spec()], num_pages=num_pages, page_size=page_size,
-                           dtype=dtype, device=device)
-        self.pool.buffer.view(dtype).normal_()
-        order = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()  # fragmented, like a busy cache
-        tables = [[0] * first_real + order[i * real:(i + 1) * real] for i in range(batch)]
-        if mode == "decode":
-            prefix, q_lens = [ctx - 1] * batch, [1] * batch
-        else:
-            prefix, q_lens = [0] * batch, [ctx] * batch
-        self.meta = build_metadata(prefix_lens=prefix, q_lens=q_lens, block_tables=tables, page_size=page_size,
-                                   device=device, mode=ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND)
-        tokens = sum(q_lens)
-        self.q = torch.randn(tokens, shape.heads, shape.head_dim, device=device, dtype=dtype)
-
-    def run(self, backend, plan):
-        if self.mode == "decode":
-            return backend.decode(self.layer, self.q, self.meta, plan)
-        return backend.extend(self.layer, self.q, self.meta, plan)
-
-    def bytes_moved(self) -> int:
-        """q read + the KV each query needs read once + output written."""
-        s, elt = self.shape, self.q.element_size()
-        tokens = self.q.shape[0]
-        kv_tokens = self.batch * (min(self.ctx, s.window) if (s.window and self.mode == "decode") else self.ctx)
-        per_kv_token = s.kv_heads * (s.head_dim + (0 if s.kind == "mla" else s.v_head_dim))
-        return elt * (tokens * s.heads * s.head_dim + kv_tokens * per_kv_token + tokens * s.heads * s.v_head_dim)
-
-    def flops(self) -> float:
-        """2 * (head_dim + v_head_dim) per visible (query, key) pair and head."""
-        s = self.shape
-        if self.mode == "decode":
-            pairs = self.batch * (min(self.ctx, s.window) if s.window else self.ctx)
-        else:
-            n, w = self.ctx, s.window or self.ctx
-            full = n * (n + 1) / 2  # causal triangle
-            if w < n:
-                full -= (n - w) * (n - w + 1) / 2  # keys that fell out of every window
-            pairs = self.batch * full
-        return 2.0 * s.heads * (s.head_dim + s.v_head_dim) * pairs
-
-
-def kv_bytes_needed(shape: Shape, mode: str, batch: int, ctx: int, page_size: int, elt: int) -> int:
-    kv = shape.kv_heads * (shape.head_dim + (0 if shape.kind == "mla" else shape.v_head_dim)) * elt
-    tokens_kept = min(ctx, shape.window + 2 * page_size) if (mode == "decode" and shape.window) else ctx
-    q_and_out = (ctx if mode == "extend" else 1) * shape.heads * (shape.head_dim + shape.v_head_dim) * elt
-    return batch * (tokens_kept * kv + q_and_out)
-
-
-def time_cuda(fn, *, warmup: int, iters: int, flush: torch.Tensor) -> float:
-    """Median milliseconds of ``fn``, with the L2 cache flushed before each run (not timed)."""
-    for _ in range(warmup):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends):
-        flush.zero_()
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
-    return times[len(times) // 2]
-
-
-def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy: bytes read + bytes written per second (GB/s)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    flush = torch.empty(1, dtype=torch.uint8, device=device)
-    ms = time_cuda(lambda: dst.copy_(src), warmup=5, iters=30, flush=flush)
-    del src, dst
-    return 2 * nbytes / (ms * 1e-3) / 1e9
+from attnzoo.roofline import copy_bandwidth  # noqa: E402
 
 
 def make_backend(name: str, pool: KVPool):
@@ -181,20 +58,6 @@ def check_backend(name: str, shape: Shape, mode: str, page_size: int, dtype, dev
         return False, "NaN in output"
     err = ((out - ref).norm() / ref.norm()).item()
     return err <= 1e-2, f"relative error {err:.2e}"
-
-
-def versions() -> dict:
-    v = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    for mod in ("triton", "flashinfer", "transformers"):
-        try:
-            v[mod] = __import__(mod).__version__
-        except Exception:
-            v[mod] = None
-    return v
-
-
-def parse_ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
 
 
 def main(argv=None) -> int:
@@ -235,9 +98,7 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
-    gpu_slug = re.sub(r"[^a-z0-9]+", "_", props.name.lower()).strip("_")
-    out_path = Path(args.output or Path(__file__).parent / "results" / f"attention_triton_{gpu_slug}.json")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path = Path(args.output or RESULTS / f"attention_triton_{gpu_slug()}.json")
 
     copy_gbps = copy_bandwidth(device)
     print(f"# {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
@@ -301,10 +162,7 @@ def main(argv=None) -> int:
 
     result = {
         "benchmark": "attention_triton",
-        "device": props.name,
-        "sm": f"sm{props.major}{props.minor}",
         "num_sms": props.multi_processor_count,
-        "versions": versions(),
         "dtype": args.dtype,
         "page_size": args.page_size,
         "copy_bandwidth_GBps": copy_gbps,
@@ -312,7 +170,6 @@ def main(argv=None) -> int:
         "checks": checks,
         "rows": rows,
         "args": vars(args),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     target = [r for r in rows if r.get("shape") == "llama3.1-8b" and r.get("mode") == "decode"
               and r.get("batch") == 64 and r.get("ctx") == 4096 and r.get("backend") == "triton"]
@@ -321,7 +178,7 @@ def main(argv=None) -> int:
         result["target_decode_b64_ctx4096_d128"] = {"frac_of_copy": frac, "meets_70pct": frac >= 0.7}
         print(f"# target: triton decode, Llama-3.1-8B, batch 64, ctx 4096: {100 * frac:.0f}% of copy bandwidth "
               f"({'meets' if frac >= 0.7 else 'below'} the 70% target)")
-    out_path.write_text(json.dumps(result, indent=2, default=str))
+    out_path = write_result(out_path, result)
     print(f"# wrote {out_path}")
     return 0
 

@@ -8,25 +8,18 @@ Each case checks the two outputs agree, then times each (CUDA events, median of 
     python benchmarks/decode_kernels.py --out benchmarks/results/decode_kernels_nvidia_h200.json
 """
 import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gemma4 import cuda_time  # noqa: E402
+from common import time_cuda, write_result  # noqa: E402
 
 # name: (q heads, kv heads, head dim, K doubles as V)
 SHAPES = {"gemma4-31b global": (32, 4, 512, True), "gemma4-31b sliding": (32, 16, 256, False),
           "llama-3.1-8b": (32, 8, 128, False)}
 PAGE = 16
-
-
-def time_ms(fn) -> float:
-    return statistics.median(cuda_time(fn, warmup=5, iters=20))
 
 
 def case(fi, qh, kvh, d, k_is_v, batch, ctx, workspace):
@@ -45,7 +38,7 @@ def case(fi, qh, kvh, d, k_is_v, batch, ctx, workspace):
         w.plan(indptr=indptr.cuda(), indices=indices.cuda(), last_page_len=last.cuda(), num_qo_heads=qh,
                num_kv_heads=kvh, head_dim=d, page_size=PAGE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
         out[tc] = w.run(q, (k, v))
-        ms[tc] = time_ms(lambda: w.run(q, (k, v)))
+        ms[tc] = time_cuda(lambda: w.run(q, (k, v)), warmup=5, iters=20)
     err = ((out[True].float() - out[False].float()).norm() / out[False].float().norm()).item()
     kv_bytes = batch * ctx * kvh * d * 2 * (1 if k_is_v else 2)
     return {"batch": batch, "ctx": ctx, "cuda_core_us": ms[False] * 1e3, "tensor_core_us": ms[True] * 1e3,
@@ -73,9 +66,7 @@ def main(argv=None):
                 print(f"{name:20s} {b:5d} {c:5d} {r['cuda_core_us']:12.1f} {r['tensor_core_us']:14.1f} "
                       f"{r['rel_err']:8.1e} {r['kv_GBps_best']:6.0f}", flush=True)
     if args.out:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "flashinfer": fi.__version__,
-                "page_size": PAGE}
-        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        write_result(args.out, {"rows": rows}, page_size=PAGE)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e import SHAPE_NAMES, make_config  # noqa: E402
 

@@ -34,12 +34,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from attention import matmul_tflops  # noqa: E402
-from attention_triton import copy_bandwidth, versions  # noqa: E402
+from common import git_sha, versions  # noqa: E402
 from gemma4 import GEMMA4_31B  # noqa: E402  (google/gemma-4-31B-it's text model)
+
+from attnzoo.roofline import device_limits, model_profile, roofline_seconds, step_kinds  # noqa: E402
 
 LLAMA_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -92,11 +92,30 @@ GPT_OSS_20B = dict(
     swiglu_limit=7.0, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
 )
+# Qwen/Qwen3-30B-A3B: 48 layers, all MoE (128 routed experts top-8, renormalised, no shared expert), GQA 32/4
+# heads of 128 with QK-norm.
+QWEN3_30B_A3B = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
+    rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+)
+# deepseek-ai/DeepSeek-V4-Flash: 43 layers of shared-KV MQA (64 heads of 512, window 128), CSA (4:1, indexer
+# 64 heads of 128, top-512) and HCA (128:1) layers, mHC (4 streams), 256 routed experts top-6 (the first 3
+# layers hash-routed). transformers' config defaults; its default layer schedule (2 HCA, then CSA/HCA
+# interleaved) is cut to the depth. Use --layers.
+DSV4_FLASH = dict(
+    vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43, num_attention_heads=64,
+    num_key_value_heads=1, head_dim=512, q_lora_rank=1024, qk_rope_head_dim=64, n_routed_experts=256,
+    num_experts_per_tok=6, n_shared_experts=1, o_groups=8, o_lora_rank=1024, index_n_heads=64, index_head_dim=128,
+    index_topk=512, sliding_window=128, hc_mult=4, max_position_embeddings=1048576,
+)
 DEEPSEEK_SHAPES = {  # shape -> (fields, transformers config class name, architecture)
     "dsv2lite": (DSV2_LITE, "DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "dsv3": (DSV3, "DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "dsv32": (DSV32, "DeepseekV32Config", "DeepseekV32ForCausalLM"),
     "glm5": (GLM5, "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
+    "dsv4-flash": (DSV4_FLASH, "DeepseekV4Config", "DeepseekV4ForCausalLM"),
 }
 
 
@@ -119,6 +138,9 @@ def make_config(shape: str, layers: int | None):
         fields = dict(GPT_OSS_20B, num_hidden_layers=n,
                       layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)])
         config, arch = transformers.GptOssConfig(**fields), "GptOssForCausalLM"
+    elif shape == "qwen3-30b-a3b":
+        fields = dict(QWEN3_30B_A3B, num_hidden_layers=layers or QWEN3_30B_A3B["num_hidden_layers"])
+        config, arch = transformers.Qwen3MoeConfig(**fields), "Qwen3MoeForCausalLM"
     elif shape in DEEPSEEK_SHAPES:
         base, cls, arch = DEEPSEEK_SHAPES[shape]
         fields = dict(base)
@@ -133,100 +155,7 @@ def make_config(shape: str, layers: int | None):
 
 # The official DeepSeek-V3 checkpoints' quantization_config (float8_e4m3fn weights, a scale per 128x128 block).
 FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-SHAPE_NAMES = ("llama8b", "llama70b", "gemma4-31b", "gpt-oss-20b", *DEEPSEEK_SHAPES)
-
-
-def device_limits() -> dict:
-    """Measured device-to-device copy bandwidth (read + write bytes) and bf16 matmul rate."""
-    return {"copy_bytes_per_s": copy_bandwidth("cuda") * 1e9, "matmul_flops_per_s": matmul_tflops("cuda") * 1e12}
-
-
-def model_profile(llm) -> dict:
-    """What the roofline needs from a loaded model: dense and per-expert weight bytes, attention layers."""
-    size = {"dense_bytes": 0, "expert_bytes": 0, "dense_params": 0, "expert_params": 0}
-    for name, p in llm.model.named_parameters():
-        part = "expert" if ".experts." in name else "dense"
-        size[f"{part}_bytes"] += p.numel() * p.element_size()
-        if not name.endswith("scale_inv"):
-            size[f"{part}_params"] += p.numel()
-    cfg = getattr(llm.config, "text_config", None) or llm.config
-    num_experts = getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_experts", None) or 0
-    top_k = getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "top_k_experts", None) or 0
-    layers = []
-    for a in llm.model.attention_layers():
-        elt = llm.pool.dtype.itemsize
-        spec = a.kv_cache_spec()
-        kv = 0 if spec.shared_from is not None else spec.values_per_token() * elt
-        layers.append({"window": a.sliding_window, "kv_bytes": kv,
-                       "flops_per_pair": 2 * a.num_heads * (a.head_dim + a.v_head_dim)})
-        if a.sparse:  # NSA: the selected tokens' MLA entries, in the layout the decode backend reads
-            layout = llm.engine.decode_backend.mla_kv_layout
-            layers[-1].update(kv_bytes=layout.row_bytes(a.v_head_dim, a.head_dim - a.v_head_dim, llm.pool.dtype),
-                              topk=cfg.index_topk, index_bytes=a.index_head_dim * elt,
-                              index_flops_per_pair=2 * cfg.index_n_heads * a.index_head_dim)
-    return {**size, "num_experts": num_experts if size["expert_params"] else 0, "top_k": top_k, "layers": layers}
-
-
-def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: bool = True) -> float:
-    """Per step: max(bytes moved / copy bandwidth, FLOPs / matmul rate), summed.
-
-    Bytes: dense weights, the experts the step's tokens can touch (expected distinct experts of
-    ``tokens x top_k`` uniform picks), and the KV each layer reads (sliding layers: at most the window per
-    request, from the step's mean context; NSA layers: the MLA entries of at most ``topk`` selected tokens
-    per request, plus every cached token's indexer key when the mean context exceeds ``topk``, below which
-    selection keeps every token and the indexer need not run). ``shared_once``: a cascade step reads its
-    shared prefix once, and a sliding layer the part of it inside every request's window once (token-exact,
-    a lower bound on the page-granular split the backends make). FLOPs: 2 x active weights per token
-    (dense + top_k experts) + attention over the step's token pairs (NSA: over the selected ones, plus the
-    indexer's scores over every pair).
-    """
-    E, k = prof["num_experts"], prof["top_k"]
-    per_expert = prof["expert_bytes"] / max(E, 1)
-    active_params = prof["dense_params"] + (prof["expert_params"] / E * k if E else 0)
-    total = 0.0
-    for s in steps:
-        n = s["new_tokens"]
-        touched = E * (1 - (1 - k / E) ** n) if E else 0
-        weight_bytes = prof["dense_bytes"] + per_expert * touched
-        mean_ctx = s["kv_tokens"] / max(s["num_reqs"], 1)
-        shared = s["shared_prefix_len"] if shared_once else 0
-        saved = shared * (s["num_reqs"] - 1)
-        kv_bytes = 0.0
-        attn_flops = 0.0
-        for layer in prof["layers"]:
-            if layer["window"]:
-                # Windowed cascade: the prefix tokens inside every request's window (those after the longest
-                # request's window start) are read once; step logs without max_seq_len count none.
-                seen = max(0, shared - max(0, s.get("max_seq_len", 1 << 62) - layer["window"]))
-                kv_bytes += layer["kv_bytes"] * (s["num_reqs"] * min(mean_ctx, layer["window"])
-                                                 - seen * (s["num_reqs"] - 1))
-                attn_flops += layer["flops_per_pair"] * n * min(mean_ctx, layer["window"])
-            elif layer.get("topk"):  # NSA: at most topk selected tokens per query
-                kv_bytes += layer["kv_bytes"] * s["num_reqs"] * min(mean_ctx, layer["topk"])
-                attn_flops += layer["flops_per_pair"] * n * min(mean_ctx, layer["topk"])
-            else:
-                kv_bytes += layer["kv_bytes"] * (s["kv_tokens"] - saved)
-                attn_flops += layer["flops_per_pair"] * s["attn_pairs"]
-            if layer.get("topk") and mean_ctx > layer["topk"]:
-                kv_bytes += layer["index_bytes"] * s["kv_tokens"]
-                attn_flops += layer["index_flops_per_pair"] * s["attn_pairs"]
-        flops = 2 * active_params * n + attn_flops
-        total += max((weight_bytes + kv_bytes) / limits["copy_bytes_per_s"], flops / limits["matmul_flops_per_s"])
-    return total
-
-
-def step_kinds(steps: list[dict], *, t0: float, prof: dict, limits: dict) -> dict:
-    """Wall and roofline seconds of the decode steps and of the extend (prompt) steps apart. A step's wall is
-    the time from the previous step's tokens reaching the host to its own (the first: from ``t0``): with the
-    next step launched before the host reads a step's tokens, that is the GPU's time per step once the
-    pipeline is full."""
-    out = {}
-    for kind, decode in (("decode", True), ("extend", False)):
-        mine = [(s, s["t"] - (steps[i - 1]["t"] if i else t0)) for i, s in enumerate(steps)
-                if (s["new_tokens"] == s["num_reqs"]) == decode]
-        out[f"{kind}_wall_s"] = sum(d for _, d in mine)
-        out[f"{kind}_roofline_s"] = roofline_seconds([s for s, _ in mine], prof, limits)
-    return out
+SHAPE_NAMES = ("llama8b", "llama70b", "gemma4-31b", "gpt-oss-20b", "qwen3-30b-a3b", *DEEPSEEK_SHAPES)
 
 
 def warm_up(llm, prompts) -> dict:
@@ -461,7 +390,7 @@ def main(argv=None):
             print(json.dumps(r), flush=True)
             results.append(r)
 
-    meta = {"device": torch.cuda.get_device_name(), **versions(), "shape": args.shape,
+    meta = {"device": torch.cuda.get_device_name(), **versions(), "git_sha": git_sha(), "shape": args.shape,
             "model": f"{args.shape}-shaped, random {args.weights} weights", "config": cfg,
             "workload": f"{len(prompts)} GSM8K 8-shot prompts ({len(data['prefix'])}-token shared prefix), "
                         f"{args.new_tokens} output tokens each, EOS ignored", "limits": limits}

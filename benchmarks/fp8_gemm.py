@@ -21,20 +21,18 @@ versions, rows) goes to ``--output`` (default ``benchmarks/results/fp8_gemm_<gpu
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from attention_triton import copy_bandwidth, time_cuda, versions  # noqa: E402
+from common import RESULTS, gpu_slug, time_cuda, write_result  # noqa: E402
 
 from attnzoo.layers import fp8  # noqa: E402
+from attnzoo.roofline import copy_bandwidth  # noqa: E402
 
 SHAPES = {  # name: (N, K)
     "q_a": (1536, 7168),
@@ -113,7 +111,6 @@ def main(argv=None) -> int:
     if not fp8.fp8_gemm_supported(dev):
         print("this GPU has no FP8 tensor cores (SM89+ needed)", file=sys.stderr)
         return 2
-    gpu = torch.cuda.get_device_name()
     batches = [int(b) for b in args.batches.split(",") if b]
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     rows = []
@@ -127,13 +124,8 @@ def main(argv=None) -> int:
                       f"{r['gbps']:7.0f} {r['speedup_vs_bf16']:7.2f} {r.get('gemm_only_ms', float('nan')):8.4f}")
             else:
                 print(f"{name:15} {n:6} {k:6} {r['m']:5} {r['path']:14} {r['error']}")
-    out = Path(args.output or Path(__file__).parent / "results" /
-               f"fp8_gemm_{re.sub(r'[^a-z0-9]+', '_', gpu.lower()).strip('_')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "device": gpu, "capability": "sm%d%d" % torch.cuda.get_device_capability(), "versions": versions(),
-        "copy_bandwidth_gbps": copy_bandwidth(dev), "source": "deepseek-ai/DeepSeek-V3 config.json",
-        "rows": rows}, indent=1))
+    out = write_result(args.output or RESULTS / f"fp8_gemm_{gpu_slug()}.json", {
+        "copy_bandwidth_gbps": copy_bandwidth(dev), "source": "deepseek-ai/DeepSeek-V3 config.json", "rows": rows})
     print(f"wrote {out}")
     return 0
 

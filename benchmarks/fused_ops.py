@@ -11,7 +11,6 @@ unfused.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -20,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import time_cuda, write_result  # noqa: E402
+
 from attnzoo.layers import fused  # noqa: E402
 from attnzoo.models.common import RMSNorm  # noqa: E402
-from attnzoo.tune import time_ms  # noqa: E402
 
 SHAPES = {
     # hidden, intermediate, q heads, kv heads, head dim, rope interleaved
@@ -34,7 +34,7 @@ SHAPES = {
 
 def bench(fn, iters: int = 100) -> float:
     """Median microseconds of fn() on the GPU."""
-    return time_ms(fn, torch.device("cuda"), warmup=10, iters=iters) * 1e3
+    return time_cuda(fn, warmup=10, iters=iters) * 1e3
 
 
 def ops(shape: str, t: int) -> list[dict]:
@@ -125,10 +125,7 @@ def main() -> None:
     for r in steps:
         print(f"Llama-3.1-8B decode step, batch {r['batch']}, {r['impl']}: {r['decode_step_ms']:.2f} ms {r['graphs']}")
     if args.out:
-        import triton
-
-        meta = dict(device=gpu, torch=torch.__version__, triton=triton.__version__, tokens=args.tokens)
-        args.out.write_text(json.dumps(dict(meta=meta, ops=rows, decode_steps=steps), indent=1))
+        write_result(args.out, {"ops": rows, "decode_steps": steps}, tokens=args.tokens)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -36,6 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from common import RESULTS, gpu_slug, time_cuda, write_result  # noqa: E402
 
 import attnzoo  # noqa: E402
 from attnzoo.attention.backends import backend_names, get_backend_class  # noqa: E402
@@ -71,20 +70,6 @@ def step(llm, ids: list[int], prefix_lens, q_lens, tables, backends=None) -> tor
     ctx = ForwardContext(meta, llm.pool, pre, dec)  # plans the step on the step's backend
     hidden = llm.model(torch.tensor(ids, device=llm.device), meta.positions, ctx)
     return hidden, llm.model.compute_logits(hidden[meta.last_token_rows])
-
-
-def cuda_time(fn, warmup: int, iters: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return times
 
 
 def check_against_torch(llm, name: str) -> dict:
@@ -131,14 +116,15 @@ def bench_backend(cfg_dir: Path, name: str, args) -> tuple[dict, list[dict]]:
         for batch in args.batches:
             tables = [alloc.alloc(-(-(args.context + 1) // ps)) for _ in range(batch)]
             ids = torch.randint(3, vocab, (batch,), generator=gen).tolist()
-            times = cuda_time(lambda: step(llm, ids, [args.context] * batch, [1] * batch, tables),
-                              args.warmup, args.iters)
+            times = time_cuda(lambda: step(llm, ids, [args.context] * batch, [1] * batch, tables),
+                              warmup=args.warmup, iters=args.iters, samples=True)
             for t in tables:
                 alloc.free(t)
             rows.append(_row(name, "decode", batch, args.context, batch, times))
         table = alloc.alloc(-(-args.prefill // ps))
         ids = torch.randint(3, vocab, (args.prefill,), generator=gen).tolist()
-        times = cuda_time(lambda: step(llm, ids, [0], [args.prefill], [table]), 1, max(3, args.iters // 3))
+        times = time_cuda(lambda: step(llm, ids, [0], [args.prefill], [table]), warmup=1,
+                          iters=max(3, args.iters // 3), samples=True)
         alloc.free(table)
         rows.append(_row(name, "prefill", 1, args.prefill, args.prefill, times))
     check.update(prefill_backend=info["prefill_backend"], decode_backend=info["decode_backend"],
@@ -172,8 +158,7 @@ def main(argv=None) -> int:
     if args.layers < 1 or args.context < 1 or args.prefill < 1 or min(args.batches) < 1:
         ap.error("--layers, --context, --prefill and --batches must be positive")
     gpu = torch.cuda.get_device_name()
-    out = args.out or Path(__file__).parent / "results" / f"gemma4_{re.sub(r'[^A-Za-z0-9]+', '_', gpu)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = args.out or RESULTS / f"gemma4_{gpu_slug()}.json"
 
     checks, rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -190,15 +175,11 @@ def main(argv=None) -> int:
             print(f"[{name}] {check['status']}" + (f": {check.get('reason') or check.get('rel_err')}"
                                                    if check["status"] != "reference" else ""), flush=True)
 
-    import transformers
     result = {
         "benchmark": "gemma4", "model_shape": SOURCE, "shape": shape, "layers": args.layers,
-        "device": gpu, "capability": list(torch.cuda.get_device_capability()), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "transformers": transformers.__version__, "python": platform.python_version(),
-        "triton": _version("triton"), "flashinfer": _version("flashinfer"),
         "settings": {k: v for k, v in vars(args).items() if k != "out"}, "checks": checks, "rows": rows,
     }
-    out.write_text(json.dumps(result, indent=2, default=str))
+    out = write_result(out, result)
     print(f"\nGemma-4-31B shape, {args.layers} layers, bf16, {gpu}")
     print(f"{'backend':<12} {'phase':<8} {'batch':>5} {'context':>7} {'median ms':>10} {'min ms':>8} {'tok/s':>10}")
     for r in rows:
@@ -206,13 +187,6 @@ def main(argv=None) -> int:
               f"{r['min_ms']:>8.2f} {r['tokens_per_s']:>10.0f}")
     print(f"wrote {out}")
     return 0
-
-
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except Exception:
-        return None
 
 
 if __name__ == "__main__":

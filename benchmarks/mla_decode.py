@@ -26,18 +26,14 @@ The table prints to stdout; the JSON (device, versions, copy bandwidth, checks, 
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from attention_triton import copy_bandwidth, time_cuda, versions  # noqa: E402
+from common import RESULTS, gpu_slug, parse_ints, time_cuda, write_result  # noqa: E402
 
 from attnzoo.attention.backends import backend_names, get_backend_class  # noqa: E402
 from attnzoo.attention.kv_cache import KVPool  # noqa: E402
@@ -45,6 +41,7 @@ from attnzoo.attention.layer import ForwardContext  # noqa: E402
 from attnzoo.attention.metadata import ForwardMode, build_metadata  # noqa: E402
 from attnzoo.attention.mla import MLAAttention, absorb_query, split_kv_b  # noqa: E402
 from attnzoo.errors import AttnzooError  # noqa: E402
+from attnzoo.roofline import copy_bandwidth  # noqa: E402
 
 HEADS, RANK, ROPE, NOPE, V_DIM = 128, 512, 64, 128, 128
 SOURCE = "deepseek-ai/DeepSeek-V3 (num_attention_heads 128, kv_lora_rank 512, qk_rope_head_dim 64)"
@@ -112,10 +109,6 @@ def check_backend(name: str, page_size: int, dtype, device) -> tuple[bool, str]:
     return worst <= 1e-2, f"relative error {worst:.2e}"
 
 
-def parse_ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backends", default="torch,triton", help=f"comma-separated, from: {', '.join(backend_names())}")
@@ -145,9 +138,7 @@ def main(argv=None) -> int:
     elt = torch.empty((), dtype=dtype).element_size()
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
-    gpu_slug = re.sub(r"[^a-z0-9]+", "_", props.name.lower()).strip("_")
-    out_path = Path(args.output or Path(__file__).parent / "results" / f"mla_decode_{gpu_slug}.json")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path = Path(args.output or RESULTS / f"mla_decode_{gpu_slug()}.json")
 
     copy_gbps = copy_bandwidth(device)
     print(f"# {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
@@ -194,10 +185,7 @@ def main(argv=None) -> int:
 
     result = {
         "benchmark": "mla_decode",
-        "device": props.name,
-        "sm": f"sm{props.major}{props.minor}",
         "num_sms": props.multi_processor_count,
-        "versions": versions(),
         "dtype": args.dtype,
         "page_size": args.page_size,
         "shape": {"heads": HEADS, "kv_lora_rank": RANK, "qk_rope_head_dim": ROPE, "qk_nope_head_dim": NOPE,
@@ -206,9 +194,8 @@ def main(argv=None) -> int:
         "checks": checks,
         "rows": rows,
         "args": vars(args),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    out_path.write_text(json.dumps(result, indent=2, default=str))
+    out_path = write_result(out_path, result)
     print(f"# wrote {out_path}")
     return 0
 

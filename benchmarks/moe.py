@@ -30,7 +30,6 @@ rows) goes to ``--output`` (default ``benchmarks/results/moe_<gpu>.json``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import asdict
@@ -38,10 +37,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from attention_triton import time_cuda, versions  # noqa: E402
+from common import RESULTS, time_cuda, write_result  # noqa: E402
 
 from attnzoo.layers.moe import (  # noqa: E402
     FP8, TILE_TABLES, MoEConfig, gpu_slug, moe_reference, fused_moe, tile_config, tile_key, write_tile_table,
@@ -190,7 +188,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
     slug = gpu_slug(props.name)
-    out_path = Path(args.output or Path(__file__).parent / "results" / f"moe_{slug}.json")
+    out_path = Path(args.output or RESULTS / f"moe_{slug}.json")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     batches = [int(b) for b in (args.batches or (SWEEP_BATCHES if args.sweep else "1,64,512")).split(",") if b]
     tuned: dict[str, dict[int, MoEConfig]] = {}
@@ -215,7 +213,7 @@ def main(argv=None) -> int:
             del w
             torch.cuda.empty_cache()
     result = {
-        "device": props.name, "sm": f"{props.major}{props.minor}", "versions": versions(),
+        "sm": f"{props.major}{props.minor}",
         "shapes": {s: dict(zip(("experts", "top_k", "hidden", "intermediate"), SHAPES[s])) for s in args.shapes.split(",")},
         "elapsed_s": time.perf_counter() - t0, "rows": rows,
     }
@@ -227,8 +225,7 @@ def main(argv=None) -> int:
             if "sweep_best_ratio" in r:
                 print(f"  {r['shape']:8} {r['dtype']:5} {r['batch']:>5}  {r['ratio']:5.2f} -> "
                       f"{r['sweep_best_ratio']:5.2f}  {r['sweep_best_config']}")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1))
+    out_path = write_result(out_path, result)
     print(f"wrote {out_path} ({result['elapsed_s']:.0f} s)")
     return 0
 

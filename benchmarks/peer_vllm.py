@@ -32,7 +32,6 @@ VLLM_FIELDS = {"dsv2lite": {"n_group": 1, "topk_group": 1}}
 
 def write_shape(shape: str, layers: int | None, path: Path) -> None:
     """The shape as e2e.py builds it, for vllm_offline.py to rebuild with vLLM's transformers."""
-    sys.path.insert(0, str(HERE))
     from e2e import make_config
 
     config, fields = make_config(shape, layers)

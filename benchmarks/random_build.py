@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from e2e import FP8_BLOCK_CONFIG, SHAPE_NAMES, make_config  # noqa: E402

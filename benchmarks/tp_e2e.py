@@ -37,15 +37,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from attention_triton import versions  # noqa: E402
-from e2e import (  # noqa: E402
-    FP8_BLOCK_CONFIG, SHAPE_NAMES, device_limits, load_timings, model_profile, roofline_seconds, timed_generate,
-    warm_up,
-)
+from common import git_sha, versions  # noqa: E402
+from e2e import FP8_BLOCK_CONFIG, SHAPE_NAMES, load_timings, timed_generate, warm_up  # noqa: E402
 from e2e import make_config as e2e_make_config  # noqa: E402
+
+from attnzoo.roofline import device_limits, model_profile, roofline_seconds  # noqa: E402
 
 LABELS = {"llama70b": "Llama-3.1-70B-shaped", "gemma4-31b": "Gemma-4-31B-shaped (text model)",
           "dsv3": "DeepSeek-V3-shaped (MLA, 256 experts top-8)"}
@@ -174,7 +172,7 @@ def main():
             r["speedup_vs_tp1"] = r["output_tok_per_s"] / base["output_tok_per_s"]
             r["kv_capacity_vs_tp1"] = r["kv_cache_tokens"] / base["kv_cache_tokens"]
 
-    meta = {"device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}", **versions(), "limits": limits,
+    meta = {"device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}", **versions(), "git_sha": git_sha(), "limits": limits,
             "model": f"{label}, random {args.weights} weights", "config": config.to_dict(),
             "workload": f"{len(prompts)} GSM8K 8-shot prompts ({len(data['prefix'])}-token shared prefix), "
                         f"{args.new_tokens} output tokens each, EOS ignored"}

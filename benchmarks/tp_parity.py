@@ -10,8 +10,6 @@ and how far the decode logits are apart. Heads, experts and the vocabulary are s
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import tempfile
 import time
@@ -22,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import attnzoo  # noqa: E402
+from common import write_result  # noqa: E402
 
 
 def tiny_checkpoint(arch: str, tp: int, directory: Path) -> Path:
@@ -83,9 +82,8 @@ def main(argv=None) -> None:
            "tokens_identical": ref["tokens"] == got["tokens"], "max_abs_logit_diff": diff,
            "tokens_tp1": ref["tokens"], "tokens_tpN": got["tokens"], "wall_s": wall,
            "decision_tpN": {k: got["info"]["decision"].get(k) for k in ("prefill_backend", "decode_backend", "page_size")},
-           "versions": {"python": platform.python_version(), "torch": torch.__version__}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+           }
+    write_result(args.out, res)
     print(f"{args.arch} TP {args.tp} vs TP 1 on {args.device}: greedy tokens identical: {res['tokens_identical']}, "
           f"max |logit diff| {diff:.2e} ({wall:.0f} s)")
     if not res["tokens_identical"] or diff > 1e-4:

@@ -1,18 +1,11 @@
-"""benchmarks/e2e.py's shapes and roofline, on CPU: the reduced DeepSeek-V3.2 shape, and NSA layers
-counted at their top-k selection (plus the indexer keys once selection drops tokens)."""
-import sys
-from pathlib import Path
-
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-e2e = pytest.importorskip("e2e")
-
-import attnzoo  # noqa: E402
-from test_nsa import COMMON, INDEXER  # noqa: E402
+"""benchmarks/e2e.py's shapes and the roofline (attnzoo.roofline), on CPU: the reduced DeepSeek-V3.2 shape, and NSA
+layers counted at their top-k selection (plus the indexer keys once selection drops tokens)."""
+import attnzoo
+from attnzoo.roofline import model_profile, roofline_seconds, step_kinds
+from test_nsa import COMMON, INDEXER
 
 
-def test_dsv32_shape_is_dsv3_with_the_indexer():
+def test_dsv32_shape_is_dsv3_with_the_indexer(e2e):
     config, fields = e2e.make_config("dsv32", 4)
     v3, _ = e2e.make_config("dsv3", 4)
     assert config.architectures == ["DeepseekV32ForCausalLM"] and config.num_hidden_layers == 4
@@ -27,7 +20,7 @@ def test_nsa_roofline_reads_the_selected_tokens_and_the_indexer_keys():
     config = DeepseekV32Config(**COMMON, **INDEXER)
     config.architectures = ["DeepseekV32ForCausalLM"]
     llm = attnzoo.load_model(config, load_format="random", device="cpu", dtype="bfloat16", backend="torch")
-    prof = e2e.model_profile(llm)
+    prof = model_profile(llm)
     layer = prof["layers"][0]
     # MLA entry (latent 32 + rope 8) and indexer key (16), bf16; 8 indexer heads of 16
     assert (layer["kv_bytes"], layer["index_bytes"], layer["topk"]) == (80, 32, 6)
@@ -40,9 +33,9 @@ def test_nsa_roofline_reads_the_selected_tokens_and_the_indexer_keys():
                 "attn_pairs": reqs * ctx}
 
     # contexts within top-k: every token is selected, no indexer pass
-    assert e2e.roofline_seconds([step(2, 5)], one, bytes_only) == 80 * 2 * 5
+    assert roofline_seconds([step(2, 5)], one, bytes_only) == 80 * 2 * 5
     # beyond it: top-k entries per request, and every cached token's indexer key
-    assert e2e.roofline_seconds([step(2, 50)], one, bytes_only) == 80 * 2 * 6 + 32 * 2 * 50
+    assert roofline_seconds([step(2, 50)], one, bytes_only) == 80 * 2 * 6 + 32 * 2 * 50
 
 
 def test_step_kinds_split_wall_and_roofline_by_decode_and_extend():
@@ -56,6 +49,21 @@ def test_step_kinds_split_wall_and_roofline_by_decode_and_extend():
         return {"num_reqs": reqs, "new_tokens": new, "kv_tokens": 0, "shared_prefix_len": 0, "attn_pairs": 0, "t": t}
 
     steps = [step(2, 40, 101.0), step(2, 2, 101.5), step(2, 2, 101.75), step(3, 9, 103.0)]
-    got = e2e.step_kinds(steps, t0=100.0, prof=prof, limits=limits)
+    got = step_kinds(steps, t0=100.0, prof=prof, limits=limits)
     assert got == {"decode_wall_s": 0.75, "decode_roofline_s": 20.0, "extend_wall_s": 1.0 + 1.25,
                    "extend_roofline_s": 20.0}
+
+
+def test_qwen3_30b_a3b_shape_builds_on_the_meta_device(e2e):
+    """The full-size shape builds (no memory): Qwen3-30B-A3B's 30.5B parameters, 3.3B active per token."""
+    from attnzoo.models.registry import model_class
+
+    config, fields = e2e.make_config("qwen3-30b-a3b", None)
+    assert config.architectures == ["Qwen3MoeForCausalLM"] and fields["num_hidden_layers"] == 48
+    model = model_class("Qwen3MoeForCausalLM").shapes_only(config)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = total - experts + experts * config.num_experts_per_tok // config.num_experts
+    assert 30.0e9 < total < 31.0e9 and 3.0e9 < active < 3.6e9, (total, active)
+    attn = model.attention_layers()
+    assert len(attn) == 48 and (attn[0].num_heads, attn[0].num_kv_heads, attn[0].head_dim) == (32, 4, 128)

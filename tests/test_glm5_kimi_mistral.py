@@ -289,12 +289,7 @@ def test_gpu_nsa_backends_match_torch_on_glm5(tmp_path, backend):
             assert (o.logits - w.logits).abs().max().item() <= tol, (backend, graphs)
 
 
-def test_e2e_glm5_shape_is_full_width_at_reduced_depth():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    e2e = pytest.importorskip("e2e")
+def test_e2e_glm5_shape_is_full_width_at_reduced_depth(e2e):
     config, fields = e2e.make_config("glm5", 6)
     assert config.architectures == ["GlmMoeDsaForCausalLM"] and config.num_hidden_layers == 6
     assert config.indexer_types == ["full"] * 6 and config.mlp_layer_types == ["dense"] * 3 + ["sparse"] * 3

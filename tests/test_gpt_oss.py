@@ -280,12 +280,7 @@ def test_moe_biases_and_clamped_swiglu_match_transformers_and_fused():
     assert tm.rel_err(halves, ref) < 1e-5
 
 
-def test_benchmark_shape_is_gpt_oss_20b():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    e2e = pytest.importorskip("e2e")
+def test_benchmark_shape_is_gpt_oss_20b(e2e):
     from attnzoo.policy.profile import profile_from_config
 
     config, _ = e2e.make_config("gpt-oss-20b", None)

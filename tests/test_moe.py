@@ -1,4 +1,4 @@
-"""The fused MoE (attnzoo/layers/moe.py) against the per-expert reference.
+"""The fused MoE (attnzoo/layers/moe/) against the per-expert reference.
 
 Without a GPU the Triton kernels run in the interpreter on tiny shapes; with one, the same cases run on
 the GPU, plus the realistic shapes, the FP8 kernel and CUDA-graph replays marked ``gpu``.
@@ -133,16 +133,10 @@ def test_tile_tables_round_trip_and_lookup(tmp_path):
     assert tile_config(4, 6, 64, 2048, 1408, True, torch.device("cpu"), tmp_path) == default_config(24, 64, True)
 
 
-def test_sweep_space_is_small_and_runnable():
+def test_sweep_space_is_small_and_runnable(bench_script):
     """benchmarks/moe.py --sweep: every candidate is a tile the kernels accept; decode batches try 16-row
     blocks only; no case times more than 24 tiles (the sweep stays within minutes)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "moe.py"
-    spec = importlib.util.spec_from_file_location("moe_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_script("moe")
     for e, k, _, _ in bench.SHAPES.values():
         for fp8 in (False, True):
             for t in map(int, bench.SWEEP_BATCHES.split(",")):

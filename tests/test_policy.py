@@ -37,13 +37,20 @@ _MLA["sm90"] = ("flashinfer_mla", "flashinfer_mla", 64)  # measured: benchmarks/
 EXPECTED = {
     "llama": {**_MHA, "cpu": ("torch", "torch", 16)},
     "gemma4": {**_MHA, "cpu": ("torch", "torch", 16)},
+    "gemma3": {**_MHA, "cpu": ("torch", "torch", 16)},
     "deepseek_mla": {**_MLA, "cpu": ("torch", "torch", 16)},
     "deepseek_nsa": {g: ("torch", "torch", 64) if g == "cpu" else ("nsa_triton", "nsa_triton", 64) for g in GPUS},
     # sinks: triton on Hopper (no FA3 with sinks here), trtllm-gen on Blackwell
     "gpt_oss": {**_MHA, "sm90": ("triton", "triton", 16), "cpu": ("torch", "torch", 16)},
+    "deepseek_v4": {g: ("torch", "torch", 64) if g == "cpu" else ("compressed_triton", "compressed_triton", 64)
+                    for g in GPUS},
 }
 ARCHS = {
     "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "llama",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
     "Gemma4ForConditionalGeneration": "gemma4",
     "DeepseekV2ForCausalLM": "deepseek_mla",
@@ -55,6 +62,7 @@ ARCHS = {
     "Mistral3ForConditionalGeneration": "deepseek_mla",
     "GlmMoeDsaForCausalLM": "deepseek_nsa",
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV4ForCausalLM": "deepseek_v4",
 }
 # Mistral 4's 256-wide latent: trtllm_mla (576 / 512 only) cannot decode it, its Blackwell rows say flashinfer_mla.
 _MISTRAL4 = {**EXPECTED["deepseek_mla"], **dict.fromkeys(("sm100", "sm103"), ("flashinfer_mla", "flashinfer_mla", 64))}
@@ -162,16 +170,25 @@ def test_every_cell_resolves(arch, gpu, flashinfer_installed):
 
 
 def _tiny_configs():
-    from transformers import (DeepseekV2Config, DeepseekV3Config, DeepseekV32Config, Gemma4Config,
-                              Gemma4TextConfig, LlamaConfig)
+    from transformers import (DeepseekV2Config, DeepseekV3Config, DeepseekV32Config, Gemma3Config,
+                              Gemma3TextConfig, Gemma4Config, Gemma4TextConfig, LlamaConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
     gemma_text = dict(num_hidden_layers=6, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=32, global_head_dim=64, attention_k_eq_v=True, num_global_key_value_heads=1,
                       sliding_window=16, vocab_size=128, vocab_size_per_layer_input=128)
     mla = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, kv_lora_rank=32, qk_rope_head_dim=16,
                qk_nope_head_dim=16, v_head_dim=16, vocab_size=128)
+    qwen = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=32, num_hidden_layers=2,
+                vocab_size=128)
+    gemma3 = dict(num_hidden_layers=6, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  sliding_window=16, vocab_size=128)
     cfgs = {
         "LlamaForCausalLM": LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, vocab_size=128),
+        "Qwen3ForCausalLM": Qwen3Config(**qwen),
+        "Qwen3MoeForCausalLM": Qwen3MoeConfig(**qwen, num_experts=4, moe_intermediate_size=32),
+        "Gemma3ForCausalLM": Gemma3TextConfig(**gemma3),
+        "Gemma3ForConditionalGeneration": Gemma3Config(text_config=gemma3),
         "Gemma4ForCausalLM": Gemma4TextConfig(**gemma_text),
         "Gemma4ForConditionalGeneration": Gemma4Config(text_config=gemma_text),
         "DeepseekV2ForCausalLM": DeepseekV2Config(**mla),
@@ -195,6 +212,13 @@ def test_profiles_from_hf_configs():
     for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
         assert (p[arch].kind, p[arch].head_dims, p[arch].v_head_dims) == ("mla", {48}, {32})
     assert p["DeepseekV32ForCausalLM"].kind == "nsa"
+    for arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        assert (p[arch].head_dims, p[arch].num_kv_heads, p[arch].uses_sliding_window) == ({32}, {1}, False), arch
+        assert resolve(cfgs[arch], gpu="cpu").profile.family == "llama", arch
+    for arch in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
+        g = p[arch]
+        assert (g.head_dims, g.num_kv_heads, g.uses_sliding_window) == ({32}, {2}, True), arch
+        assert resolve(cfgs[arch], gpu="cpu").profile.family == "gemma3", arch
     # A config.json as the released Gemma 4 checkpoints write it (global_head_dim, nested text_config).
     released = {"architectures": ["Gemma4ForConditionalGeneration"], "dtype": "bfloat16", "text_config": {
         "model_type": "gemma4_text", "head_dim": 256, "global_head_dim": 512, "num_attention_heads": 32,

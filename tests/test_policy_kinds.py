@@ -33,6 +33,8 @@ def _unlisted(kind="mha", dims=(128,), vdims=None, **kw) -> ModelProfile:
 KINDS = [
     (_unlisted(num_kv_heads=frozenset({8})), "mha", "LlamaForCausalLM"),
     (_unlisted(dims=(256,), num_kv_heads=frozenset({8}), uses_sliding_window=True), "mha_window", "Gemma4ForCausalLM"),
+    (_unlisted(dims=(64,), num_kv_heads=frozenset({8}), uses_sliding_window=True, uses_sinks=True), "mha_sinks",
+     "GptOssForCausalLM"),
     (_unlisted("mla", (576,), (512,), num_kv_heads=frozenset({1})), "mla", "DeepseekV3ForCausalLM"),
     (_unlisted("nsa", (576,), (512,), num_kv_heads=frozenset({1})), "nsa", "DeepseekV32ForCausalLM"),
 ]
@@ -55,11 +57,7 @@ def test_shipped_rows_win_and_unserved_kinds_are_named():
     # A listed architecture keeps its rows, whatever its layers look like.
     d = resolve(ModelProfile("Gemma4ForCausalLM", None, "mha", frozenset({128}), frozenset({128})), gpu="sm100")
     assert d.profile.family == "gemma4" and not any("attention kind" in n for n in d.notes)
-    # A kind that no family lists falls back to its base kind ("mha_sinks" -> mha): the llama rows, whose
-    # backends then refuse sinks by their declarations (no backend here runs sinks); one with no base is named.
-    with pytest.raises(BackendError, match=r"AcmeForCausalLM on cpu: torch \(from shipped policy: family default, "
-                       r"family.llama.gpu.cpu.*does not support attention sinks"):
-        resolve(_unlisted(uses_sinks=True), gpu="cpu")
+    # A kind that no family lists and that has no base kind is named.
     with pytest.raises(PolicyError, match="no family serves its attention kind 'linear'") as e:
         resolve(_unlisted(declared_kind="linear"), gpu="cpu")
     assert "kinds" in str(e.value) and "Fix:" in str(e.value)

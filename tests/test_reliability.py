@@ -301,11 +301,20 @@ def eval_setup(tiny_dir, tmp_path_factory):
     return str(tiny_dir), str(d)
 
 
+_DECISION = {"prefill_backend": "torch", "decode_backend": "torch", "page_size": 16}
+
+
+def _record(doc_id: int) -> dict:
+    """One question's record as run_eval --output saves it."""
+    return {"doc_id": doc_id, "prompt_hash": "ab", "target": "1", "answers": {"strict-match": "1"},
+            "correct": {"strict-match": True}, "response": "w5 #### 1", "output_token_ids": [5, 6]}
+
+
 def _saved(tmp_path, model, **settings) -> Path:
     base = {"task": "gsm8k", "limit": 2, "num_fewshot": 1, "apply_chat_template": False, "max_new_tokens": 8}
     base.update(settings)
-    rep = {"format": 1, "run": {"model": model, "settings": base,
-                                "tasks": {"gsm8k": {"per_question": [{"doc_id": 0}, {"doc_id": 1}]}}}}
+    rep = {"format": 1, "run": {"model": model, "settings": base, "decision": _DECISION,
+                                "tasks": {"gsm8k": {"per_question": [_record(0), _record(1)]}}}}
     path = tmp_path / "saved.json"
     path.write_text(json.dumps(rep))
     return path
@@ -349,7 +358,7 @@ def test_compare_to_a_matching_report_gets_past_validation(eval_setup, tmp_path,
 def test_stop_strings_without_tokenizer_fail_before_work(hf_model, tmp_path, monkeypatch):
     d = save_checkpoint(hf_model, tmp_path / "notok", with_tokenizer=False)
     llm = attnzoo.load_model(d, backend="torch", page_size=4)
-    monkeypatch.setattr(llm.engine, "_step", lambda batch: pytest.fail("a step ran"))
+    monkeypatch.setattr(llm.engine.runner, "launch", lambda *a, **k: pytest.fail("a step ran"))
     for kw in (dict(stop=["w5"]), dict(stop_strings="w5")):
         with pytest.raises(RequestError, match="no tokenizer|has none"):
             llm.generate([[5, 6, 7]], max_new_tokens=4, **kw)

@@ -248,6 +248,16 @@ def test_spawn_route_matches_single_process(checkpoints):
         assert info["decision"]["profile"]["num_heads"] == 2 and info["decision"]["profile"]["num_kv_heads"] == [1]
         assert info["kv_cache_tokens"] == ref["info"]["kv_cache_tokens"]
         _check_same(ref, got, "llama")
+        # The online engine (attnzoo serve's) under TP: its loop is one long rank-0 call the other rank
+        # follows; requests arriving one by one give generate()'s tokens, and the model is usable after.
+        from attnzoo.engine.online import OnlineEngine
+        from attnzoo.engine.sampling import SamplingParams
+
+        online = OnlineEngine(llm)
+        handles = [online.submit(llm._encode(p), SamplingParams(STEPS, ignore_eos=True)) for p in PROMPTS]
+        assert [h.result(120).token_ids for h in handles] == ref["tokens"]
+        online.shutdown()
+        assert [o.token_ids for o in llm.generate(PROMPTS, max_new_tokens=STEPS, ignore_eos=True)] == ref["tokens"]
     finally:
         llm.close()
     assert all(not p.is_alive() for p in llm.tp.workers)

@@ -83,10 +83,35 @@ class KVCacheSpec:
     index_head_dim: int = 0  # NSA: width of the indexer key cache per token, 0 when absent
     shared_from: int | None = None  # KV-sharing layer: reads this layer's cache and owns none
     sliding_window: int | None = None  # a query at p sees keys j > p - sliding_window (None: all before it)
+    # Compressed attention (DeepSeek-V4 CSA/HCA): one entry of ``compressed_dim`` values (and an indexer key
+    # of ``index_compressed_dim``) per ``compress_rate`` tokens, kept in the full group's pages (the page
+    # holding a block's last token); the compressor's per-token inputs (``state_dim`` values) are kept
+    # beside the raw window until their block completes. ``overlap``: an entry also reads the block before.
+    compress_rate: int = 0
+    compressed_dim: int = 0
+    index_compressed_dim: int = 0
+    state_dim: int = 0
+    overlap: bool = False
 
     def values_per_token(self) -> int:
+        """Values per token in the layer's own group (the window group for a windowed layer)."""
         v = 0 if self.v_from_k else self.num_kv_heads * self.v_head_dim
-        return self.num_kv_heads * self.head_dim + v + self.index_head_dim
+        return self.num_kv_heads * self.head_dim + v + self.index_head_dim + self.state_dim
+
+    def entries_per_page(self, page_size: int) -> int:
+        """Compressed entries one full-group page holds (0: no compressor): one per block ending in it."""
+        return -(-page_size // self.compress_rate) if self.compress_rate else 0
+
+    def compressed_values_per_page(self, page_size: int) -> int:
+        """Values a full-group page holds for this layer's compressed entries."""
+        return self.entries_per_page(page_size) * (self.compressed_dim + self.index_compressed_dim)
+
+    def kept_window(self) -> int | None:
+        """Tokens before a query the layer's group must keep: its window, and the compressor's blocks
+        (two with overlap) until they complete."""
+        if not self.compress_rate:
+            return self.sliding_window
+        return max(self.sliding_window or 0, self.compress_rate * (2 if self.overlap else 1))
 
 
 class PageAllocator:
@@ -197,7 +222,7 @@ class KVPool:
         self.device = torch.device(device)
         self._window_layers = window_group_layers(specs) if num_window_pages is not None else set()
         # The window group's release point: the widest window among its layers sees every key a narrower one does.
-        self.window = max((specs[i].sliding_window for i in self._window_layers), default=None)
+        self.window = max((specs[i].kept_window() for i in self._window_layers), default=None)
         self.num_window_pages = num_window_pages if self.window else None
         elt = torch.empty((), dtype=self.kv_dtype).element_size()
         # (layer id) -> (name -> (byte offset, shape)) for layers that own memory
@@ -212,6 +237,13 @@ class KVPool:
                 parts["v"] = (n, spec.num_kv_heads, page_size, spec.v_head_dim)
             if spec.index_head_dim:
                 parts["index_k"] = (n, page_size, spec.index_head_dim)
+            if spec.state_dim:
+                parts["state"] = (n, page_size, spec.state_dim)
+            if spec.compress_rate:  # full group: entries outlive the window
+                parts["compressed"] = (num_pages, spec.entries_per_page(page_size), spec.compressed_dim)
+                if spec.index_compressed_dim:
+                    parts["index_compressed"] = (num_pages, spec.entries_per_page(page_size),
+                                                 spec.index_compressed_dim)
             layout[lid] = {}
             for name, shape in parts.items():
                 layout[lid][name] = (offset, shape)
@@ -243,10 +275,11 @@ class KVPool:
         group's layers as ``window_group_layers`` splits them)."""
         elt = torch.empty((), dtype=dtype).element_size()
         window = window_group_layers(specs) if group is not None else set()
-        return page_size * elt * sum(
-            s.values_per_token() for i, s in enumerate(specs)
-            if s is not None and s.shared_from is None and (group is None or (i in window) == (group == "window"))
-        )
+        owning = [(i, s) for i, s in enumerate(specs) if s is not None and s.shared_from is None]
+        own = page_size * sum(s.values_per_token() for i, s in owning
+                              if group is None or (i in window) == (group == "window"))
+        compressed = sum(s.compressed_values_per_page(page_size) for _, s in owning) if group != "window" else 0
+        return elt * (own + compressed)
 
     @property
     def has_window_group(self) -> bool:
@@ -271,6 +304,10 @@ class KVPool:
 
     def index_k(self, layer_id: int) -> torch.Tensor:
         return self._views[layer_id]["index_k"]
+
+    def view(self, layer_id: int, name: str) -> torch.Tensor:
+        """A layer's named view: "state", "compressed", "index_compressed" (compressed attention)."""
+        return self._views[layer_id][name]
 
     def store(
         self,
@@ -300,3 +337,32 @@ class KVPool:
             views["v"][page, :, off] = quantize_fp8(v, self.v_scale) if self.is_fp8 else v.to(self.kv_dtype)
         if index_k is not None:
             views["index_k"][page, off] = index_k.to(self.kv_dtype)
+
+
+def layer_kind(spec: KVCacheSpec) -> str:
+    """How ``kv_bytes_by_kind`` names a layer's cache: "csa", "hca" (compressed attention), "sliding",
+    "mla", "nsa", "full"."""
+    if spec.compress_rate:
+        return "csa" if spec.index_compressed_dim else "hca"
+    if spec.sliding_window:
+        return "sliding"
+    if spec.v_from_k:
+        return "nsa" if spec.index_head_dim else "mla"
+    return "full"
+
+
+def kv_bytes_by_kind(specs: list[KVCacheSpec | None], page_size: int, dtype: torch.dtype) -> dict[str, dict]:
+    """Per layer kind: its layers, the bytes per token they need while the token is in their window
+    (raw keys, compressor state: ``per_window_token``; a pool without a window group keeps these for
+    ever), and for every token of context (compressed entries at this page size, or the whole entry of a
+    layer without a window: ``per_context_token``), summed over the kind's layers."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    out: dict[str, dict] = {}
+    for s in specs:
+        if s is None or s.shared_from is not None:
+            continue
+        d = out.setdefault(layer_kind(s), {"layers": 0, "per_window_token": 0, "per_context_token": 0.0})
+        d["layers"] += 1
+        d["per_window_token" if s.sliding_window else "per_context_token"] += elt * s.values_per_token()
+        d["per_context_token"] += elt * s.compressed_values_per_page(page_size) / page_size
+    return out

@@ -168,7 +168,7 @@ def build_metadata(
 
 def _padded_table(block_tables) -> tuple[np.ndarray, np.ndarray]:
     """([num_reqs, max_pages] int32 padded with page 0, [num_reqs] lengths). Filled through one flat
-    numpy pass: a nested ``torch.tensor`` took 8 ms per step at 1024 requests x 72 pages. Tables given
+    numpy pass, since a nested ``torch.tensor`` costs a Python object per page every step. Tables given
     as int32 arrays (the engine keeps one per request) are concatenated without touching Python ints."""
     lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
     table = np.zeros((len(block_tables), int(lens.max())), dtype=np.int32)

@@ -27,9 +27,9 @@ from attnzoo.engine import scoring
 from attnzoo.engine.kv_pages import KVPages
 from attnzoo.engine.request import Completion, Request
 from attnzoo.engine.runner import Prepared, Runner, Step, check_cascade, last_rows
-from attnzoo.engine.sampling import SamplingParams, pick_tokens, token_logprobs
+from attnzoo.engine.sampling import OVERFLOW, SamplingParams, pick_tokens, token_logprobs
 from attnzoo.engine.scheduler import MAX_RUNNING_CAP, Batch, Scheduler
-from attnzoo.errors import NumericsError
+from attnzoo.errors import NumericsError, RequestError
 
 __all__ = ["Completion", "Engine", "MAX_RUNNING_CAP", "check_cascade"]
 
@@ -69,6 +69,7 @@ class Engine:
                                    max_running=max_running)
         self.runner = Runner(model, pool, backends, prefix_caching=prefix_caching, cascade=cascade,
                              cascade_min_saved_tokens=cascade_min_saved_tokens, max_rows=self.scheduler.max_running)
+        self.scheduler.gone = self.runner.gone  # one list: the scheduler adds ended requests, each step sends them
         self.step_log: list[dict] | None = None  # set to [] to record one summary per step (benchmarks)
         self.overlap = True
         self.early_launch = True
@@ -212,6 +213,14 @@ class Engine:
         for i, (req, token) in enumerate(zip(batch.sampling_reqs, host.tolist())):
             if req.finish:  # stopped on the step before, after this step was launched early
                 continue
+            if token == OVERFLOW:
+                p = req.params
+                raise RequestError(
+                    f"sampling prompt {req.index} at output token {len(req.out)}: the logits divided by "
+                    f"temperature={p.temperature!r} overflow float32 (softmax would be NaN and return token 0)"
+                    + ("" if p.repetition_penalty == 1.0 else f"; repetition_penalty={p.repetition_penalty!r} scales them too"),
+                    fix="use temperature=0 for greedy decoding, or a temperature of 1e-3 or more",
+                )
             if token < 0:
                 raise NumericsError(
                     f"the model produced non-finite logits (NaN or inf) for prompt {req.index} at output token "

@@ -15,10 +15,11 @@ from transformers import PretrainedConfig
 
 from attnzoo.attention.backends import get_backend_class
 from attnzoo.attention.backends.hybrid import HybridBackend
-from attnzoo.attention.kv_cache import KVPool, kv_storage_dtype, window_group_layers
+from attnzoo.attention.kv_cache import KVPool, kv_bytes_by_kind, kv_storage_dtype, window_group_layers
 from attnzoo.engine.compat import eos_ids as generation_eos_ids
 from attnzoo.engine.compat import read_generation_config
 from attnzoo.engine.engine import Completion, Engine, check_cascade
+from attnzoo.engine.prompts import chat_message, valid_text
 from attnzoo.engine.sampling import SamplingParams
 from attnzoo.errors import BackendError, ModelLoadError, RequestError
 from attnzoo.models import loader
@@ -71,7 +72,7 @@ WINDOW_KV_FRACTION = None
 
 def _window_split(specs, context_len: int, window_kv_fraction: float | None) -> bool:
     """Whether the pool gets a window page group: sliding layers whose window is shorter than the context."""
-    windows = [specs[i].sliding_window for i in window_group_layers(specs)] if window_kv_fraction is not None else []
+    windows = [specs[i].kept_window() for i in window_group_layers(specs)] if window_kv_fraction is not None else []
     return bool(windows) and context_len > max(windows)
 
 
@@ -170,16 +171,18 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("empty prompt string", fix="pass non-empty text")
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self.tokenizer.encode(valid_text(prompt, "the prompt"), add_special_tokens=True)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise RequestError("chat messages given but the tokenizer has no chat template", fix="pass a plain string")
-            for j, m in enumerate(prompt):
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
-                    raise RequestError(f"chat message {j} ({m!r}) needs a 'role' string and a 'content'",
-                                       fix="pass messages like {'role': 'user', 'content': 'Hi!'}")
-            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            messages = [chat_message(j, m) for j, m in enumerate(prompt)]
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # jinja2's TemplateError family, or whatever the template's own code raises
+                raise RequestError(f"the tokenizer's chat template failed on these messages ({type(e).__name__}: {e})",
+                                   fix="check the messages against what the template expects (roles, their order), "
+                                   "repair chat_template in tokenizer_config.json, or pass a plain string") from None
+            return self.tokenizer.encode(valid_text(text, "the chat template's output"), add_special_tokens=False)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
             vocab = self.config_vocab_size
@@ -421,6 +424,7 @@ class LLM:
             "kv_cache_tokens": self.engine.allocator.capacity * self.pool.page_size,
             "kv_page_groups": self._page_groups_info(),
             "kv_bytes_per_token": kv_bytes_per_token,
+            "kv_bytes_per_token_by_kind": kv_bytes_by_kind(specs, self.pool.page_size, self.pool.kv_dtype),
             "kv_layers_with_memory": sum(1 for i in range(len(specs)) if self.pool.owns_memory(i)),
             "kv_element_bytes": elt,
             "context_len": self.engine.context_len,
@@ -440,7 +444,8 @@ class LLM:
         }
 
     def close(self) -> None:
-        """Tensor parallel from one process: stop the ranks this model spawned (also done at exit)."""
+        """Tensor parallel from one process: stop the ranks this model spawned (also done at exit); later
+        calls raise DistributedError."""
         if self.tp is not None:
             self.tp.close()
 
@@ -468,6 +473,7 @@ def load_model(
     fp8_weights: str = "auto",
     seed: int = 0,
     tensor_parallel_size: int | None = None,
+    data_parallel_size: int | None = None,
     kv_cache_dtype: str = "auto",
     k_scale: float = 1.0,
     v_scale: float = 1.0,
@@ -492,6 +498,9 @@ def load_model(
     ``tensor_parallel_size=N``: split the model over N GPUs (N CPU processes on CPU): this process is
     rank 0 and starts the others. Under torchrun, every rank calls load_model (N defaults to WORLD_SIZE)
     and the other ranks' generate/logits follow rank 0's (``attnzoo.engine.tensor_parallel``).
+    ``data_parallel_size=N``: N replicas (each ``tensor_parallel_size`` ranks); returns a
+    ``DataParallelLLM`` whose ``generate`` spreads the prompts over them (``attnzoo.engine.data_parallel``;
+    under torchrun, ranks other than 0 serve inside this call and return None).
     ``kv_cache_dtype``: "auto" (the model dtype) or "fp8_e4m3" (MHA/GQA models: half the bytes of bf16,
     so twice the KV capacity in the same memory); the pool stores k / k_scale and v / v_scale. The
     scales are per tensor and default to 1.0, as vLLM's default (calculate_kv_scales=False): no
@@ -515,12 +524,22 @@ def load_model(
     ``max_model_len`` (vLLM's): the longest prompt + output, at most the model's ``max_position_embeddings``.
     Every argument, the device and the backend choices are checked before any weights are read.
     """
-    from attnzoo.engine import tensor_parallel
+    kwargs = dict(locals())
+    from attnzoo.engine import data_parallel
 
-    kwargs = {k: v for k, v in locals().items() if k != "tensor_parallel"}
-    group = tensor_parallel.launch(tensor_parallel_size, device, kwargs)
+    if data_parallel.wanted(data_parallel_size):
+        return data_parallel.launch(kwargs, _load_replica)
+    return _load_replica(kwargs)
+
+
+def _load_replica(kwargs: dict) -> LLM:
+    """One replica of the model: this process alone, or the tensor-parallel group it leads or joins."""
+    from attnzoo.engine import launch, tensor_parallel
+
+    group = launch.launch(kwargs["tensor_parallel_size"], kwargs["device"], kwargs, load_model)
     try:
-        llm = _load_model(**kwargs, tp=group)
+        with launch.loading(group):
+            llm = _load_model(**kwargs, tp=group)
     except BaseException:
         if group is not None:
             group.close(abort=True)
@@ -532,7 +551,7 @@ def load_model(
 
 def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype, device, page_size, policy_file,
                 kv_cache_tokens, kv_cache_memory, max_batch_tokens, max_running, prefix_caching, cuda_graph,
-                cuda_graph_max_context, cuda_graph_batch_sizes, cascade, load_format, fp8_weights, seed, tensor_parallel_size, kv_cache_dtype,
+                cuda_graph_max_context, cuda_graph_batch_sizes, cascade, load_format, fp8_weights, seed, tensor_parallel_size, data_parallel_size, kv_cache_dtype,
                 k_scale, v_scale, progress, window_kv_fraction, tp,
                 gpu_memory_utilization=None, max_model_len=None) -> LLM:
     from attnzoo.policy import Overrides, resolve
@@ -549,6 +568,11 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
                                            or not 0 < window_kv_fraction <= 1):
         raise ModelLoadError(f"window_kv_fraction must be a number in (0, 1] or None, got {window_kv_fraction!r}",
                              fix=f"pass e.g. window_kv_fraction={WINDOW_KV_FRACTION}, or None for one KV page group")
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        # The scales divide every stored k/v: 0, a negative or NaN would fill the cache with inf/NaN.
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float("inf"):
+            raise ModelLoadError(f"{name} must be a positive finite number, got {value!r}",
+                                 fix=f"pass {name}=1.0 (values kept as they are) or the checkpoint's calibrated scale")
     _check_vllm_limits(gpu_memory_utilization, max_model_len)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise ModelLoadError(f"seed must be an integer in [0, 2**64), got {seed!r}", fix="pass seed=0 (any int)")

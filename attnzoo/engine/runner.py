@@ -41,6 +41,8 @@ class Step:
     keys: list[int] | None = None  # per request: its key (tensor parallel sends only new pages per key)
     window_block_tables: list | None = None  # per request: its window-group pages (a pool with that group)
     fixed: Fixed | None = None  # None: the runner chooses cascade and graph replay itself
+    # keys of requests ended since the last step: the other ranks of a tensor-parallel group drop their tables
+    gone: list[int] | None = None
 
     def wire(self) -> dict:
         """The step as a dict of its fields (shallow), for the tensor-parallel control channel."""
@@ -103,6 +105,7 @@ class Runner:
         self.graph_stats = {"replayed": 0, "eager": 0, "cascade": 0, "cascade_replayed": 0, "cascade_over_cap": 0}
         self.tp = None  # TPGroup (attnzoo.engine.tensor_parallel): rank 0 publishes each step to the others
         self._host_tokens: torch.Tensor | None = None  # pinned int64: each step's sampled tokens
+        self.gone: list[int] = []  # keys of requests ended since the last step (the scheduler appends)
 
     def enable_cuda_graphs(self, max_batch: int, max_context: int, batch_sizes=None, prune: bool = True) -> None:
         from attnzoo.engine.cuda_graph import DEFAULT_BUCKETS, DecodeGraphs
@@ -150,8 +153,9 @@ class Runner:
         step, meta = prep.step, prep.meta
         self.graph_stats["cascade_over_cap"] += prep.over_cap
         if self.tp is not None and self.tp.leader:
-            self.tp.publish(("step", {**step.wire(), "ids": ids,
+            self.tp.publish(("step", {**step.wire(), "ids": ids, "gone": list(self.gone),
                                       "fixed": Fixed(meta.shared_prefix_len, prep.graph)}))
+        self.gone.clear()
         if not isinstance(ids, torch.Tensor):
             ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         rows = None if step.rows is None else torch.tensor(step.rows, dtype=torch.int64, device=self.device)

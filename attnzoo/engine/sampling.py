@@ -10,6 +10,11 @@ import torch
 from attnzoo.errors import RequestError
 
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+# Token id ``sample`` returns for a row whose scaled logits overflowed (never a real token).
+OVERFLOW = -2
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 256
@@ -53,6 +58,11 @@ class SamplingParams:
                     raise RequestError(f"{name} must be at most 20, got {getattr(self, name)}", fix="ask for 20 or fewer")
         if self.repetition_penalty == 0:
             raise RequestError("repetition_penalty must be > 0, got 0", fix="use a positive value; 1.0 turns it off")
+        for name in ("temperature", "repetition_penalty"):
+            # Both are applied to float32 logits: past float32's range they become inf (and 0 * inf NaN).
+            if getattr(self, name) > _FLOAT32_MAX:
+                raise RequestError(f"{name}={getattr(self, name)!r} is beyond float32's range, where the logits are "
+                                   "scaled by it", fix=f"pass {name} below 3.4e38")
 
     @property
     def greedy(self) -> bool:
@@ -65,10 +75,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     Temperature, top-k and top-p are applied per row on the whole batch at once; the draw is
     argmax(probs / E) with E ~ Exp(1) from each request's own generator, which samples from probs and
     keeps a seeded request's tokens independent of what else is in the batch.
+
+    A row whose logits / temperature is not finite (a tiny temperature overflows float32: softmax would
+    be NaN and argmax token 0) comes back as ``OVERFLOW``; the engine names it at the step's sync.
     """
     dev = logits.device
     temp = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32)
     logits = logits / temp[:, None]
+    # max propagates NaN and sees +inf; checked on the values softmax reads, after the division.
+    finite = torch.isfinite(logits.max(dim=-1).values)
     if any(p.top_k for p in params):
         top_k = torch.tensor([p.top_k for p in params], device=dev)
         k_max = min(max(p.top_k for p in params), logits.shape[-1])
@@ -82,7 +97,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         drop = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= top_p[:, None]
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
     noise = torch.stack([torch.empty(logits.shape[-1], device=dev).exponential_(generator=g) for g in generators])
-    return (probs / noise).argmax(dim=-1)
+    return torch.where(finite, (probs / noise).argmax(dim=-1), OVERFLOW)
 
 
 def pick_tokens(logits: torch.Tensor, reqs, eos_ids) -> torch.Tensor:

@@ -66,6 +66,7 @@ class Scheduler:
         self.max_running = max_running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.gone: list[int] = []  # keys of running requests removed (tensor-parallel ranks drop their tables)
         self.admitted_tokens = 0  # prompt tokens admitted over the engine's life, of which
         self.cached_tokens = 0  # found in the prefix cache (the server's hit rate)
 
@@ -205,5 +206,6 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             self.pages.release(req, unfinished=unfinished)
+            self.gone.append(req.key)
         elif req in self.waiting:
             self.waiting.remove(req)

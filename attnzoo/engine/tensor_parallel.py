@@ -1,4 +1,4 @@
-"""Tensor-parallel process groups: starting the ranks, and rank 0 driving the others step by step.
+"""Tensor-parallel process groups: rank 0 driving the others step by step (started by ``launch``).
 
 Two routes lead to the same group of N processes (one per GPU with NCCL, or N CPU processes on gloo):
 
@@ -17,26 +17,31 @@ meet rank 0's) and drop the logits. Several models can share one group (a second
 the same size joins it; spawned ranks load it too): messages name their model, so rank 0 may step
 them in any interleaving (teacher forcing steps runs A and B in lockstep). Each rank's KV pool holds its own heads at the page ids rank 0
 hands out, so the pools are sized alike: the smallest page count any rank can afford.
+
+Failures are the group's own: a rank that dies fails rank 0's call with a DistributedError naming it (and
+every later call), an interrupt on rank 0 stops a call at a step boundary (``_Channel.interrupts``).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
-import socket
+import signal
+import threading
 import weakref
 
 import numpy as np
 import torch
 
+from attnzoo.engine.ranks import LocalRanks
 from attnzoo.engine.runner import Step
-from attnzoo.errors import AttnzooError, ModelLoadError
+from attnzoo.errors import AttnzooError, DistributedError, ModelLoadError
 from attnzoo.layers.parallel import TPContext
 
 # Ranks 1..N-1 wait on the control group while rank 0 is idle (a user between calls): a collective
 # timeout there would kill a healthy group.
 _CONTROL_TIMEOUT = datetime.timedelta(days=30)
-_SERVE_ENV = "ATTNZOO_TP_SERVE"  # set in spawned ranks: serve rank 0 until shutdown, return nothing
 _NO_PAGES = np.zeros(0, dtype=np.int32)
 
 
@@ -60,10 +65,17 @@ class _Channel:
         self.spmd = spmd  # torchrun: the other ranks' calls return rank 0's results
         self.owns_group = owns_group  # we initialised torch.distributed (spawn route): we tear it down
         self.world = dist.group.WORLD  # to notice a group torn down and started again by the caller
-        self.workers: list = []
+        self.ranks: LocalRanks | None = None  # the spawn route's other ranks, on rank 0
         self.models: dict[int, TPGroup] = {}  # model id (load order, the same on every rank) -> its group
         self.loaded = 0
         self.closed = False
+        self.broken: DistributedError | None = None  # why every later call fails
+        self.interrupted = False  # rank 0: SIGINT during a call; the next step boundary stops it
+        self.forced = False  # rank 0: a second SIGINT stopped a step midway: the group cannot go on
+
+    @property
+    def workers(self) -> list:
+        return [] if self.ranks is None else list(self.ranks.processes.values())
 
     def join(self) -> TPGroup:
         group = TPGroup(self, self.loaded)
@@ -79,7 +91,11 @@ class _Channel:
     def broadcast(self, message) -> None:
         import torch.distributed as dist
 
-        dist.broadcast_object_list([message], src=0, group=self.control)
+        if message[1] == "step" and self.interrupted:
+            # A step boundary: every rank has finished the last step and waits for this message, so the
+            # call can stop here and leave the group in step (the caller tells the others it ended).
+            raise KeyboardInterrupt
+        dist.broadcast_object_list([message], group=self.control, group_src=0)
 
     def next(self) -> tuple[int | None, str, object]:
         """Ranks other than 0: run rank 0's steps, each on its model's engine, until another message."""
@@ -87,7 +103,7 @@ class _Channel:
 
         while True:
             box = [None]
-            dist.broadcast_object_list(box, src=0, group=self.control)
+            dist.broadcast_object_list(box, group=self.control, group_src=0)
             model_id, kind, payload = box[0]
             if kind != "step":
                 if model_id in self.models:
@@ -97,6 +113,67 @@ class _Channel:
             group = self.models[model_id]
             group.engine.run_step(Step(**group.decode(payload)))
 
+    # ------------------------------------------------------------------ failures
+
+    def check(self) -> None:
+        """Raise the group's failure, if it has one (a rank died: named with its exit code and last error)."""
+        if self.broken is None and self.ranks is not None:
+            failed = self.ranks.failure()
+            if failed is not None:
+                self.fail(failed)
+        if self.broken is not None:
+            raise self.broken
+
+    def failure_of(self, e: BaseException) -> DistributedError | None:
+        """The group failure behind exception ``e`` (a collective that a dead rank closed), or None when the
+        group is sound (an error of the call itself, or an interrupt that stopped at a step boundary)."""
+        import torch.distributed as dist
+
+        if self.broken is not None:
+            return self.broken
+        if isinstance(e, DistributedError):
+            return e
+        comm = isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "gloo" in str(e).lower())
+        failed = self.ranks.failure(grace=5.0 if comm else 0.0) if self.ranks is not None else None
+        if failed is None and comm:
+            failed = DistributedError(f"a collective of the tensor-parallel group failed: {e}",
+                                      fix="read the failing rank's error (torchrun names it), then start the group again")
+        if failed is None and self.forced:
+            failed = DistributedError("a second interrupt stopped the tensor-parallel group in the middle of a step, "
+                                      "so its ranks no longer agree on where they are; it was closed",
+                                      fix="load the model again (one interrupt stops a call cleanly at the next step)")
+        return failed
+
+    def fail(self, error: DistributedError) -> None:
+        """The group cannot go on: remember why (every later call raises it), stop the ranks we started."""
+        if self.broken is None:
+            self.broken = DistributedError(f"{error.problem}; the group is closed", fix=error.fix or
+                                           "load the model again", rank=error.rank, exitcode=error.exitcode)
+        if self.ranks is not None or self.owns_group:
+            self.shut(abort=True)
+
+    @contextlib.contextmanager
+    def interrupts(self):
+        """Rank 0 during a call: the first SIGINT stops the call at the next step boundary (the step in
+        flight finishes on every rank and is dropped), a second one at once (the group is then closed)."""
+        if threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            yield  # another thread, an enclosing call, or the user's own handler: leave SIGINT alone
+            return
+        self.interrupted = self.forced = False
+
+        def on_sigint(signum, frame):
+            if self.interrupted:
+                self.forced = True
+                raise KeyboardInterrupt
+            self.interrupted = True
+
+        signal.signal(signal.SIGINT, on_sigint)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
     def shut(self, *, abort: bool) -> None:
         """Rank 0 of a spawned group: stop the other ranks (``abort``: at once, a load failed) and tear
         the process group down."""
@@ -104,23 +181,24 @@ class _Channel:
         self.closed = True
         if _CHANNEL is self:
             _CHANNEL = None
-        if abort:
-            for p in self.workers:
-                p.terminate()
-        elif self.workers:
-            try:
-                self.broadcast((None, "shutdown", None))
-            except Exception:  # a rank already gone: nothing left to tell
-                pass
-            for p in self.workers:
-                p.join(timeout=60)
-                if p.is_alive():
-                    p.terminate()
+        if self.ranks is not None:
+            if abort:
+                self.ranks.terminate()
+            else:
+                try:
+                    self.broadcast((None, "shutdown", None))
+                except Exception:  # a rank already gone: nothing left to tell
+                    pass
+                self.ranks.join(timeout=60)
         if self.owns_group:
             import torch.distributed as dist
 
             if dist.is_initialized():
-                dist.destroy_process_group()
+                if abort:  # a dead peer's collectives would hang a plain destroy on NCCL
+                    with contextlib.suppress(Exception):
+                        dist.distributed_c10d._abort_process_group()
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
 
 
 # This process's channel while it is open: a second tensor-parallel model joins it.
@@ -157,6 +235,11 @@ class TPGroup:
         return self.channel.workers
 
     @property
+    def spawned(self) -> bool:
+        """Rank 0 of a group it started (spawn route): it stops the other ranks when done."""
+        return self.channel.ranks is not None
+
+    @property
     def engine(self):
         # Weak: a model dropped without close() (torchrun scripts) is freed as usual.
         return None if self._engine is None else self._engine()
@@ -165,6 +248,9 @@ class TPGroup:
 
     def publish(self, message) -> None:
         kind, payload = message
+        for key in (payload.get("gone") or ()) if kind == "step" else ():
+            self._sent.pop(key, None)
+            self._wsent.pop(key, None)
         if kind == "step" and payload.get("keys") is not None:
             new = []
             for key, table in zip(payload["keys"], payload["block_tables"]):  # int32 arrays (Request.page_table)
@@ -185,6 +271,9 @@ class TPGroup:
 
     def decode(self, payload: dict) -> dict:
         """A step as rank 0 published it -> the step with whole block tables."""
+        for key in payload.get("gone") or ():  # requests that ended: a long-running server never reuses keys
+            self.tables.pop(key, None)
+            self.window_tables.pop(key, None)
         if payload.get("keys") is not None:
             for key, pages in zip(payload["keys"], payload["block_tables"]):
                 if pages or key not in self.tables:
@@ -212,9 +301,23 @@ class TPGroup:
 
     def call(self, fn):
         """Run an API call on rank 0 (then tell the others it ended), or follow rank 0's on the others
-        (steps of any model of the group: a teacher-forced comparison steps two)."""
+        (steps of any model of the group: a teacher-forced comparison steps two). A failed rank fails the
+        call with a DistributedError, as it does every later call; an interrupt on rank 0 stops the call
+        at a step boundary and the group goes on (``_Channel.interrupts``)."""
+        if self.closed:
+            raise DistributedError("this model was closed (llm.close()), which stopped its tensor-parallel ranks",
+                                   fix="load the model again to use it")
+        channel = self.channel
+        channel.check()
         if not self.leader:
-            model_id, kind, payload = self.channel.next()
+            try:
+                model_id, kind, payload = channel.next()
+            except BaseException as e:
+                failed = channel.failure_of(e)
+                if failed is None:
+                    raise
+                channel.fail(failed)
+                raise channel.broken from e
             if (model_id, kind) != (self.model_id, "end"):
                 raise ModelLoadError("rank 0 closed the tensor-parallel group, or called another model",
                                      fix="call generate/logits on every rank in the same order, before rank 0 closes")
@@ -222,13 +325,34 @@ class TPGroup:
             if error is not None:
                 raise error
             return result
-        try:
-            result = fn()
-        except BaseException as e:
-            self.publish(("end", (None, _portable(e) if self.spmd else None)))
-            raise
-        self.publish(("end", (result if self.spmd else None, None)))
+        with channel.interrupts():
+            try:
+                result = fn()
+            except BaseException as e:
+                failed = channel.failure_of(e)
+                if failed is None:
+                    self._end(None, e)
+                    raise
+                channel.fail(failed)
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                raise channel.broken from e
+            self._end(result, None)
+            if channel.interrupted:  # after the last step: the call is done, the interrupt still stands
+                raise KeyboardInterrupt
         return result
+
+    def _end(self, result, error: BaseException | None) -> None:
+        """Rank 0: tell the others the call ended (with its result or error under torchrun)."""
+        try:
+            self.publish(("end", (result if self.spmd else None, None if error is None or not self.spmd
+                                  else portable(error))))
+        except Exception as e:  # a rank died after the call's last step
+            failed = self.channel.failure_of(e)
+            if failed is None:
+                raise
+            self.channel.fail(failed)
+            raise self.channel.broken from e
 
     def close(self, *, abort: bool = False) -> None:
         """Done with this model: rank 0 of a spawned group tells the other ranks to drop it, and stops them
@@ -239,15 +363,19 @@ class TPGroup:
         self.closed = True
         channel = self.channel
         channel.models.pop(self.model_id, None)
-        if not self.leader or not channel.workers or channel.closed:
+        if not self.leader or not self.spawned or channel.closed:
             return
         if abort or not channel.models:
             channel.shut(abort=abort)
         else:
-            channel.broadcast((self.model_id, "drop", None))
+            try:
+                channel.broadcast((self.model_id, "drop", None))
+            except Exception as e:
+                failed = channel.failure_of(e)
+                channel.fail(failed or DistributedError(f"closing a model failed: {e}", fix="load the models again"))
 
 
-def _portable(e: BaseException) -> BaseException:
+def portable(e: BaseException) -> BaseException:
     """The exception itself if it pickles (to re-raise it on the other ranks), else its text."""
     try:
         pickle.dumps(e)
@@ -256,143 +384,29 @@ def _portable(e: BaseException) -> BaseException:
         return AttnzooError(f"rank 0 failed: {type(e).__name__}: {e}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def current() -> _Channel | None:
+    """This process's open channel (a second model joins it), or None."""
+    return _CHANNEL if _CHANNEL is not None and _CHANNEL.live() else None
 
 
-def _rank_device(device, local_rank: int, gpus_needed: int) -> torch.device:
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise ModelLoadError(f"tensor parallelism runs on CUDA GPUs or the CPU, not {dev}", fix="pass device='cuda' or 'cpu'")
-    if dev.index is not None:
-        raise ModelLoadError(f"device {str(dev)!r} names one GPU, but each tensor-parallel rank takes its own",
-                             fix="pass device='cuda': rank r uses cuda:r (cuda:LOCAL_RANK under torchrun)")
-    if torch.cuda.device_count() < gpus_needed:
-        raise ModelLoadError(f"tensor parallelism needs {gpus_needed} GPUs here, {torch.cuda.device_count()} are visible",
-                             fix="lower tensor_parallel_size, or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
-    return torch.device("cuda", local_rank)
-
-
-def launch(tensor_parallel_size: int | None, device, load_kwargs: dict) -> TPGroup | None:
-    """Join (torchrun, spawned rank) or start (one process, N > 1) a tensor-parallel group; None: one process."""
-    import torch.distributed as dist
-
-    world_env = torchrun_world()
-    if tensor_parallel_size is not None and (not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1):
-        raise ModelLoadError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}",
-                             fix="pass tensor_parallel_size=N with N >= 1")
-    if world_env is None:
-        n = tensor_parallel_size or 1
-        if n == 1:
-            return None
-        if _CHANNEL is not None and _CHANNEL.live() and _CHANNEL.workers:
-            return _join_spawned(_CHANNEL, n, device, load_kwargs)
-        if dist.is_available() and dist.is_initialized():
-            raise ModelLoadError("torch.distributed is already initialised in this process (another tensor-parallel model?)",
-                                 fix="close the other model first (llm.close()), or launch with torchrun")
-        dev = _rank_device(device, 0, n)
-        port = _free_port()
-        ctx = torch.multiprocessing.get_context("spawn")
-        workers = []
-        for r in range(1, n):
-            p = ctx.Process(target=_spawned_rank, args=(r, n, port, load_kwargs), daemon=True)
-            p.start()
-            workers.append(p)
-        try:
-            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                    rank=0, world_size=n, timeout=datetime.timedelta(minutes=10))
-            group = _group(0, n, dev, spmd=False, owns_group=True)
-        except BaseException:
-            for p in workers:
-                p.terminate()
-            raise
-        group.channel.workers[:] = workers
-        return group
-
-    rank, local_rank, world = world_env
-    if tensor_parallel_size not in (None, world):
-        raise ModelLoadError(f"tensor_parallel_size={tensor_parallel_size} but torchrun started {world} processes",
-                             fix=f"pass tensor_parallel_size={world} (or leave it unset), or run torchrun --nproc-per-node "
-                                 f"{tensor_parallel_size}")
-    dev = _rank_device(device, local_rank, local_rank + 1)
-    if _CHANNEL is not None and _CHANNEL.live():  # a second model on this process group
-        if _CHANNEL.device != dev:
-            raise ModelLoadError(f"this rank's tensor-parallel group runs on {_CHANNEL.device}, not {dev}",
-                                 fix="load every model of the group on the same device")
-        return _CHANNEL.join()
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    owns = not dist.is_initialized()
-    if owns:
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    elif dist.get_world_size() != world:
-        raise ModelLoadError(f"torch.distributed's world has {dist.get_world_size()} ranks, WORLD_SIZE says {world}",
-                             fix="initialise the default process group over all ranks, or leave it to attnzoo")
-    return _group(rank, world, dev, spmd=os.environ.get(_SERVE_ENV) != "1", owns_group=owns)
-
-
-def _group(rank: int, world: int, dev: torch.device, *, spmd: bool, owns_group: bool) -> TPGroup:
-    import torch.distributed as dist
-
+def open_channel(ctx: TPContext, control, dev: torch.device, *, spmd: bool, owns_group: bool, ranks) -> TPGroup:
+    """This process's channel from now on, and the first model's place in it."""
     global _CHANNEL
-    control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
-    ctx = TPContext(rank=rank, world_size=world, group=dist.group.WORLD)
     _CHANNEL = _Channel(ctx, control, dev, spmd=spmd, owns_group=owns_group)
+    _CHANNEL.ranks = ranks
     return _CHANNEL.join()
 
 
-def _join_spawned(channel: _Channel, n: int, device, load_kwargs: dict) -> TPGroup:
-    """Rank 0 of a spawned group loads another model: the other ranks load it too, in the same order."""
-    if n != channel.ctx.world_size:
-        raise ModelLoadError(f"a tensor-parallel group of {channel.ctx.world_size} processes is running here, and "
-                             f"tensor_parallel_size={n} asks for another size",
-                             fix=f"close its models first (llm.close()), or pass tensor_parallel_size="
-                                 f"{channel.ctx.world_size}")
-    dev = _rank_device(device, 0, n)
-    if dev != channel.device:
-        raise ModelLoadError(f"the running tensor-parallel group is on {channel.device}, not {dev}",
-                             fix="load every model of the group on the same device, or close its models first")
-    channel.broadcast((None, "load", load_kwargs))
-    return channel.join()
-
-
-def _spawned_rank(rank: int, world: int, port: int, load_kwargs: dict) -> None:
-    """Rank ``rank`` of a group started by load_model in one process: the torchrun route, then serve."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), **{_SERVE_ENV: "1"})
-    device = load_kwargs.get("device")
-    if str(device).startswith("cpu") or (device is None and not torch.cuda.is_available()):
-        # CPU ranks share the machine's cores with rank 0.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    from attnzoo.engine.llm import load_model
-
-    first = load_model(**load_kwargs)
-    models, channel = {first.tp.model_id: first}, first.tp.channel
-    try:
-        while True:  # rank 0's steps run inside next(); other messages come out of it
-            model_id, kind, payload = channel.next()
-            if kind == "shutdown":
-                break
-            if kind == "load":
-                llm = load_model(**payload)
-                models[llm.tp.model_id] = llm
-            elif kind == "drop":
-                models.pop(model_id).tp.close()
-            # "end": a call on rank 0 ended (its result stays there)
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def forget(channel: _Channel | None) -> None:
+    """``channel`` (None: any) is closed: a later load starts a new group."""
+    global _CHANNEL
+    if channel is None or _CHANNEL is channel:
+        _CHANNEL = None
 
 
 def register_close(llm, group: TPGroup) -> None:
     """Register the model's engine with its group (the other ranks run its steps on it), and stop a
     spawned group when its LLM is garbage-collected or the interpreter exits."""
     group._engine = weakref.ref(llm.engine)
-    if group.workers and group.leader:
+    if group.spawned and group.leader:
         weakref.finalize(llm, group.close)

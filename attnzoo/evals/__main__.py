@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         except AttnzooError as e:
             print(f"attnzoo.evals: error: {e}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback through lm-eval and torch
+            print("\nattnzoo.evals: interrupted", file=sys.stderr)
+            return 130
         except Exception as e:
             if data_dir is None and _is_hub_failure(e):
                 print(f"attnzoo.evals: error: cannot download the task's documents ({type(e).__name__}: {e}). "

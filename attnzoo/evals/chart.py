@@ -109,6 +109,12 @@ def write_chart(report: dict, path) -> str | None:
                     + ("" if sp.get("same_device", True) else " (different devices)"), fontsize=9)
     speed.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from attnzoo.evals.report import _write_atomically
+
+    try:
+        _write_atomically(path, lambda fh: fig.savefig(fh, dpi=110, format="png"))
+    except OSError as e:
+        return f"cannot write {path} ({e.strerror or e})"
+    finally:
+        plt.close(fig)
     return None

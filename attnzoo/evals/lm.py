@@ -75,6 +75,7 @@ class AttnzooLM(TemplateLM):
         wave_size: int | None = None,
         kv_cache_tokens: int | None = None,
         tensor_parallel_size: int | None = None,
+        data_parallel_size: int | None = None,
         kv_cache_dtype: str = "auto",
         k_scale: float = 1.0,
         v_scale: float = 1.0,
@@ -90,7 +91,7 @@ class AttnzooLM(TemplateLM):
                 f"unknown model argument(s) for the attnzoo model: {', '.join(sorted(unknown))}",
                 fix="use pretrained, backend, prefill_backend, decode_backend, page_size, policy_file, dtype, device, "
                 "max_gen_toks, max_length, add_bos_token, wave_size, kv_cache_tokens, kv_cache_dtype, k_scale, v_scale, "
-                "tensor_parallel_size",
+                "tensor_parallel_size, data_parallel_size",
             )
         if wave_size is not None and int(wave_size) < 1:
             raise EvalError(f"wave_size must be at least 1, got {wave_size}", fix="pass wave_size=N with N >= 1")
@@ -103,6 +104,7 @@ class AttnzooLM(TemplateLM):
                 kv_cache_tokens=kv_cache_tokens, kv_cache_dtype=kv_cache_dtype,
                 k_scale=float(k_scale), v_scale=float(v_scale),
                 tensor_parallel_size=int(tensor_parallel_size) if tensor_parallel_size else None,
+                data_parallel_size=int(data_parallel_size) if data_parallel_size else None,
             )
         if llm.tokenizer is None:
             raise EvalError(f"{llm.source.name} has no tokenizer", fix="evaluate a checkpoint that ships tokenizer files")

@@ -7,10 +7,14 @@ total (``attnzoo.evals.tokens``), and two verdicts: the token-level one and the 
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import math
+import os
 import platform
+import tempfile
 from collections import defaultdict
+from pathlib import Path
 from typing import Any, Iterable
 
 from attnzoo.errors import EvalError
@@ -347,18 +351,6 @@ def render_performance(run: dict) -> list[str]:
     return lines
 
 
-def check_saved_report(report: Any, path: str) -> dict:
-    """A saved report must be ours and hold per-question records."""
-    if not isinstance(report, dict) or report.get("format") != REPORT_FORMAT or "run" not in report:
-        raise EvalError(f"{path} is not a run_eval report (format {REPORT_FORMAT})",
-                        fix="pass a JSON file written by run_eval --output, or a backend name")
-    run = report["run"]
-    for task, t in run.get("tasks", {}).items():
-        if not t.get("per_question"):
-            raise EvalError(f"{path} has no per-question records for task {task!r}", fix="re-run run_eval --output to save one")
-    return run
-
-
 # ------------------------------------------------------------------------------ terminal
 
 
@@ -472,3 +464,21 @@ def write_chart(report: dict, path) -> str | None:
     from attnzoo.evals.chart import write_chart as chart
 
     return chart(report, path)
+
+
+def _write_atomically(path, write) -> None:
+    """``write(binary file)`` into a temporary file beside ``path``, renamed over it once complete: a failed
+    write (full disk, folder removed) leaves no truncated file and keeps a previous one."""
+    path = Path(path).expanduser()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # mkstemp makes it 0600
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                    help="split the model over N GPUs (default: 1, or WORLD_SIZE under torchrun, where rank 0 reports)")
+    p.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
+                   help="N replicas of the model (each --tensor-parallel-size ranks), the questions split between them; "
+                        "the report does not depend on N (under torchrun: WORLD_SIZE = N x tensor-parallel size)")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N questions")
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's, 5 for gsm8k)")
     p.add_argument("--apply-chat-template", action="store_true", help="format prompts with the tokenizer's chat template")
@@ -96,13 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------ validation
 
 
-def check_output_path(path: str) -> Path:
+def check_output_path(path: str, flag: str = "--output") -> Path:
+    """``path`` as a file this run can create or replace (checked by creating a file beside it)."""
     out = Path(path).expanduser()
     if out.is_dir():
-        raise EvalError(f"--output {path!r} is a directory", fix="give a file name, e.g. report.json")
+        example = "report.json" if flag == "--output" else "comparison.png"
+        raise EvalError(f"{flag} {path!r} is a directory", fix=f"give a file name, e.g. {example}")
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
-        raise EvalError(f"--output {path!r}: the folder {str(parent)!r} does not exist", fix="create it first, or pick another path")
+        raise EvalError(f"{flag} {path!r}: the folder {str(parent)!r} does not exist", fix="create it first, or pick another path")
     # os.access says yes to root even on read-only mounts; creating a file is the real test.
     try:
         with tempfile.NamedTemporaryFile(dir=parent, prefix=".run_eval-", delete=True):
@@ -110,7 +115,7 @@ def check_output_path(path: str) -> Path:
         if out.exists() and not os.access(out, os.W_OK):
             raise PermissionError(str(out))
     except OSError as e:
-        raise EvalError(f"--output {path!r} is not writable ({e.strerror or e})", fix="pick a path you can write to") from None
+        raise EvalError(f"{flag} {path!r} is not writable ({e.strerror or e})", fix="pick a path you can write to") from None
     return out
 
 
@@ -123,6 +128,9 @@ def _check_numbers(args) -> None:
         raise EvalError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}", fix="pass a positive number")
     if args.wave_size is not None and args.wave_size < 1:
         raise EvalError(f"--wave-size must be at least 1, got {args.wave_size}", fix="pass a positive number")
+    for flag, value in (("--k-scale", args.k_scale), ("--v-scale", args.v_scale)):
+        if not 0 < value < float("inf"):  # NaN fails too
+            raise EvalError(f"{flag} must be a positive finite number, got {value}", fix=f"pass {flag} 1.0 (the default)")
     if not 0 < args.alpha < 1:
         raise EvalError(f"--alpha must be between 0 and 1, got {args.alpha}", fix="pass e.g. --alpha 0.05")
     if args.backend and (args.prefill_backend or args.decode_backend):
@@ -131,6 +139,13 @@ def _check_numbers(args) -> None:
     if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         raise EvalError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}",
                         fix="pass a positive number")
+    if args.data_parallel_size is not None and args.data_parallel_size < 1:
+        raise EvalError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}",
+                        fix="pass a positive number")
+    if (args.data_parallel_size or 1) > 1 and (args.compare_to is not None or args.compare_kv_cache_dtype is not None):
+        raise EvalError("--data-parallel-size > 1 runs one evaluation; comparisons (--compare-to, "
+                        "--compare-kv-cache-dtype) teacher-force on one replica",
+                        fix="drop --data-parallel-size for a comparison, or compare two saved reports with --compare-to")
     if args.compare_page_size is not None and args.compare_to is None:
         raise EvalError("--compare-page-size needs --compare-to", fix="add --compare-to BACKEND")
     if args.logit_compare_limit is not None and args.logit_compare_limit < 0:
@@ -155,21 +170,11 @@ def _compare_target(value: str | None) -> tuple[str | None, Path | None]:
     return value, None
 
 
-def _load_saved(path: Path) -> dict:
-    from attnzoo.evals.report import check_saved_report
-
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise EvalError(f"cannot read the report {str(path)!r}: {e}", fix="pass a JSON file written by run_eval --output") from None
-    return check_saved_report(data, str(path))
-
-
 def _tensor_parallel_size(args) -> int:
     from attnzoo.engine.tensor_parallel import torchrun_world
 
     world = torchrun_world()
-    return args.tensor_parallel_size or (world[2] if world else 1)
+    return args.tensor_parallel_size or (world[2] // (args.data_parallel_size or 1) if world else 1)
 
 
 def _resolve_policy(config, src, device, dtype, policy_file, b: Backends, tp: int = 1):
@@ -203,6 +208,14 @@ def _load(args, b: Backends, **kw):
                       tensor_parallel_size=args.tensor_parallel_size, **kw)
 
 
+def _load_replicas(args, b: Backends):
+    """The evaluated model: one replica, or ``--data-parallel-size`` of them (None on torchrun ranks other
+    than 0: they served rank 0's replicas until it closed them)."""
+    if (args.data_parallel_size or 1) == 1:
+        return _load(args, b)
+    return _load(args, b, data_parallel_size=args.data_parallel_size)
+
+
 def _evaluate(args, data_files, b: Backends, label: str) -> tuple[dict, dict]:
     """Load the model with backends ``b``, run the task; return the run's report and each question's
     (prompt ids, output ids), keyed (task, doc_id), for teacher forcing."""
@@ -215,7 +228,9 @@ def _evaluate(args, data_files, b: Backends, label: str) -> tuple[dict, dict]:
     from attnzoo.evals import perf
 
     t_load = time.perf_counter()
-    llm = _load(args, b)
+    llm = _load_replicas(args, b)
+    if llm is None:
+        return None, {}
     load_s = time.perf_counter() - t_load
     if llm.device.type == "cuda":
         import torch
@@ -242,7 +257,7 @@ def _evaluate(args, data_files, b: Backends, label: str) -> tuple[dict, dict]:
         "max_new_tokens": args.max_new_tokens or next(
             (c.get("generation_kwargs", {}).get("max_gen_toks") for c in configs.values()), None) or lm.max_gen_toks,
         "data_dir": str(Path(args.data_dir).resolve()) if args.data_dir else None,
-        "backends_asked": b.describe(),
+        "backends_asked": b.describe(), "data_parallel_size": args.data_parallel_size or 1,
         "kv_cache_dtype": b.kv_cache_dtype, "k_scale": args.k_scale, "v_scale": args.v_scale,
         "policy_file": args.policy,
         "seeds": {k: results.get("config", {}).get(k) for k in ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")},
@@ -343,14 +358,17 @@ def run(args, write: bool = True, sequences: dict | None = None) -> dict:
     ``sequences``: filled with this run's (prompt ids, output ids) per (task, doc_id), for teacher forcing
     by the caller (``teacher_force_many``)."""
     from attnzoo.evals.report import REPORT_FORMAT, compare_runs
-    from attnzoo.evals.tasks import check_data_dir, load_tasks, require_lm_eval
+    from attnzoo.evals.saved import check_saved_matches, check_saved_tokens, load_saved
+    from attnzoo.evals.tasks import check_data_dir, check_fewshot_pool, load_tasks, require_lm_eval
     from attnzoo.models import loader
 
     require_lm_eval()
     _check_numbers(args)
     out_path = check_output_path(args.output) if args.output else None
+    if args.plot:
+        check_output_path(args.plot, "--plot")
     compare_backend, saved_path = _compare_target(args.compare_to)
-    saved = _load_saved(saved_path) if saved_path else None
+    saved = load_saved(saved_path) if saved_path else None
 
     mine = Backends(args.backend, args.prefill_backend, args.decode_backend, args.page_size, args.kv_cache_dtype)
     other_kv = args.compare_kv_cache_dtype or args.kv_cache_dtype
@@ -362,6 +380,8 @@ def run(args, write: bool = True, sequences: dict | None = None) -> dict:
         other = None
     src = loader.resolve_source(args.model)
     config = loader.load_config(src)
+    if saved is not None:
+        check_saved_tokens(saved, (getattr(config, "text_config", None) or config).vocab_size, str(saved_path))
     tp = _tensor_parallel_size(args)
     _check_context(args, config)
     _resolve_policy(config, src, args.device, args.dtype, args.policy, mine, tp)
@@ -373,12 +393,18 @@ def run(args, write: bool = True, sequences: dict | None = None) -> dict:
         if tok is None or getattr(tok, "chat_template", None) is None:
             raise EvalError(f"--apply-chat-template was given but {src.name} has no chat template",
                             fix="drop --apply-chat-template, or evaluate a checkpoint whose tokenizer has a chat template")
+        try:  # a template that does not parse, or raises, would otherwise fail after the model loads
+            tok.apply_chat_template([{"role": "user", "content": "1 + 1?"}], tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja2's TemplateError family, or whatever the template's own code raises
+            raise EvalError(f"the chat template of {src.name} fails on a one-message chat ({type(e).__name__}: {e})",
+                            fix="repair chat_template in tokenizer_config.json, or drop --apply-chat-template") from None
 
     data_files = check_data_dir(args.task, args.data_dir) if args.data_dir else None
     # Reads the documents now, so an unknown task or an unreachable dataset fails before the model loads.
     _, loaded = load_tasks(args.task, data_files)
+    check_fewshot_pool(data_files, loaded, args.num_fewshot)
     if saved is not None:
-        _check_saved_matches(saved, args, loaded, src)
+        check_saved_matches(saved, args, loaded, src)
     del loaded
 
     import torch
@@ -388,6 +414,8 @@ def run(args, write: bool = True, sequences: dict | None = None) -> dict:
         1 << 62 if on_gpu else CPU_LOGIT_COMPARE_LIMIT)
     report: dict[str, Any] = {"format": REPORT_FORMAT}
     report["run"], seqs = _evaluate(args, data_files, mine, label=mine.describe())
+    if report["run"] is None:  # a torchrun rank other than 0 of a data-parallel run: rank 0 reports
+        return report
     if sequences is not None:
         sequences.update(seqs)
     prompts = {k: p for k, (p, _) in seqs.items()}
@@ -429,6 +457,11 @@ def write_report(path: Path, report: dict) -> None:
             os.fsync(fh.fileno())
         os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # mkstemp makes it 0600
         os.replace(tmp, path)
+    except KeyboardInterrupt:  # no half-written temporary file left beside the report
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise
     except OSError as e:
         if tmp is not None:
             with contextlib.suppress(OSError):
@@ -471,33 +504,15 @@ def _rank() -> int:
     return world[0] if world else 0
 
 
-def _check_saved_matches(saved: dict, args, loaded, src) -> None:
-    """A saved report is comparable only when it ran the same model and the same task settings."""
-    names = set(loaded["tasks"])
-    if set(saved.get("tasks", {})) != names:
-        raise EvalError(f"the saved report is for task(s) {', '.join(sorted(saved.get('tasks', {})))}, not {', '.join(sorted(names))}",
-                        fix="compare against a report of the same task")
-    theirs = saved.get("model")
-    if theirs != src.name and not (theirs and Path(theirs).expanduser().resolve() == Path(src.name).expanduser().resolve()):
-        raise EvalError(f"the saved report evaluated model {theirs!r}, this run {src.name!r}",
-                        fix="pass the saved report's --model, or compare against a report of this model")
-    s = saved.get("settings", {})
-    configs = {name: task.config for name, task in loaded["tasks"].items()}
-    shots = {name: args.num_fewshot if args.num_fewshot is not None else c.num_fewshot for name, c in configs.items()}
-    # 256: AttnzooLM's max_gen_toks default, used when neither the flag nor the task sets one.
-    max_new = args.max_new_tokens or next(((c.generation_kwargs or {}).get("max_gen_toks") for c in configs.values()), None) or 256
-    mine = {"limit": args.limit, "apply_chat_template": args.apply_chat_template,
-            "num_fewshot": shots if len(shots) > 1 else next(iter(shots.values())), "max_new_tokens": max_new}
-    flags = {"limit": "--limit", "apply_chat_template": "--apply-chat-template", "num_fewshot": "--num-fewshot",
-             "max_new_tokens": "--max-new-tokens"}
-    for key, value in mine.items():
-        if key in s and s[key] != value:
-            raise EvalError(f"the saved report was run with {key}={s[key]!r}, this run has {value!r}; "
-                            "the two runs would not answer the same questions the same way",
-                            fix=f"run with the saved report's {flags[key]} ({s[key]!r}), or compare against a matching report")
-
-
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback through lm-eval and torch
+        print("\nrun_eval: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     from attnzoo.evals.report import render
 
     args = build_parser().parse_args(argv)

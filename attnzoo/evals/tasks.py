@@ -57,8 +57,19 @@ def check_data_dir(task: str, data_dir: str | Path) -> dict[str, str]:
     return files
 
 
-def _check_gsm8k_file(path: Path) -> None:
-    # The json builder would fail deep inside `datasets` with no line number; check here instead.
+def _check_gsm8k_file(path: Path) -> int:
+    """The number of documents in ``path``, each checked. The json builder would fail deep inside
+    `datasets` with no line number; check here instead."""
+    try:
+        return _read_gsm8k_file(path)
+    except UnicodeDecodeError as e:
+        raise EvalError(f"{path} is not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} at offset {e.start})",
+                        fix="use the original GSM8K jsonl files (UTF-8), or convert the file with iconv -t UTF-8") from None
+    except OSError as e:
+        raise EvalError(f"cannot read {path} ({e.strerror or e})", fix="check the file's permissions") from None
+
+
+def _read_gsm8k_file(path: Path) -> int:
     n = 0
     with path.open(encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
@@ -77,6 +88,23 @@ def _check_gsm8k_file(path: Path) -> None:
             n += 1
     if n == 0:
         raise EvalError(f"{path} is empty", fix="use the original GSM8K jsonl files")
+    return n
+
+
+def check_fewshot_pool(data_files: dict[str, str] | None, loaded, num_fewshot: int | None) -> None:
+    """--data-dir: each task's few-shot split must hold as many documents as the shots it samples (without
+    replacement), else lm-eval fails on the first question, after the model has loaded."""
+    if not data_files:
+        return
+    for name, task in loaded["tasks"].items():
+        shots = num_fewshot if num_fewshot is not None else (task.config.num_fewshot or 0)
+        split = getattr(task.config, "fewshot_split", None) or "train"
+        if shots and split in data_files:
+            have = _check_gsm8k_file(Path(data_files[split]))
+            if have < shots:
+                raise EvalError(f"{data_files[split]} holds {have} document(s), fewer than the {shots} few-shot "
+                                f"examples {name} samples from it per question",
+                                fix=f"pass --num-fewshot {have} or fewer, or use the full {Path(data_files[split]).name}")
 
 
 def task_manager(task: str):

@@ -33,8 +33,8 @@ FP8_MAX = 448.0
 GROUP = 128
 # DeepSeek's act_quant clamps the group maximum so an all-zero group gets a finite scale.
 MIN_AMAX = 1e-4
-# Quantization groups per program of the activation kernels (here and the MoE's act-and-quantize): one
-# group per program made tens of thousands of tiny programs (the MoE's at batch 512: 23 us, 0.9 TB/s).
+# Quantization groups per program of the activation kernels (here and the MoE's act-and-quantize): one group
+# per program makes tens of thousands of tiny programs at large batches, each too short to reach bandwidth.
 GROUPS_PER_PROGRAM = 4
 # Random-weight models draw FP8 codes directly (``random_codes_``): a random sign and mantissa at exponent 0,
 # +-[1, 1.875], whose root mean square this is; a block factor of std / CODE_RMS gives weights of that std.

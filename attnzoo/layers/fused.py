@@ -121,7 +121,7 @@ def norm_rope_ref(q, k, v, cos, sin, q_norm: NormParams, k_norm: NormParams | No
     q = rope_ref(rms_norm_ref(q, q_norm), cos, sin, interleaved)
     if k is None:
         return q, None, None
-    return q, rope_ref(rms_norm_ref(k, k_norm), cos, sin, interleaved), rms_norm_ref(v, v_norm)
+    return q, rope_ref(rms_norm_ref(k, k_norm), cos, sin, interleaved), None if v is None else rms_norm_ref(v, v_norm)
 
 
 def softcap_ref(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -184,13 +184,13 @@ def norm_rope(
     """(rope(q_norm(q)), rope(k_norm(k)), v_norm(v)) for q [T, Hq, D], k and v [T, Hk, D] (v may read the
     same memory as k: Gemma 4's global layers take values from the key projection), cos/sin [T, R].
     Each norm's output is rounded to the input dtype before RoPE, as the separate ops round it. k and v
-    None: a KV-sharing layer's query only."""
-    if (k is None) != (v is None):
-        raise BackendError("norm_rope takes k and v together (or neither)", fix="pass both, or None for both")
+    None: a KV-sharing layer's query only; v alone None: QK-norm only (Qwen3, Gemma 3), v returned None."""
+    if k is None and v is not None:
+        raise BackendError("norm_rope got v without k", fix="pass k with v, or None for both")
     kern = _triton(q)
     if kern is None:
         return norm_rope_ref(q, k, v, cos, sin, q_norm, k_norm, v_norm, interleaved)
-    norms = (q_norm,) if k is None else (q_norm, k_norm, v_norm)
+    norms = (q_norm,) if k is None else (q_norm, k_norm) if v is None else (q_norm, k_norm, v_norm)
     return kern.norm_rope(q, k, v, cos, sin, norms, interleaved=interleaved)
 
 

@@ -1,4 +1,4 @@
-"""Triton kernels of the fused MoE (``attnzoo/layers/moe.py``, which imports this module on first use so
+"""Triton kernels of the fused MoE (``attnzoo/layers/moe/fused.py``, which imports this module on first use so
 that importing a model file never imports triton; on CPU the interpreter must be chosen first).
 
 * ``align_kernel``: the expert sort and padding of ``moe_align_block_size`` (one launch).
@@ -124,16 +124,21 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, bias
 @triton.jit
 def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
                ACT: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, MIN_AMAX: tl.constexpr,
-               BLOCK: tl.constexpr, GROUPS: tl.constexpr, ALPHA: tl.constexpr = 1.702, LIMIT: tl.constexpr = 7.0):
+               BLOCK: tl.constexpr, GROUPS: tl.constexpr, ALPHA: tl.constexpr = 1.702, LIMIT: tl.constexpr = 7.0,
+               CLAMP: tl.constexpr = 0.0):
     # y = act(x[:, :width]) * x[:, width:] (ACT 1 silu, 2 gelu-tanh; 3 gpt-oss's clamped SwiGLU,
     # (clamp(up, -LIMIT, LIMIT) + 1) * g * sigmoid(ALPHA * g), g = min(gate, LIMIT)), in float32, for GROUPS x BLOCK channels
-    # of one row; with QUANT, FP8 with one scale per BLOCK (= the quantization group) channels.
+    # of one row; with QUANT, FP8 with one scale per BLOCK (= the quantization group) channels. CLAMP > 0
+    # clamps gate above and up on both sides first (DeepSeek-V4's SwiGLU).
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     offs = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     ok = offs < width
     gate = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + width + offs, mask=ok, other=0.0).to(tl.float32)
+    if CLAMP > 0:
+        gate = tl.minimum(gate, CLAMP)
+        up = tl.minimum(tl.maximum(up, -CLAMP), CLAMP)
     if ACT == 1:
         v = gate * tl.sigmoid(gate) * up
     elif ACT == 3:

@@ -18,7 +18,7 @@ from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.errors import WeightError
 from attnzoo.layers import fused
 from attnzoo.layers.fp8 import Fp8MergedLinear
-from attnzoo.layers.parallel import SINGLE, RowParallelLinear, TPContext, narrow
+from attnzoo.layers.parallel import SINGLE, RowParallelLinear, TPContext, VocabParallelEmbedding, narrow
 
 
 class RMSNorm(nn.Module):
@@ -174,6 +174,18 @@ class CausalLM(nn.Module):
         """Map a checkpoint tensor name to our parameter name; None skips the tensor."""
         return name
 
+    @staticmethod
+    def layer_index(name: str, parts: list[str], at: int = 2) -> int | None:
+        """The layer number of a '...layers.<N>...' tensor name (``parts`` is its split, N at ``at``);
+        None when the name is not under 'layers'. A name with no number there is named, not a ValueError."""
+        if parts[at - 1 : at] != ["layers"]:
+            return None
+        if len(parts) <= at or not parts[at].isdigit():
+            raise WeightError(f"checkpoint tensor {name!r} does not name a layer number after 'layers.'",
+                              fix="check that config.json's architectures matches the weights (an extra module's "
+                              "tensors, e.g. a multi-token-prediction head, must be named layers.<N>...)")
+        return int(parts[at])
+
     def merged_parts(self) -> dict[str, tuple[str, slice, Callable | None]]:
         """Checkpoint-side name of each MergedLinear part's tensor -> (our parameter, its rows, the cut
         of the full tensor to this rank's rows or None)."""
@@ -246,3 +258,46 @@ class CausalLM(nn.Module):
         if self.tied_lm_head and hasattr(self, "lm_head"):
             self.lm_head.weight = self.model.embed_tokens.weight
 
+
+
+class DecoderLayer(nn.Module):
+    """The pre-norm residual block of Llama, DeepSeek and Qwen3: x + self_attn(norm(x)), then + mlp(norm(x)).
+    The model file builds ``self_attn`` (forward(x, cos, sin, ctx)) and ``mlp`` (forward(x))."""
+
+    def __init__(self, hidden: int, eps: float, self_attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, x, residual, cos, sin, ctx):
+        """x: the previous layer's output; residual: the stream before it (None in the first layer).
+        -> this layer's output and the stream before it: each add is fused with the norm after it."""
+        x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, cos, sin, ctx), residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    """``model.*`` of a checkpoint: embed_tokens, the layers, the final norm."""
+
+    def __init__(self, config, layers: Iterable[nn.Module], tp: TPContext = SINGLE, *, norm_offset: float = 0.0):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=norm_offset)
+
+
+class DecoderLM(CausalLM):
+    """A ``DecoderModel`` of ``DecoderLayer`` s that share one RoPE (``self.rotary``), and ``lm_head``."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x, residual = self.model.embed_tokens(input_ids), None
+        cos, sin = self.rotary(positions)
+        for layer in self.model.layers:
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return self.model.norm.add_and_norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -23,12 +23,13 @@ from torch import nn
 
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.mla import MLAAttention
-from attnzoo.errors import ModelLoadError
+from attnzoo.errors import ModelLoadError, WeightError
 from attnzoo.layers.moe import FusedMoE, select_experts
-from attnzoo.layers.parallel import (
-    SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
+from attnzoo.layers.parallel import SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext
+from attnzoo.models.common import (
+    DecoderLayer, DecoderLM, DecoderModel, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope_qk,
 )
-from attnzoo.models.common import CausalLM, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope_qk
+from attnzoo.models import validate
 
 log = logging.getLogger("attnzoo")
 
@@ -200,38 +201,7 @@ class DeepseekMoE(nn.Module):
         return self.tp.all_reduce(self.experts(x, weights, ids, add=self.shared_experts(x)))
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, *, scoring: str, interleaved_rope: bool, attention_cls=None,
-                 tp: TPContext = SINGLE):
-        super().__init__()
-        self.self_attn = (attention_cls or DeepseekAttention)(config, layer_id, interleaved_rope=interleaved_rope, tp=tp)
-        if layer_id >= config.first_k_dense_replace:
-            self.mlp = DeepseekMoE(config, scoring, tp)
-        else:
-            self.mlp = _mlp(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, residual, cos, sin, ctx):
-        """As LlamaDecoderLayer: -> this layer's output and the stream before it."""
-        x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, cos, sin, ctx), residual)
-        return self.mlp(x), residual
-
-
-class DeepseekModel(nn.Module):
-    def __init__(self, config, *, scoring: str, interleaved_rope: bool, attention_cls=None, tp: TPContext = SINGLE):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, scoring=scoring, interleaved_rope=interleaved_rope,
-                                 attention_cls=attention_cls, tp=tp)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class DeepseekV2ForCausalLM(CausalLM):
+class DeepseekV2ForCausalLM(DecoderLM):
     scoring = "softmax"
     attention_cls = DeepseekAttention  # V3.2 swaps in its indexer-carrying subclass
     matrix_weights = ("kv_b_proj",)  # absorbed MLA folds it into the query and the output
@@ -240,8 +210,15 @@ class DeepseekV2ForCausalLM(CausalLM):
         super().__init__()
         _check_config(config)
         self.config, self.tp = config, tp
-        self.model = DeepseekModel(config, scoring=self.scoring, interleaved_rope=self.interleaved_rope(config),
-                                   attention_cls=self.attention_cls, tp=tp)
+        interleaved = self.interleaved_rope(config)
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        layers = (DecoderLayer(
+            config.hidden_size, config.rms_norm_eps,
+            self.attention_cls(config, i, interleaved_rope=interleaved, tp=tp),
+            DeepseekMoE(config, self.scoring, tp) if i >= config.first_k_dense_replace
+            else _mlp(config.hidden_size, config.intermediate_size, mlp_bias, tp),
+        ) for i in range(config.num_hidden_layers))
+        self.model = DecoderModel(config, layers, tp)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp=tp)
         self.tied_lm_head = bool(getattr(config, "tie_word_embeddings", False))
         rope_type = config.rope_parameters.get("rope_type", "default")
@@ -252,27 +229,26 @@ class DeepseekV2ForCausalLM(CausalLM):
     def interleaved_rope(config) -> bool:
         return True  # V2 rotates interleaved pairs (its complex-number form)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x, residual = self.model.embed_tokens(input_ids), None
-        cos, sin = self.rotary(positions)
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, cos, sin, ctx)
-        return self.model.norm.add_and_norm(x, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
     def checkpoint_name(self, name: str) -> str | None:
         parts = name.split(".")
+        layer = self.layer_index(name, parts) if parts[0] == "model" else None
         # V3 checkpoints append the multi-token-prediction module as extra layers; generation skips it.
-        if parts[:2] == ["model", "layers"] and int(parts[2]) >= self.config.num_hidden_layers:
-            self._skipped_mtp.add(int(parts[2]))
+        if layer is None:
+            return name
+        if layer >= self.config.num_hidden_layers:
+            self._skipped_mtp.add(layer)
             return None
-        # Expert parallel: another rank's expert (the FusedMoE says which it holds) is dropped here, before
-        # an FP8 plan would dequantize it. Stacked expert tensors (gate_up_proj) are cut by the FusedMoE.
-        if parts[3:5] == ["mlp", "experts"] and parts[5].isdigit() \
-                and not self.model.layers[int(parts[2])].mlp.experts.holds(int(parts[5])):
-            return None
+        if parts[3:5] == ["mlp", "experts"] and len(parts) > 5 and parts[5].isdigit():
+            experts = getattr(self.model.layers[layer].mlp, "experts", None)
+            if experts is None:
+                raise WeightError(f"checkpoint tensor {name!r} is a routed expert of layer {layer}, which config.json "
+                                  "makes a dense layer", fix="the checkpoint does not match its config.json "
+                                  "(first_k_dense_replace)")
+            # Expert parallel: another rank's expert (the FusedMoE says which it holds) is dropped here, before
+            # an FP8 plan would dequantize it; one beyond the config's count goes on to be named. Stacked expert
+            # tensors (gate_up_proj) are cut by the FusedMoE.
+            if int(parts[5]) < experts.num_experts and not experts.holds(int(parts[5])):
+                return None
         return name
 
     def after_weights_loaded(self) -> None:
@@ -291,9 +267,10 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 
 
 def _check_config(config) -> None:
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise ModelLoadError(f"DeepSeek hidden_act {act!r} is not supported", fix="use a checkpoint with hidden_act 'silu'")
+    validate.activation(config, "hidden_act", {"silu": "silu", "swish": "silu"}, arch="DeepSeek", default="silu")
+    # YaRN's mscale is read by mla_softmax_scale; RotaryEmbedding computes the others' frequencies.
+    validate.rope_type(config.rope_parameters, validate.STATIC_ROPE - {"proportional"}, arch="DeepSeek")
+    validate.positive_int(config, "max_position_embeddings", arch="DeepSeek")
     if getattr(config, "attention_bias", False) and config.q_lora_rank is None:
         raise ModelLoadError("attention_bias without q_lora_rank is not supported (q_proj has no bias, "
                              "kv_a_proj_with_mqa would have one)", fix="use attention_bias false, as DeepSeek-V2")

@@ -26,6 +26,7 @@ from attnzoo.errors import ModelLoadError, RequestError
 from attnzoo.layers import fused
 from attnzoo.layers.moe import FusedMoE
 from attnzoo.layers.parallel import SINGLE, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding
+from attnzoo.models import validate
 from attnzoo.models.common import CausalLM, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding
 
 log = logging.getLogger("attnzoo")
@@ -63,7 +64,8 @@ def kv_producers(cfg) -> list[int | None]:
 def layer_type_rope(cfg, layer_type: str, head_dim: int) -> RotaryEmbedding:
     """This layer type's RoPE ("default" on sliding layers, "proportional" partial RoPE on full layers);
     transformers' init functions find the layer type's head dim through ``per_layer_config``."""
-    rope_type = cfg.rope_parameters[layer_type].get("rope_type", "default")
+    rope_type = validate.rope_type((cfg.rope_parameters or {}).get(layer_type), validate.STATIC_ROPE, arch="Gemma 4",
+                                   where=f"rope_parameters.{layer_type}")
     rope = RotaryEmbedding(cfg, rope_type=rope_type, layer_type=layer_type, head_dim=head_dim)
     if rope.inv_freq.numel() * 2 != head_dim:
         raise ModelLoadError(
@@ -74,10 +76,8 @@ def layer_type_rope(cfg, layer_type: str, head_dim: int) -> RotaryEmbedding:
 
 
 def _act(cfg) -> str:
-    if cfg.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ModelLoadError(f"hidden_activation {cfg.hidden_activation!r} is not supported for Gemma 4",
-                             fix="use a checkpoint with gelu_pytorch_tanh")
-    return "gelu_tanh"
+    return validate.activation(cfg, "hidden_activation", {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"},
+                               arch="Gemma 4")
 
 
 class Gemma4Attention(nn.Module):
@@ -220,6 +220,7 @@ class Gemma4ForCausalLM(CausalLM):
         if getattr(cfg, "use_bidirectional_attention", None) == "all":
             raise ModelLoadError("this Gemma 4 checkpoint uses bidirectional attention over all tokens",
                                  fix="use a causal (generative) Gemma 4 checkpoint")
+        validate.positive_int(cfg, "max_position_embeddings", arch="Gemma 4")
         self.config, self.cfg = config, cfg
         self.model = Gemma4Model(cfg, tp)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp=tp)
@@ -251,8 +252,8 @@ class Gemma4ForCausalLM(CausalLM):
             name = "model." + name[len(_TEXT_PREFIX):]
         parts = name.split(".")
         # Converted checkpoints keep k/v weights on KV-sharing layers, which never use them.
-        if parts[1:2] == ["layers"] and int(parts[2]) in self.consumers and parts[3:4] == ["self_attn"] \
-                and parts[4] in _KV_WEIGHTS:
+        if self.layer_index(name, parts) in self.consumers and parts[3:4] == ["self_attn"] \
+                and parts[4:5] and parts[4] in _KV_WEIGHTS:
             return None
         return name
 

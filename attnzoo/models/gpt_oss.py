@@ -9,16 +9,17 @@ their biases; the official checkpoints store the two weights MXFP4 (``*_blocks``
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.errors import ModelLoadError
 from attnzoo.layers.moe import FusedMoE, select_experts
 from attnzoo.layers.parallel import (
-    SINGLE, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding, mark_shard, narrow,
+    SINGLE, ParallelLMHead, RowParallelLinear, TPContext, mark_shard, narrow,
 )
-from attnzoo.models.common import CausalLM, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope_qk
+from attnzoo.models.common import (
+    DecoderLayer, DecoderLM, DecoderModel, MergedLinear, RotaryEmbedding, apply_rope_qk,
+)
 
 
 class GptOssAttention(nn.Module):
@@ -72,33 +73,14 @@ class GptOssMLP(nn.Module):
         return self.tp.all_reduce(self.experts(x, w, idx))
 
 
-class GptOssDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, tp: TPContext = SINGLE):
-        super().__init__()
-        self.self_attn = GptOssAttention(config, layer_id, tp)
-        self.mlp = GptOssMLP(config, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, residual, cos, sin, ctx):
-        x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, cos, sin, ctx), residual)
-        return self.mlp(x), residual
-
-
-class GptOssModel(nn.Module):
-    def __init__(self, config, tp: TPContext = SINGLE):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
-        self.layers = nn.ModuleList(GptOssDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class GptOssForCausalLM(CausalLM):
+class GptOssForCausalLM(DecoderLM):
     def __init__(self, config, tp: TPContext = SINGLE):
         super().__init__()
         self.config = config
-        self.model = GptOssModel(config, tp)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        layers = (DecoderLayer(h, eps, GptOssAttention(config, i, tp), GptOssMLP(config, tp))
+                  for i in range(config.num_hidden_layers))
+        self.model = DecoderModel(config, layers, tp)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp=tp)
         self.tied_lm_head = bool(getattr(config, "tie_word_embeddings", False))
         rope_type = config.rope_parameters.get("rope_type", "default")
@@ -108,12 +90,3 @@ class GptOssForCausalLM(CausalLM):
         # The sinks live on the shared attention layer, which the backends read.
         return name.replace(".self_attn.sinks", ".self_attn.attn.sinks")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x, residual = self.model.embed_tokens(input_ids), None
-        cos, sin = self.rotary(positions)
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, cos, sin, ctx)
-        return self.model.norm.add_and_norm(x, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()

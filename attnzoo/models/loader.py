@@ -314,7 +314,7 @@ def _corrupt(path: Path, e: Exception, key: str | None = None) -> WeightError:
                        fix=f"re-download {path.name} (compare its size with the hub's)")
 
 
-# llama.cpp tensor names -> Hugging Face names for the Llama family.
+# llama.cpp tensor names -> Hugging Face names (block tensors relative to model.layers.N).
 _GGUF_LLAMA_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -329,6 +329,27 @@ _GGUF_LLAMA_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GGUF_GEMMA3_NAMES = {
+    **_GGUF_LLAMA_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+@dataclass(frozen=True)
+class _GGUFFormat:
+    names: dict[str, str]
+    unpermute_rope: bool  # llama.cpp interleaves Llama's q/k rows per rotary pair (not Gemma's)
+    norm_shift: float  # subtracted from norm weights: llama.cpp stores Gemma's as 1 + w
+
+
+_GGUF_FORMATS = {
+    "LlamaForCausalLM": _GGUFFormat(_GGUF_LLAMA_NAMES, unpermute_rope=True, norm_shift=0.0),
+    "Gemma3ForCausalLM": _GGUFFormat(_GGUF_GEMMA3_NAMES, unpermute_rope=False, norm_shift=1.0),
+}
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -338,6 +359,7 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def iter_gguf(path: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
+    """A GGUF file's tensors under Hugging Face names, dequantized to float32 (Q4_K, Q6_K, Q8_0, ...)."""
     _require_gguf()
     import gguf
     from gguf.quants import dequantize
@@ -347,29 +369,32 @@ def iter_gguf(path: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
     except Exception as e:  # a truncated file fails inside numpy (memmap / reshape)
         raise _corrupt(path, e) from None
     arch = architecture_of(config)
-    if arch != "LlamaForCausalLM":
-        raise ModelLoadError(f"GGUF loading supports Llama-architecture files, this one is {arch}", fix="use a safetensors checkpoint")
+    fmt = _GGUF_FORMATS.get(arch)
+    if fmt is None:
+        raise ModelLoadError(f"GGUF loading supports {', '.join(_GGUF_FORMATS)} files, this one is {arch}",
+                             fix="use a safetensors checkpoint")
     for t in reader.tensors:
         parts = t.name.split(".")
-        if parts[0] == "blk":
-            layer, base, suffix = parts[1], parts[2], parts[3]
-            if base not in _GGUF_LLAMA_NAMES:
-                raise WeightError(f"GGUF tensor {t.name!r} is not a Llama tensor", fix="use a Llama GGUF file")
-            name = f"model.layers.{layer}.{_GGUF_LLAMA_NAMES[base]}.{suffix}"
-        else:
-            base, suffix = parts[0], parts[1]
-            if base not in _GGUF_LLAMA_NAMES:
-                raise WeightError(f"GGUF tensor {t.name!r} is not a Llama tensor", fix="use a Llama GGUF file")
-            name = f"{_GGUF_LLAMA_NAMES[base]}.{suffix}"
+        block = parts[0] == "blk"
+        if len(parts) != (4 if block else 2) or (block and not parts[1].isdigit()):
+            raise WeightError(f"GGUF tensor {t.name!r} is not a {arch} tensor name (blk.<N>.<name>.<kind> or "
+                              "<name>.<kind>)", fix=f"use a {arch} GGUF file")
+        base, suffix = (parts[2], parts[3]) if block else (parts[0], parts[1])
+        if base not in fmt.names:
+            raise WeightError(f"GGUF tensor {t.name!r} is not a {arch} tensor", fix=f"use a {arch} GGUF file")
+        name = f"model.layers.{parts[1]}.{fmt.names[base]}.{suffix}" if block else f"{fmt.names[base]}.{suffix}"
         try:
             w = dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
         except Exception as e:
             raise _corrupt(path, e, t.name) from None
-        if parts[0] == "blk" and base == "attn_q":
+        if block and fmt.unpermute_rope and base == "attn_q":
             w = _unpermute_rope(w, config.num_attention_heads)
-        elif parts[0] == "blk" and base == "attn_k":
+        elif block and fmt.unpermute_rope and base == "attn_k":
             w = _unpermute_rope(w, config.num_key_value_heads)
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # copy: GGUF data is a read-only memmap
+        w = np.array(w, dtype=np.float32)  # a copy: GGUF data is a read-only memmap
+        if fmt.norm_shift and "norm" in base:
+            w -= fmt.norm_shift
+        yield name, torch.from_numpy(w)
 
 
 def checkpoint_tensor_names(src: CheckpointSource) -> list[str]:

@@ -151,7 +151,7 @@ class Fp8Plan(WeightPlan):
 
     def _fp8_moe(self, moe: FusedMoE) -> FusedMoE:
         return FusedMoE(moe.num_experts, moe.hidden, moe.intermediate, moe.act, quant="fp8", experts=moe.share,
-                        block=(self.fmt.block_n, self.fmt.block_k), ue8m0=self.fmt.ue8m0)
+                        block=(self.fmt.block_n, self.fmt.block_k), ue8m0=self.fmt.ue8m0, swiglu_limit=moe.swiglu_limit)
 
     def _fp8_linear(self, leaf: str, sub: nn.Module) -> Fp8Linear | None:
         """The FP8 form of a float linear layer; None for a tensor-parallel shard not made of whole blocks.
@@ -261,7 +261,8 @@ class Fp8Plan(WeightPlan):
                 if fp8 != (mod.quant == "fp8"):
                     parent, _, leaf = name.rpartition(".")
                     setattr(model.get_submodule(parent), leaf, self._fp8_moe(mod) if fp8 else FusedMoE(
-                        mod.num_experts, mod.hidden, mod.intermediate, mod.act, experts=mod.share))
+                        mod.num_experts, mod.hidden, mod.intermediate, mod.act, experts=mod.share,
+                        swiglu_limit=mod.swiglu_limit))
                 continue
             parent, _, leaf = name.rpartition(".")
             if isinstance(mod, (MergedLinear, Fp8MergedLinear)):

@@ -22,6 +22,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Mistral4ForCausalLM": ("attnzoo.models.kimi_mistral:Mistral4ForCausalLM", "mistral4"),
     # Mistral Small 4: Mistral 4 text inside Mistral 3's multimodal wrapper (other text models are refused).
     "Mistral3ForConditionalGeneration": ("attnzoo.models.kimi_mistral:Mistral3ForConditionalGeneration", "mistral3"),
+    "Qwen3ForCausalLM": ("attnzoo.models.qwen3:Qwen3ForCausalLM", "qwen3"),
+    "Qwen3MoeForCausalLM": ("attnzoo.models.qwen3:Qwen3MoeForCausalLM", "qwen3_moe"),
+    "Gemma3ForCausalLM": ("attnzoo.models.gemma3:Gemma3ForCausalLM", "gemma3_text"),
+    "Gemma3ForConditionalGeneration": ("attnzoo.models.gemma3:Gemma3ForCausalLM", "gemma3"),
+    "DeepseekV4ForCausalLM": ("attnzoo.models.deepseek_v4:DeepseekV4ForCausalLM", "deepseek_v4"),
     "Gemma4ForCausalLM": ("attnzoo.models.gemma4:Gemma4ForCausalLM", "gemma4_text"),
     "Gemma4ForConditionalGeneration": ("attnzoo.models.gemma4:Gemma4ForCausalLM", "gemma4"),
     "GptOssForCausalLM": ("attnzoo.models.gpt_oss:GptOssForCausalLM", "gpt_oss"),

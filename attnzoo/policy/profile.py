@@ -16,7 +16,7 @@ from attnzoo.models.registry import architecture_of, config_object, model_class
 class ModelProfile:
     architecture: str
     family: str | None  # None: not in the table; resolve() picks the family by attention_kind
-    kind: str  # "mha" (MHA/GQA/MQA), "mla" (absorbed latent attention) or "nsa" (sparse MLA)
+    kind: str  # "mha" (MHA/GQA/MQA), "mla" (absorbed latent attention), "nsa" (sparse MLA), "dsv4" (compressed)
     head_dims: frozenset[int]  # q/k head dims over all layers
     v_head_dims: frozenset[int]  # v head dims over all layers
     uses_sliding_window: bool = False
@@ -93,7 +93,8 @@ def profile_from_config(hf_config, *, architecture: str | None = None, family: s
                          index_n_heads=mla.index_n_heads)
     return ModelProfile(
         architecture=arch, family=family,
-        kind="mha" if mla is None else "nsa" if isinstance(mla, NSAAttention) else "mla",
+        kind="dsv4" if any(a.kind == "dsv4" for a in layers)
+        else "mha" if mla is None else "nsa" if isinstance(mla, NSAAttention) else "mla",
         head_dims=frozenset(a.head_dim for a in layers), v_head_dims=frozenset(a.v_head_dim for a in layers),
         uses_sliding_window=bool(windows), uses_softcap=any(a.logit_softcap for a in layers),
         uses_sinks=any(a.sinks is not None for a in layers), num_heads=max(a.num_heads for a in layers), num_kv_heads=frozenset(a.num_kv_heads for a in layers),

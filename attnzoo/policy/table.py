@@ -14,7 +14,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from attnzoo.attention.backends import backend_names
-from attnzoo.attention.backends.capabilities import GPUS
+from attnzoo.attention.backends.capabilities import ATTENTION_KINDS, GPUS
 from attnzoo.attention.kv_cache import MAX_PAGE_SIZE
 from attnzoo.errors import PolicyError
 from attnzoo.policy.profile import ModelProfile
@@ -26,7 +26,7 @@ ROW_KEYS = ("backend", "prefill", "decode", "page_size", "reason", "planned", "m
 FIELD_KEYS = ("sglang", "vllm", "agrees", "read", "note")
 _INTS = lambda x: isinstance(x, list) and bool(x) and all(type(i) is int and i > 0 for i in x)  # noqa: E731
 _BOOL = lambda x: isinstance(x, bool)  # noqa: E731
-PROFILE_KEYS = {"kind": lambda x: x in ("mha", "mla", "nsa"), "head_dims": _INTS, "v_head_dims": _INTS,
+PROFILE_KEYS = {"kind": lambda x: x in ATTENTION_KINDS, "head_dims": _INTS, "v_head_dims": _INTS,
                 "num_kv_heads": _INTS, "num_heads": lambda x: type(x) is int and x > 0, "sliding_window": _BOOL,
                 "softcap": _BOOL, "sinks": _BOOL, "dtype": lambda x: x in ("float32", "bfloat16", "float16"),
                 "example": lambda x: isinstance(x, str)}

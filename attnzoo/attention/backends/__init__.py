@@ -21,6 +21,7 @@ _REGISTRY: dict[str, str] = {
     "trtllm_mla": "attnzoo.attention.backends.trtllm_mla:TrtllmMLABackend",
     "nsa_triton": "attnzoo.attention.backends.nsa_triton:NSATritonBackend",
     "nsa_triton_fp8": "attnzoo.attention.backends.nsa_triton:NSATritonFP8Backend",
+    "compressed_triton": "attnzoo.attention.backends.compressed_triton:CompressedTritonBackend",
 }
 
 

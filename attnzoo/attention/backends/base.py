@@ -199,6 +199,23 @@ class NSABackend(AttentionBackend):
         """Absorbed query q [T, H, rank + rope] over the entries at ``positions`` [T, k] int32 -> [T, H, rank]."""
 
 
+class CompressedBackend:
+    """What a backend implements to serve compressed (DeepSeek-V4) layers, after ``CompressedAttention``
+    stored the step's keys and entries. Mixed into an ``AttentionBackend``; its capabilities list "dsv4"."""
+
+    def dsv4_topk(self, layer: "AttentionLayer", q: torch.Tensor, weights: torch.Tensor, meta: BatchMetadata,
+                  plan: StepPlan, *, topk: int, scale: float) -> torch.Tensor:
+        """Indexer query q [T, Hi, Di], weights [T, Hi] float32 -> the ``topk`` best visible entries of
+        each token's request: [T, k] int32 entry numbers, -1 = none (k <= topk)."""
+        raise NotImplementedError
+
+    def dsv4_attend(self, layer: "AttentionLayer", q: torch.Tensor, sinks: torch.Tensor,
+                    entry_ids: torch.Tensor | None, meta: BatchMetadata, plan: StepPlan) -> torch.Tensor:
+        """q [T, H, D] over its raw window and its compressed entries (CSA: ``entry_ids`` [T, k]; HCA:
+        every completed one), one softmax with the sink logits [H] -> [T, H, D] float32."""
+        raise NotImplementedError
+
+
 def device_gpu(device: torch.device) -> str:
     """The GPU class (``capabilities.GPUS``) of a device: "cpu" off CUDA."""
     if device.type != "cuda":

@@ -24,7 +24,7 @@ CUDA_GPUS = frozenset(GPUS) - {"cpu"}
 # Compute capability -> the class whose rows and capabilities apply.
 GPU_CLASSES = {(8, 0): "sm80", (8, 6): "sm80", (8, 7): "sm80", (8, 9): "sm89", (9, 0): "sm90",
                (10, 0): "sm100", (10, 3): "sm103", (12, 0): "sm120", (12, 1): "sm120"}
-ATTENTION_KINDS: tuple[str, ...] = ("mha", "mla", "nsa")
+ATTENTION_KINDS: tuple[str, ...] = ("mha", "mla", "nsa", "dsv4")  # dsv4: DeepSeek-V4 compressed
 PHASES: tuple[str, ...] = ("prefill", "decode")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 FP8_KV = frozenset(KV_CACHE_DTYPES) - {"auto"}  # kv_cache_dtype values that store fp8

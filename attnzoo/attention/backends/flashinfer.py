@@ -135,7 +135,7 @@ class _CascadeRun:
             o_rest, lse_rest = self.rest.run(**kw)
         else:
             # The shared part is a few compute-bound CTAs, the rest's decode a memory-bound full grid: side by
-            # side the shared part can hide under the rest (measured where it does: see __init__). The side
+            # side the shared part can hide under the rest. The side
             # stream joins the main one before the merge (inside a graph capture too), and every tensor it
             # allocates is dropped after that merge.
             main = torch.cuda.current_stream(q.device)
@@ -264,10 +264,9 @@ class FlashInferBackend(AttentionBackend):
         "fa2" (the default, measured), or "fa3" (the FA3 paged kernel at one query per request; SM90,
         equal head dims <= 256; for measurements against the field's FA3 decode). ``overlap_cascade``:
         a cascade step runs each layer's shared part on a second stream beside its rest (the default);
-        False runs them one after the other (for measurements). Planned steps read it. Measured on an
-        H200 at the Gemma-4-31B e2e shape: a global d512 layer 295 -> 274 us (the FA2 shared part overlaps
-        the rest); a sliding layer unchanged (its FA3 shared part does not start beside the decode grid);
-        the e2e decode wall within noise (74.2 -> 74.1 s)."""
+        False runs them one after the other (for measurements). Planned steps read it. The FA2 shared part
+        of a global layer overlaps the rest; a sliding layer's FA3 shared part does not start beside the decode
+        grid (benchmarks/results/cascade_overlap_gemma4_nvidia_h200.txt)."""
         super().__init__(pool)
         self._fence = PlanFence(pool.device)
         self.overlap_cascade = overlap_cascade

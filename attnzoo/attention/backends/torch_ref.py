@@ -4,9 +4,8 @@ It is the oracle every other backend is tested against, on CPU and GPU, so it fa
 speed: the whole score matrix materialised, in float32. Requests are still batched: each step's
 requests are sorted into a few groups of similar query and context lengths
 (``padded_groups``), and each group runs as one padded batch (``padded_attention_reference``), so
-on a GPU a step costs a few dozen torch ops per layer however many requests it holds. (One request at
-a time, an extend step cost 36 ops per request and layer: ~47,000 per layer with GSM8K's 1319
-requests, 133 output tok/s on an H200.)
+on a GPU a step costs a few dozen torch ops per layer however many requests it holds, where one request
+at a time would cost dozens per request (benchmarks/torch_ref_step.py).
 An fp8 pool is read by dequantizing (value times the pool's per-tensor scale, in float32):
 quantize-dequantize, so the fp8 KV cache runs, and is checked, on the CPU.
 """
@@ -17,8 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from attnzoo.attention.backends.base import NSABackend, NSAPlan, StepPlan
+from attnzoo.attention.backends.base import CompressedBackend, NSABackend, NSAPlan, StepPlan
 from attnzoo.attention.backends.capabilities import ALL_DTYPES, FP8_KV, GPUS, BackendCapabilities, Kernel
+from attnzoo.attention.compressed_reference import attend_reference, topk_reference
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.attention.reference import (
@@ -36,8 +36,7 @@ from attnzoo.attention.reference import (
 # Per group, by device type: at most this many gathered key tokens (requests x longest context) and
 # query-key pairs (requests x longest chunk x longest context); a request over either is a group of its
 # own. A GPU takes large groups (few launches; SmolLM2's keys and values of one in float32: 0.75 GiB),
-# a CPU small ones whose float32 copies stay in its caches (64 decode rows x 1000 tokens: 3x faster
-# than one group, and than one request at a time).
+# a CPU small ones whose float32 copies stay in its caches.
 GROUP_BUDGETS = {"cuda": (1 << 19, 1 << 24), "cpu": (1 << 14, 1 << 18)}
 
 
@@ -81,11 +80,11 @@ class TorchPlan(NSAPlan):
     unpad: torch.Tensor | None = None
 
 
-class TorchBackend(NSABackend):
+class TorchBackend(NSABackend, CompressedBackend):
     capabilities = BackendCapabilities(
         name="torch",
         description="exact float32-accumulating reference over gathered pages; the correctness oracle",
-        kinds=frozenset({"mha", "mla", "nsa"}),
+        kinds=frozenset({"mha", "mla", "nsa", "dsv4"}),
         prefill=(Kernel("torch reference", frozenset(GPUS)),),
         decode=(Kernel("torch reference", frozenset(GPUS)),),
         max_head_dim=1024,
@@ -161,3 +160,14 @@ class TorchBackend(NSABackend):
         slots = positions_to_slots(positions, meta, plan.token_reqs, plan.shared)
         entries = entries_of(layer, self.pool)
         return sparse_mla_reference(entries, q, slots, rank=layer.v_head_dim, scale=layer.scale).to(q.dtype)
+
+    # ---- compressed (DeepSeek-V4) layers: attention/compressed_reference.py ----
+    def dsv4_topk(self, layer, q, weights, meta, plan, *, topk, scale):
+        return topk_reference(self.pool.view(layer.layer_id, "index_compressed"), q, weights, meta,
+                              rate=layer.compress_rate, topk=topk, scale=scale)
+
+    def dsv4_attend(self, layer, q, sinks, entry_ids, meta, plan):
+        self.check_layer("decode" if meta.is_decode else "prefill", layer)
+        compressed = self.pool.view(layer.layer_id, "compressed") if layer.compress_rate else None
+        return attend_reference(self.pool.k(layer.layer_id), compressed, q, sinks, entry_ids, meta,
+                                window=layer.sliding_window, rate=layer.compress_rate, scale=layer.scale)

@@ -100,6 +100,100 @@ def softcap_fn(x, cap):
     return cap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
 
 
+@triton.jit
+def attend(
+    Q, q_rows, row_ok, K, V, bt_row, kvh, lo, hi,
+    stride_qd, stride_kp, stride_kh, stride_kt, stride_kd, stride_vp, stride_vh, stride_vt, stride_vd,
+    sm_scale, softcap, pos, seen, window,
+    HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    V_FROM_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
+    """Running softmax of BLOCK_R query rows (q at Q + q_rows) over the keys [lo, hi) of one KV head,
+    paged through bt_row. -> (acc [BLOCK_DV, BLOCK_R] unnormalised, running max m_i, sum l_i), log2 units.
+    The one loop of decode, the cascade's shared pass and extend. ``CAUSAL``: a row at position ``pos``
+    sees keys up to it (extend); ``HAS_WINDOW``: keys before ``seen`` are not loaded (their pages may be
+    released) and, with ``CAUSAL``, a row sees only the ``window`` keys ending at it."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    # Tiles are keys-major (scores [keys, rows], accumulator [v channels, rows]): both products then
+    # read their register-computed operand (q, p) as the B operand through shared memory. On Hopper,
+    # register-A wgmma is miscompiled by the ptxas that Triton bundles (triton-lang/triton#11781) and
+    # gave wrong attention; this layout never emits it.
+    q_t = tl.load(Q + q_rows[None, :] + offs_d[:, None] * stride_qd,
+                  mask=row_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+    q_t = q_t.to(DOT_DTYPE)  # [BLOCK_D, BLOCK_R]
+    if BLOCK_DR > 0:
+        offs_dr = BLOCK_D + tl.arange(0, BLOCK_DR)
+        qr_t = tl.load(Q + q_rows[None, :] + offs_dr[:, None] * stride_qd, mask=row_ok[None, :], other=0.0)
+        qr_t = qr_t.to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_DV, BLOCK_R], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634  # exp2 instead of exp
+
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        if HAS_WINDOW:
+            n_ok = n_ok & (offs_n >= seen)
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = offs_n % PAGE_SIZE
+        k_row = K + page * stride_kp + kvh * stride_kh + slot * stride_kt  # [BLOCK_N] pointers
+        k = tl.load(
+            k_row[:, None] + offs_d[None, :] * stride_kd,
+            mask=n_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+            other=0.0,
+        )
+        k = k.to(DOT_DTYPE)
+        qk = tl.dot(k, q_t, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_R]
+        if BLOCK_DR > 0:
+            kr = tl.load(k_row[:, None] + offs_dr[None, :] * stride_kd, mask=n_ok[:, None], other=0.0)
+            qk += tl.dot(kr.to(DOT_DTYPE), qr_t, input_precision=DOT_PREC)
+        if HAS_SOFTCAP:
+            qk = softcap_fn(qk * sm_scale, softcap) * 1.4426950408889634
+        else:
+            qk = qk * qk_scale
+        if CAUSAL:
+            visible = offs_n[:, None] <= pos[None, :]
+            if HAS_WINDOW:
+                visible = visible & (offs_n[:, None] > pos[None, :] - window)
+            qk = tl.where(visible, qk, float("-inf"))
+        else:
+            qk = tl.where(n_ok[:, None], qk, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, 0))
+        p = tl.exp2(qk - m_new[None, :])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        if V_FROM_K:
+            # The values are the key's first V_DIM channels (MLA latent): reuse the loaded tile.
+            v = k
+        else:
+            v_row = V + page * stride_vp + kvh * stride_vh + slot * stride_vt
+            v = tl.load(
+                v_row[:, None] + offs_dv[None, :] * stride_vd,
+                mask=n_ok[:, None] & (offs_dv[None, :] < V_DIM),
+                other=0.0,
+            )
+        pv = tl.dot(tl.trans(v.to(DOT_DTYPE)), p.to(DOT_DTYPE), input_precision=DOT_PREC)
+        acc = acc * alpha[None, :] + pv  # [BLOCK_DV, BLOCK_R]
+        m_i = m_new
+    return acc, m_i, l_i
+
+
 # (kernel, device, constexprs, requested config) -> the config that fit, so a shrink happens once.
 _FITTED: dict[tuple, dict] = {}
 

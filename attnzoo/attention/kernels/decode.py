@@ -31,12 +31,12 @@ import triton.language as tl
 from attnzoo.attention.kernels.common import (
     MIN_TILE,
     add_sinks,
+    attend,
     check_kernel_dtypes,
     dot_args,
     head_dim_tiles,
     launch,
     next_pow2,
-    softcap_fn,
     value_tile,
 )
 from attnzoo.attention.kernels.extend import extend_launch_config
@@ -45,88 +45,6 @@ from attnzoo.errors import BackendError
 MAX_KV_SPLITS = 64
 # A split shorter than this spends more on the merge than it saves.
 MIN_TOKENS_PER_SPLIT = 256
-_LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _attend(
-    Q, q_rows, row_ok, K, V, bt_row, kvh, lo, hi,
-    stride_qd, stride_kp, stride_kh, stride_kt, stride_kd, stride_vp, stride_vh, stride_vt, stride_vd,
-    sm_scale, softcap,
-    HEAD_DIM: tl.constexpr,
-    V_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DR: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    V_FROM_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    """Running softmax of BLOCK_R query rows (q at Q + q_rows) over the keys [lo, hi) of one KV head,
-    paged through bt_row. -> (acc [BLOCK_DV, BLOCK_R] unnormalised, running max m_i, sum l_i), log2 units."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    # Tiles are keys-major (scores [keys, rows], accumulator [v channels, rows]): both products then
-    # read their register-computed operand (q, p) as the B operand through shared memory. On Hopper,
-    # register-A wgmma is miscompiled by the ptxas that Triton bundles (triton-lang/triton#11781) and
-    # gave wrong attention; this layout never emits it.
-    q_t = tl.load(Q + q_rows[None, :] + offs_d[:, None] * stride_qd,
-                  mask=row_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
-    q_t = q_t.to(DOT_DTYPE)  # [BLOCK_D, BLOCK_R]
-    if BLOCK_DR > 0:
-        offs_dr = BLOCK_D + tl.arange(0, BLOCK_DR)
-        qr_t = tl.load(Q + q_rows[None, :] + offs_dr[:, None] * stride_qd, mask=row_ok[None, :], other=0.0)
-        qr_t = qr_t.to(DOT_DTYPE)
-
-    m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_DV, BLOCK_R], dtype=tl.float32)
-    qk_scale = sm_scale * 1.4426950408889634  # exp2 instead of exp
-
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = offs_n % PAGE_SIZE
-        k_row = K + page * stride_kp + kvh * stride_kh + slot * stride_kt  # [BLOCK_N] pointers
-        k = tl.load(
-            k_row[:, None] + offs_d[None, :] * stride_kd,
-            mask=n_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
-            other=0.0,
-        )
-        k = k.to(DOT_DTYPE)
-        qk = tl.dot(k, q_t, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_R]
-        if BLOCK_DR > 0:
-            kr = tl.load(k_row[:, None] + offs_dr[None, :] * stride_kd, mask=n_ok[:, None], other=0.0)
-            qk += tl.dot(kr.to(DOT_DTYPE), qr_t, input_precision=DOT_PREC)
-        if HAS_SOFTCAP:
-            qk = softcap_fn(qk * sm_scale, softcap) * 1.4426950408889634
-        else:
-            qk = qk * qk_scale
-        qk = tl.where(n_ok[:, None], qk, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(qk, 0))
-        p = tl.exp2(qk - m_new[None, :])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        if V_FROM_K:
-            # The values are the key's first V_DIM channels (MLA latent): reuse the loaded tile.
-            v = k
-        else:
-            v_row = V + page * stride_vp + kvh * stride_vh + slot * stride_vt
-            v = tl.load(
-                v_row[:, None] + offs_dv[None, :] * stride_vd,
-                mask=n_ok[:, None] & (offs_dv[None, :] < V_DIM),
-                other=0.0,
-            )
-        pv = tl.dot(tl.trans(v.to(DOT_DTYPE)), p.to(DOT_DTYPE), input_precision=DOT_PREC)
-        acc = acc * alpha[None, :] + pv  # [BLOCK_DV, BLOCK_R]
-        m_i = m_new
-    return acc, m_i, l_i
 
 
 @triton.jit
@@ -196,12 +114,12 @@ def _decode_stage1(
     lo = kv_start + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
 
-    acc, m_i, l_i = _attend(
+    acc, m_i, l_i = attend(
         Q, b * stride_qb + heads * stride_qh, head_ok, K, V, BT + b * stride_btb, kvh, lo, hi,
         stride_qd, stride_kp, stride_kh, stride_kt, stride_kd, stride_vp, stride_vh, stride_vt, stride_vd,
-        sm_scale, softcap,
+        sm_scale, softcap, 0, 0, 0,
         HEAD_DIM, V_DIM, BLOCK_D, BLOCK_DR, BLOCK_DV, BLOCK_H, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, V_FROM_K,
-        DOT_DTYPE, DOT_PREC,
+        DOT_DTYPE, DOT_PREC, False, False,
     )
     if HAS_SINKS:
         acc, l_i = add_sinks(SINKS, heads, head_ok, acc, m_i, l_i)
@@ -247,12 +165,12 @@ def _cascade_shared(
     lo = split * split_len
     hi = tl.minimum(lo + split_len, shared_len)
 
-    acc, m_i, l_i = _attend(
+    acc, m_i, l_i = attend(
         Q, b * stride_qb + heads * stride_qh, row_ok, K, V, BT, kvh, lo, hi,
         stride_qd, stride_kp, stride_kh, stride_kt, stride_kd, stride_vp, stride_vh, stride_vt, stride_vd,
-        sm_scale, softcap,
+        sm_scale, softcap, 0, 0, 0,
         HEAD_DIM, V_DIM, BLOCK_D, BLOCK_DR, BLOCK_DV, BLOCK_M, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, V_FROM_K,
-        DOT_DTYPE, DOT_PREC,
+        DOT_DTYPE, DOT_PREC, False, False,
     )
     _finish(O, LSE, b * stride_ob + heads * stride_oh + split * stride_os,
             b * stride_lb + heads * stride_lh + split * stride_ls, row_ok, acc, m_i, l_i, stride_od, v_scale,
@@ -297,9 +215,8 @@ def _decode_stage2(
 
 @functools.lru_cache(maxsize=None)  # callers copy the dict before changing it
 def decode_launch_config(head_dim: int, v_head_dim: int, group: int, dtype: torch.dtype) -> dict:
-    """Tile sizes for stage 1, measured on an H100 (the kernel is bound by KV bandwidth; batch 64,
-    context 4096 reaches 96% of copy bandwidth at d128, 88% at d512). Smaller GPUs shrink them at
-    launch (``common.launch``)."""
+    """Tile sizes for stage 1, tuned on an H100 for KV bandwidth, which bounds the kernel
+    (benchmarks/attention_triton.py). Smaller GPUs shrink them at launch (``common.launch``)."""
     bd, bdr = head_dim_tiles(head_dim)
     width = bd + bdr + value_tile(v_head_dim)
     block_h = MIN_TILE if group <= MIN_TILE else min(64, 1 << (group - 1).bit_length())

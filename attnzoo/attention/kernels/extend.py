@@ -19,11 +19,11 @@ import triton.language as tl
 
 from attnzoo.attention.kernels.common import (
     add_sinks,
+    attend,
     check_kernel_dtypes,
     dot_args,
     head_dim_tiles,
     launch,
-    softcap_fn,
     value_tile,
 )
 from attnzoo.errors import BackendError
@@ -72,17 +72,7 @@ def _extend_kernel(
     tok = rows // GROUP
     heads = kvh * GROUP + rows % GROUP
     pos = prefix + tok  # [BLOCK_M] absolute positions
-    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-
-    # Keys-major tiles (scores [keys, rows], accumulator [v channels, rows]), as in decode.py: no
-    # register-A wgmma, which the ptxas bundled with Triton miscompiles on Hopper.
-    q_row = Q + (q_start + tok).to(tl.int64) * stride_qt + heads * stride_qh
-    q_t = tl.load(q_row[None, :] + offs_d[:, None] * stride_qd, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
-    q_t = q_t.to(DOT_DTYPE)  # [BLOCK_D, BLOCK_M]
-    if BLOCK_DR > 0:
-        offs_dr = BLOCK_D + tl.arange(0, BLOCK_DR)
-        qr_t = tl.load(q_row[None, :] + offs_dr[:, None] * stride_qd).to(DOT_DTYPE)
 
     first_pos = prefix + (mblk * BLOCK_M) // GROUP
     last_pos = prefix + (tl.minimum(mblk * BLOCK_M + BLOCK_M, num_rows) - 1) // GROUP
@@ -93,54 +83,14 @@ def _extend_kernel(
         seen = tl.maximum(first_pos - window + 1, 0)
         lo = (seen // BLOCK_N) * BLOCK_N
 
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_DV, BLOCK_M], dtype=tl.float32)
-    qk_scale = sm_scale * 1.4426950408889634
-    bt_row = BT + b * stride_btb
-
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        # Keys before the window are not loaded: their pages may be released (page 0 in the table).
-        n_ok = (offs_n < hi) & (offs_n >= seen)
-        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = offs_n % PAGE_SIZE
-        k_row = K + page * stride_kp + kvh * stride_kh + slot * stride_kt
-        k = tl.load(
-            k_row[:, None] + offs_d[None, :] * stride_kd,
-            mask=n_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
-            other=0.0,
-        )
-        k = k.to(DOT_DTYPE)
-        qk = tl.dot(k, q_t, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_M]
-        if BLOCK_DR > 0:
-            kr = tl.load(k_row[:, None] + offs_dr[None, :] * stride_kd, mask=n_ok[:, None], other=0.0)
-            qk += tl.dot(kr.to(DOT_DTYPE), qr_t, input_precision=DOT_PREC)
-        if HAS_SOFTCAP:
-            qk = softcap_fn(qk * sm_scale, softcap) * 1.4426950408889634
-        else:
-            qk = qk * qk_scale
-        visible = offs_n[:, None] <= pos[None, :]
-        if HAS_WINDOW:
-            visible = visible & (offs_n[:, None] > pos[None, :] - window)
-        qk = tl.where(visible, qk, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(qk, 0))
-        p = tl.exp2(qk - m_new[None, :])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        if V_FROM_K:
-            v = k
-        else:
-            v_row = V + page * stride_vp + kvh * stride_vh + slot * stride_vt
-            v = tl.load(
-                v_row[:, None] + offs_dv[None, :] * stride_vd,
-                mask=n_ok[:, None] & (offs_dv[None, :] < V_DIM),
-                other=0.0,
-            )
-        pv = tl.dot(tl.trans(v.to(DOT_DTYPE)), p.to(DOT_DTYPE), input_precision=DOT_PREC)
-        acc = acc * alpha[None, :] + pv  # [BLOCK_DV, BLOCK_M]
-        m_i = m_new
+    acc, m_i, l_i = attend(
+        Q, (q_start + tok).to(tl.int64) * stride_qt + heads * stride_qh, row_ok, K, V, BT + b * stride_btb, kvh,
+        lo, hi,
+        stride_qd, stride_kp, stride_kh, stride_kt, stride_kd, stride_vp, stride_vh, stride_vt, stride_vd,
+        sm_scale, softcap, pos, seen, window,
+        HEAD_DIM, V_DIM, BLOCK_D, BLOCK_DR, BLOCK_DV, BLOCK_M, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, V_FROM_K,
+        DOT_DTYPE, DOT_PREC, True, HAS_WINDOW,
+    )
 
     if HAS_SINKS:  # each head's sink logit joins the denominator: a key of value zero
         acc, l_i = add_sinks(SINKS, heads, row_ok, acc, m_i, l_i)
@@ -151,9 +101,9 @@ def _extend_kernel(
 
 @functools.lru_cache(maxsize=None)  # callers copy the dict before changing it
 def extend_launch_config(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile sizes measured on an H100 (causal prefill, batch 1: about 220 TFLOP/s at d128, 100 at
-    d512). The float32 accumulator [v_dim, BLOCK_M] and the k/v tiles bound the tiles as head dims
-    grow; smaller GPUs shrink them at launch (``common.launch``)."""
+    """Tile sizes tuned on an H100 for causal prefill (benchmarks/attention_triton.py). The float32 accumulator
+    [v_dim, BLOCK_M] and the k/v tiles bound the tiles as head dims grow; smaller GPUs shrink them at launch
+    (``common.launch``)."""
     bd, bdr = head_dim_tiles(head_dim)
     width = max(bd + bdr, value_tile(v_head_dim))
     if width <= 128:

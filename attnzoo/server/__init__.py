@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (``attnzoo serve``); needs the ``serve`` extra (fastapi, uvicorn, prometheus_client)."""

@@ -1,0 +1,189 @@
+"""`attnzoo serve` and `vllm serve` on the same model shape (random weights), measured by the same client
+(bench_serving.py) in one run: each server in its own process, one after the other, on the same port.
+
+Scenarios (issue #33): Llama-3.1-8B shape: random 1024-in/256-out and the GSM8K 8-shot prompts, at
+concurrency 100 and 1; Gemma-4-31B shape: random 1024/256 at concurrency 1 and 64. Writes
+PREFIX.json (every run's summary, and attnzoo / vLLM ratios), PREFIX.md (the table), PREFIX.png and
+PREFIX_<server>.log.
+
+vLLM runs from the overlay of ../shared/gpu/vllm (README there: unpack to /tmp/vsite, Gemma 4 also
+/tmp/tf514), never in attnzoo's process. `vllm serve` needs serving packages the offline overlay does not
+carry (nor, maybe, the GPU image for attnzoo: fastapi, uvicorn, prometheus_client); ``--check-vllm``
+lists which of them either side cannot import (stage their wheels, e.g.
+``pip download --no-deps -d wheels uvicorn h11 uvloop httptools prometheus_client
+prometheus-fastapi-instrumentator`` here, unpacked with ``pip install --no-deps --target /tmp/vserve``
+there, and pass ``--vllm-extra-path /tmp/vserve``).
+
+    python benchmarks/serve_peer.py --shape llama8b --out $OUT/serve_llama8b --vllm-site /tmp/vsite
+    python benchmarks/serve_peer.py --shape gemma4-31b --vllm-extra-path /tmp/tf514 \
+        --vllm-args '--attention-config {"backend":"TRITON_ATTN"}' --out $OUT/serve_gemma4
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import bench_serving  # this directory is sys.path[0] when the script runs
+
+HERE = Path(__file__).resolve().parent
+# What `vllm serve` imports beyond the offline overlay (vllm/entrypoints, 0.26.0).
+VLLM_SERVE_MODULES = ("uvicorn", "h11", "uvloop", "fastapi", "starlette", "prometheus_client",
+                      "prometheus_fastapi_instrumentator", "openai", "httpx", "pydantic", "aiohttp", "psutil",
+                      "watchfiles", "multipart")
+ATTNZOO_SERVE_MODULES = ("fastapi", "starlette", "pydantic", "anyio", "uvicorn", "h11", "prometheus_client")
+SCENARIOS = {
+    "llama8b": [("random", 100, 500), ("random", 1, 16), ("gsm8k", 100, 500), ("gsm8k", 1, 16)],
+    "gemma4-31b": [("random", 1, 16), ("random", 64, 256)],
+}
+VOCAB = {"llama8b": 128256, "gemma4-31b": 262144}
+
+
+def vllm_env(args) -> dict:
+    path = ":".join(p for p in (args.vllm_extra_path, args.vllm_site) if p)
+    return dict(os.environ, PYTHONPATH=path, LD_LIBRARY_PATH=f"{args.vllm_site}/xgrammar",
+                VLLM_USE_FLASHINFER_SAMPLER="0", TVM_FFI_DISABLE_TORCH_C_DLPACK="1", VLLM_NO_USAGE_STATS="1",
+                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+def missing_modules(modules, env: dict) -> list[str]:
+    code = ("import importlib.util, sys; print(' '.join(m for m in sys.argv[1:] "
+            "if importlib.util.find_spec(m) is None))")
+    out = subprocess.run([sys.executable, "-c", code, *modules], env=env, capture_output=True, text=True)
+    return out.stdout.split()
+
+
+def missing_vllm_modules(args) -> list[str]:
+    return missing_modules(VLLM_SERVE_MODULES, vllm_env(args))
+
+
+def write_model(shape: str, layers: int | None, folder: Path) -> Path:
+    from e2e import make_config
+
+    config, _ = make_config(shape, layers)
+    config.save_pretrained(folder)
+    return folder
+
+
+def start(name: str, cmd: list[str], env: dict, log: Path, port: int, timeout: float) -> subprocess.Popen:
+    print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            sys.stdout.write("".join(open(log).readlines()[-40:]))
+            raise SystemExit(f"{name} exited with {proc.returncode} before serving")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    print(f"  {name} up after {time.time() - t0:.0f} s", flush=True)
+                    return proc
+        except OSError:
+            pass
+        time.sleep(2)
+    stop(proc)
+    raise SystemExit(f"{name} did not answer /health within {timeout:.0f} s (log: {log})")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def measure(label: str, args, model: str) -> list[dict]:
+    rows = []
+    for dataset, conc, n in SCENARIOS[args.shape]:
+        ns = argparse.Namespace(base_url=f"http://127.0.0.1:{args.port}", model=model, api_key=None, dataset=dataset,
+                                input_len=args.input_len, output_len=args.output_len,
+                                num_prompts=max(1, int(n * args.prompts_scale)), vocab_size=VOCAB[args.shape],
+                                min_token_id=10, gsm8k_tokens=str(bench_serving.GSM8K_TOKENS), max_concurrency=conc,
+                                request_rate=math.inf, warmup=4, seed=0, label=label)
+        results, wall = asyncio.run(bench_serving.run(ns))
+        s = bench_serving.summarize(ns, results, wall)
+        print(bench_serving.table([s]).splitlines()[-1], flush=True)
+        rows.append(s)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="output prefix")
+    ap.add_argument("--shape", default="llama8b", choices=tuple(SCENARIOS))
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
+    ap.add_argument("--servers", default="attnzoo,vllm")
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--prompts-scale", type=float, default=1.0, help="scale every scenario's request count")
+    ap.add_argument("--attnzoo-args", default="", help="more `attnzoo serve` arguments, e.g. '--backend flashinfer'")
+    ap.add_argument("--vllm-site", default="/tmp/vsite")
+    ap.add_argument("--vllm-extra-path", default="", help="prepended to vLLM's PYTHONPATH (serving wheels, /tmp/tf514)")
+    ap.add_argument("--vllm-args", default="", help="more `vllm serve` arguments")
+    ap.add_argument("--check-vllm", action="store_true",
+                    help="list the serving modules vLLM's path (and attnzoo's environment) lack, and exit")
+    ap.add_argument("--startup-timeout", type=float, default=420)
+    args = ap.parse_args(argv)
+    if args.check_vllm:
+        missing = missing_vllm_modules(args)
+        ours = missing_modules(ATTNZOO_SERVE_MODULES, dict(os.environ))
+        print("vllm serve would need:", " ".join(missing) or "nothing more")
+        print("attnzoo serve would need:", " ".join(ours) or "nothing more")
+        return 1 if missing or ours else 0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model = write_model(args.shape, args.layers, Path(tempfile.mkdtemp(prefix=f"serve_{args.shape}_")))
+    name = f"{args.shape}-random"
+    commands = {
+        "attnzoo": ([sys.executable, "-m", "attnzoo", "serve", str(model), "--load-format", "random", "--port",
+                     str(args.port), "--served-model-name", name, "--log-level", "warning",
+                     *shlex.split(args.attnzoo_args)], dict(os.environ)),
+        "vllm": ([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--load-format", "dummy",
+                  "--skip-tokenizer-init", "--dtype", "bfloat16", "--port", str(args.port), "--served-model-name",
+                  name, "--max-model-len", "4096", *shlex.split(args.vllm_args)],
+                 vllm_env(args)),
+    }
+    rows = []
+    for server in args.servers.split(","):
+        if server == "vllm" and (missing := missing_vllm_modules(args)):
+            print(f"skipping vllm: its PYTHONPATH lacks {' '.join(missing)} (see --check-vllm)", flush=True)
+            continue
+        cmd, env = commands[server]
+        proc = start(server, cmd, env, Path(f"{out}_{server}.log"), args.port, args.startup_timeout)
+        try:
+            rows += measure(server, args, name)
+        finally:
+            stop(proc)
+    ratios = {}
+    for dataset, conc, _ in SCENARIOS[args.shape]:
+        pick = {r["label"]: r for r in rows if r["dataset"] == dataset and r["max_concurrency"] == conc}
+        if {"attnzoo", "vllm"} <= pick.keys():
+            a, v = pick["attnzoo"], pick["vllm"]
+            ratios[f"{dataset}_c{conc}"] = {
+                "output_tok_per_s_vs_vllm": a["output_tokens_per_s"] / v["output_tokens_per_s"],
+                "itl_p50_vs_vllm": (a["itl_ms"]["p50"] or math.nan) / (v["itl_ms"]["p50"] or math.nan)}
+    meta = {"shape": args.shape, "layers": args.layers, "commands": {k: " ".join(c) for k, (c, _) in commands.items()}}
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": rows, "ratios": ratios}, indent=1))
+    text = bench_serving.table(rows)
+    out.with_suffix(".md").write_text(text + "\n\n" + json.dumps(ratios, indent=1) + "\n")
+    print(text)
+    print(json.dumps(ratios, indent=1))
+    bench_serving.plot(rows, out.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
