@@ -120,10 +120,8 @@ _VLLM_ARGS = {
 }
 
 
-def load_kwargs(model, kwargs: dict) -> dict:
+def load_kwargs(model, kwargs: dict, load_model) -> dict:
     """``load_model`` keywords from vLLM's ``LLM(model=..., **engine args)`` (load_model's own names too)."""
-    from attnzoo.engine.llm import load_model
-
     own = set(inspect.signature(load_model).parameters) - {"name_or_path"}
     out: dict[str, Any] = {}
     unknown = []
@@ -261,10 +259,10 @@ def _prompt_of(item):
     return item
 
 
-def run_requests(llm, prompts, sampling_params, *, use_tqdm: bool | None = None, chat: bool = False) -> list[RequestOutput]:
-    """vLLM's generate/chat: one RequestOutput per prompt, each with ``n`` outputs."""
-    from attnzoo.engine.llm import _GenerationProgress
-
+def run_requests(llm, prompts, sampling_params, *, use_tqdm: bool | None = None, chat: bool = False,
+                 progress=None) -> list[RequestOutput]:
+    """vLLM's generate/chat: one RequestOutput per prompt, each with ``n`` outputs (``progress(total)``: the
+    on_finish hook shown when ``use_tqdm``, or the model's progress setting, asks for one)."""
     single = isinstance(prompts, (str, dict)) or (
         isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, dict)) and not (
             not chat and isinstance(prompts[0], dict) and "role" not in prompts[0]))
@@ -292,7 +290,7 @@ def run_requests(llm, prompts, sampling_params, *, use_tqdm: bool | None = None,
             ids.append(prompt)
             params.append(sp.engine_params(j, room if sp.max_tokens is None else sp.max_tokens))
     show = llm.progress if use_tqdm is None else bool(use_tqdm)
-    on_finish = _GenerationProgress(len(ids)) if show else None
+    on_finish = progress(len(ids)) if show and progress is not None else None
     with llm._lock:
         outs = llm.engine.generate(ids, params, on_finish=on_finish)
     if on_finish is not None:

@@ -124,7 +124,7 @@ class LLM:
             return super().__new__(cls)
         from attnzoo.engine.compat import load_kwargs
 
-        return load_model(**load_kwargs(model, kwargs))
+        return load_model(**load_kwargs(model, kwargs, load_model))
 
     def __init__(self, model=None, **kwargs):
         if "engine" in kwargs:  # else __new__ returned a loaded LLM
@@ -251,7 +251,7 @@ class LLM:
                 if given or generation_config is not None:
                     raise RequestError(f"generate() got sampling_params and also {', '.join(sorted(given) or ['generation_config'])}",
                                        fix="put every sampling choice in the SamplingParams")
-                return compat.run_requests(self, prompts, sampling_params, use_tqdm=use_tqdm)
+                return compat.run_requests(self, prompts, sampling_params, use_tqdm=use_tqdm, progress=_GenerationProgress)
             return LLM.generate.__wrapped__(self, prompts, **compat.generation_kwargs(self, generation_config, given))
         if unsupported:
             raise RequestError(
@@ -327,7 +327,7 @@ class LLM:
         chat template; one RequestOutput per conversation (``sampling_params`` None: the checkpoint's defaults)."""
         from attnzoo.engine.compat import run_requests
 
-        return run_requests(self, messages, sampling_params, use_tqdm=use_tqdm, chat=True)
+        return run_requests(self, messages, sampling_params, use_tqdm=use_tqdm, chat=True, progress=_GenerationProgress)
 
     def get_default_sampling_params(self):
         """vLLM's: the checkpoint's generation_config.json sampling defaults as attnzoo.SamplingParams."""

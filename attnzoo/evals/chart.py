@@ -13,8 +13,9 @@ def _side_label(side: dict, name: str) -> str:
     return f"{name}: {side['prefill_backend']}/{side['decode_backend']}, page {side['page_size']}{kv}"
 
 
-def write_chart(report: dict, path) -> str | None:
-    """Write the PNG; returns why not when matplotlib is missing (run_eval checks it before the run)."""
+def write_chart(report: dict, path, write_atomically) -> str | None:
+    """Write the PNG through ``write_atomically(path, write(binary file))``; returns why not when matplotlib
+    is missing (run_eval checks it before the run) or the file cannot be written."""
     try:
         import matplotlib
 
@@ -109,10 +110,8 @@ def write_chart(report: dict, path) -> str | None:
                     + ("" if sp.get("same_device", True) else " (different devices)"), fontsize=9)
     speed.legend(fontsize=7)
     fig.tight_layout()
-    from attnzoo.evals.report import _write_atomically
-
     try:
-        _write_atomically(path, lambda fh: fig.savefig(fh, dpi=110, format="png"))
+        write_atomically(path, lambda fh: fig.savefig(fh, dpi=110, format="png"))
     except OSError as e:
         return f"cannot write {path} ({e.strerror or e})"
     finally:

@@ -463,7 +463,7 @@ def _render_tokens(cmp: dict, per_question_rows: bool) -> list[str]:
 def write_chart(report: dict, path) -> str | None:
     from attnzoo.evals.chart import write_chart as chart
 
-    return chart(report, path)
+    return chart(report, path, _write_atomically)
 
 
 def _write_atomically(path, write) -> None:
