@@ -1,7 +1,8 @@
 """attnzoo: native LLMs over one shared paged attention layer, with a per-GPU backend policy."""
+from attnzoo.engine.compat import CompletionOutput, RequestOutput, SamplingParams
 from attnzoo.engine.engine import Completion
 from attnzoo.engine.llm import LLM, load_model
 from attnzoo.errors import AttnzooError
 
-__all__ = ["LLM", "Completion", "load_model", "AttnzooError"]
+__all__ = ["LLM", "Completion", "CompletionOutput", "RequestOutput", "SamplingParams", "load_model", "AttnzooError"]
 __version__ = "0.1.0"

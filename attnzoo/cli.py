@@ -4,11 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
 from attnzoo.attention.kv_cache import KV_CACHE_DTYPES
-from attnzoo.errors import AttnzooError, ModelLoadError, PolicyError, UnsupportedArchitectureError
+from attnzoo.errors import AttnzooError, ModelLoadError, PolicyError, RequestError, UnsupportedArchitectureError
 
 GPU_NAMES = "cpu, sm80, sm89, sm90, sm100, sm103, sm120"
 OPTIONAL_PACKAGES = ("flashinfer", "triton")  # what optional backends import; --assume-installed pretends they do
@@ -27,6 +28,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="split the model over N GPUs (default: 1, or WORLD_SIZE under torchrun)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
                    help="what the KV cache stores (auto: the model dtype; fp8_e4m3: per-tensor scales 1.0)")
+    p.add_argument("--k-scale", type=float, default=1.0, help="fp8 KV cache: the per-tensor scale of k (default 1.0)")
+    p.add_argument("--v-scale", type=float, default=1.0, help="fp8 KV cache: the per-tensor scale of v (default 1.0)")
 
 
 def _load(args, **extra):
@@ -35,6 +38,7 @@ def _load(args, **extra):
     return load_model(
         args.model, backend=args.backend, prefill_backend=args.prefill_backend, decode_backend=args.decode_backend,
         page_size=args.page_size, policy_file=args.policy, dtype=args.dtype, device=args.device,
+        k_scale=args.k_scale, v_scale=args.v_scale,
         tensor_parallel_size=args.tensor_parallel_size,
         kv_cache_dtype=args.kv_cache_dtype, **extra,
     )
@@ -44,8 +48,12 @@ def _generate(args) -> int:
     from attnzoo.engine.sampling import SamplingParams
 
     # The sampling flags are checked before the model loads (which takes seconds to minutes).
-    SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed,
-                   tuple(args.stop or ())).validate()
+    SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed, tuple(args.stop or ()),
+                   ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty).validate()
+    n = args.num_return_sequences
+    if n < 1 or (n > 1 and args.temperature == 0):
+        raise RequestError(f"-n {n}: " + ("must be >= 1" if n < 1 else "greedy decoding returns n identical texts"),
+                           fix="pass -n 1, or sample with --temperature > 0")
     from attnzoo.engine.prompts import valid_text
 
     for i, p in enumerate(args.prompts):  # bytes that are not UTF-8 arrive as lone surrogates
@@ -53,15 +61,23 @@ def _generate(args) -> int:
     llm = _load(args)
     print(f"# {llm.architecture}: prefill={llm.decision.prefill_backend} decode={llm.decision.decode_backend} "
           f"page_size={llm.pool.page_size} device={llm.device}", file=sys.stderr)
-    prompts = [[{"role": "user", "content": p}] for p in args.prompts] if args.chat else list(args.prompts)
+    has_template = getattr(llm.tokenizer, "chat_template", None) is not None
+    if args.chat and not has_template:
+        raise ModelLoadError(f"--chat was given but the tokenizer of {llm.source.name} has no chat template",
+                             fix="drop --chat (prompts then go in as plain text)")
+    chat = has_template if args.chat is None else args.chat  # chat only where a template says how
+    prompts = [[{"role": "user", "content": p}] for p in args.prompts] if chat else list(args.prompts)
     outs = llm.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or None)
-    for prompt, out in zip(args.prompts, outs):
+                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or None,
+                        ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty, num_return_sequences=n)
+    for i, out in enumerate(outs):
+        prompt = args.prompts[i // n]
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "finish_reason": out.finish_reason,
-                              "num_tokens": len(out.token_ids)}))
+            print(json.dumps({"prompt": prompt, "index": i % n, "chat": chat, "text": out.text,
+                              "finish_reason": out.finish_reason, "num_tokens": len(out.token_ids)}))
         else:
-            print(f"### {prompt}\n{out.text}\n[{out.finish_reason}, {len(out.token_ids)} tokens]")
+            label = f"{prompt} [{i % n + 1}/{n}]" if n > 1 else prompt
+            print(f"### {label}\n{out.text}\n[{out.finish_reason}, {len(out.token_ids)} tokens]")
     return 0
 
 
@@ -89,12 +105,31 @@ def _serve(args) -> int:
 
 
 def _info(args) -> int:
-    print(json.dumps(_load(args).info(), indent=2, default=str))
+    info = _load(args).info()
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    for key, value in info.items():
+        if key == "decision":
+            continue  # `attnzoo policy explain` prints it readably; --json carries it
+        shown = json.dumps(value, default=str) if isinstance(value, (dict, list)) else value
+        print(f"{key:<22} {shown}")
+    print("(the full decision: --json, or `attnzoo policy explain MODEL`)")
     return 0
 
 
+class PlainParser(argparse.ArgumentParser):
+    """Help without the docstrings' reStructuredText markup (``name`` prints as name)."""
+
+    def format_help(self) -> str:
+        return re.sub(r"``?([^`]+)``?", r"\1", super().format_help())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnzoo", description=__doc__)
+    from attnzoo import __version__
+
+    parser = PlainParser(prog="attnzoo", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"attnzoo {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one or more prompts")
@@ -106,8 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                   help="wrap each prompt as a user chat message (default on)")
+    g.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens tokens, past EOS")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="transformers' rule (default 1.0: off)")
+    g.add_argument("-n", "--num-return-sequences", type=int, default=1, metavar="N",
+                   help="sampled texts per prompt (needs --temperature > 0)")
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap each prompt as a user chat message (default: when the tokenizer has a chat template)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=_generate)
 
@@ -129,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="load a model and print LLM.info() (backends, page size, KV capacity)")
     _add_model_args(i)
+    i.add_argument("--json", action="store_true", help="print LLM.info() as JSON, the decision included")
     i.set_defaults(func=_info)
 
     _add_policy(sub)

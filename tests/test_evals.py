@@ -392,6 +392,7 @@ def test_compare_same_computation(tiny_baseline, tiny_model, tiny_data, tmp_path
     assert again["comparison"]["verdict"] == report_mod.TOKEN_IDENTICAL
     assert again["comparison"]["token_level"]["teacher_forced"]["kl_max"] == 0.0
     assert "saved report" in again["comparison"]["a"]["label"]
+    assert again["comparison"]["a"]["path"] == str(out.resolve()) and again["comparison"]["a"]["kv_cache_dtype"] == "auto"
     assert "run_b" not in again
 
 

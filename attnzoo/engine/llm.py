@@ -16,6 +16,8 @@ from transformers import PretrainedConfig
 from attnzoo.attention.backends import get_backend_class
 from attnzoo.attention.backends.hybrid import HybridBackend
 from attnzoo.attention.kv_cache import KVPool, kv_bytes_by_kind, kv_storage_dtype, window_group_layers
+from attnzoo.engine.compat import eos_ids as generation_eos_ids
+from attnzoo.engine.compat import read_generation_config
 from attnzoo.engine.engine import Completion, Engine, check_cascade
 from attnzoo.engine.prompts import chat_message, valid_text
 from attnzoo.engine.sampling import SamplingParams
@@ -49,7 +51,7 @@ def _pick_device(device) -> torch.device:
 
 
 def _pick_dtype(dtype, device: torch.device) -> torch.dtype:
-    if dtype is None:
+    if dtype is None or dtype == "auto":  # "auto": vLLM's spelling of the default
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -114,9 +116,24 @@ def _tensor_parallel_call(method):
 
 
 class LLM:
-    def __init__(self, *, model, tokenizer, config, architecture, source, decision, pool, engine, dtype, device,
-                 progress: bool = False, tp=None, load_timings: dict | None = None,
-                 window_kv_fraction: float | None = None):
+    """A loaded model. ``LLM(model=path_or_hub_id, **kwargs)`` loads one as vLLM's ``LLM`` does (load_model's
+    keywords, or vLLM's engine arguments: ``attnzoo.engine.compat``); ``load_model(...)`` is the same."""
+
+    def __new__(cls, model=None, **kwargs):
+        if "engine" in kwargs:  # load_model's own construction
+            return super().__new__(cls)
+        from attnzoo.engine.compat import load_kwargs
+
+        return load_model(**load_kwargs(model, kwargs, load_model))
+
+    def __init__(self, model=None, **kwargs):
+        if "engine" in kwargs:  # else __new__ returned a loaded LLM
+            self._setup(model=model, **kwargs)
+
+    def _setup(self, *, model, tokenizer, config, architecture, source, decision, pool, engine, dtype, device,
+               progress: bool = False, tp=None, load_timings: dict | None = None,
+               window_kv_fraction: float | None = None, generation_config=None):
+        self.generation_config = generation_config  # transformers.GenerationConfig: the checkpoint's defaults
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -188,6 +205,7 @@ class LLM:
     def generate(
         self,
         prompts,
+        sampling_params=None,
         *,
         max_new_tokens: int | None = None,
         temperature: float = 0.0,
@@ -204,6 +222,7 @@ class LLM:
         stop_strings: str | Sequence[str] | None = None,
         max_length: int | None = None,
         num_return_sequences: int = 1,
+        generation_config=None,
         **unsupported,
     ) -> list[Completion]:
         """One Completion per prompt (``num_return_sequences`` per prompt, grouped by prompt), in input order.
@@ -218,7 +237,22 @@ class LLM:
         ``seed + i``; a list gives one seed per returned sequence. A seeded request's tokens do not
         depend on what else is in the batch. ``on_finish(i)`` is called when output ``i`` finishes.
         Safe to call from several threads: calls run one at a time.
+
+        vLLM's spelling: ``generate(prompts, attnzoo.SamplingParams(...))`` returns one ``RequestOutput`` per
+        prompt instead. transformers': ``generation_config=GenerationConfig(...)`` with these keywords over it
+        (``attnzoo.engine.compat``).
         """
+        if sampling_params is not None or generation_config is not None:
+            from attnzoo.engine import compat
+
+            given = compat.given_keywords(LLM.generate, locals())
+            if sampling_params is not None:
+                use_tqdm = given.pop("use_tqdm", None)
+                if given or generation_config is not None:
+                    raise RequestError(f"generate() got sampling_params and also {', '.join(sorted(given) or ['generation_config'])}",
+                                       fix="put every sampling choice in the SamplingParams")
+                return compat.run_requests(self, prompts, sampling_params, use_tqdm=use_tqdm, progress=_GenerationProgress)
+            return LLM.generate.__wrapped__(self, prompts, **compat.generation_kwargs(self, generation_config, given))
         if unsupported:
             raise RequestError(
                 f"generate() does not support {', '.join(sorted(unsupported))}",
@@ -286,6 +320,23 @@ class LLM:
         if show:
             on_finish.close(outs)
         return outs
+
+    @_tensor_parallel_call
+    def chat(self, messages, sampling_params=None, *, use_tqdm: bool | None = None):
+        """vLLM's chat: a conversation ({'role', 'content'} dicts) or a list of them, through the tokenizer's
+        chat template; one RequestOutput per conversation (``sampling_params`` None: the checkpoint's defaults)."""
+        from attnzoo.engine.compat import run_requests
+
+        return run_requests(self, messages, sampling_params, use_tqdm=use_tqdm, chat=True, progress=_GenerationProgress)
+
+    def get_default_sampling_params(self):
+        """vLLM's: the checkpoint's generation_config.json sampling defaults as attnzoo.SamplingParams."""
+        from attnzoo.engine.compat import default_sampling_params
+
+        return default_sampling_params(self)
+
+    def get_tokenizer(self):
+        return self.tokenizer
 
     @staticmethod
     def _seeds(seed, count: int) -> list:
@@ -428,6 +479,8 @@ def load_model(
     v_scale: float = 1.0,
     progress: bool | None = None,
     window_kv_fraction: float | None = WINDOW_KV_FRACTION,
+    gpu_memory_utilization: float | None = None,
+    max_model_len: int | None = None,
 ) -> LLM:
     """Load a checkpoint (local dir, hub id, .gguf file; None = embedded SmolLM2-135M-Instruct).
 
@@ -465,6 +518,10 @@ def load_model(
     per full-group token (``kv_cache_tokens`` counts the full group; memory is split accordingly); a float
     in (0, 1]. None (the default, ``WINDOW_KV_FRACTION`` says why): one group, every layer keeps every
     token. ``info()["kv_page_groups"]`` reports both capacities and the split.
+    ``gpu_memory_utilization`` (vLLM's): the fraction of the GPU's memory this process may hold once the
+    KV cache is allocated (weights + KV; None: the KV cache takes 85% of what is free after the weights);
+    ignored on CPU, where the KV cache is sized by ``kv_cache_tokens`` / ``kv_cache_memory``.
+    ``max_model_len`` (vLLM's): the longest prompt + output, at most the model's ``max_position_embeddings``.
     Every argument, the device and the backend choices are checked before any weights are read.
     """
     kwargs = dict(locals())
@@ -495,7 +552,8 @@ def _load_replica(kwargs: dict) -> LLM:
 def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype, device, page_size, policy_file,
                 kv_cache_tokens, kv_cache_memory, max_batch_tokens, max_running, prefix_caching, cuda_graph,
                 cuda_graph_max_context, cuda_graph_batch_sizes, cascade, load_format, fp8_weights, seed, tensor_parallel_size, data_parallel_size, kv_cache_dtype,
-                k_scale, v_scale, progress, window_kv_fraction, tp) -> LLM:
+                k_scale, v_scale, progress, window_kv_fraction, tp,
+                gpu_memory_utilization=None, max_model_len=None) -> LLM:
     from attnzoo.policy import Overrides, resolve
     from attnzoo.policy.profile import profile_from_config, rank_local
 
@@ -515,6 +573,7 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float("inf"):
             raise ModelLoadError(f"{name} must be a positive finite number, got {value!r}",
                                  fix=f"pass {name}=1.0 (values kept as they are) or the checkpoint's calibrated scale")
+    _check_vllm_limits(gpu_memory_utilization, max_model_len)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise ModelLoadError(f"seed must be an integer in [0, 2**64), got {seed!r}", fix="pass seed=0 (any int)")
     if cuda_graph_batch_sizes is not None and (
@@ -576,6 +635,18 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
 
     text_config = getattr(config, "text_config", None) or config
     context_len = int(getattr(text_config, "max_position_embeddings", 4096))
+    if max_model_len is not None:
+        if max_model_len > context_len:
+            raise ModelLoadError(f"max_model_len={max_model_len} exceeds the model's context ({context_len} tokens)",
+                                 fix=f"pass max_model_len <= {context_len}, or leave it unset")
+        context_len = max_model_len
+    if gpu_memory_utilization is not None and dev.type == "cuda" and kv_cache_tokens is None and kv_cache_memory is None:
+        free, total = torch.cuda.mem_get_info(dev)
+        kv_cache_memory = int(gpu_memory_utilization * total) - (total - free)
+        if kv_cache_memory <= 0:
+            raise ModelLoadError(f"gpu_memory_utilization={gpu_memory_utilization} leaves no memory for the KV cache "
+                                 f"({(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB are in use after the weights)",
+                                 fix="raise gpu_memory_utilization, or pass kv_cache_tokens")
     specs = model.kv_cache_specs()
     ps = decision.page_size
     kv_dt = kv_storage_dtype(kv_cache_dtype, dt)
@@ -592,7 +663,8 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
     say(f"allocating the KV cache: {num_pages} pages of {ps} tokens{window_note} "
         f"({pool.nbytes / 2**30:.2f} GiB, {kv_cache_dtype}) ...")
     backends = HybridBackend.create(decision.prefill_backend, decision.decode_backend, pool)
-    eos = _eos_ids(config, tokenizer)
+    generation_config = read_generation_config(src.directory if src else None, config)
+    eos = _eos_ids(config, tokenizer) | generation_eos_ids(generation_config)
     engine = Engine(
         model, pool, backends, tokenizer=tokenizer, eos_token_ids=eos, context_len=context_len,
         max_batch_tokens=max_batch_tokens if max_batch_tokens is not None else (8192 if dev.type == "cuda" else 2048), max_running=max_running,
@@ -613,7 +685,17 @@ def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype
     engine.tp = tp
     return LLM(model=model, tokenizer=tokenizer, config=config, architecture=arch, source=src, decision=decision,
                pool=pool, engine=engine, dtype=dt, device=dev, progress=say is _say, tp=tp, load_timings=timings,
-               window_kv_fraction=window_kv_fraction)
+               window_kv_fraction=window_kv_fraction, generation_config=generation_config)
+
+
+def _check_vllm_limits(gpu_memory_utilization, max_model_len) -> None:
+    if gpu_memory_utilization is not None and (isinstance(gpu_memory_utilization, bool) or not isinstance(
+            gpu_memory_utilization, numbers.Real) or not 0 < gpu_memory_utilization <= 1):
+        raise ModelLoadError(f"gpu_memory_utilization must be a number in (0, 1], got {gpu_memory_utilization!r}",
+                             fix="pass e.g. gpu_memory_utilization=0.9, or leave it unset")
+    if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2):
+        raise ModelLoadError(f"max_model_len must be an integer >= 2, got {max_model_len!r}",
+                             fix="pass max_model_len=N tokens, or leave it unset for the model's context")
 
 
 def _check_graph_and_cascade(decision, dev, cuda_graph, cascade, prefix_caching) -> None:
@@ -638,22 +720,23 @@ def _say(msg: str) -> None:
 
 
 class _GenerationProgress:
-    """``on_finish`` hook printing 'generating: k/N done' (in place on a terminal) and a summary line."""
+    """``on_finish`` hook: a tqdm bar of finished sequences on a terminal, and a summary line."""
 
     def __init__(self, total: int):
-        self.total, self.done, self.t0 = total, 0, time.perf_counter()
-        self.tty = _stderr_is_terminal()
+        from tqdm.auto import tqdm
+
+        self.total, self.t0 = total, time.perf_counter()
         _say(f"generating {total} sequence(s) ...")
+        self.bar = tqdm(total=total, desc="attnzoo: generating", unit="seq", file=sys.stderr, leave=False,
+                        disable=not _stderr_is_terminal())
 
     def __call__(self, index: int) -> None:
-        self.done += 1
-        if self.tty:
-            print(f"\rattnzoo: generating: {self.done}/{self.total} done", end="", file=sys.stderr, flush=True)
+        self.bar.update(1)
 
     def close(self, outs) -> None:
+        self.bar.close()
         dt = time.perf_counter() - self.t0
         tokens = sum(len(o.token_ids) for o in outs)
-        print("\r" if self.tty else "", end="", file=sys.stderr)
         _say(f"generated {tokens} tokens for {self.total} sequence(s) in {dt:.1f} s ({tokens / max(dt, 1e-9):.1f} tok/s)")
 
 

@@ -45,6 +45,9 @@ class GenerationRecord:
     text: str
     prompt_ids: list[int]
     output_ids: list[int]  # the generated tokens (the report keeps them: teacher forcing replays them)
+    # seconds from the engine call's start (its wave's) to the first and to the last token
+    ttft_s: float | None = None
+    latency_s: float | None = None
 
 
 class AttnzooLM(TemplateLM):
@@ -260,7 +263,7 @@ class AttnzooLM(TemplateLM):
                         req = requests[i]
                         self.records.append(GenerationRecord(
                             getattr(req, "task_name", None), getattr(req, "doc_id", None), len(p), len(c.token_ids),
-                            c.finish_reason, text, list(p), list(c.token_ids),
+                            c.finish_reason, text, list(p), list(c.token_ids), c.time_to_first_token, c.latency,
                         ))
                         self.cache_hook.add_partial("generate_until", req.args, text)
                     out_tokens = sum(r.output_tokens for r in self.records)

@@ -226,6 +226,7 @@ def compare_runs(a: dict, b: dict, alpha: float = 0.05, forced: "tokens.ForcedRe
         "alpha": alpha,
         "per_test_threshold": threshold,
         "accuracy_verdict": accuracy_verdict,
+        "speed": speed_ratio(a, b),
         "token_level": token_level,
         "per_question": token_rows,
         "verdict": token_level["verdict"],
@@ -292,7 +293,62 @@ def _token_totals(rows: list[dict], forced, forced_note: str | None, kl_floor: f
 def _run_label(run: dict) -> dict:
     d = run["decision"]
     return {"label": run.get("label"), "prefill_backend": d["prefill_backend"], "decode_backend": d["decode_backend"],
-            "page_size": d["page_size"]}
+            "page_size": d["page_size"], "kv_cache_dtype": (run.get("settings") or {}).get("kv_cache_dtype")}
+
+
+def speed_ratio(a: dict, b: dict) -> dict:
+    """B's speed over A's: output tokens per generation second, and per phase where both runs recorded it.
+    Two runs on different machines or loads compare the machines too: the report says where each ran."""
+    def rate(run, *path):
+        x = run
+        for key in path:
+            x = x.get(key) if isinstance(x, dict) else None
+        return x
+
+    out = {}
+    for name, path in (("output_tokens_per_s", ("timing", "output_tokens_per_s")),
+                       ("prefill_tokens_per_s", ("performance", "throughput", "prefill_tokens_per_s")),
+                       ("decode_tokens_per_s", ("performance", "throughput", "decode_tokens_per_s"))):
+        ra, rb = rate(a, *path), rate(b, *path)
+        out[name] = {"a": ra, "b": rb, "b_over_a": rb / ra if ra and rb else None}
+    same = (a.get("device") or {}).get("name") == (b.get("device") or {}).get("name")
+    out["same_device"] = same
+    return out
+
+
+def render_performance(run: dict) -> list[str]:
+    """The run's latency distributions, phase throughput, memory, engine state and provenance, in lines."""
+    perf, prov = run.get("performance"), run.get("provenance") or {}
+    if not perf:
+        return []
+    lines = []
+
+    def dist(name, d):
+        if d:
+            lines.append(f"  {name}: mean {1000 * d['mean']:.1f} ms, p50 {1000 * d['p50']:.1f}, p90 {1000 * d['p90']:.1f}, "
+                         f"p99 {1000 * d['p99']:.1f}, max {1000 * d['max']:.1f} ms over {d['n']} requests")
+
+    dist("TTFT (from its wave's start)", perf.get("ttft_s"))
+    dist("TPOT", perf.get("tpot_s"))
+    th = perf.get("throughput") or {}
+
+    def tps(x):
+        return "n/a" if x is None else f"{x:.1f} tok/s"
+
+    lines.append(f"  prefill {th.get('prefill_tokens')} tokens, {tps(th.get('prefill_tokens_per_s'))}; decode "
+                 f"{th.get('decode_tokens')} tokens, {tps(th.get('decode_tokens_per_s'))} ({th.get('steps')} steps)")
+    mem, eng = perf.get("memory") or {}, perf.get("engine") or {}
+    gpu = f", GPU peak {mem['gpu_peak_allocated_gib']} GiB allocated" if "gpu_peak_allocated_gib" in mem else ""
+    lines.append(f"  memory: host peak RSS {mem.get('host_peak_rss_gib')} GiB{gpu}; KV capacity {eng.get('kv_cache_tokens')} "
+                 f"tokens ({eng.get('kv_dtype')}), max running {eng.get('max_running')}, CUDA graphs "
+                 f"{'off' if not eng.get('cuda_graph') else eng['cuda_graph'].get('batch_buckets')}, cascade "
+                 f"{str(eng.get('cascade')).split(':')[0]}")
+    git, ck = prov.get("attnzoo_git") or {}, prov.get("checkpoint") or {}
+    if prov:
+        commit = "not a git checkout" if not git else git["commit"][:12] + (" (with local changes)" if git.get("dirty") else "")
+        ident = ck.get("revision") or (ck.get("content_sha256_edges") or "")[:16]
+        lines.append(f"  attnzoo {commit}; checkpoint {ck.get('path')} ({'revision' if ck.get('revision') else 'content hash'} {ident})")
+    return lines
 
 
 # ------------------------------------------------------------------------------ terminal
@@ -342,6 +398,7 @@ def render(report: dict, per_question_rows: bool = False) -> str:
     lines.append("")
     lines.append(f"  wall latency {tm['wall_s']:.1f} s (generation {tm['generation_s']:.1f} s), output tokens "
                  f"{tm['output_tokens']}, output throughput {'n/a' if tps is None else f'{tps:.1f}'} tok/s")
+    lines += render_performance(run)
     cmp = report.get("comparison")
     if cmp:
         a, b = cmp["a"], cmp["b"]
@@ -357,6 +414,13 @@ def render(report: dict, per_question_rows: bool = False) -> str:
                          f"{m['answers_agree']:>5}/{m['n']:<6}")
         lines.append(f"    accuracy: {cmp['accuracy_verdict']} (exact McNemar, alpha {cmp['alpha']}, "
                      f"p < {cmp['per_test_threshold']:.4g} per test after Bonferroni)")
+        sp = (cmp.get("speed") or {}).get("output_tokens_per_s") or {}
+        if sp.get("b_over_a") is not None:
+            where = "" if cmp["speed"].get("same_device") else " (different devices: the ratio compares them too)"
+            lines.append(f"    speed: B/A = {sp['b_over_a']:.2f}x output throughput ({sp['a']:.1f} vs {sp['b']:.1f} tok/s)"
+                         + "".join(f", {k.split('_')[0]} {v['b_over_a']:.2f}x" for k, v in cmp["speed"].items()
+                                   if k in ("prefill_tokens_per_s", "decode_tokens_per_s") and v.get("b_over_a"))
+                         + where)
         lines += _render_tokens(cmp, per_question_rows)
         if "run_b" in report:
             tb = report["run_b"]["timing"]
@@ -397,49 +461,9 @@ def _render_tokens(cmp: dict, per_question_rows: bool) -> list[str]:
 
 
 def write_chart(report: dict, path) -> str | None:
-    """A PNG: accuracy with 95% intervals per run and filter, and the histogram of first-divergence
-    positions. Returns why not when matplotlib is not installed (None when written)."""
-    try:
-        import matplotlib
+    from attnzoo.evals.chart import write_chart as chart
 
-        matplotlib.use("Agg")  # no display needed; set only when a chart is asked for
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install matplotlib)"
-    cmp = report["comparison"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    labels, accs, lo_err, hi_err = [], [], [], []
-    for m in cmp["metrics"]:
-        for side, key in (("A", "accuracy_a"), ("B", "accuracy_b")):
-            p, n = m[key], m["n"]
-            lo, hi = stats.wilson_interval(p, n)
-            labels.append(f"{side}\n{m['filter']}")
-            accs.append(100 * p)
-            lo_err.append(100 * (p - lo))
-            hi_err.append(100 * (hi - p))
-    colors = ["tab:blue" if lab.startswith("A") else "tab:orange" for lab in labels]
-    ax1.bar(range(len(accs)), accs, yerr=[lo_err, hi_err], capsize=4, color=colors)
-    ax1.set_ylim(bottom=0)
-    ax1.set_xticks(range(len(accs)), labels, fontsize=8)
-    ax1.set_ylabel("accuracy % (95% interval)")
-    ax1.set_title(f"A = {cmp['a']['label']}\nB = {cmp['b']['label']}", fontsize=8)
-    pos = [r["first_divergence"] for rows in cmp["per_question"].values() for r in rows if not r["identical"]
-           and r["first_divergence"] is not None]
-    tl = cmp["token_level"]
-    if pos:
-        ax2.hist(pos, bins=min(40, max(5, len(set(pos)))), color="tab:gray")
-    ax2.set_xlabel("position of the first differing output token")
-    ax2.set_ylabel("questions")
-    ax2.set_title(f"{tl['identical_generations']}/{tl['questions']} generations identical; verdict: {cmp['verdict']}",
-                  fontsize=8)
-    fig.tight_layout()
-    try:
-        _write_atomically(path, lambda fh: fig.savefig(fh, dpi=110, format="png"))
-    except OSError as e:
-        return f"cannot write {path} ({e.strerror or e})"
-    finally:
-        plt.close(fig)
-    return None
+    return chart(report, path, _write_atomically)
 
 
 def _write_atomically(path, write) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import logging
 import os
@@ -26,8 +27,8 @@ log = logging.getLogger("attnzoo")
 
 DESCRIPTION = """Evaluate a model with lm-evaluation-harness through attnzoo's engine.
 Example: run_eval gsm8k --data-dir ../shared/data/gsm8k --limit 50
-         run_eval gsm8k --backend triton --compare-to torch --limit 200 --output report.json
-         run_eval gsm8k --backend triton --compare-kv-cache-dtype fp8_e4m3 --plot cmp.png   # bf16 vs fp8 KV"""
+         run_eval gsm8k --limit 5 --compare-kv-cache-dtype fp8_e4m3 --plot cmp.png   # CPU: fp32 vs fp8 KV
+         run_eval gsm8k --backend triton --compare-to torch --limit 200 --output report.json   # GPU"""
 # Teacher forcing replays every compared question through both backends: all of them on a GPU, a few
 # on a CPU (where one SmolLM2 question costs seconds per backend). --logit-compare-limit overrides.
 CPU_LOGIT_COMPARE_LIMIT = 16
@@ -88,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, default=0.05, help="significance level of the comparison (default 0.05)")
     p.add_argument("--output", default=None, metavar="FILE.json", help="write the report (with per-question records) here")
     p.add_argument("--per-question", action="store_true", help="also print one line per question")
+    p.add_argument("--lm-eval-output", default=None, metavar="DIR",
+                   help="also write lm-eval's own results_*.json and samples_*.jsonl files under DIR")
     p.add_argument("--wave-size", type=int, default=None,
                    help="questions handed to the engine per call (default: all at once)")
     return p
@@ -151,6 +154,8 @@ def _check_numbers(args) -> None:
         raise EvalError("--plot charts a comparison", fix="add --compare-to B2 (or --compare-kv-cache-dtype)")
     if args.plot and not str(args.plot).endswith(".png"):
         raise EvalError(f"--plot {args.plot!r} is not a .png file name", fix="e.g. --plot comparison.png")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the run, not after it
+        raise EvalError("--plot needs matplotlib, which is not installed", fix="pip install matplotlib, or drop --plot")
 
 
 def _compare_target(value: str | None) -> tuple[str | None, Path | None]:
@@ -220,11 +225,18 @@ def _evaluate(args, data_files, b: Backends, label: str) -> tuple[dict, dict]:
     from attnzoo.evals.report import build_run
     from attnzoo.evals.tasks import load_tasks
 
+    from attnzoo.evals import perf
+
     t_load = time.perf_counter()
     llm = _load_replicas(args, b)
     if llm is None:
         return None, {}
     load_s = time.perf_counter() - t_load
+    if llm.device.type == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(llm.device)
+    llm.engine.step_log = []  # one line per step: prefill and decode throughput apart
     lm = AttnzooLM(llm=llm, pretrained=args.model, wave_size=args.wave_size)
     # Fresh task objects per run: lm-eval stores each run's instances and responses on them.
     tm, loaded = load_tasks(args.task, data_files)
@@ -251,8 +263,17 @@ def _evaluate(args, data_files, b: Backends, label: str) -> tuple[dict, dict]:
         "seeds": {k: results.get("config", {}).get(k) for k in ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")},
         "load_s": load_s,
     }
-    run = build_run(task_results=results["results"], samples=results.get("samples", {}), lm=lm, info=llm.info(),
+    info = llm.info()
+    run = build_run(task_results=results["results"], samples=results.get("samples", {}), lm=lm, info=info,
                     decision=llm.decision, wall_s=wall, settings=settings, label=label)
+    run["performance"] = perf.performance(lm.records, info, llm.engine.step_log, t0)
+    run["provenance"] = {"attnzoo_git": perf.git_commit(),
+                         "checkpoint": perf.checkpoint_identity(llm.source.directory, llm.source.gguf_file)}
+    llm.engine.step_log = None
+    if args.lm_eval_output:
+        from attnzoo.evals.lm_eval_files import write_lm_eval_files
+
+        run["lm_eval_files"] = write_lm_eval_files(args.lm_eval_output, results, label, llm)
     seqs = {(g.task_name, g.doc_id): (g.prompt_ids, g.output_ids) for g in lm.records}
     llm.close()  # tensor parallel from one process: the next run starts its own ranks
     del lm, llm
@@ -409,7 +430,9 @@ def run(args, write: bool = True, sequences: dict | None = None) -> dict:
         if saved_seqs:
             forced, note = _teacher_force(args, _saved_backends(saved), mine, saved_seqs, prompts, limit)
         report["comparison"] = compare_runs(saved, report["run"], alpha=args.alpha, forced=forced, forced_note=note)
-        report["comparison"]["a"]["label"] = f"saved report {saved_path} ({saved.get('label')})"
+        report["comparison"]["a"]["label"] = f"saved report {saved_path.resolve()} ({saved.get('label')})"
+        report["comparison"]["a"]["path"] = str(saved_path.resolve())
+        report["comparison"]["a"]["kv_cache_dtype"] = (saved.get("settings") or {}).get("kv_cache_dtype")
     if args.plot and "comparison" in report:
         from attnzoo.evals.report import write_chart
 
