@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from e2e import FP8_BLOCK_CONFIG, SHAPE_NAMES, make_config  # noqa: E402
 
 from attnzoo.layers.parallel import TPContext  # noqa: E402
-from attnzoo.models.quantization import plan_weights  # noqa: E402
+from attnzoo.models.weights import plan_weights  # noqa: E402
 from attnzoo.models.registry import model_class  # noqa: E402
 
 

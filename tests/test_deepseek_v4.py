@@ -84,7 +84,7 @@ def test_mixed_batches_window_group_and_prefix_hits_match_one_at_a_time(v4_dir):
     assert _tokens(llm, prompts[:1], 8) == want[:1]
     full, wpages = llm.engine.prefix_cache.match(prompts[1])
     assert len(full) == 11  # 22 tokens: mid-block for both rates
-    llm.engine._unmatch(full, wpages)
+    llm.engine.pages.unmatch(full, wpages)
     llm.engine.step_log = []
     assert _tokens(llm, prompts[1:], 8) == want[1:]
     assert any(s["num_reqs"] > 1 and s["new_tokens"] > s["num_reqs"] for s in llm.engine.step_log), \

@@ -15,7 +15,7 @@ import attnzoo
 from attnzoo.layers.fp8 import FP8, Fp8Linear
 from attnzoo.layers.moe import FusedMoE
 from attnzoo.layers.parallel import TPContext
-from attnzoo.models.quantization import plan_weights
+from attnzoo.models.weights import plan_weights
 from attnzoo.models.registry import model_class
 from test_fp8 import QUANT, TINY_V3, _needs_fp8_gpu
 from test_tensor_parallel import FP8_ALIGNED

@@ -21,7 +21,7 @@ from attnzoo.errors import EvalError, ModelLoadError
 from attnzoo.layers.fp8 import FP8, Fp8Linear
 from attnzoo.layers.parallel import TPContext
 from attnzoo.models import loader
-from attnzoo.models.quantization import plan_weights
+from attnzoo.models.weights import plan_weights
 from attnzoo.models.registry import model_class
 from helpers import random_prompts, save_checkpoint
 from test_deepseek import tiny_v3

@@ -23,7 +23,7 @@ from attnzoo.engine.prompts import chat_message, valid_text
 from attnzoo.engine.sampling import SamplingParams
 from attnzoo.errors import BackendError, ModelLoadError, RequestError
 from attnzoo.models import loader
-from attnzoo.models.quantization import plan_weights
+from attnzoo.models.weights import plan_weights
 from attnzoo.models.registry import model_class
 
 log = logging.getLogger("attnzoo")

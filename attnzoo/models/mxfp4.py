@@ -7,7 +7,7 @@ two 2^(scale - 127) per block (the OCP MX format). ``dequantize_mxfp4`` returns 
 transformers' ``integrations.mxfp4.convert_moe_packed_tensors`` returns its transpose [E, K, N], the
 layout of transformers' ``GptOssExperts`` parameters and of a bf16 gpt-oss checkpoint.
 
-``Mxfp4Plan`` (``models.quantization.plan_weights`` picks it for ``quant_method: "mxfp4"``) pairs each
+``Mxfp4Plan`` (``models.weights.plan_weights`` picks it for ``quant_method: "mxfp4"``) pairs each
 ``_blocks`` with its ``_scales`` in the checkpoint stream and yields the dequantized weight under the
 bf16 checkpoint's name and layout (a transposed view, no copy), so the model loads either checkpoint
 the same way. No kernel reads MXFP4 here: the experts run in the model dtype (4x the bytes of MXFP4).

@@ -350,23 +350,3 @@ class Fp8Plan(WeightPlan):
             out["fp8_shards"] = (f"per rank: {sum(self.shards.values())} tensor-parallel layers "
                                  f"({', '.join(sorted(self.shards))}) hold the rank's own whole blocks in FP8")
         return out
-
-
-def plan_weights(config, cls, *, device: torch.device, dtype: torch.dtype, mode: str,
-                 checkpoint_names: Iterable[str] | None) -> WeightPlan:
-    """The plan for this config: FP8 or MXFP4 (``models.mxfp4``: dequantized at load) when its
-    quantization_config says so (other quantizations raise)."""
-    if mode not in FP8_MODES:
-        raise ModelLoadError(f"unknown fp8_weights {mode!r}", fix=f"use one of: {', '.join(FP8_MODES)}")
-    from attnzoo.models import mxfp4  # imports this module
-
-    if mxfp4.is_mxfp4(config):
-        return mxfp4.plan_mxfp4(dtype, mode, device)
-    fmt = Fp8Format.from_config(config)
-    if fmt is None:
-        if mode == "fp8":
-            raise ModelLoadError("fp8_weights='fp8' was asked for, but the checkpoint is not FP8 block-quantized",
-                                 fix="leave fp8_weights at 'auto' (weights load as stored)")
-        return WeightPlan(dtype)
-    return Fp8Plan(fmt, cls, device, dtype, mode, checkpoint_names)
-

@@ -248,7 +248,7 @@ class BackendCapabilities:
                 bad.append("does not support attention logit soft-capping, which this model uses")
             if shape.uses_sinks and not self.attention_sinks:
                 bad.append(f"does not support attention sinks, which this model uses (backends that do: "
-                           f"{', '.join(sinks_backends())})")
+                           f"{', '.join(sinks_backends(kind))})")
         if kv_cache_dtype != "auto":
             if kind is not None and kind != "mha":
                 bad.append(f"{kind.upper()} caches keep their explicit layouts (kv_layout); kv_cache_dtype "
@@ -384,12 +384,13 @@ class BackendCapabilities:
         }
 
 
-def sinks_backends() -> list[str]:
-    """The registered backends that declare attention sinks (some of their kernels may not take them:
-    ``Kernel.sinks``), for messages."""
+def sinks_backends(kind: str | None = None) -> list[str]:
+    """The registered backends that declare attention sinks for attention of ``kind`` (any kind: None; some
+    of their kernels may not take them: ``Kernel.sinks``), for messages."""
     from attnzoo.attention.backends import all_capabilities
 
-    return [name for name, caps in all_capabilities().items() if caps.attention_sinks]
+    return [name for name, caps in all_capabilities().items()
+            if caps.attention_sinks and (kind is None or kind in caps.kinds)]
 
 
 def _fmt(values) -> str:
