@@ -19,7 +19,8 @@ import time
 
 # No network, no usage reports; FlashInfer's sampler is never needed for greedy decoding.
 for _k, _v in {"VLLM_USE_FLASHINFER_SAMPLER": "0", "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1", "VLLM_NO_USAGE_STATS": "1",
-               "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}.items():
+               "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}.items():  # what_ran() travels to the worker pickled
     os.environ.setdefault(_k, _v)
 
 
@@ -65,6 +66,7 @@ def main():
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
               enable_prefix_caching=True, gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
+              disable_log_stats=False,  # per-request metrics (TTFT, TPOT)
               attention_config=None if args.attn_backend == "auto" else {"backend": args.attn_backend})
     tp = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     greedy = dict(ignore_eos=True, temperature=0.0, detokenize=False)
