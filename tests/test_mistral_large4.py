@@ -158,10 +158,11 @@ def test_gpu_nsa_backends_match_torch(tmp_path, backend):
     sharing layers read through their producer's), eager and with CUDA graphs."""
     save_checkpoint(tiny_mistral_large4(kv_lora_rank=128), tmp_path)
     prompts = random_prompts(140, [7, 21, 3], seed=5)
-    opts = dict(page_size=4, dtype="float32", max_running=8)
+    opts = dict(page_size=4, dtype="float32", max_running=8, kv_cache_tokens=4096)  # each load sizes a small pool
     want = attnzoo.load_model(tmp_path, backend="torch", device="cpu", **opts).generate(
         prompts, max_new_tokens=12, ignore_eos=True, return_logits=True)
-    tol = 5e-1 if backend.endswith("fp8") else 1e-3  # logits x20 before the cap: fp8 noise is scaled too
+    # The tiny model scales logits x20 before the cap, and fp8 noise with them: 20 x the fp8 latent bound 0.1.
+    tol = 2.0 if backend.endswith("fp8") else 1e-3
     for graphs in (False, True):
         llm = attnzoo.load_model(tmp_path, backend=backend, device="cuda", cuda_graph=graphs, **opts)
         got = llm.generate(prompts, max_new_tokens=12, ignore_eos=True, return_logits=True)
