@@ -171,7 +171,7 @@ def tune(model: str, *, device=None, dtype=None, backends: list[str] | None = No
     from attnzoo.attention.backends import backend_names, capabilities_of, get_backend_class
     from attnzoo.policy import detect_gpu, gpu_class
     from attnzoo.policy.table import SHIPPED_POLICY, load_table
-    from attnzoo.engine.llm import _pick_device, _pick_dtype
+    from attnzoo.engine.build import _pick_device, _pick_dtype
     from attnzoo.models import loader
 
     dev = _pick_device(device)

@@ -35,10 +35,8 @@ from attnzoo.attention.metadata import BatchMetadata, ForwardMode
 def _default_buckets(top: int = 4096) -> tuple[int, ...]:
     """1, 2, 4, then steps of 8 to 256 and an eighth of the octave above: 256, 288, ..., 512, 576, ...
     A step runs at its bucket's size, so the padding rows cost GEMM FLOPs wherever the batch is
-    compute-bound: at most 12.5% here (the earlier powers-of-two-and-a-half list padded Llama's 1319-request
-    wave to 1536, +16%, and Gemma's 239 to 256). Steps of 8 up to 256 give ``prune_buckets`` sizes to
-    choose from where cuBLAS's choice varies most: Gemma-4-31B's decode GEMMs measured 377 us per layer at
-    248 rows, 393 at 256 and 442 at 240 on an H200 (benchmarks/results/gemm_rows_nvidia_h200.txt)."""
+    compute-bound: at most 12.5% here. Steps of 8 up to 256 give ``prune_buckets`` sizes to choose from where
+    cuBLAS's kernel choice varies most with the rows (benchmarks/results/gemm_rows_nvidia_h200.txt)."""
     out, b = [1, 2, 4], 8
     while b <= top:
         out.append(b)
@@ -81,8 +79,7 @@ def gemm_share(model, shapes: dict) -> float:
 def prune_buckets(shapes: dict, buckets, device, margin: float = PRUNE_MARGIN, reps: int = 5):
     """(kept buckets, {dropped bucket: the larger bucket it pads to}), from the measured time of the
     model's GEMMs at each bucket's row count. A step runs at its bucket's size, and cuBLAS's kernel choice
-    is not monotone in the rows: on an H200, Gemma-4-31B's gate_up GEMM takes 238 us at 240 rows and 173 us
-    at 248. A bucket is dropped where the next larger kept one (the one its steps then pad to) is ``margin``
+    is not monotone in the rows (a GEMM can be faster at more rows). A bucket is dropped where the next larger kept one (the one its steps then pad to) is ``margin``
     faster; the largest is always kept (it is ``max_running``)."""
     if not shapes or device.type != "cuda":
         return list(buckets), {}
@@ -163,8 +160,8 @@ class DecodeGraphs:
         self._last_key: tuple[BatchMetadata | None, tuple | None] = (None, None)  # the last step's key, by identity
         # A new cascade graph is captured on the ``capture_after``-th step in a row that asks for it: a
         # capture costs a warm-up step and the capture, wasted on a bucket that a shrinking batch (a wave's
-        # requests finishing) passes through in a step or two; the steps before run as if over the cap.
-        # Llama-3.1-8B on the GSM8K workload (H200): 3 captured 1 graph instead of 12, 19,706 tok/s vs 19,289.
+        # requests finishing) passes through in a step or two; the steps before run as if over the cap
+        # (results: e2e_llama8b_ca{1,3}).
         self.capture_after = capture_after
         self._streak: tuple[tuple | None, int] = (None, 0)  # (the last key asked for, how many steps in a row)
         self.cascade_capture_s = 0.0  # host time spent capturing cascade graphs (warm-up included)

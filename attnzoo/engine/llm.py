@@ -1,7 +1,6 @@
 """Public API: ``load_model(...) -> LLM`` and the LLM's generate / logits / info."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import numbers
@@ -11,94 +10,16 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
-from transformers import PretrainedConfig
 
-from attnzoo.attention.backends import get_backend_class
-from attnzoo.attention.backends.hybrid import HybridBackend
-from attnzoo.attention.kv_cache import KVPool, kv_bytes_by_kind, kv_storage_dtype, window_group_layers
-from attnzoo.engine.compat import eos_ids as generation_eos_ids
-from attnzoo.engine.compat import read_generation_config
-from attnzoo.engine.engine import Completion, Engine, check_cascade
+from attnzoo.attention.kv_cache import KVPool, kv_bytes_by_kind
+from attnzoo.engine import build
+from attnzoo.engine.build import WINDOW_KV_FRACTION, _say, _stderr_is_terminal
+from attnzoo.engine.engine import Completion
 from attnzoo.engine.prompts import chat_message, valid_text
 from attnzoo.engine.sampling import SamplingParams
-from attnzoo.errors import BackendError, ModelLoadError, RequestError
-from attnzoo.models import loader
-from attnzoo.models.weights import plan_weights
-from attnzoo.models.registry import model_class
+from attnzoo.errors import RequestError
 
 log = logging.getLogger("attnzoo")
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def _pick_device(device) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    fix = "pass device='cpu', 'cuda' or 'cuda:N' (or leave it unset: cuda when available)"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ModelLoadError(f"device={device!r} is not a device torch knows", fix=fix) from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ModelLoadError(f"device={device!r}: attnzoo runs on CPUs and CUDA GPUs only", fix=fix)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"device {device!r} was asked for but no CUDA GPU is available", fix="pass device='cpu'")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ModelLoadError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)",
-                             fix=f"pass cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
-    return dev
-
-
-def _pick_dtype(dtype, device: torch.device) -> torch.dtype:
-    if dtype is None or dtype == "auto":  # "auto": vLLM's spelling of the default
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ModelLoadError(f"unknown dtype {dtype!r}", fix=f"use one of: {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
-# Default window_kv_fraction: None, one page group. The split between the groups is fixed at load, and
-# a request shorter than the window needs as many window tokens as full ones, so any fraction below 1
-# lowers the concurrency of few-shot evaluation workloads, this engine's main use: on the H200, the
-# Gemma-4-31B GSM8K workload ran at 3,751 tok/s with one group and 3,363 with 0.5 (146,688 full-group
-# tokens instead of 80,000; benchmarks/results/e2e_gemma4_31b_*_nvidia_h200.json). Long generations
-# (prompt + output well past the window) gain the most from a fraction (SGLang's swa_full_tokens_ratio
-# is 0.8): pass one.
-WINDOW_KV_FRACTION = None
-
-
-def _window_split(specs, context_len: int, window_kv_fraction: float | None) -> bool:
-    """Whether the pool gets a window page group: sliding layers whose window is shorter than the context."""
-    windows = [specs[i].kept_window() for i in window_group_layers(specs)] if window_kv_fraction is not None else []
-    return bool(windows) and context_len > max(windows)
-
-
-def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory, context_len,
-              window_kv_fraction=None) -> tuple[int, int | None]:
-    """(full-group pages, window-group pages or None for one group), page 0 of each included."""
-    per_page = KVPool.bytes_per_page(specs, page_size, dtype)
-    split = _window_split(specs, context_len, window_kv_fraction)
-    if kv_cache_tokens is not None:
-        full = -(-kv_cache_tokens // page_size) + 1
-        return full, (max(2, int(window_kv_fraction * (full - 1)) + 1) if split else None)
-    if kv_cache_memory is None:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            kv_cache_memory = int(free * 0.85)
-        else:
-            # CPU: enough for several full-length sequences without eating the machine's memory.
-            kv_cache_memory = min(1 << 30, per_page * (-(-8 * context_len // page_size)))
-    if not split:
-        return max(2, kv_cache_memory // per_page), None
-    # full x per_full + fraction x full x per_window = memory
-    per_full = KVPool.bytes_per_page(specs, page_size, dtype, group="full")
-    per_window = KVPool.bytes_per_page(specs, page_size, dtype, group="window")
-    full = int(kv_cache_memory // (per_full + window_kv_fraction * per_window))
-    return max(2, full), max(2, int(window_kv_fraction * full))
-
 
 def _tensor_parallel_call(method):
     """Tensor parallel: rank 0 runs the call and the other ranks follow it (attnzoo.engine.tensor_parallel)."""
@@ -155,8 +76,8 @@ class LLM:
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, (list, tuple)) and prompt and set(map(type, prompt)) == {int}:
-            # Plain token ids, the usual case, checked by C loops: per-token Python checks cost 2 ms a
-            # GSM8K 8-shot prompt, seconds of an eval's wall before the GPU starts.
+            # Plain token ids, the usual case, checked by C loops: per-token Python checks would cost
+            # seconds of an eval's wall before the GPU starts.
             if min(prompt) < 0 or max(prompt) >= self.config_vocab_size:
                 bad = next(t for t in prompt if not 0 <= t < self.config_vocab_size)
                 raise RequestError(f"token id {bad} is outside the vocabulary (0..{self.config_vocab_size - 1})",
@@ -539,7 +460,7 @@ def _load_replica(kwargs: dict) -> LLM:
     group = launch.launch(kwargs["tensor_parallel_size"], kwargs["device"], kwargs, load_model)
     try:
         with launch.loading(group):
-            llm = _load_model(**kwargs, tp=group)
+            llm = LLM(**build.build(**kwargs, tp=group))
     except BaseException:
         if group is not None:
             group.close(abort=True)
@@ -547,176 +468,6 @@ def _load_replica(kwargs: dict) -> LLM:
     if group is not None:
         tensor_parallel.register_close(llm, group)
     return llm
-
-
-def _load_model(name_or_path, *, backend, prefill_backend, decode_backend, dtype, device, page_size, policy_file,
-                kv_cache_tokens, kv_cache_memory, max_batch_tokens, max_running, prefix_caching, cuda_graph,
-                cuda_graph_max_context, cuda_graph_batch_sizes, cascade, load_format, fp8_weights, seed, tensor_parallel_size, data_parallel_size, kv_cache_dtype,
-                k_scale, v_scale, progress, window_kv_fraction, tp,
-                gpu_memory_utilization=None, max_model_len=None) -> LLM:
-    from attnzoo.policy import Overrides, resolve
-    from attnzoo.policy.profile import profile_from_config, rank_local
-
-    if load_format not in ("auto", "random"):
-        raise ModelLoadError(f"unknown load_format {load_format!r}", fix="use 'auto' or 'random'")
-    for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens),
-                        ("kv_cache_tokens", kv_cache_tokens), ("kv_cache_memory", kv_cache_memory)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ModelLoadError(f"{name} must be a positive integer, got {value!r}",
-                                 fix=f"pass {name}=N with N >= 1, or leave it unset for the default")
-    if window_kv_fraction is not None and (isinstance(window_kv_fraction, bool) or not isinstance(window_kv_fraction, (int, float))
-                                           or not 0 < window_kv_fraction <= 1):
-        raise ModelLoadError(f"window_kv_fraction must be a number in (0, 1] or None, got {window_kv_fraction!r}",
-                             fix=f"pass e.g. window_kv_fraction={WINDOW_KV_FRACTION}, or None for one KV page group")
-    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-        # The scales divide every stored k/v: 0, a negative or NaN would fill the cache with inf/NaN.
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float("inf"):
-            raise ModelLoadError(f"{name} must be a positive finite number, got {value!r}",
-                                 fix=f"pass {name}=1.0 (values kept as they are) or the checkpoint's calibrated scale")
-    _check_vllm_limits(gpu_memory_utilization, max_model_len)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ModelLoadError(f"seed must be an integer in [0, 2**64), got {seed!r}", fix="pass seed=0 (any int)")
-    if cuda_graph_batch_sizes is not None and (
-            isinstance(cuda_graph_batch_sizes, (str, bytes)) or not hasattr(cuda_graph_batch_sizes, "__iter__")
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in cuda_graph_batch_sizes)):
-        raise ModelLoadError(f"cuda_graph_batch_sizes must be a list of positive integers, got {cuda_graph_batch_sizes!r}",
-                             fix="pass e.g. cuda_graph_batch_sizes=[1, 2, 4, 8, 16, 32, 64], or None for the default list")
-    for name, value in (("cuda_graph", cuda_graph), ("cascade", cascade), ("progress", progress)):
-        if value is not None and not isinstance(value, bool):
-            raise ModelLoadError(f"{name} must be True, False or None, got {value!r}", fix=f"pass {name}=True/False")
-    dev = _pick_device(device) if tp is None else tp.device
-    dt = _pick_dtype(dtype, dev)
-    if tp is not None and not tp.leader:  # rank 0 speaks for the group
-        progress = False
-    say = _say if (progress if progress is not None else _stderr_is_terminal()) else (lambda msg: None)
-    if isinstance(name_or_path, PretrainedConfig):
-        if load_format != "random":
-            raise ModelLoadError("a config object has no weights", fix="pass load_format='random', or a checkpoint path")
-        loader.check_config(name_or_path, "the config object")
-        config, src = name_or_path, None
-    else:
-        src = loader.resolve_source(name_or_path)
-        config = loader.load_config(src)
-    arch = loader.architecture_of(config)
-    cls = model_class(arch, config)  # unknown architectures fail here (Llama-shaped ones load as Llama)
-    overrides = Overrides(
-        backend=backend, prefill_backend=prefill_backend, decode_backend=decode_backend,
-        page_size=page_size, policy_file=policy_file, dtype=dt, kv_cache_dtype=kv_cache_dtype,
-    )
-    # Tensor parallel: the backends run on one rank's heads, so the policy sees those shapes.
-    shapes = config if tp is None else rank_local(profile_from_config(config, architecture=arch), tp.ctx.world_size)
-    decision = resolve(shapes, gpu=None if dev.type == "cuda" else "cpu", overrides=overrides, model_id=src.name if src else None)
-    log.info("attention policy for %s: %s", arch, decision.explain().splitlines()[0])
-    _check_graph_and_cascade(decision, dev, cuda_graph, cascade, prefix_caching)
-
-    weights = plan_weights(config, cls, device=dev, dtype=dt, mode=fp8_weights,
-                           checkpoint_names=loader.checkpoint_tensor_names(src) if load_format == "auto" else None)
-
-    t0 = time.perf_counter()
-    lap, timings = _stopwatch(dev), {}
-    say(f"loading {src.name if src else arch} ({arch}, {str(dt).replace('torch.', '')}) on {dev} ...")
-
-    # Seeded random init (load_format="random") without touching the caller's global RNG state.
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        torch.manual_seed(seed)
-        with torch.device(dev), _default_dtype(dt):  # build in place: no float32 copy of a large model
-            model = weights.build(cls if tp is None else functools.partial(cls, tp=tp.ctx), config)
-    timings["build_s"] = lap()
-    if load_format == "auto":
-        model.load_weights(weights.tensors(model, loader.iter_weights(src, config)))
-    else:
-        model.after_weights_loaded()
-    weights.finish(model)
-    decision.weights = weights.describe()
-    model.eval()
-    tokenizer = loader.load_tokenizer(src) if src else None
-    timings["weights_s"] = lap()
-    say(f"loaded in {time.perf_counter() - t0:.1f} s (model built in {timings['build_s']:.1f} s)")
-
-    text_config = getattr(config, "text_config", None) or config
-    context_len = int(getattr(text_config, "max_position_embeddings", 4096))
-    if max_model_len is not None:
-        if max_model_len > context_len:
-            raise ModelLoadError(f"max_model_len={max_model_len} exceeds the model's context ({context_len} tokens)",
-                                 fix=f"pass max_model_len <= {context_len}, or leave it unset")
-        context_len = max_model_len
-    if gpu_memory_utilization is not None and dev.type == "cuda" and kv_cache_tokens is None and kv_cache_memory is None:
-        free, total = torch.cuda.mem_get_info(dev)
-        kv_cache_memory = int(gpu_memory_utilization * total) - (total - free)
-        if kv_cache_memory <= 0:
-            raise ModelLoadError(f"gpu_memory_utilization={gpu_memory_utilization} leaves no memory for the KV cache "
-                                 f"({(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB are in use after the weights)",
-                                 fix="raise gpu_memory_utilization, or pass kv_cache_tokens")
-    specs = model.kv_cache_specs()
-    ps = decision.page_size
-    kv_dt = kv_storage_dtype(kv_cache_dtype, dt)
-    decision.kv_bytes_per_token = KVPool.bytes_per_page(specs, 1, kv_dt)
-    num_pages, num_window_pages = _kv_pages(specs, ps, kv_dt, dev, kv_cache_tokens, kv_cache_memory, context_len,
-                                            window_kv_fraction)
-    if tp is not None:  # rank 0 hands out the same page ids on every rank
-        num_pages = tp.min_int(num_pages)
-        if num_window_pages is not None:
-            num_window_pages = tp.min_int(num_window_pages)
-    pool = KVPool(specs, num_pages=num_pages, page_size=ps, dtype=dt, device=dev, kv_cache_dtype=kv_cache_dtype,
-                  k_scale=k_scale, v_scale=v_scale, num_window_pages=num_window_pages)
-    window_note = "" if num_window_pages is None else f" + {num_window_pages} pages of the sliding-window layers"
-    say(f"allocating the KV cache: {num_pages} pages of {ps} tokens{window_note} "
-        f"({pool.nbytes / 2**30:.2f} GiB, {kv_cache_dtype}) ...")
-    backends = HybridBackend.create(decision.prefill_backend, decision.decode_backend, pool)
-    generation_config = read_generation_config(src.directory if src else None, config)
-    eos = _eos_ids(config, tokenizer) | generation_eos_ids(generation_config)
-    engine = Engine(
-        model, pool, backends, tokenizer=tokenizer, eos_token_ids=eos, context_len=context_len,
-        max_batch_tokens=max_batch_tokens if max_batch_tokens is not None else (8192 if dev.type == "cuda" else 2048), max_running=max_running,
-        prefix_caching=prefix_caching, cascade=cascade,
-    )
-    timings["kv_cache_s"] = lap()
-    if cuda_graph is None:
-        cuda_graph = dev.type == "cuda" and backends.supports_cuda_graph
-    if cuda_graph:
-        say("capturing CUDA graphs for decode ...")
-        engine.enable_cuda_graphs(max_batch=engine.max_running, max_context=min(context_len, cuda_graph_max_context),
-                                  batch_sizes=None if cuda_graph_batch_sizes is None else list(cuda_graph_batch_sizes),
-                                  prune=tp is None and cuda_graph_batch_sizes is None)
-        timings["cuda_graphs_s"] = lap()
-    if src is None:
-        src = loader.CheckpointSource(f"random-weight {arch}", None)
-    say(f"ready in {time.perf_counter() - t0:.1f} s (prefill {decision.prefill_backend}, decode {decision.decode_backend})")
-    engine.tp = tp
-    return LLM(model=model, tokenizer=tokenizer, config=config, architecture=arch, source=src, decision=decision,
-               pool=pool, engine=engine, dtype=dt, device=dev, progress=say is _say, tp=tp, load_timings=timings,
-               window_kv_fraction=window_kv_fraction, generation_config=generation_config)
-
-
-def _check_vllm_limits(gpu_memory_utilization, max_model_len) -> None:
-    if gpu_memory_utilization is not None and (isinstance(gpu_memory_utilization, bool) or not isinstance(
-            gpu_memory_utilization, numbers.Real) or not 0 < gpu_memory_utilization <= 1):
-        raise ModelLoadError(f"gpu_memory_utilization must be a number in (0, 1], got {gpu_memory_utilization!r}",
-                             fix="pass e.g. gpu_memory_utilization=0.9, or leave it unset")
-    if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2):
-        raise ModelLoadError(f"max_model_len must be an integer >= 2, got {max_model_len!r}",
-                             fix="pass max_model_len=N tokens, or leave it unset for the model's context")
-
-
-def _check_graph_and_cascade(decision, dev, cuda_graph, cascade, prefix_caching) -> None:
-    """Refuse explicit cuda_graph / cascade requests that cannot run, before any weights are read."""
-    dec = get_backend_class(decision.decode_backend)
-    if cuda_graph and (dev.type != "cuda" or not dec.supports_cuda_graph):
-        why = f"the device is {dev}" if dev.type != "cuda" else f"the decode backend {decision.decode_backend!r} has no graph path"
-        raise BackendError(f"CUDA graphs were asked for, but {why}",
-                           fix="pass cuda_graph=False (or None: automatic), or a decode backend that supports graphs on a GPU")
-    check_cascade(dec, prefix_caching, cascade)
-
-
-def _stderr_is_terminal() -> bool:
-    try:
-        return sys.stderr.isatty()
-    except (AttributeError, ValueError):  # replaced or closed stderr
-        return False
-
-
-def _say(msg: str) -> None:
-    print(f"attnzoo: {msg}", file=sys.stderr, flush=True)
 
 
 class _GenerationProgress:
@@ -738,38 +489,3 @@ class _GenerationProgress:
         dt = time.perf_counter() - self.t0
         tokens = sum(len(o.token_ids) for o in outs)
         _say(f"generated {tokens} tokens for {self.total} sequence(s) in {dt:.1f} s ({tokens / max(dt, 1e-9):.1f} tok/s)")
-
-
-def _stopwatch(dev: torch.device) -> Callable[[], float]:
-    """-> a function giving the seconds since its last call (or since now), once the device's queued work
-    is done: a GPU builds and fills weights asynchronously, and the time belongs to the phase that queued it."""
-    last = [time.perf_counter()]
-
-    def lap() -> float:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        now = time.perf_counter()
-        seconds, last[0] = now - last[0], now
-        return round(seconds, 3)
-
-    return lap
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def _eos_ids(config, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for cfg in (config, getattr(config, "text_config", None)):
-        e = getattr(cfg, "eos_token_id", None) if cfg is not None else None
-        ids.update(e if isinstance(e, (list, tuple)) else ([e] if e is not None else []))
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
