@@ -39,6 +39,7 @@ their pinned page lists), must not rewrite them before the last plan's copies le
 """
 from __future__ import annotations
 
+import importlib
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -89,6 +90,15 @@ class PlanFence:
         if self._cuda:
             self._event = torch.cuda.Event()
             self._event.record()
+
+
+def import_triton_kernels(backend: str, module: str):
+    """``attnzoo.attention.kernels.<module>``, or a BackendError naming ``backend`` where triton cannot import."""
+    try:
+        return importlib.import_module(f"attnzoo.attention.kernels.{module}")
+    except ImportError as e:  # triton missing or broken
+        raise BackendError(f"the {backend} backend cannot import triton ({e})",
+                           fix="pip install 'attnzoo[triton]', or choose backend='torch'") from e
 
 
 class AttentionLayer(Protocol):

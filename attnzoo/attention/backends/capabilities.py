@@ -85,6 +85,13 @@ class Kernel:
         return self.requires_env is None or os.environ.get(self.requires_env[0]) == self.requires_env[1]
 
 
+def triton_kernels(name: str) -> tuple[Kernel, Kernel]:
+    """A Triton kernel family: on CUDA GPUs, and on the CPU under ``TRITON_INTERPRET=1`` (tests only)."""
+    return (Kernel(name, CUDA_GPUS),
+            Kernel(f"{name} (interpreter)", gpu_set("cpu"), requires_env=("TRITON_INTERPRET", "1"),
+                   note="CPU runs the Triton interpreter: for tests only, very slow"))
+
+
 @dataclass(frozen=True)
 class BackendCapabilities:
     name: str

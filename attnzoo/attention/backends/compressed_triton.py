@@ -13,28 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from attnzoo.attention.backends.base import AttentionBackend, CompressedBackend, NSAPlan
-from attnzoo.attention.backends.capabilities import CUDA_GPUS, BackendCapabilities, Kernel, gpu_set
+from attnzoo.attention.backends.base import AttentionBackend, CompressedBackend, NSAPlan, import_triton_kernels
+from attnzoo.attention.backends.capabilities import BackendCapabilities, triton_kernels
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.attention.reference import select_topk, token_requests
 from attnzoo.errors import BackendError
 
 
-def _import_kernels():
-    try:
-        from attnzoo.attention.kernels import compressed as kernels
-    except ImportError as e:  # triton missing or broken
-        raise BackendError(f"the compressed_triton backend cannot import triton ({e})",
-                           fix="pip install 'attnzoo[triton]', or choose backend='torch'") from e
-    return kernels
-
-
-_KERNELS = (
-    Kernel("triton window + compressed gather", frozenset(CUDA_GPUS)),
-    Kernel("triton window + compressed gather (interpreter)", gpu_set("cpu"), requires_env=("TRITON_INTERPRET", "1"),
-           note="CPU runs the Triton interpreter: for tests only, very slow"),
-)
+_KERNELS = triton_kernels("triton window + compressed gather")
 
 
 class CompressedTritonBackend(AttentionBackend, CompressedBackend):
@@ -61,7 +48,7 @@ class CompressedTritonBackend(AttentionBackend, CompressedBackend):
     def __init__(self, pool: KVPool):
         super().__init__(pool)
         self.require_pool()
-        self._kernels = _import_kernels()
+        self._kernels = import_triton_kernels("compressed_triton", "compressed")
         self._graph_reqs: torch.Tensor | None = None  # [max_batch] int64, device: row i -> request i
 
     def prepare(self, meta: BatchMetadata) -> NSAPlan:

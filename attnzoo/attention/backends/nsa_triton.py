@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from attnzoo.attention import nsa
-from attnzoo.attention.backends.base import NSABackend, NSAPlan
-from attnzoo.attention.backends.capabilities import CUDA_GPUS, BackendCapabilities, Kernel, gpu_set
+from attnzoo.attention.backends.base import NSABackend, NSAPlan, import_triton_kernels
+from attnzoo.attention.backends.capabilities import BackendCapabilities, triton_kernels
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.kv_layout import LayoutCache
 from attnzoo.attention.metadata import BatchMetadata
@@ -37,20 +37,7 @@ from attnzoo.errors import BackendError
 SCORE_BYTES = 256 << 20
 
 
-def _import_kernels():
-    try:
-        from attnzoo.attention.kernels import nsa as kernels
-    except ImportError as e:  # triton missing or broken
-        raise BackendError(f"the NSA triton backends cannot import triton ({e})",
-                           fix="pip install 'attnzoo[triton]', or choose backend='torch'") from e
-    return kernels
-
-
-_KERNELS = (
-    Kernel("triton indexer + sparse MLA", frozenset(CUDA_GPUS)),
-    Kernel("triton indexer + sparse MLA (interpreter)", gpu_set("cpu"), requires_env=("TRITON_INTERPRET", "1"),
-           note="CPU runs the Triton interpreter: for tests only, very slow"),
-)
+_KERNELS = triton_kernels("triton indexer + sparse MLA")
 
 
 class NSATritonBackend(NSABackend):
@@ -73,7 +60,7 @@ class NSATritonBackend(NSABackend):
     def __init__(self, pool: KVPool):
         super().__init__(pool)
         self.require_pool()
-        self._kernels = _import_kernels()
+        self._kernels = import_triton_kernels("NSA triton", "nsa")
         self.kv_copy = self._make_copy(pool)
         self._graph_reqs: torch.Tensor | None = None  # [max_batch] int64, device: row i -> request i
 
