@@ -27,18 +27,6 @@ whose longest request's window has moved past the prefix runs those layers plain
 (1312 shared tokens, window 1024, contexts up to ~1820) the segment is ~500 tokens of each request's
 1024-token window (arithmetic, not a measurement).
 
-CUDA graphs of cascade decode steps (``supports_cascade_graph``): the wrappers are built with
-``use_cuda_graph=True``: the shared part's prefill wrapper over its own static buffers (qo_indptr of 2
-entries, [0, bucket]; page list up to a request's pages), the rest's decode wrapper over the plain graphs'
-buffers of its signature. ``plan()`` before each replay rewrites page ids and lengths there; what it
-cannot change is baked into the launches at capture: the batch size (the bucket), the kernels, and
-sm_scale / soft-cap / ``window_left``. The rest's ``window_left`` moves with the split, so graph steps
-round the split's gap (``fi_common.gap_quantum_pages``, exact: ``cascade_split``) and the engine keys a
-cascade graph by its bucket and ``cascade_graph_key`` (the rest's window_left per window size), one rest
-wrapper per (bucket, window_left). FlashInfer's graph-mode plan layout (its plan info: workspace offsets,
-padded grid) depends on the batch size and head shape only, never on lengths, so a wrapper planned again
-with the same arguments but other lengths matches what its graph captured.
-
 Cascade extend (an EXTEND step whose requests share leading cached pages: prompt chunks after a cached
 few-shot prefix, beside decode rows): the same split, with the rest through the prefill wrapper, causal.
 Every new token of the step comes after the shared pages and sees all of them, so the shared part is
@@ -51,20 +39,21 @@ float8_e4m3fn and run with the pool's k_scale/v_scale (FlashInfer folds k_scale 
 scale and multiplies the output by v_scale); the queries stay in the model dtype. Prefill then runs
 FA2: FlashInfer's FA3 kernels take fp8 only with fp8 queries.
 
-Planning: ``prepare(meta)`` builds the page indices once per step (its ``FlashInferPlan``) (one set per sliding-window size:
-pages wholly outside the window are skipped) and plans one wrapper per distinct layer signature
-(heads, KV heads, head dims, window, soft-cap, scale); every layer of that signature reuses it. The
+CUDA graphs of decode steps, cascade ones included (``supports_cascade_graph``): bucket wrappers over
+static buffers, re-planned before each replay (``flashinfer_plan.GraphState``, whose module says what a
+graph bakes in).
+
+Planning: ``prepare(meta)`` starts the step's ``FlashInferPlan`` (``flashinfer_plan.py``: its page
+indices, one set per sliding-window size, built on first use) and plans one wrapper per distinct layer
+signature (heads, KV heads, head dims, window, soft-cap, scale); every layer of that signature reuses it. The
 backend learns the signatures from the layers it serves: on the first step each signature is planned
-when its first layer runs, from then on ``prepare`` plans them all before the model runs. Plans read
-host copies of the index pointers, so no step synchronises with the device.
+when its first layer runs, from then on ``prepare`` plans them all before the model runs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from attnzoo.attention.backends.base import AttentionBackend, PlanFence, StepPlan
+from attnzoo.attention.backends.base import AttentionBackend, PlanFence
 from attnzoo.attention.backends.capabilities import ANY_CUDA, FP8_KV, HALF, BackendCapabilities, Kernel, gpu_of, gpu_set
 from attnzoo.attention.backends.fi_common import (
     CascadeSplit,
@@ -78,147 +67,21 @@ from attnzoo.attention.backends.fi_common import (
     load_flashinfer,
     sm_name,
     split_kv_fits_workspace,
-    window_page_start,
     workspace,
+)
+from attnzoo.attention.backends.flashinfer_plan import (
+    CascadeRun,
+    FlashInferPlan,
+    GraphState,
+    PageIndex,
+    float_workspace,
 )
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata, ForwardMode
 from attnzoo.errors import BackendError
-from attnzoo.lazy import lazy_module
 
-page_table = lazy_module("attnzoo.attention.kernels.page_table")  # Triton: imported on first use
 FA3_HEAD_DIMS = (64, 128, 256)
 TENSOR_CORE_DECODE_MIN_GROUP = 4
-
-
-@dataclass
-class _PageIndex:
-    """One step's pages in FlashInfer's ragged form, for one sliding-window size."""
-
-    kv_indptr: torch.Tensor  # [num_reqs + 1] int32, host
-    kv_indices: torch.Tensor  # [kv_indptr[-1]] int32, device
-    last_page_len: torch.Tensor  # [num_reqs] int32, host
-
-
-@dataclass
-class FlashInferPlan(StepPlan):
-    """One step's planned wrappers and the page indices they were planned over."""
-
-    mode: ForwardMode
-    qo_indptr: torch.Tensor  # [num_reqs + 1] int32, host
-    shared_pages: int = 0  # cascade: leading pages every request shares (0: no cascade)
-    splits: dict[int | None, CascadeSplit | None] = field(default_factory=dict)  # window -> cascade split
-    indices: dict[object, _PageIndex] = field(default_factory=dict)  # window, or ("rest", window)
-    planned: dict[LayerSignature, object] = field(default_factory=dict)  # signature -> planned wrapper
-    graph_bucket: int | None = None  # a captured decode step: the batch-size bucket whose wrappers it plans
-
-
-def _float_workspace(shared: bool) -> str:
-    """A cascade shared part runs beside its rest (``_CascadeRun``): its split-KV partials get their own
-    float workspace, where the rest's decode writes its own at the same offsets of "wrappers"."""
-    return "cascade_shared" if shared else "wrappers"
-
-
-@dataclass
-class _CascadeRun:
-    """A planned cascade step: the shared prefix once for all queries, the rest per request."""
-
-    shared: object  # BatchPrefillWithPagedKVCacheWrapper planned over the shared pages
-    rest: object  # decode (DECODE) or causal prefill (EXTEND) wrapper over each request's other pages
-    merge_state: object
-    side: torch.cuda.Stream | None = None  # runs the shared part beside the rest (None: one after the other)
-
-    def run(self, *, q: torch.Tensor, paged_kv_cache, **scales) -> torch.Tensor:
-        kw = dict(q=q, paged_kv_cache=paged_kv_cache, return_lse=True, **scales)
-        if self.side is None:
-            o_shared, lse_shared = self.shared.run(**kw)
-            o_rest, lse_rest = self.rest.run(**kw)
-        else:
-            # The shared part is a few compute-bound CTAs, the rest's decode a memory-bound full grid: side by
-            # side the shared part can hide under the rest. The side
-            # stream joins the main one before the merge (inside a graph capture too), and every tensor it
-            # allocates is dropped after that merge.
-            main = torch.cuda.current_stream(q.device)
-            self.side.wait_stream(main)
-            with torch.cuda.stream(self.side):
-                o_shared, lse_shared = self.shared.run(**kw)
-            o_rest, lse_rest = self.rest.run(**kw)
-            main.wait_stream(self.side)
-        return self.merge_state(v_a=o_shared, s_a=lse_shared, v_b=o_rest, s_b=lse_rest)[0]
-
-
-class _GraphState:
-    """CUDA-graph decode state: per batch-size bucket, wrappers built with ``use_cuda_graph=True``; per
-    layer signature, static index buffers sized for the largest bucket. Only one bucket's graph replays
-    per step, so every bucket's wrappers of a signature share that signature's buffers (as prefixes)."""
-
-    def __init__(self, max_batch: int, max_pages: int, device: torch.device):
-        self.max_batch, self.max_pages, self.device = max_batch, max_pages, device
-        self._buffers: dict[LayerSignature, dict[str, torch.Tensor]] = {}
-        self._decode: dict[int, dict] = {}  # bucket -> signature -> wrapper
-        self._prefill: dict[int, dict] = {}
-
-    def decode(self, bucket) -> dict:
-        """A bucket's decode wrappers (cascade rests: key (bucket, "rest", window_left))."""
-        return self._decode.setdefault(bucket, {})
-
-    def prefill(self, bucket) -> dict:
-        """A bucket's prefill wrappers (cascade shared parts: key (bucket, "shared"))."""
-        return self._prefill.setdefault(bucket, {})
-
-    def _shared_of(self, sig: LayerSignature) -> dict[str, torch.Tensor]:
-        """A cascade graph's shared part, one request holding every query: its own buffers and int
-        workspace, since it is planned in the same step as the rest, which uses the plain ones."""
-        buf = self._buffers.get(("shared", sig))
-        if buf is None:
-            i32 = dict(dtype=torch.int32, device=self.device)
-            buf = self._buffers[("shared", sig)] = {
-                "qo_indptr": torch.zeros(2, **i32),  # [2]: [0, bucket]
-                "kv_indptr": torch.zeros(2, **i32),  # [2]
-                "kv_indices": torch.zeros(self.max_pages, **i32),  # [max_pages]
-                "last_page_len": torch.ones(1, **i32),  # [1]
-            }
-        return buf
-
-    def shared_buffers(self, sig: LayerSignature) -> dict:
-        b = self._shared_of(sig)
-        return dict(use_cuda_graph=True, qo_indptr_buf=b["qo_indptr"], paged_kv_indptr_buf=b["kv_indptr"],
-                    paged_kv_indices_buf=b["kv_indices"], paged_kv_last_page_len_buf=b["last_page_len"])
-
-    def _of(self, sig: LayerSignature) -> dict[str, torch.Tensor]:
-        buf = self._buffers.get(sig)
-        if buf is None:
-            n, i32 = self.max_batch, dict(dtype=torch.int32, device=self.device)
-            buf = self._buffers[sig] = {
-                "qo_indptr": torch.arange(n + 1, **i32),  # [max_batch + 1]: one query per request
-                "kv_indptr": torch.zeros(n + 1, **i32),  # [max_batch + 1]
-                "kv_indices": torch.zeros(n * self.max_pages, **i32),  # [max_batch x max_pages]
-                "last_page_len": torch.ones(n, **i32),  # [max_batch]
-            }
-        return buf
-
-    def share_int_workspace(self, sig: LayerSignature, wrapper, shared: bool = False) -> None:
-        """Give a bucket's wrapper its signature's int workspace (plan info, 8 MiB as FlashInfer allocates):
-        a wrapper's own would cost 8 MiB of GPU memory per bucket and signature. Safe for the same reason
-        as the index buffers: a replay re-plans its bucket's wrappers first. ``shared``: a cascade
-        graph's shared part, which has its own."""
-        buf = self._shared_of(sig) if shared else self._of(sig)
-        if "int_workspace" not in buf:
-            buf["int_workspace"] = torch.empty(8 << 20, dtype=torch.uint8, device=self.device)
-        wrapper.reset_workspace_buffer(float_workspace_buffer=workspace(self.device, _float_workspace(shared)),
-                                       int_workspace_buffer=buf["int_workspace"])
-
-    def decode_buffers(self, sig: LayerSignature, bucket: int) -> dict:
-        b = self._of(sig)
-        return dict(use_cuda_graph=True, paged_kv_indptr_buffer=b["kv_indptr"][: bucket + 1],
-                    paged_kv_indices_buffer=b["kv_indices"],
-                    paged_kv_last_page_len_buffer=b["last_page_len"][:bucket])
-
-    def prefill_buffers(self, sig: LayerSignature, bucket: int) -> dict:
-        b = self._of(sig)
-        return dict(use_cuda_graph=True, qo_indptr_buf=b["qo_indptr"][: bucket + 1],
-                    paged_kv_indptr_buf=b["kv_indptr"][: bucket + 1], paged_kv_indices_buf=b["kv_indices"],
-                    paged_kv_last_page_len_buf=b["last_page_len"][:bucket])
 
 
 class FlashInferBackend(AttentionBackend):
@@ -301,7 +164,7 @@ class FlashInferBackend(AttentionBackend):
         self._cascade_wrappers: dict[LayerSignature, tuple[object, object]] = {}
         self._cascade_extend_rest: dict[LayerSignature, object] = {}  # the rest's prefill wrappers
         self._known: dict[LayerSignature, None] = {}  # insertion-ordered set of signatures seen
-        self._graph: _GraphState | None = None  # set by init_graph_state
+        self._graph: GraphState | None = None  # set by init_graph_state
 
     # ---------------------------------------------------------------- kernel choice (reported)
 
@@ -357,7 +220,7 @@ class FlashInferBackend(AttentionBackend):
         return step
 
     def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
-        self._graph = _GraphState(max_batch_size, max_pages_per_req, self.pool.device)
+        self._graph = GraphState(max_batch_size, max_pages_per_req, self.pool.device)
         # Graph plans size split-KV partials for the padded batch: 128 MiB overflows from a few hundred
         # requests up (Gemma 4's 512-wide global layers at 4096 need 0.8 GB), so grow it now, once.
         dev = self.pool.device
@@ -383,60 +246,6 @@ class FlashInferBackend(AttentionBackend):
         return cascade_graph_key(meta.seq_lens_cpu, meta.q_lens_cpu, meta.shared_prefix_len // meta.page_size,
                                  meta.page_size, windows)
 
-    def _page_index(self, meta: BatchMetadata, step: FlashInferPlan, window: int | None) -> _PageIndex:
-        """Each request's pages, minus those wholly outside ``window``."""
-        idx = step.indices.get(window)
-        if idx is not None:
-            return idx
-        ps = meta.page_size
-        starts = window_page_start(meta.seq_lens_cpu, meta.q_lens_cpu, ps, window)
-        seq = torch.tensor(meta.seq_lens_cpu, dtype=torch.int32)  # host, whole-batch ops: no loop per request
-        pages = (seq + ps - 1) // ps - (torch.tensor(starts, dtype=torch.int32) if starts else 0)
-        indptr_host = torch.zeros(meta.num_reqs + 1, dtype=torch.int32)
-        torch.cumsum(pages, 0, dtype=torch.int32, out=indptr_host[1:])
-        dev = self.pool.device
-        kv_indices = page_table.create_kv_indices(
-            meta.block_tables_for(window), meta.seq_lens, indptr_host.to(dev, non_blocking=True), ps,
-            num_indices=int(indptr_host[-1]),
-            page_start=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True) if starts else None,
-        )
-        last = (seq - 1) % ps + 1
-        idx = _PageIndex(kv_indptr=indptr_host, kv_indices=kv_indices, last_page_len=last)
-        step.indices[window] = idx
-        return idx
-
-    def _rest_index(self, meta: BatchMetadata, step: FlashInferPlan, window: int | None, split: CascadeSplit) -> _PageIndex:
-        """A cascade step's rest (``cascade_split``): each request's pages ``[rest_start, shared_start)``
-        then those after the shared prefix, one list per request."""
-        key = ("rest", window)
-        idx = step.indices.get(key)
-        if idx is not None:
-            return idx
-        ps, dev = meta.page_size, self.pool.device
-        tables = meta.block_tables_for(window)
-        seq = torch.tensor(meta.seq_lens_cpu, dtype=torch.int32)  # host
-        before = split.shared_start - torch.tensor(split.rest_start, dtype=torch.int32)  # [num_reqs] pages
-        after = (seq + ps - 1) // ps - split.shared_end
-        indptr_host = torch.zeros(meta.num_reqs + 1, dtype=torch.int32)
-        torch.cumsum(before + after, 0, dtype=torch.int32, out=indptr_host[1:])
-        total = int(indptr_host[-1])
-        kv_indices = torch.empty(total, dtype=torch.int32, device=dev)
-        if split.shared_start:  # pages before the shared segment, as if each request ended there
-            page_table.create_kv_indices(
-                tables, torch.full((meta.num_reqs,), split.shared_start * ps, dtype=torch.int32, device=dev),
-                indptr_host.to(dev, non_blocking=True), ps, num_indices=total,
-                page_start=torch.tensor(split.rest_start, dtype=torch.int32).to(dev, non_blocking=True), out=kv_indices,
-            )
-        after_at = indptr_host.clone()
-        after_at[:-1] += before
-        page_table.create_kv_indices(
-            tables, meta.seq_lens, after_at.to(dev, non_blocking=True), ps, num_indices=total,
-            page_start=torch.full((meta.num_reqs,), split.shared_end, dtype=torch.int32, device=dev), out=kv_indices,
-        )
-        idx = _PageIndex(kv_indptr=indptr_host, kv_indices=kv_indices, last_page_len=(seq - 1) % ps + 1)
-        step.indices[key] = idx
-        return idx
-
     def _check_layer(self, sig: LayerSignature, layer, mode: ForwardMode) -> None:
         if layer is not None:  # a signature planned again by prepare() passed when its first layer ran
             self.check_layer("prefill" if mode is ForwardMode.EXTEND else "decode", layer)
@@ -457,13 +266,13 @@ class FlashInferBackend(AttentionBackend):
             else:  # the rest's window_left is baked into the graph: one rest wrapper per value
                 shared_wrappers = self._graph.prefill((bucket, "shared"))
                 rest_wrappers = self._graph.decode((bucket, "rest", split.window_left))
-            shared = _PageIndex(
+            shared = PageIndex(
                 kv_indptr=torch.tensor([0, split.gap_pages], dtype=torch.int32),
                 kv_indices=meta.block_tables_for(sig.window)[0, split.shared_start:split.shared_end],
                 last_page_len=torch.tensor([meta.page_size], dtype=torch.int32),
             )
             everyone = step.qo_indptr[[0, -1]]  # every query sees every shared key
-            rest_idx = self._rest_index(meta, step, sig.window, split)
+            rest_idx = step.rest_index(meta, sig.window, split, self.pool.device)
             if extend:
                 rest = self._plan_prefill(self._cascade_extend_rest, meta, sig, step.qo_indptr, rest_idx, causal=True,
                                           kernel=None if self._prefill_variant else "fa2",
@@ -473,7 +282,7 @@ class FlashInferBackend(AttentionBackend):
                                          graph_bucket=bucket)
             # The shared part keeps the layer's own window_left (the kernel variant its extend steps build):
             # with the shared segment no longer than window_left (cascade_split), it masks none of it.
-            planned = _CascadeRun(
+            planned = CascadeRun(
                 shared=self._plan_prefill(shared_wrappers, meta, sig, everyone, shared, causal=False,
                                           graph_bucket=bucket, shared_part=True),
                 rest=rest, merge_state=self._fi.merge_state, side=self._side_stream(),
@@ -481,11 +290,11 @@ class FlashInferBackend(AttentionBackend):
         elif self._uses_prefill_wrapper(step.mode, sig):
             wrappers = self._prefill_wrappers if step.graph_bucket is None else self._graph.prefill(step.graph_bucket)
             planned = self._plan_prefill(wrappers, meta, sig, step.qo_indptr,
-                                         self._page_index(meta, step, sig.window), causal=True,
+                                         step.page_index(meta, sig.window, self.pool.device), causal=True,
                                          graph_bucket=step.graph_bucket)
         else:
             wrappers = self._decode_wrappers if step.graph_bucket is None else self._graph.decode(step.graph_bucket)
-            planned = self._plan_decode(wrappers, meta, sig, self._page_index(meta, step, sig.window),
+            planned = self._plan_decode(wrappers, meta, sig, step.page_index(meta, sig.window, self.pool.device),
                                         graph_bucket=step.graph_bucket)
         step.planned[sig] = planned
         return planned
@@ -523,7 +332,7 @@ class FlashInferBackend(AttentionBackend):
         )
 
     def _plan_prefill(self, wrappers: dict, meta: BatchMetadata, sig: LayerSignature, qo_indptr: torch.Tensor,
-                      idx: _PageIndex, *, causal: bool, kernel: str | None = None, window_left: int | None = None,
+                      idx: PageIndex, *, causal: bool, kernel: str | None = None, window_left: int | None = None,
                       graph_bucket: int | None = None, shared_part: bool = False):
         """``shared_part``: a cascade step's shared part (all queries in one request; its own float workspace,
         and in a graph its own buffers)."""
@@ -532,7 +341,7 @@ class FlashInferBackend(AttentionBackend):
             graph = {} if graph_bucket is None else (
                 self._graph.shared_buffers(sig) if shared_part else self._graph.prefill_buffers(sig, graph_bucket))
             wrapper = wrappers[sig] = self._fi.BatchPrefillWithPagedKVCacheWrapper(
-                float_workspace_buffer=workspace(self.pool.device, _float_workspace(shared_part)),
+                float_workspace_buffer=workspace(self.pool.device, float_workspace(shared_part)),
                 kv_layout="HND",
                 backend=kernel or self.prefill_kernel(sig.head_dim, sig.v_head_dim),
                 **graph,
@@ -559,7 +368,7 @@ class FlashInferBackend(AttentionBackend):
         )
         return wrapper
 
-    def _plan_decode(self, wrappers: dict, meta: BatchMetadata, sig: LayerSignature, idx: _PageIndex,
+    def _plan_decode(self, wrappers: dict, meta: BatchMetadata, sig: LayerSignature, idx: PageIndex,
                      window_left: int | None = None, graph_bucket: int | None = None):
         wrapper = wrappers.get(sig)
         if wrapper is None:
