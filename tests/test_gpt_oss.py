@@ -311,7 +311,8 @@ def test_gpu_sinks_backends_match_torch(name, mode, window):
     """gpt-oss-like layers (64 heads of 64 over 8 KV heads, sinks, a window or none) on each backend whose
     declared kernel for this phase on this GPU takes sinks, against the torch backend on the same pages."""
     from attnzoo.attention.backends import capabilities_of, get_backend_class
-    from attnzoo.attention.backends.capabilities import Shape, gpu_of
+    from attnzoo.attention.backends.capabilities import Shape
+    from attnzoo.attention.backends.gpus import gpu_of
     from attnzoo.attention.backends.torch_ref import TorchBackend
     from attnzoo.attention.kv_cache import KVPool
     from attnzoo.attention.layer import Attention

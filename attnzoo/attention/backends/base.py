@@ -47,7 +47,8 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from attnzoo.attention.backends.capabilities import GPU_CLASSES, GPUS, BackendCapabilities, gpu_of
+from attnzoo.attention.backends.capabilities import BackendCapabilities
+from attnzoo.attention.backends.gpus import GPU_CLASSES, GPUS, gpu_of
 from attnzoo.attention.kv_cache import KVLayout, KVPool
 from attnzoo.attention.kv_layout import LayoutCache
 from attnzoo.attention.metadata import BatchMetadata
@@ -227,7 +228,7 @@ class CompressedBackend:
 
 
 def device_gpu(device: torch.device) -> str:
-    """The GPU class (``capabilities.GPUS``) of a device: "cpu" off CUDA."""
+    """The GPU class (``gpus.GPUS``) of a device: "cpu" off CUDA."""
     if device.type != "cuda":
         return "cpu"
     return gpu_of(torch.cuda.get_device_capability(device))

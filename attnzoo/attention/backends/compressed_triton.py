@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from attnzoo.attention.backends.base import AttentionBackend, CompressedBackend, NSAPlan, import_triton_kernels
-from attnzoo.attention.backends.capabilities import BackendCapabilities, triton_kernels
+from attnzoo.attention.backends.capabilities import BackendCapabilities
+from attnzoo.attention.backends.gpus import triton_kernels
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.attention.reference import select_topk, token_requests

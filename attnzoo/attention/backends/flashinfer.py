@@ -54,7 +54,8 @@ from __future__ import annotations
 import torch
 
 from attnzoo.attention.backends.base import AttentionBackend, PlanFence
-from attnzoo.attention.backends.capabilities import ANY_CUDA, FP8_KV, HALF, BackendCapabilities, Kernel, gpu_of, gpu_set
+from attnzoo.attention.backends.capabilities import FP8_KV, HALF, BackendCapabilities
+from attnzoo.attention.backends.gpus import ANY_CUDA, Kernel, gpu_of, gpu_set
 from attnzoo.attention.backends.fi_common import (
     CascadeSplit,
     LayerSignature,

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from attnzoo.attention.backends.base import AttentionBackend, PlanFence, StepPlan
-from attnzoo.attention.backends.capabilities import HALF, BackendCapabilities, Kernel, gpu_of, gpu_set
+from attnzoo.attention.backends.capabilities import HALF, BackendCapabilities
+from attnzoo.attention.backends.gpus import Kernel, gpu_of, gpu_set
 from attnzoo.attention.backends.fi_common import (
     LayerSignature,
     check_page_size,

@@ -27,7 +27,8 @@ import torch
 
 from attnzoo.attention import nsa
 from attnzoo.attention.backends.base import NSABackend, NSAPlan, import_triton_kernels
-from attnzoo.attention.backends.capabilities import BackendCapabilities, triton_kernels
+from attnzoo.attention.backends.capabilities import BackendCapabilities
+from attnzoo.attention.backends.gpus import triton_kernels
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.kv_layout import LayoutCache
 from attnzoo.attention.metadata import BatchMetadata

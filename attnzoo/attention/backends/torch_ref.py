@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from attnzoo.attention.backends.base import CompressedBackend, NSABackend, NSAPlan, StepPlan
-from attnzoo.attention.backends.capabilities import ALL_DTYPES, FP8_KV, GPUS, BackendCapabilities, Kernel
+from attnzoo.attention.backends.capabilities import ALL_DTYPES, FP8_KV, BackendCapabilities
+from attnzoo.attention.backends.gpus import GPUS, Kernel
 from attnzoo.attention.compressed_reference import attend_reference, topk_reference
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from attnzoo.attention.backends.base import AttentionBackend, StepPlan
-from attnzoo.attention.backends.capabilities import ALL_DTYPES, ANY_CUDA, FP8_KV, BackendCapabilities, Kernel, gpu_set
+from attnzoo.attention.backends.capabilities import ALL_DTYPES, FP8_KV, BackendCapabilities
+from attnzoo.attention.backends.gpus import ANY_CUDA, Kernel, gpu_set
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.errors import BackendError

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from attnzoo.attention.backends.base import AttentionBackend, StepPlan
-from attnzoo.attention.backends.capabilities import BackendCapabilities, Kernel, gpu_of, gpu_set
+from attnzoo.attention.backends.capabilities import BackendCapabilities
+from attnzoo.attention.backends.gpus import Kernel, gpu_of, gpu_set
 from attnzoo.attention.backends.fi_common import (
     GraphBlockTable,
     LayerSignature,
