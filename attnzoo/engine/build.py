@@ -1,13 +1,11 @@
-"""Building a loaded model's parts: arguments checked, the policy resolved, weights read, the KV pool sized and
-the engine made, in that order, so that nothing is read before everything that can be checked is
-(``llm.load_model`` wraps the result in an ``LLM``)."""
+"""Building a loaded model's parts: the device and the policy resolved, weights read, the KV pool sized and
+the engine made, in that order, so that nothing is read before everything that can be checked is (the
+options were checked when their ``LoadConfig`` was made; ``llm.load_model`` wraps the result in an ``LLM``)."""
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
-import numbers
-import sys
 import time
 from typing import Callable
 
@@ -20,6 +18,8 @@ from attnzoo.attention.kv_cache import KVPool, kv_storage_dtype, window_group_la
 from attnzoo.engine.compat import eos_ids as generation_eos_ids
 from attnzoo.engine.compat import read_generation_config
 from attnzoo.engine.engine import Engine, check_cascade
+from attnzoo.engine.load_config import LoadConfig
+from attnzoo.engine.progress import say as say_line, stderr_is_terminal
 from attnzoo.errors import BackendError, ModelLoadError
 from attnzoo.models import loader
 from attnzoo.models.registry import model_class
@@ -59,12 +59,6 @@ def _pick_dtype(dtype, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-# Default window_kv_fraction: one page group. The split is fixed at load and a request shorter than the window
-# needs as many window tokens as full ones, so a fraction lowers few-shot evals' concurrency (results:
-# e2e_gemma4_31b_{onegroup,window05}); long generations gain from one (SGLang's swa_full_tokens_ratio is 0.8).
-WINDOW_KV_FRACTION = None
-
-
 def _window_split(specs, context_len: int, window_kv_fraction: float | None) -> bool:
     """Whether the pool gets a window page group: sliding layers whose window is shorter than the context."""
     windows = [specs[i].kept_window() for i in window_group_layers(specs)] if window_kv_fraction is not None else []
@@ -95,48 +89,18 @@ def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory,
     return max(2, full), max(2, int(window_kv_fraction * full))
 
 
-def build(name_or_path, *, backend, prefill_backend, decode_backend, dtype, device, page_size, policy_file,
-                kv_cache_tokens, kv_cache_memory, max_batch_tokens, max_running, prefix_caching, cuda_graph,
-                cuda_graph_max_context, cuda_graph_batch_sizes, cascade, load_format, fp8_weights, seed, tensor_parallel_size, data_parallel_size, kv_cache_dtype,
-                k_scale, v_scale, progress, window_kv_fraction, tp,
-                gpu_memory_utilization=None, max_model_len=None) -> dict:
+def build(name_or_path, cfg: LoadConfig, *, tp) -> dict:
+    """The parts of a loaded model (``LLM``'s keywords) from a checkpoint or config object and the load's
+    options (checked when ``cfg`` was made); ``tp``: this rank's tensor-parallel group, or None."""
     from attnzoo.policy import Overrides, resolve
     from attnzoo.policy.profile import profile_from_config, rank_local
 
-    if load_format not in ("auto", "random"):
-        raise ModelLoadError(f"unknown load_format {load_format!r}", fix="use 'auto' or 'random'")
-    for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens),
-                        ("kv_cache_tokens", kv_cache_tokens), ("kv_cache_memory", kv_cache_memory)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ModelLoadError(f"{name} must be a positive integer, got {value!r}",
-                                 fix=f"pass {name}=N with N >= 1, or leave it unset for the default")
-    if window_kv_fraction is not None and (isinstance(window_kv_fraction, bool) or not isinstance(window_kv_fraction, (int, float))
-                                           or not 0 < window_kv_fraction <= 1):
-        raise ModelLoadError(f"window_kv_fraction must be a number in (0, 1] or None, got {window_kv_fraction!r}",
-                             fix=f"pass e.g. window_kv_fraction={WINDOW_KV_FRACTION}, or None for one KV page group")
-    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-        # The scales divide every stored k/v: 0, a negative or NaN would fill the cache with inf/NaN.
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float("inf"):
-            raise ModelLoadError(f"{name} must be a positive finite number, got {value!r}",
-                                 fix=f"pass {name}=1.0 (values kept as they are) or the checkpoint's calibrated scale")
-    _check_vllm_limits(gpu_memory_utilization, max_model_len)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ModelLoadError(f"seed must be an integer in [0, 2**64), got {seed!r}", fix="pass seed=0 (any int)")
-    if cuda_graph_batch_sizes is not None and (
-            isinstance(cuda_graph_batch_sizes, (str, bytes)) or not hasattr(cuda_graph_batch_sizes, "__iter__")
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in cuda_graph_batch_sizes)):
-        raise ModelLoadError(f"cuda_graph_batch_sizes must be a list of positive integers, got {cuda_graph_batch_sizes!r}",
-                             fix="pass e.g. cuda_graph_batch_sizes=[1, 2, 4, 8, 16, 32, 64], or None for the default list")
-    for name, value in (("cuda_graph", cuda_graph), ("cascade", cascade), ("progress", progress)):
-        if value is not None and not isinstance(value, bool):
-            raise ModelLoadError(f"{name} must be True, False or None, got {value!r}", fix=f"pass {name}=True/False")
-    dev = _pick_device(device) if tp is None else tp.device
-    dt = _pick_dtype(dtype, dev)
-    if tp is not None and not tp.leader:  # rank 0 speaks for the group
-        progress = False
-    say = _say if (progress if progress is not None else _stderr_is_terminal()) else (lambda msg: None)
+    dev = _pick_device(cfg.device) if tp is None else tp.device
+    dt = _pick_dtype(cfg.dtype, dev)
+    progress = cfg.progress if tp is None or tp.leader else False  # rank 0 speaks for the group
+    say = say_line if (progress if progress is not None else stderr_is_terminal()) else (lambda msg: None)
     if isinstance(name_or_path, PretrainedConfig):
-        if load_format != "random":
+        if cfg.load_format != "random":
             raise ModelLoadError("a config object has no weights", fix="pass load_format='random', or a checkpoint path")
         loader.check_config(name_or_path, "the config object")
         config, src = name_or_path, None
@@ -146,17 +110,17 @@ def build(name_or_path, *, backend, prefill_backend, decode_backend, dtype, devi
     arch = loader.architecture_of(config)
     cls = model_class(arch, config)  # unknown architectures fail here (Llama-shaped ones load as Llama)
     overrides = Overrides(
-        backend=backend, prefill_backend=prefill_backend, decode_backend=decode_backend,
-        page_size=page_size, policy_file=policy_file, dtype=dt, kv_cache_dtype=kv_cache_dtype,
+        backend=cfg.backend, prefill_backend=cfg.prefill_backend, decode_backend=cfg.decode_backend,
+        page_size=cfg.page_size, policy_file=cfg.policy_file, dtype=dt, kv_cache_dtype=cfg.kv_cache_dtype,
     )
     # Tensor parallel: the backends run on one rank's heads, so the policy sees those shapes.
     shapes = config if tp is None else rank_local(profile_from_config(config, architecture=arch), tp.ctx.world_size)
     decision = resolve(shapes, gpu=None if dev.type == "cuda" else "cpu", overrides=overrides, model_id=src.name if src else None)
     log.info("attention policy for %s: %s", arch, decision.explain().splitlines()[0])
-    _check_graph_and_cascade(decision, dev, cuda_graph, cascade, prefix_caching)
+    _check_graph_and_cascade(decision, dev, cfg.cuda_graph, cfg.cascade, cfg.prefix_caching)
 
-    weights = plan_weights(config, cls, device=dev, dtype=dt, mode=fp8_weights,
-                           checkpoint_names=loader.checkpoint_tensor_names(src) if load_format == "auto" else None)
+    weights = plan_weights(config, cls, device=dev, dtype=dt, mode=cfg.fp8_weights,
+                           checkpoint_names=loader.checkpoint_tensor_names(src) if cfg.load_format == "auto" else None)
 
     t0 = time.perf_counter()
     lap, timings = _stopwatch(dev), {}
@@ -164,11 +128,11 @@ def build(name_or_path, *, backend, prefill_backend, decode_backend, dtype, devi
 
     # Seeded random init (load_format="random") without touching the caller's global RNG state.
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        torch.manual_seed(seed)
+        torch.manual_seed(cfg.seed)
         with torch.device(dev), _default_dtype(dt):  # build in place: no float32 copy of a large model
             model = weights.build(cls if tp is None else functools.partial(cls, tp=tp.ctx), config)
     timings["build_s"] = lap()
-    if load_format == "auto":
+    if cfg.load_format == "auto":
         model.load_weights(weights.tensors(model, loader.iter_weights(src, config)))
     else:
         model.after_weights_loaded()
@@ -181,67 +145,57 @@ def build(name_or_path, *, backend, prefill_backend, decode_backend, dtype, devi
 
     text_config = getattr(config, "text_config", None) or config
     context_len = int(getattr(text_config, "max_position_embeddings", 4096))
-    if max_model_len is not None:
-        if max_model_len > context_len:
-            raise ModelLoadError(f"max_model_len={max_model_len} exceeds the model's context ({context_len} tokens)",
+    if cfg.max_model_len is not None:
+        if cfg.max_model_len > context_len:
+            raise ModelLoadError(f"max_model_len={cfg.max_model_len} exceeds the model's context ({context_len} tokens)",
                                  fix=f"pass max_model_len <= {context_len}, or leave it unset")
-        context_len = max_model_len
-    if gpu_memory_utilization is not None and dev.type == "cuda" and kv_cache_tokens is None and kv_cache_memory is None:
+        context_len = cfg.max_model_len
+    kv_cache_memory, utilization = cfg.kv_cache_memory, cfg.gpu_memory_utilization
+    if utilization is not None and dev.type == "cuda" and cfg.kv_cache_tokens is None and kv_cache_memory is None:
         free, total = torch.cuda.mem_get_info(dev)
-        kv_cache_memory = int(gpu_memory_utilization * total) - (total - free)
+        kv_cache_memory = int(utilization * total) - (total - free)
         if kv_cache_memory <= 0:
-            raise ModelLoadError(f"gpu_memory_utilization={gpu_memory_utilization} leaves no memory for the KV cache "
+            raise ModelLoadError(f"gpu_memory_utilization={utilization} leaves no memory for the KV cache "
                                  f"({(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB are in use after the weights)",
                                  fix="raise gpu_memory_utilization, or pass kv_cache_tokens")
     specs = model.kv_cache_specs()
     ps = decision.page_size
-    kv_dt = kv_storage_dtype(kv_cache_dtype, dt)
+    kv_dt = kv_storage_dtype(cfg.kv_cache_dtype, dt)
     decision.kv_bytes_per_token = KVPool.bytes_per_page(specs, 1, kv_dt)
-    num_pages, num_window_pages = _kv_pages(specs, ps, kv_dt, dev, kv_cache_tokens, kv_cache_memory, context_len,
-                                            window_kv_fraction)
+    num_pages, num_window_pages = _kv_pages(specs, ps, kv_dt, dev, cfg.kv_cache_tokens, kv_cache_memory, context_len,
+                                            cfg.window_kv_fraction)
     if tp is not None:  # rank 0 hands out the same page ids on every rank
         num_pages = tp.min_int(num_pages)
         if num_window_pages is not None:
             num_window_pages = tp.min_int(num_window_pages)
-    pool = KVPool(specs, num_pages=num_pages, page_size=ps, dtype=dt, device=dev, kv_cache_dtype=kv_cache_dtype,
-                  k_scale=k_scale, v_scale=v_scale, num_window_pages=num_window_pages)
+    pool = KVPool(specs, num_pages=num_pages, page_size=ps, dtype=dt, device=dev, kv_cache_dtype=cfg.kv_cache_dtype,
+                  k_scale=cfg.k_scale, v_scale=cfg.v_scale, num_window_pages=num_window_pages)
     window_note = "" if num_window_pages is None else f" + {num_window_pages} pages of the sliding-window layers"
     say(f"allocating the KV cache: {num_pages} pages of {ps} tokens{window_note} "
-        f"({pool.nbytes / 2**30:.2f} GiB, {kv_cache_dtype}) ...")
+        f"({pool.nbytes / 2**30:.2f} GiB, {cfg.kv_cache_dtype}) ...")
     backends = HybridBackend.create(decision.prefill_backend, decision.decode_backend, pool)
     generation_config = read_generation_config(src.directory if src else None, config)
     eos = _eos_ids(config, tokenizer) | generation_eos_ids(generation_config)
     engine = Engine(
         model, pool, backends, tokenizer=tokenizer, eos_token_ids=eos, context_len=context_len,
-        max_batch_tokens=max_batch_tokens if max_batch_tokens is not None else (8192 if dev.type == "cuda" else 2048), max_running=max_running,
-        prefix_caching=prefix_caching, cascade=cascade,
+        max_batch_tokens=cfg.max_batch_tokens if cfg.max_batch_tokens is not None else (8192 if dev.type == "cuda" else 2048),
+        max_running=cfg.max_running, prefix_caching=cfg.prefix_caching, cascade=cfg.cascade,
     )
     timings["kv_cache_s"] = lap()
-    if cuda_graph is None:
-        cuda_graph = dev.type == "cuda" and backends.supports_cuda_graph
+    cuda_graph = cfg.cuda_graph if cfg.cuda_graph is not None else dev.type == "cuda" and backends.supports_cuda_graph
     if cuda_graph:
         say("capturing CUDA graphs for decode ...")
-        engine.enable_cuda_graphs(max_batch=engine.max_running, max_context=min(context_len, cuda_graph_max_context),
-                                  batch_sizes=None if cuda_graph_batch_sizes is None else list(cuda_graph_batch_sizes),
-                                  prune=tp is None and cuda_graph_batch_sizes is None)
+        engine.enable_cuda_graphs(max_batch=engine.max_running, max_context=min(context_len, cfg.cuda_graph_max_context),
+                                  batch_sizes=None if cfg.cuda_graph_batch_sizes is None else list(cfg.cuda_graph_batch_sizes),
+                                  prune=tp is None and cfg.cuda_graph_batch_sizes is None)
         timings["cuda_graphs_s"] = lap()
     if src is None:
         src = loader.CheckpointSource(f"random-weight {arch}", None)
     say(f"ready in {time.perf_counter() - t0:.1f} s (prefill {decision.prefill_backend}, decode {decision.decode_backend})")
     engine.tp = tp
     return dict(model=model, tokenizer=tokenizer, config=config, architecture=arch, source=src, decision=decision,
-                pool=pool, engine=engine, dtype=dt, device=dev, progress=say is _say, tp=tp, load_timings=timings,
-                window_kv_fraction=window_kv_fraction, generation_config=generation_config)
-
-
-def _check_vllm_limits(gpu_memory_utilization, max_model_len) -> None:
-    if gpu_memory_utilization is not None and (isinstance(gpu_memory_utilization, bool) or not isinstance(
-            gpu_memory_utilization, numbers.Real) or not 0 < gpu_memory_utilization <= 1):
-        raise ModelLoadError(f"gpu_memory_utilization must be a number in (0, 1], got {gpu_memory_utilization!r}",
-                             fix="pass e.g. gpu_memory_utilization=0.9, or leave it unset")
-    if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2):
-        raise ModelLoadError(f"max_model_len must be an integer >= 2, got {max_model_len!r}",
-                             fix="pass max_model_len=N tokens, or leave it unset for the model's context")
+                pool=pool, engine=engine, dtype=dt, device=dev, progress=say is say_line, tp=tp, load_timings=timings,
+                window_kv_fraction=cfg.window_kv_fraction, generation_config=generation_config)
 
 
 def _check_graph_and_cascade(decision, dev, cuda_graph, cascade, prefix_caching) -> None:
@@ -252,17 +206,6 @@ def _check_graph_and_cascade(decision, dev, cuda_graph, cascade, prefix_caching)
         raise BackendError(f"CUDA graphs were asked for, but {why}",
                            fix="pass cuda_graph=False (or None: automatic), or a decode backend that supports graphs on a GPU")
     check_cascade(dec, prefix_caching, cascade)
-
-
-def _stderr_is_terminal() -> bool:
-    try:
-        return sys.stderr.isatty()
-    except (AttributeError, ValueError):  # replaced or closed stderr
-        return False
-
-
-def _say(msg: str) -> None:
-    print(f"attnzoo: {msg}", file=sys.stderr, flush=True)
 
 
 def _stopwatch(dev: torch.device) -> Callable[[], float]:

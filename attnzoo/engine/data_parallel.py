@@ -16,6 +16,7 @@ the result does not depend on N. A rank that dies fails the call within seconds,
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import datetime
 import os
 import threading
@@ -24,19 +25,11 @@ import weakref
 import torch
 
 from attnzoo.engine import launch as tp_launch, tensor_parallel
+from attnzoo.engine.load_config import LoadConfig
 from attnzoo.engine.ranks import LocalRanks, rank_main
 from attnzoo.errors import AttnzooError, DistributedError, ModelLoadError
 
 _TIMEOUT = datetime.timedelta(days=30)  # replicas wait for rank 0's next call as long as the user likes
-
-
-def wanted(data_parallel_size) -> bool:
-    if data_parallel_size is None:
-        return False
-    if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
-        raise ModelLoadError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}",
-                             fix="pass data_parallel_size=N with N >= 1")
-    return data_parallel_size > 1
 
 
 class Replica:
@@ -268,22 +261,23 @@ def _close_replica(llm) -> None:
 # ---------------------------------------------------------------------------------------- starting
 
 
-def launch(load_kwargs: dict, load_replica):
-    """Start or join the world and load this rank's replica (``load_replica(kwargs)``, the engine's loader,
-    passed down). Rank 0: a DataParallelLLM. Other ranks (torchrun): serve, then None."""
+def launch(name_or_path, cfg: LoadConfig, load_replica):
+    """Start or join the world and load this rank's replica (``load_replica(name_or_path, cfg)``, the engine's
+    loader, passed down). Rank 0: a DataParallelLLM. Other ranks (torchrun): serve, then None."""
     import torch.distributed as dist
 
-    dp = load_kwargs["data_parallel_size"]
-    tp = load_kwargs.get("tensor_parallel_size")
+    dp = cfg.data_parallel_size
+    tp = cfg.tensor_parallel_size
     world_env = tensor_parallel.torchrun_world()
     if world_env is None:
-        tp = load_kwargs["tensor_parallel_size"] = tp or 1
-        dev = tp_launch.rank_device(load_kwargs.get("device"), 0, dp * tp)
+        tp = tp or 1
+        cfg = dataclasses.replace(cfg, tensor_parallel_size=tp)
+        dev = tp_launch.rank_device(cfg.device, 0, dp * tp)
         if dist.is_available() and dist.is_initialized():
             raise ModelLoadError("torch.distributed is already initialised in this process (another parallel model?)",
                                  fix="close the other model first (llm.close()), or launch with torchrun")
         tp_launch.check_not_importing_main()
-        ranks = LocalRanks(dp * tp, _spawned_rank, (load_replica, load_kwargs), what="data-parallel")
+        ranks = LocalRanks(dp * tp, _spawned_rank, (load_replica, name_or_path, cfg), what="data-parallel")
         ranks.on_death.append(lambda rank: tp_launch.interrupt_main_if_loading())
         try:
             ranks.wait_joined()
@@ -293,7 +287,7 @@ def launch(load_kwargs: dict, load_replica):
                 pairs = _groups(0, dp, tp, dev, ranks)
             tp_launch.LOADING.set()
             try:
-                llm = load_replica(load_kwargs)
+                llm = load_replica(name_or_path, cfg)
                 for group in pairs:  # every replica loaded, or the first one's error
                     _ready(group)
             finally:
@@ -312,19 +306,20 @@ def launch(load_kwargs: dict, load_replica):
         return DataParallelLLM(llm, pairs, tp, ranks, owns_world=True)
 
     rank, local_rank, world = world_env
-    tp = load_kwargs["tensor_parallel_size"] = tp or world // dp
+    tp = tp or world // dp
+    cfg = dataclasses.replace(cfg, tensor_parallel_size=tp)
     if dp * tp != world:
         raise ModelLoadError(f"data_parallel_size={dp} x tensor_parallel_size={tp} is {dp * tp} ranks, but torchrun "
                              f"started {world}", fix=f"run torchrun --nproc-per-node {dp * tp}, or pass sizes whose "
                                                      f"product is {world}")
-    dev = tp_launch.rank_device(load_kwargs.get("device"), local_rank, local_rank + 1)
+    dev = tp_launch.rank_device(cfg.device, local_rank, local_rank + 1)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     pairs = _groups(rank, dp, tp, dev, None)
-    return _serve_or_lead(rank, tp, pairs, load_replica, load_kwargs, owns)
+    return _serve_or_lead(rank, tp, pairs, load_replica, name_or_path, cfg, owns)
 
 
 def _groups(rank: int, dp: int, tp: int, dev, ranks) -> list:
@@ -352,17 +347,17 @@ def _ready(group):
     return payload
 
 
-def _serve_or_lead(rank: int, tp: int, pairs: list, load_replica, load_kwargs: dict, owns: bool):
+def _serve_or_lead(rank: int, tp: int, pairs: list, load_replica, name_or_path, cfg: LoadConfig, owns: bool):
     import torch.distributed as dist
 
     if rank == 0:
-        llm = load_replica(load_kwargs)
+        llm = load_replica(name_or_path, cfg)
         for g in pairs:
             _ready(g)
         return DataParallelLLM(llm, pairs, tp, None, owns_world=owns)
     leader = rank % tp == 0
     try:
-        llm = load_replica(load_kwargs)
+        llm = load_replica(name_or_path, cfg)
     except BaseException as e:
         if leader:
             dist.broadcast_object_list([(False, tensor_parallel.portable(e))], group=pairs[0], group_src=1)
@@ -390,13 +385,13 @@ def _serve_or_lead(rank: int, tp: int, pairs: list, load_replica, load_kwargs: d
     return None
 
 
-def _spawned_rank(rank: int, world: int, host: str, port: int, load_replica, load_kwargs: dict) -> None:
+def _spawned_rank(rank: int, world: int, host: str, port: int, load_replica, name_or_path, cfg: LoadConfig) -> None:
     import torch.distributed as dist
 
     store = rank_main(rank, world, host, port)
-    dp = load_kwargs["data_parallel_size"]
+    dp = cfg.data_parallel_size
     tp = world // dp
-    dev = tp_launch.rank_device(load_kwargs.get("device"), rank, rank + 1)
+    dev = tp_launch.rank_device(cfg.device, rank, rank + 1)
     if dev.type == "cpu":  # CPU ranks share the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     else:
@@ -404,4 +399,4 @@ def _spawned_rank(rank: int, world: int, host: str, port: int, load_replica, loa
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=10))
     pairs = _groups(rank, dp, tp, dev, None)
-    _serve_or_lead(rank, tp, pairs, load_replica, load_kwargs, owns=True)
+    _serve_or_lead(rank, tp, pairs, load_replica, name_or_path, cfg, owns=True)

@@ -2,8 +2,8 @@
 
 Rank 0 of a spawned group starts the others (``ranks.LocalRanks``), waits until each has started (a dead one
 fails it at once, named), then initialises torch.distributed on the loopback and builds the groups. Under
-torchrun (or in a spawned rank) every process joins the same way. ``load`` (the engine's ``load_model``) is
-passed down to the ranks, so this package's modules import each other without a circle.
+torchrun (or in a spawned rank) every process joins the same way. ``load(name_or_path, cfg)`` (the engine's
+loader of one replica) is passed down to the ranks, so this package's modules import each other without a circle.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import threading
 import torch
 
 from attnzoo.engine import tensor_parallel
+from attnzoo.engine.load_config import LoadConfig
 from attnzoo.engine.ranks import LocalRanks, loopback_gloo, rank_main
 from attnzoo.engine.tensor_parallel import _CONTROL_TIMEOUT, TPGroup, torchrun_world
 from attnzoo.errors import ModelLoadError
@@ -38,17 +39,15 @@ def rank_device(device, local_rank: int, gpus_needed: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def launch(tensor_parallel_size: int | None, device, load_kwargs: dict, load) -> TPGroup | None:
+def launch(name_or_path, cfg: LoadConfig, load) -> TPGroup | None:
     """Join (torchrun, spawned rank, a data-parallel replica) or start (one process, N > 1) a tensor-parallel
-    group; None: one process. ``load(**load_kwargs)`` is what a spawned rank runs to build each model
-    (``load_model``: passed down, so this module never imports the engine's API)."""
+    group; None: one process. ``load(name_or_path, cfg)`` is what a spawned rank runs to build each model
+    (passed down, so this module never imports the engine's API)."""
     import torch.distributed as dist
 
     world_env = torchrun_world()
-    if tensor_parallel_size is not None and (not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1):
-        raise ModelLoadError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}",
-                             fix="pass tensor_parallel_size=N with N >= 1")
-    replicas = load_kwargs.get("data_parallel_size") or 1
+    tensor_parallel_size, device = cfg.tensor_parallel_size, cfg.device
+    replicas = cfg.data_parallel_size or 1
     if world_env is None or replicas > 1:
         n = tensor_parallel_size or 1
         if replicas > 1:  # attnzoo.engine.data_parallel built this replica's group, if it has one
@@ -57,13 +56,13 @@ def launch(tensor_parallel_size: int | None, device, load_kwargs: dict, load) ->
             return None
         channel = tensor_parallel.current()
         if channel is not None and channel.ranks is not None:
-            return _join_spawned(channel, n, device, load_kwargs)
+            return _join_spawned(channel, n, name_or_path, cfg)
         if dist.is_available() and dist.is_initialized():
             raise ModelLoadError("torch.distributed is already initialised in this process (another tensor-parallel model?)",
                                  fix="close the other model first (llm.close()), or launch with torchrun")
         dev = rank_device(device, 0, n)
         check_not_importing_main()
-        ranks = LocalRanks(n, _spawned_rank, (load, load_kwargs))
+        ranks = LocalRanks(n, _spawned_rank, (load, name_or_path, cfg))
         try:
             group = start_world(ranks, dev, tensor_parallel_size=n)
         except BaseException:
@@ -185,29 +184,29 @@ def groups(rank: int, world: int, tensor_parallel_size: int, dev: torch.device, 
     return tensor_parallel.open_channel(ctx, mine[1], dev, spmd=spmd, owns_group=owns_group, ranks=ranks)
 
 
-def _join_spawned(channel: tensor_parallel._Channel, n: int, device, load_kwargs: dict) -> TPGroup:
+def _join_spawned(channel: tensor_parallel._Channel, n: int, name_or_path, cfg: LoadConfig) -> TPGroup:
     """Rank 0 of a spawned group loads another model: the other ranks load it too, in the same order."""
     if n != channel.ctx.world_size:
         raise ModelLoadError(f"a tensor-parallel group of {channel.ctx.world_size} processes is running here, and "
                              f"tensor_parallel_size={n} asks for another size",
                              fix=f"close its models first (llm.close()), or pass tensor_parallel_size="
                                  f"{channel.ctx.world_size}")
-    dev = rank_device(device, 0, n)
+    dev = rank_device(cfg.device, 0, n)
     if dev != channel.device:
         raise ModelLoadError(f"the running tensor-parallel group is on {channel.device}, not {dev}",
                              fix="load every model of the group on the same device, or close its models first")
     channel.check()
-    channel.broadcast((None, "load", load_kwargs))
+    channel.broadcast((None, "load", (name_or_path, cfg)))
     return channel.join()
 
 
-def _spawned_rank(rank: int, world: int, host: str, port: int, load, load_kwargs: dict) -> None:
+def _spawned_rank(rank: int, world: int, host: str, port: int, load, name_or_path, cfg: LoadConfig) -> None:
     """Rank ``rank`` of a group started by load_model in one process: the torchrun route, then serve."""
     import torch.distributed as dist
 
     store = rank_main(rank, world, host, port)
     os.environ[_SERVE_ENV] = "1"
-    device = load_kwargs.get("device")
+    device = cfg.device
     dev = rank_device(device, rank, rank + 1)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -216,7 +215,7 @@ def _spawned_rank(rank: int, world: int, host: str, port: int, load, load_kwargs
     if str(device).startswith("cpu") or (device is None and not torch.cuda.is_available()):
         # CPU ranks share the machine's cores with rank 0.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    first = load(**load_kwargs)
+    first = load(name_or_path, cfg)
     follow(first.tp.channel, load, {first.tp.model_id: first})
 
 
@@ -228,7 +227,7 @@ def follow(channel: tensor_parallel._Channel, load, models: dict, *, destroy: bo
             if kind == "shutdown":
                 break
             if kind == "load":
-                llm = load(**payload)
+                llm = load(*payload)  # (name_or_path, cfg)
                 models[llm.tp.model_id] = llm
             elif kind == "drop":
                 models.pop(model_id).tp.close()

@@ -4,17 +4,17 @@ from __future__ import annotations
 import functools
 import logging
 import numbers
-import sys
 import threading
-import time
 from typing import Any, Callable, Sequence
 
 import torch
 
 from attnzoo.attention.kv_cache import KVPool, kv_bytes_by_kind
 from attnzoo.engine import build
-from attnzoo.engine.build import WINDOW_KV_FRACTION, _say, _stderr_is_terminal
 from attnzoo.engine.engine import Completion
+from attnzoo.engine import load_config
+from attnzoo.engine.load_config import WINDOW_KV_FRACTION, LoadConfig
+from attnzoo.engine.progress import GenerationProgress
 from attnzoo.engine.prompts import chat_message, valid_text
 from attnzoo.engine.sampling import SamplingParams
 from attnzoo.errors import RequestError
@@ -172,7 +172,7 @@ class LLM:
                 if given or generation_config is not None:
                     raise RequestError(f"generate() got sampling_params and also {', '.join(sorted(given) or ['generation_config'])}",
                                        fix="put every sampling choice in the SamplingParams")
-                return compat.run_requests(self, prompts, sampling_params, use_tqdm=use_tqdm, progress=_GenerationProgress)
+                return compat.run_requests(self, prompts, sampling_params, use_tqdm=use_tqdm, progress=GenerationProgress)
             return LLM.generate.__wrapped__(self, prompts, **compat.generation_kwargs(self, generation_config, given))
         if unsupported:
             raise RequestError(
@@ -235,7 +235,7 @@ class LLM:
             sp.validate()
         show = self.progress and on_finish is None
         if show:
-            on_finish = _GenerationProgress(len(ids))
+            on_finish = GenerationProgress(len(ids))
         with self._lock:
             outs = self.engine.generate(ids, params, return_logits=return_logits, on_finish=on_finish)
         if show:
@@ -248,7 +248,7 @@ class LLM:
         chat template; one RequestOutput per conversation (``sampling_params`` None: the checkpoint's defaults)."""
         from attnzoo.engine.compat import run_requests
 
-        return run_requests(self, messages, sampling_params, use_tqdm=use_tqdm, chat=True, progress=_GenerationProgress)
+        return run_requests(self, messages, sampling_params, use_tqdm=use_tqdm, chat=True, progress=GenerationProgress)
 
     def get_default_sampling_params(self):
         """vLLM's: the checkpoint's generation_config.json sampling defaults as attnzoo.SamplingParams."""
@@ -402,6 +402,7 @@ def load_model(
     window_kv_fraction: float | None = WINDOW_KV_FRACTION,
     gpu_memory_utilization: float | None = None,
     max_model_len: int | None = None,
+    config: LoadConfig | None = None,
 ) -> LLM:
     """Load a checkpoint (local dir, hub id, .gguf file; None = embedded SmolLM2-135M-Instruct).
 
@@ -443,24 +444,35 @@ def load_model(
     KV cache is allocated (weights + KV; None: the KV cache takes 85% of what is free after the weights);
     ignored on CPU, where the KV cache is sized by ``kv_cache_tokens`` / ``kv_cache_memory``.
     ``max_model_len`` (vLLM's): the longest prompt + output, at most the model's ``max_position_embeddings``.
+    ``config``: every option above as one ``attnzoo.LoadConfig`` (then pass none of them as keywords).
     Every argument, the device and the backend choices are checked before any weights are read.
     """
-    kwargs = dict(locals())
+    cfg = load_config.either(config, LoadConfig(
+        backend=backend, prefill_backend=prefill_backend, decode_backend=decode_backend, page_size=page_size,
+        policy_file=policy_file, dtype=dtype, device=device, load_format=load_format, fp8_weights=fp8_weights,
+        seed=seed, kv_cache_tokens=kv_cache_tokens, kv_cache_memory=kv_cache_memory,
+        gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+        v_scale=v_scale, window_kv_fraction=window_kv_fraction, max_batch_tokens=max_batch_tokens,
+        max_running=max_running, max_model_len=max_model_len, prefix_caching=prefix_caching, cuda_graph=cuda_graph,
+        cuda_graph_max_context=cuda_graph_max_context, cuda_graph_batch_sizes=cuda_graph_batch_sizes,
+        cascade=cascade, tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+        progress=progress,
+    ))
     from attnzoo.engine import data_parallel
 
-    if data_parallel.wanted(data_parallel_size):
-        return data_parallel.launch(kwargs, _load_replica)
-    return _load_replica(kwargs)
+    if (cfg.data_parallel_size or 1) > 1:
+        return data_parallel.launch(name_or_path, cfg, _load_replica)
+    return _load_replica(name_or_path, cfg)
 
 
-def _load_replica(kwargs: dict) -> LLM:
+def _load_replica(name_or_path, cfg: LoadConfig) -> LLM:
     """One replica of the model: this process alone, or the tensor-parallel group it leads or joins."""
     from attnzoo.engine import launch, tensor_parallel
 
-    group = launch.launch(kwargs["tensor_parallel_size"], kwargs["device"], kwargs, load_model)
+    group = launch.launch(name_or_path, cfg, _load_replica)
     try:
         with launch.loading(group):
-            llm = LLM(**build.build(**kwargs, tp=group))
+            llm = LLM(**build.build(name_or_path, cfg, tp=group))
     except BaseException:
         if group is not None:
             group.close(abort=True)
@@ -469,23 +481,3 @@ def _load_replica(kwargs: dict) -> LLM:
         tensor_parallel.register_close(llm, group)
     return llm
 
-
-class _GenerationProgress:
-    """``on_finish`` hook: a tqdm bar of finished sequences on a terminal, and a summary line."""
-
-    def __init__(self, total: int):
-        from tqdm.auto import tqdm
-
-        self.total, self.t0 = total, time.perf_counter()
-        _say(f"generating {total} sequence(s) ...")
-        self.bar = tqdm(total=total, desc="attnzoo: generating", unit="seq", file=sys.stderr, leave=False,
-                        disable=not _stderr_is_terminal())
-
-    def __call__(self, index: int) -> None:
-        self.bar.update(1)
-
-    def close(self, outs) -> None:
-        self.bar.close()
-        dt = time.perf_counter() - self.t0
-        tokens = sum(len(o.token_ids) for o in outs)
-        _say(f"generated {tokens} tokens for {self.total} sequence(s) in {dt:.1f} s ({tokens / max(dt, 1e-9):.1f} tok/s)")
