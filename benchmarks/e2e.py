@@ -250,7 +250,8 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
         info = llm.info()
         return {"engine": "attnzoo", "backend": f"attnzoo prefill={info['prefill_backend']} decode={info['decode_backend']}",
                 "dry_run": True, **timings, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-                "kv_cache_tokens": info["kv_cache_tokens"], "weights": info["weights"]}
+                "kv_cache_tokens": info["kv_cache_tokens"], "weights": info["weights"],
+                "kv_footprint": info["kv_footprint"]}
     outs, wall, t0 = timed_generate(llm, prompts, new_tokens)
     n_out = sum(len(o.token_ids) for o in outs)
     assert len(outs) == len(prompts) and all(len(o.token_ids) == new_tokens for o in outs)
@@ -289,7 +290,8 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
         "prefix_cache_pages": len(llm.engine.prefix_cache) if llm.engine.prefix_cache is not None else 0,
         **timings,
     }
-    for key in ("weights", "kv_cache_dtype", "tensor_parallel_size", "kv_page_groups"):
+    # kv_footprint: the pool's bytes per context token, measured, against a plain MLA cache (MLA-family shapes)
+    for key in ("weights", "kv_cache_dtype", "tensor_parallel_size", "kv_page_groups", "kv_footprint"):
         if key in info:
             res[key] = info[key]
     del llm

@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 
 from attnzoo.attention.backends import get_backend_class
 from attnzoo.attention.backends.hybrid import HybridBackend
-from attnzoo.attention.kv_cache import KVPool, kv_storage_dtype, window_group_layers
+from attnzoo.attention.kv_cache import KVPool, kv_storage_dtype, wants_window_group, window_group_layers
 from attnzoo.engine.compat import eos_ids as generation_eos_ids
 from attnzoo.engine.compat import read_generation_config
 from attnzoo.engine.engine import Engine, check_cascade
@@ -59,27 +59,30 @@ def _pick_dtype(dtype, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-# Default window_kv_fraction: one page group. The split is fixed at load and a request shorter than the window
-# needs as many window tokens as full ones, so a fraction lowers few-shot evals' concurrency (results:
-# e2e_gemma4_31b_{onegroup,window05}); long generations gain from one (SGLang's swa_full_tokens_ratio is 0.8).
-WINDOW_KV_FRACTION = None
+# Default window_kv_fraction "auto": a window page group sized for the running requests' windows where a layer
+# compresses its keys (``wants_window_group``: V4's raw keys and compressor state are 29x its entries per token),
+# one group elsewhere: there a split fixed at load lowers few-shot evals' concurrency, as a request shorter than
+# the window needs as many window tokens as full ones (results: e2e_gemma4_31b_{onegroup,window05}).
+WINDOW_KV_FRACTION = "auto"
 
 
-def _window_split(specs, context_len: int, window_kv_fraction: float | None) -> bool:
+def _window_split(specs, context_len: int, window_kv_fraction) -> bool:
     """Whether the pool gets a window page group: sliding layers whose window is shorter than the context."""
-    windows = [specs[i].kept_window() for i in window_group_layers(specs)] if window_kv_fraction is not None else []
+    if window_kv_fraction is None or (window_kv_fraction == "auto" and not wants_window_group(specs)):
+        return False
+    windows = [specs[i].kept_window() for i in window_group_layers(specs)]
     return bool(windows) and context_len > max(windows)
 
 
 def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory, context_len,
-              window_kv_fraction=None) -> tuple[int, int | None]:
+              window_kv_fraction=None, max_running=None, max_batch_tokens=2048) -> tuple[int, int | None]:
     """(full-group pages, window-group pages or None for one group), page 0 of each included."""
     per_page = KVPool.bytes_per_page(specs, page_size, dtype)
     split = _window_split(specs, context_len, window_kv_fraction)
-    if kv_cache_tokens is not None:
+    if kv_cache_tokens is not None and (not split or window_kv_fraction != "auto"):
         full = -(-kv_cache_tokens // page_size) + 1
         return full, (max(2, int(window_kv_fraction * (full - 1)) + 1) if split else None)
-    if kv_cache_memory is None:
+    if kv_cache_memory is None and kv_cache_tokens is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             kv_cache_memory = int(free * 0.85)
@@ -88,11 +91,39 @@ def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory,
             kv_cache_memory = min(1 << 30, per_page * (-(-8 * context_len // page_size)))
     if not split:
         return max(2, kv_cache_memory // per_page), None
-    # full x per_full + fraction x full x per_window = memory
     per_full = KVPool.bytes_per_page(specs, page_size, dtype, group="full")
     per_window = KVPool.bytes_per_page(specs, page_size, dtype, group="window")
+    if window_kv_fraction == "auto":
+        return _auto_window_pages(specs, page_size, per_full, per_window, kv_cache_tokens, kv_cache_memory,
+                                  context_len, max_running, max_batch_tokens)
+    # full x per_full + fraction x full x per_window = memory
     full = int(kv_cache_memory // (per_full + window_kv_fraction * per_window))
     return max(2, full), max(2, int(window_kv_fraction * full))
+
+
+def _auto_window_pages(specs, ps, per_full, per_window, kv_cache_tokens, kv_cache_memory, context_len,
+                       max_running, max_batch_tokens) -> tuple[int, int]:
+    """window_kv_fraction="auto": a window group for ``max_running`` decoding requests' windows (None: as many
+    requests as the full group holds of one prefill chunk each, ``min(context, max_batch_tokens)`` tokens) and
+    one request's largest prefill chunk, never more pages than the full group (a request's window peak is at
+    most its full-group pages, so what the full group admits the window group does: no deadlock)."""
+    window = max(specs[i].kept_window() for i in window_group_layers(specs))
+    # What a request holds at most in the window group (KVPages.window_peak): decoding, its window and a
+    # page; prefilling, its window and a chunk.
+    decode = -(-window // ps) + 1
+    ref = min(context_len, max_batch_tokens)
+    prefill = -(-(window - 1 + ref) // ps) + 1
+    if kv_cache_tokens is not None:
+        full = -(-kv_cache_tokens // ps)
+    elif max_running is None:  # full x per_full + (full x ps / ref x decode + prefill) x per_window = memory
+        full = int((kv_cache_memory - prefill * per_window) // (per_full + ps / ref * decode * per_window))
+    else:
+        full = int((kv_cache_memory - (max_running * decode + prefill) * per_window) // per_full)
+    runs = max_running if max_running is not None else max(1, full * ps // ref)
+    wpages = runs * decode + prefill
+    if full <= wpages and kv_cache_tokens is None:  # little memory: both groups the same size
+        full = wpages = int(kv_cache_memory // (per_full + per_window))
+    return max(2, full + 1), max(2, min(wpages, full) + 1)
 
 
 def build(name_or_path, *, backend, prefill_backend, decode_backend, dtype, device, page_size, policy_file,
@@ -110,10 +141,11 @@ def build(name_or_path, *, backend, prefill_backend, decode_backend, dtype, devi
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ModelLoadError(f"{name} must be a positive integer, got {value!r}",
                                  fix=f"pass {name}=N with N >= 1, or leave it unset for the default")
-    if window_kv_fraction is not None and (isinstance(window_kv_fraction, bool) or not isinstance(window_kv_fraction, (int, float))
-                                           or not 0 < window_kv_fraction <= 1):
-        raise ModelLoadError(f"window_kv_fraction must be a number in (0, 1] or None, got {window_kv_fraction!r}",
-                             fix=f"pass e.g. window_kv_fraction={WINDOW_KV_FRACTION}, or None for one KV page group")
+    if window_kv_fraction not in (None, "auto") and (
+            isinstance(window_kv_fraction, bool) or not isinstance(window_kv_fraction, (int, float))
+            or not 0 < window_kv_fraction <= 1):
+        raise ModelLoadError(f"window_kv_fraction must be \"auto\", a number in (0, 1] or None, got {window_kv_fraction!r}",
+                             fix="pass window_kv_fraction=\"auto\" (the default), e.g. 0.5, or None for one KV page group")
     for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
         # The scales divide every stored k/v: 0, a negative or NaN would fill the cache with inf/NaN.
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float("inf"):
@@ -197,8 +229,10 @@ def build(name_or_path, *, backend, prefill_backend, decode_backend, dtype, devi
     ps = decision.page_size
     kv_dt = kv_storage_dtype(kv_cache_dtype, dt)
     decision.kv_bytes_per_token = KVPool.bytes_per_page(specs, 1, kv_dt)
+    if max_batch_tokens is None:
+        max_batch_tokens = 8192 if dev.type == "cuda" else 2048
     num_pages, num_window_pages = _kv_pages(specs, ps, kv_dt, dev, kv_cache_tokens, kv_cache_memory, context_len,
-                                            window_kv_fraction)
+                                            window_kv_fraction, max_running, max_batch_tokens)
     if tp is not None:  # rank 0 hands out the same page ids on every rank
         num_pages = tp.min_int(num_pages)
         if num_window_pages is not None:
@@ -213,7 +247,7 @@ def build(name_or_path, *, backend, prefill_backend, decode_backend, dtype, devi
     eos = _eos_ids(config, tokenizer) | generation_eos_ids(generation_config)
     engine = Engine(
         model, pool, backends, tokenizer=tokenizer, eos_token_ids=eos, context_len=context_len,
-        max_batch_tokens=max_batch_tokens if max_batch_tokens is not None else (8192 if dev.type == "cuda" else 2048), max_running=max_running,
+        max_batch_tokens=max_batch_tokens, max_running=max_running,
         prefix_caching=prefix_caching, cascade=cascade,
     )
     timings["kv_cache_s"] = lap()
