@@ -417,8 +417,8 @@ def kv_footprint(pool: KVPool, config=None) -> dict:
     }
     c = getattr(config, "text_config", None) or config
     rope = getattr(c, "qk_rope_head_dim", None)
-    latent = getattr(c, "kv_lora_rank", None) or getattr(c, "head_dim", None)
-    if rope and latent:
+    latent = (getattr(c, "kv_lora_rank", None) or getattr(c, "head_dim", None)) if rope else None
+    if latent:
         mla = c.num_hidden_layers * (latent + rope) * torch.empty((), dtype=pool.dtype).element_size()
         out["plain_mla_bytes_per_token"] = mla
         out["vs_plain_mla"] = out["bytes_per_context_token"] / mla
