@@ -256,6 +256,10 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
     n_out = sum(len(o.token_ids) for o in outs)
     assert len(outs) == len(prompts) and all(len(o.token_ids) == new_tokens for o in outs)
     info = llm.info()
+    fp = info["kv_footprint"]
+    if "vs_plain_mla" in fp:
+        print(f"KV bytes per context token: {fp['bytes_per_context_token']:.0f} measured, a plain MLA cache "
+              f"{fp['plain_mla_bytes_per_token']} ({fp['vs_plain_mla']:.3f}x)", flush=True)
     prof = model_profile(llm)
     roof = roofline_seconds(llm.engine.step_log, prof, limits)
     roof_plain = roofline_seconds(llm.engine.step_log, prof, limits, shared_once=False)

@@ -20,6 +20,7 @@ from attnzoo.attention.kv_cache import KVPool, kv_storage_dtype, wants_window_gr
 from attnzoo.engine.compat import eos_ids as generation_eos_ids
 from attnzoo.engine.compat import read_generation_config
 from attnzoo.engine.engine import Engine, check_cascade
+from attnzoo.engine.scheduler import MAX_RUNNING_CAP
 from attnzoo.errors import BackendError, ModelLoadError
 from attnzoo.models import loader
 from attnzoo.models.registry import model_class
@@ -104,22 +105,25 @@ def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory,
 def _auto_window_pages(specs, ps, per_full, per_window, kv_cache_tokens, kv_cache_memory, context_len,
                        max_running, max_batch_tokens) -> tuple[int, int]:
     """window_kv_fraction="auto": a window group for ``max_running`` decoding requests' windows (None: as many
-    requests as the full group holds of one prefill chunk each, ``min(context, max_batch_tokens)`` tokens) and
-    one request's largest prefill chunk, never more pages than the full group (a request's window peak is at
-    most its full-group pages, so what the full group admits the window group does: no deadlock)."""
+    requests as the memory holds of ``min(context, max_batch_tokens)`` tokens each, at most the scheduler's
+    cap) and one request's largest prefill chunk, never more pages than the full group (a request's window
+    peak is at most its full-group pages, so what the full group admits the window group does: no deadlock)."""
     window = max(specs[i].kept_window() for i in window_group_layers(specs))
     # What a request holds at most in the window group (KVPages.window_peak): decoding, its window and a
     # page; prefilling, its window and a chunk.
-    decode = -(-window // ps) + 1
     ref = min(context_len, max_batch_tokens)
-    prefill = -(-(window - 1 + ref) // ps) + 1
+    decode, prefill = -(-window // ps) + 1, -(-(window - 1 + ref) // ps) + 1
+    runs = max_running if max_running is not None else min(MAX_RUNNING_CAP, max_batch_tokens)
     if kv_cache_tokens is not None:
         full = -(-kv_cache_tokens // ps)
-    elif max_running is None:  # full x per_full + (full x ps / ref x decode + prefill) x per_window = memory
-        full = int((kv_cache_memory - prefill * per_window) // (per_full + ps / ref * decode * per_window))
+        if max_running is None:
+            runs = min(runs, max(1, full * ps // ref))
     else:
-        full = int((kv_cache_memory - (max_running * decode + prefill) * per_window) // per_full)
-    runs = max_running if max_running is not None else max(1, full * ps // ref)
+        kv_cache_memory -= per_full + per_window  # each group's page 0
+        if max_running is None:
+            runs = min(runs, max(1, int((kv_cache_memory - prefill * per_window)
+                                        // (ref / ps * per_full + decode * per_window))))
+        full = int((kv_cache_memory - (runs * decode + prefill) * per_window) // per_full)
     wpages = runs * decode + prefill
     if full <= wpages and kv_cache_tokens is None:  # little memory: both groups the same size
         full = wpages = int(kv_cache_memory // (per_full + per_window))
