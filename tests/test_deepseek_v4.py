@@ -113,6 +113,8 @@ def test_auto_window_group_holds_less_per_context_token_and_info_measures_it(v4_
     assert fa["plain_mla_bytes_per_token"] == 3 * (32 + 8) * 4  # 3 layers of a 32-wide latent + 8 rope, float32
     assert fa["vs_plain_mla"] == fa["bytes_per_context_token"] / fa["plain_mla_bytes_per_token"]
     assert fa["pool_bytes"] <= 2_000_000 and auto["kv_page_groups"]["window_group"]["tokens"] == fa["window_tokens"]
+    # max_running by default: as many decoding requests as the window group holds windows of (12 tokens + a page)
+    assert auto["max_running"] == auto["kv_page_groups"]["window_group"]["pages"] // 4 < one["max_running"]
 
 
 def test_auto_window_group_sized_for_max_running_never_stalls(v4_dir):
