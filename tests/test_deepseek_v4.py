@@ -110,6 +110,7 @@ def test_auto_window_group_holds_less_per_context_token_and_info_measures_it(v4_
     assert fa["full_group_bytes_per_token"] == sum(k["per_context_token"] for k in kinds)
     assert fa["window_group_bytes_per_token"] == sum(k["per_window_token"] for k in kinds)
     assert fo["full_group_bytes_per_token"] == sum(k["per_context_token"] + k["per_window_token"] for k in kinds)
+    assert one["kv_bytes_per_token"] == fo["full_group_bytes_per_token"]  # entries counted as pages of 4 hold them
     assert fa["plain_mla_bytes_per_token"] == 3 * (32 + 8) * 4  # 3 layers of a 32-wide latent + 8 rope, float32
     assert fa["vs_plain_mla"] == fa["bytes_per_context_token"] / fa["plain_mla_bytes_per_token"]
     assert fa["pool_bytes"] <= 2_000_000 and auto["kv_page_groups"]["window_group"]["tokens"] == fa["window_tokens"]

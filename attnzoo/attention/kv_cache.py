@@ -300,6 +300,13 @@ class KVPool:
             out[group] += t.nbytes
         return out
 
+    @staticmethod
+    def bytes_per_token(specs: list[KVCacheSpec | None], page_size: int, dtype: torch.dtype,
+                        group: str | None = None) -> int | float:
+        """``bytes_per_page`` per token: compressed entries counted as pages of ``page_size`` hold them."""
+        b = KVPool.bytes_per_page(specs, page_size, dtype, group) / page_size
+        return int(b) if b.is_integer() else b
+
     @property
     def has_window_group(self) -> bool:
         return self.window is not None

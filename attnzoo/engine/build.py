@@ -232,7 +232,7 @@ def build(name_or_path, *, backend, prefill_backend, decode_backend, dtype, devi
     specs = model.kv_cache_specs()
     ps = decision.page_size
     kv_dt = kv_storage_dtype(kv_cache_dtype, dt)
-    decision.kv_bytes_per_token = KVPool.bytes_per_page(specs, 1, kv_dt)
+    decision.kv_bytes_per_token = KVPool.bytes_per_token(specs, ps, kv_dt)
     if max_batch_tokens is None:
         max_batch_tokens = 8192 if dev.type == "cuda" else 2048
     num_pages, num_window_pages = _kv_pages(specs, ps, kv_dt, dev, kv_cache_tokens, kv_cache_memory, context_len,

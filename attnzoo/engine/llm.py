@@ -305,7 +305,7 @@ class LLM:
         def group(name: str, alloc) -> dict:
             layers = [i for i in range(len(specs)) if specs[i] is not None and pool.in_window_group(i) == (name == "window")]
             return {"pages": alloc.capacity, "tokens": alloc.capacity * ps, "layers": len(layers),
-                    "kv_bytes_per_token": KVPool.bytes_per_page(specs, 1, pool.kv_dtype, group=name)}
+                    "kv_bytes_per_token": KVPool.bytes_per_token(specs, ps, pool.kv_dtype, group=name)}
 
         if not pool.has_window_group:
             windows = {s.sliding_window for s in specs if s is not None and s.sliding_window}
@@ -332,7 +332,7 @@ class LLM:
     def info(self) -> dict[str, Any]:
         specs = self.model.kv_cache_specs()
         elt = torch.empty((), dtype=self.pool.kv_dtype).element_size()
-        kv_bytes_per_token = KVPool.bytes_per_page(specs, 1, self.pool.kv_dtype)
+        kv_bytes_per_token = KVPool.bytes_per_token(specs, self.pool.page_size, self.pool.kv_dtype)
         return {
             "model": self.source.name,
             "architecture": self.architecture,
