@@ -102,6 +102,11 @@ def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory,
     return max(2, full), max(2, int(window_kv_fraction * full))
 
 
+def _decode_window_pages(specs, ps: int) -> int:
+    """Window-group pages a decoding request holds at most: its window and a page (KVPages.window_peak)."""
+    return -(-max(specs[i].kept_window() for i in window_group_layers(specs)) // ps) + 1
+
+
 def _auto_window_pages(specs, ps, per_full, per_window, kv_cache_tokens, kv_cache_memory, context_len,
                        max_running, max_batch_tokens) -> tuple[int, int]:
     """window_kv_fraction="auto": a window group for ``max_running`` decoding requests' windows (None: as many
@@ -112,7 +117,7 @@ def _auto_window_pages(specs, ps, per_full, per_window, kv_cache_tokens, kv_cach
     # What a request holds at most in the window group (KVPages.window_peak): decoding, its window and a
     # page; prefilling, its window and a chunk.
     ref = min(context_len, max_batch_tokens)
-    decode, prefill = -(-window // ps) + 1, -(-(window - 1 + ref) // ps) + 1
+    decode, prefill = _decode_window_pages(specs, ps), -(-(window - 1 + ref) // ps) + 1
     runs = max_running if max_running is not None else min(MAX_RUNNING_CAP, max_batch_tokens)
     if kv_cache_tokens is not None:
         full = -(-kv_cache_tokens // ps)
@@ -241,6 +246,10 @@ def build(name_or_path, *, backend, prefill_backend, decode_backend, dtype, devi
         num_pages = tp.min_int(num_pages)
         if num_window_pages is not None:
             num_window_pages = tp.min_int(num_window_pages)
+    if max_running is None and num_window_pages is not None and window_kv_fraction == "auto":
+        # the decoding requests whose windows the window group holds (the scheduler's default bounds besides)
+        max_running = max(1, min(MAX_RUNNING_CAP, max_batch_tokens, num_pages - 1,
+                                 (num_window_pages - 1) // _decode_window_pages(specs, ps)))
     pool = KVPool(specs, num_pages=num_pages, page_size=ps, dtype=dt, device=dev, kv_cache_dtype=kv_cache_dtype,
                   k_scale=k_scale, v_scale=v_scale, num_window_pages=num_window_pages)
     window_note = "" if num_window_pages is None else f" + {num_window_pages} pages of the sliding-window layers"

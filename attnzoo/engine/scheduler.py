@@ -63,9 +63,6 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         if max_running is None:
             max_running = min(MAX_RUNNING_CAP, max_batch_tokens, pages.allocator.capacity)
-            if pages.window:  # no more than the window group holds decoding requests' windows
-                max_running = min(max_running, max(1, pages.window_allocator.capacity
-                                                   // pages.window_peak(1, 1, context_len, 0)))
         self.max_running = max_running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
