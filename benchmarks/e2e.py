@@ -250,11 +250,16 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
         info = llm.info()
         return {"engine": "attnzoo", "backend": f"attnzoo prefill={info['prefill_backend']} decode={info['decode_backend']}",
                 "dry_run": True, **timings, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-                "kv_cache_tokens": info["kv_cache_tokens"], "weights": info["weights"]}
+                "kv_cache_tokens": info["kv_cache_tokens"], "weights": info["weights"],
+                "kv_footprint": info["kv_footprint"]}
     outs, wall, t0 = timed_generate(llm, prompts, new_tokens)
     n_out = sum(len(o.token_ids) for o in outs)
     assert len(outs) == len(prompts) and all(len(o.token_ids) == new_tokens for o in outs)
     info = llm.info()
+    fp = info["kv_footprint"]
+    if "vs_plain_mla" in fp:
+        print(f"KV bytes per context token: {fp['bytes_per_context_token']:.0f} measured, a plain MLA cache "
+              f"{fp['plain_mla_bytes_per_token']} ({fp['vs_plain_mla']:.3f}x)", flush=True)
     prof = model_profile(llm)
     roof = roofline_seconds(llm.engine.step_log, prof, limits)
     roof_plain = roofline_seconds(llm.engine.step_log, prof, limits, shared_once=False)
@@ -289,7 +294,8 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
         "prefix_cache_pages": len(llm.engine.prefix_cache) if llm.engine.prefix_cache is not None else 0,
         **timings,
     }
-    for key in ("weights", "kv_cache_dtype", "tensor_parallel_size", "kv_page_groups"):
+    # kv_footprint: the pool's bytes per context token, measured, against a plain MLA cache (MLA-family shapes)
+    for key in ("weights", "kv_cache_dtype", "tensor_parallel_size", "kv_page_groups", "kv_footprint"):
         if key in info:
             res[key] = info[key]
     del llm

@@ -222,6 +222,7 @@ def test_kv_bytes_per_token_is_one_latent_entry(v3_dir, dtype, elt):
     # (kv_lora_rank + qk_rope_head_dim) x dtype bytes x layers: no per-head keys, no separate values.
     assert info["kv_bytes_per_token"] == (32 + 8) * elt * 2
     assert info["kv_layers_with_memory"] == 2
+    assert info["kv_footprint"]["plain_mla_bytes_per_token"] == info["kv_bytes_per_token"]  # V3 is the plain MLA cache
     router = llm.model.model.layers[1].mlp.gate
     # float32 whatever the model dtype: the router scores in float32 without a cast per call.
     assert router.e_score_correction_bias.dtype == torch.float32 and router.weight.dtype == torch.float32

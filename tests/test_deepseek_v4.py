@@ -55,6 +55,7 @@ def test_matches_transformers(tmp_path, name):
     hf = tiny_v4(kinds, mlps, **kw)
     save_checkpoint(hf, tmp_path)
     llm = attnzoo.load_model(tmp_path, page_size=8, backend="torch", device="cpu")
+    assert llm.engine.pool.has_window_group  # window_kv_fraction="auto": V4 layers compress their keys
     # 37 + 12 tokens: past the window (12), CSA's entries (12) past its top-3, HCA's 4 to 6 blocks
     assert_matches_hf(llm, hf, random_prompts(VOCAB, [5, 37] if name == "all-kinds" else [33]), steps=12)
 
@@ -70,7 +71,8 @@ def _tokens(llm, prompts, steps):
     return [o.token_ids for o in llm.generate(prompts, max_new_tokens=steps, ignore_eos=True)]
 
 
-def test_mixed_batches_window_group_and_prefix_hits_match_one_at_a_time(v4_dir):
+@pytest.mark.parametrize("fraction", ["auto", 0.5])
+def test_mixed_batches_window_group_and_prefix_hits_match_one_at_a_time(v4_dir, fraction):
     """Chunked prefill beside decode in one step, a window page group (raw keys and compressor state
     released as the window moves on), and prefix-cache hits ending mid-block (page size 2: a hit at 22
     tokens is inside a CSA block of 4 and an HCA block of 8) give the tokens of one request at a time."""
@@ -78,7 +80,7 @@ def test_mixed_batches_window_group_and_prefix_hits_match_one_at_a_time(v4_dir):
     prompts = [prefix + t for t in random_prompts(VOCAB, [3, 14], seed=4)] + random_prompts(VOCAB, [20], seed=5)
     alone = attnzoo.load_model(v4_dir, page_size=2, backend="torch", device="cpu", prefix_caching=False)
     want = [_tokens(alone, [p], 8)[0] for p in prompts]
-    llm = attnzoo.load_model(v4_dir, page_size=2, backend="torch", device="cpu", window_kv_fraction=0.5,
+    llm = attnzoo.load_model(v4_dir, page_size=2, backend="torch", device="cpu", window_kv_fraction=fraction,
                              max_batch_tokens=12)
     assert llm.engine.pool.has_window_group and llm.engine.pool.window == 12
     assert _tokens(llm, prompts[:1], 8) == want[:1]
@@ -91,6 +93,51 @@ def test_mixed_batches_window_group_and_prefix_hits_match_one_at_a_time(v4_dir):
         "no step mixed a prefill chunk with other requests"
     info = llm.info()["kv_bytes_per_token_by_kind"]
     assert set(info) == {"csa", "hca", "sliding"}
+
+
+def test_auto_window_group_holds_less_per_context_token_and_info_measures_it(v4_dir):
+    """In the same memory, the default pool (window group) holds more context than one group, and
+    info()["kv_footprint"] states what its tensors take: the full group only the compressed entries, the
+    window group the raw keys and compressor state (as ``kv_bytes_by_kind`` counts them), a plain MLA
+    cache of the same depth beside it."""
+    kw = dict(page_size=4, backend="torch", device="cpu", kv_cache_memory=2_000_000)
+    auto, one = attnzoo.load_model(v4_dir, **kw).info(), attnzoo.load_model(v4_dir, window_kv_fraction=None, **kw).info()
+    fa, fo = auto["kv_footprint"], one["kv_footprint"]
+    assert fo["window_tokens"] is None and fa["window_tokens"] > 0
+    assert fa["bytes_per_context_token"] < fo["bytes_per_context_token"] / 2
+    assert fa["context_tokens"] == auto["kv_cache_tokens"] > 2 * one["kv_cache_tokens"]
+    kinds = fa["by_kind"].values()
+    assert fa["full_group_bytes_per_token"] == sum(k["per_context_token"] for k in kinds)
+    assert fa["window_group_bytes_per_token"] == sum(k["per_window_token"] for k in kinds)
+    assert fo["full_group_bytes_per_token"] == sum(k["per_context_token"] + k["per_window_token"] for k in kinds)
+    assert one["kv_bytes_per_token"] == fo["full_group_bytes_per_token"]  # entries counted as pages of 4 hold them
+    assert fa["plain_mla_bytes_per_token"] == 3 * (32 + 8) * 4  # 3 layers of a 32-wide latent + 8 rope, float32
+    assert fa["vs_plain_mla"] == fa["bytes_per_context_token"] / fa["plain_mla_bytes_per_token"]
+    assert fa["pool_bytes"] <= 2_000_000 and auto["kv_page_groups"]["window_group"]["tokens"] == fa["window_tokens"]
+    # max_running by default: as many decoding requests as the window group holds windows of (12 tokens + a page)
+    assert auto["max_running"] == auto["kv_page_groups"]["window_group"]["pages"] // 4 < one["max_running"]
+
+
+def test_auto_window_group_sized_for_max_running_never_stalls(v4_dir):
+    """window_kv_fraction="auto" with max_running: a window group of max_running decoding windows and one
+    prefill chunk (page size 2, window 12, chunk 12: 2 x 7 + 13 pages); more requests than that run through
+    it, waiting for room, with the tokens of one request at a time."""
+    from attnzoo.attention.kv_cache import KVCacheSpec, wants_window_group
+    from attnzoo.engine.build import _kv_pages
+
+    llm = attnzoo.load_model(v4_dir, page_size=2, backend="torch", device="cpu", kv_cache_tokens=96, max_running=2,
+                             max_batch_tokens=12)
+    assert llm.engine.window_allocator.capacity == 2 * 7 + 13 and llm.engine.allocator.capacity == 48
+    prompts = random_prompts(VOCAB, [20, 31, 9, 26], seed=7)
+    alone = attnzoo.load_model(v4_dir, page_size=2, backend="torch", device="cpu", window_kv_fraction=None)
+    assert _tokens(llm, prompts, 6) == [_tokens(alone, [p], 6)[0] for p in prompts]
+    specs = llm.model.kv_cache_specs()
+    assert wants_window_group(specs)
+    # sliding-window layers alone (Gemma, gpt-oss) keep one group under "auto"
+    sliding = [KVCacheSpec(num_kv_heads=1, head_dim=8, v_head_dim=8, sliding_window=w) for w in (4, None)]
+    assert not wants_window_group(sliding)
+    assert _kv_pages(sliding, 2, torch.float32, torch.device("cpu"), 64, None, 512, "auto")[1] is None
+    assert _kv_pages(sliding, 2, torch.float32, torch.device("cpu"), 64, None, 512, 0.5)[1] == 17
 
 
 # What a V4 FP8 checkpoint stores in FP8 (DeepSeek's names): the attention projections and every expert.

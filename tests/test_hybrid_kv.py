@@ -214,6 +214,8 @@ def test_no_sliding_layers_or_short_context_keep_one_group(tmp_path, gemma):
     assert short.info()["kv_page_groups"]["explain"] == "one group: the context (512) fits the sliding window (512)"
     off = _load(gemma[1], window_kv_fraction=None)
     assert off.info()["kv_page_groups"]["explain"] == "one group: window_kv_fraction=None"
+    auto = _load(gemma[1], window_kv_fraction="auto")  # the default: only layers that compress get a window group
+    assert not auto.pool.has_window_group and "'auto' splits only" in auto.info()["kv_page_groups"]["explain"]
     groups = _load(gemma[1], kv_cache_tokens=400).info()["kv_page_groups"]
     assert groups["window"] == WINDOW and (groups["full"]["tokens"], groups["window_group"]["tokens"]) == (400, 200)
     with pytest.raises(ModelLoadError, match="window_kv_fraction"):

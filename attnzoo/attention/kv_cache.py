@@ -230,6 +230,7 @@ class KVPool:
         elt = torch.empty((), dtype=self.kv_dtype).element_size()
         # (layer id) -> (name -> (byte offset, shape)) for layers that own memory
         layout: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {}
+        groups: dict[tuple[int, str], str] = {}  # (layer, part) -> "full" / "window"
         offset = 0
         for lid, spec in enumerate(specs):
             if spec is None or (spec.shared_from is not None and not spec.index_head_dim):
@@ -252,6 +253,8 @@ class KVPool:
             layout[lid] = {}
             for name, shape in parts.items():
                 layout[lid][name] = (offset, shape)
+                in_window = lid in self._window_layers and name not in ("compressed", "index_compressed")
+                groups[lid, name] = "window" if in_window else "full"
                 nbytes = elt * torch.Size(shape).numel()
                 offset += -(-nbytes // _ALIGN) * _ALIGN
         self.nbytes = offset
@@ -262,6 +265,8 @@ class KVPool:
                 name: self.buffer[off : off + elt * torch.Size(shape).numel()].view(self.kv_dtype).view(shape)
                 for name, (off, shape) in parts.items()
             }
+        # The tensors this pool owns, by page group: what ``bytes_by_group`` measures.
+        self._owned = [(groups[lid, name], self._views[lid][name]) for lid, parts in layout.items() for name in parts]
         for lid, spec in enumerate(specs):
             if spec is None:
                 continue
@@ -287,6 +292,20 @@ class KVPool:
         compressed = (sum(s.compressed_values_per_page(page_size) for _, s in layers if s.shared_from is None)
                       if group != "window" else 0)
         return elt * (own + compressed)
+
+    def bytes_by_group(self) -> dict[str, int]:
+        """Bytes of the tensors each page group owns, page 0 included (the buffer adds alignment padding)."""
+        out = {"full": 0, "window": 0}
+        for group, t in self._owned:
+            out[group] += t.nbytes
+        return out
+
+    @staticmethod
+    def bytes_per_token(specs: list[KVCacheSpec | None], page_size: int, dtype: torch.dtype,
+                        group: str | None = None) -> int | float:
+        """``bytes_per_page`` per token: compressed entries counted as pages of ``page_size`` hold them."""
+        b = KVPool.bytes_per_page(specs, page_size, dtype, group) / page_size
+        return int(b) if b.is_integer() else b
 
     @property
     def has_window_group(self) -> bool:
@@ -375,4 +394,39 @@ def kv_bytes_by_kind(specs: list[KVCacheSpec | None], page_size: int, dtype: tor
         d["layers"] += 1
         d["per_window_token" if s.sliding_window else "per_context_token"] += elt * s.values_per_token()
         d["per_context_token"] += elt * s.compressed_values_per_page(page_size) / page_size
+    return out
+
+
+def wants_window_group(specs: list[KVCacheSpec | None]) -> bool:
+    """Whether ``window_kv_fraction="auto"`` gives the pool a window page group: where a layer compresses its
+    keys (DeepSeek-V4 CSA/HCA), whose raw keys and compressor state serve only the window and the unfinished
+    blocks (V4-Flash: 29x the bytes per token of what it keeps for every token of context)."""
+    return any(s is not None and s.compress_rate for s in specs)
+
+
+def kv_footprint(pool: KVPool, config=None) -> dict:
+    """The pool's bytes per token, measured from its tensors (page 0 included), beside what each layer kind
+    needs (``kv_bytes_by_kind``). ``bytes_per_context_token``: the whole pool (window group included) over
+    the full group's usable tokens, what a token of context capacity costs. For an MLA-family ``config``
+    (a rope part in the key), a plain MLA cache of the same depth, one latent + rope entry per token and
+    layer in the model dtype, to compare (V4, which has no kv_lora_rank: its entry width)."""
+    ps, measured = pool.page_size, pool.bytes_by_group()
+    total = measured["full"] + measured["window"]
+    out = {
+        "by_kind": kv_bytes_by_kind(pool.specs, ps, pool.kv_dtype),
+        "pool_bytes": total,
+        "context_tokens": (pool.num_pages - 1) * ps,
+        "full_group_bytes_per_token": measured["full"] / (pool.num_pages * ps),
+        "window_tokens": (pool.num_window_pages - 1) * ps if pool.has_window_group else None,
+        "window_group_bytes_per_token": (measured["window"] / (pool.num_window_pages * ps)
+                                         if pool.has_window_group else None),
+        "bytes_per_context_token": total / ((pool.num_pages - 1) * ps),
+    }
+    c = getattr(config, "text_config", None) or config
+    rope = getattr(c, "qk_rope_head_dim", None)
+    latent = (getattr(c, "kv_lora_rank", None) or getattr(c, "head_dim", None)) if rope else None
+    if latent:
+        mla = c.num_hidden_layers * (latent + rope) * torch.empty((), dtype=pool.dtype).element_size()
+        out["plain_mla_bytes_per_token"] = mla
+        out["vs_plain_mla"] = out["bytes_per_context_token"] / mla
     return out

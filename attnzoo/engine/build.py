@@ -14,12 +14,13 @@ from transformers import PretrainedConfig
 
 from attnzoo.attention.backends import get_backend_class
 from attnzoo.attention.backends.hybrid import HybridBackend
-from attnzoo.attention.kv_cache import KVPool, kv_storage_dtype, window_group_layers
+from attnzoo.attention.kv_cache import KVPool, kv_storage_dtype, wants_window_group, window_group_layers
 from attnzoo.engine.compat import eos_ids as generation_eos_ids
 from attnzoo.engine.compat import read_generation_config
 from attnzoo.engine.engine import Engine, check_cascade
 from attnzoo.engine.load_config import LoadConfig
 from attnzoo.engine.progress import say as say_line, stderr_is_terminal
+from attnzoo.engine.scheduler import MAX_RUNNING_CAP
 from attnzoo.errors import BackendError, ModelLoadError
 from attnzoo.models import loader
 from attnzoo.models.registry import model_class
@@ -59,21 +60,23 @@ def _pick_dtype(dtype, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _window_split(specs, context_len: int, window_kv_fraction: float | None) -> bool:
+def _window_split(specs, context_len: int, window_kv_fraction) -> bool:
     """Whether the pool gets a window page group: sliding layers whose window is shorter than the context."""
-    windows = [specs[i].kept_window() for i in window_group_layers(specs)] if window_kv_fraction is not None else []
+    if window_kv_fraction is None or (window_kv_fraction == "auto" and not wants_window_group(specs)):
+        return False
+    windows = [specs[i].kept_window() for i in window_group_layers(specs)]
     return bool(windows) and context_len > max(windows)
 
 
 def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory, context_len,
-              window_kv_fraction=None) -> tuple[int, int | None]:
+              window_kv_fraction=None, max_running=None, max_batch_tokens=2048) -> tuple[int, int | None]:
     """(full-group pages, window-group pages or None for one group), page 0 of each included."""
     per_page = KVPool.bytes_per_page(specs, page_size, dtype)
     split = _window_split(specs, context_len, window_kv_fraction)
-    if kv_cache_tokens is not None:
+    if kv_cache_tokens is not None and (not split or window_kv_fraction != "auto"):
         full = -(-kv_cache_tokens // page_size) + 1
         return full, (max(2, int(window_kv_fraction * (full - 1)) + 1) if split else None)
-    if kv_cache_memory is None:
+    if kv_cache_memory is None and kv_cache_tokens is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             kv_cache_memory = int(free * 0.85)
@@ -82,11 +85,47 @@ def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory,
             kv_cache_memory = min(1 << 30, per_page * (-(-8 * context_len // page_size)))
     if not split:
         return max(2, kv_cache_memory // per_page), None
-    # full x per_full + fraction x full x per_window = memory
     per_full = KVPool.bytes_per_page(specs, page_size, dtype, group="full")
     per_window = KVPool.bytes_per_page(specs, page_size, dtype, group="window")
+    if window_kv_fraction == "auto":
+        return _auto_window_pages(specs, page_size, per_full, per_window, kv_cache_tokens, kv_cache_memory,
+                                  context_len, max_running, max_batch_tokens)
+    # full x per_full + fraction x full x per_window = memory
     full = int(kv_cache_memory // (per_full + window_kv_fraction * per_window))
     return max(2, full), max(2, int(window_kv_fraction * full))
+
+
+def _decode_window_pages(specs, ps: int) -> int:
+    """Window-group pages a decoding request holds at most: its window and a page (KVPages.window_peak)."""
+    return -(-max(specs[i].kept_window() for i in window_group_layers(specs)) // ps) + 1
+
+
+def _auto_window_pages(specs, ps, per_full, per_window, kv_cache_tokens, kv_cache_memory, context_len,
+                       max_running, max_batch_tokens) -> tuple[int, int]:
+    """window_kv_fraction="auto": a window group for ``max_running`` decoding requests' windows (None: as many
+    requests as the memory holds of ``min(context, max_batch_tokens)`` tokens each, at most the scheduler's
+    cap) and one request's largest prefill chunk, never more pages than the full group (a request's window
+    peak is at most its full-group pages, so what the full group admits the window group does: no deadlock)."""
+    window = max(specs[i].kept_window() for i in window_group_layers(specs))
+    # What a request holds at most in the window group (KVPages.window_peak): decoding, its window and a
+    # page; prefilling, its window and a chunk.
+    ref = min(context_len, max_batch_tokens)
+    decode, prefill = _decode_window_pages(specs, ps), -(-(window - 1 + ref) // ps) + 1
+    runs = max_running if max_running is not None else min(MAX_RUNNING_CAP, max_batch_tokens)
+    if kv_cache_tokens is not None:
+        full = -(-kv_cache_tokens // ps)
+        if max_running is None:
+            runs = min(runs, max(1, full * ps // ref))
+    else:
+        kv_cache_memory -= per_full + per_window  # each group's page 0
+        if max_running is None:
+            runs = min(runs, max(1, int((kv_cache_memory - prefill * per_window)
+                                        // (ref / ps * per_full + decode * per_window))))
+        full = int((kv_cache_memory - (runs * decode + prefill) * per_window) // per_full)
+    wpages = runs * decode + prefill
+    if full <= wpages and kv_cache_tokens is None:  # little memory: both groups the same size
+        full = wpages = int(kv_cache_memory // (per_full + per_window))
+    return max(2, full + 1), max(2, min(wpages, full) + 1)
 
 
 def build(name_or_path, cfg: LoadConfig, *, tp) -> dict:
@@ -161,13 +200,19 @@ def build(name_or_path, cfg: LoadConfig, *, tp) -> dict:
     specs = model.kv_cache_specs()
     ps = decision.page_size
     kv_dt = kv_storage_dtype(cfg.kv_cache_dtype, dt)
-    decision.kv_bytes_per_token = KVPool.bytes_per_page(specs, 1, kv_dt)
+    decision.kv_bytes_per_token = KVPool.bytes_per_token(specs, ps, kv_dt)
+    max_batch_tokens = cfg.max_batch_tokens if cfg.max_batch_tokens is not None else (8192 if dev.type == "cuda" else 2048)
+    max_running = cfg.max_running
     num_pages, num_window_pages = _kv_pages(specs, ps, kv_dt, dev, cfg.kv_cache_tokens, kv_cache_memory, context_len,
-                                            cfg.window_kv_fraction)
+                                            cfg.window_kv_fraction, max_running, max_batch_tokens)
     if tp is not None:  # rank 0 hands out the same page ids on every rank
         num_pages = tp.min_int(num_pages)
         if num_window_pages is not None:
             num_window_pages = tp.min_int(num_window_pages)
+    if max_running is None and num_window_pages is not None and cfg.window_kv_fraction == "auto":
+        # the decoding requests whose windows the window group holds (the scheduler's default bounds besides)
+        max_running = max(1, min(MAX_RUNNING_CAP, max_batch_tokens, num_pages - 1,
+                                 (num_window_pages - 1) // _decode_window_pages(specs, ps)))
     pool = KVPool(specs, num_pages=num_pages, page_size=ps, dtype=dt, device=dev, kv_cache_dtype=cfg.kv_cache_dtype,
                   k_scale=cfg.k_scale, v_scale=cfg.v_scale, num_window_pages=num_window_pages)
     window_note = "" if num_window_pages is None else f" + {num_window_pages} pages of the sliding-window layers"
@@ -178,8 +223,8 @@ def build(name_or_path, cfg: LoadConfig, *, tp) -> dict:
     eos = _eos_ids(config, tokenizer) | generation_eos_ids(generation_config)
     engine = Engine(
         model, pool, backends, tokenizer=tokenizer, eos_token_ids=eos, context_len=context_len,
-        max_batch_tokens=cfg.max_batch_tokens if cfg.max_batch_tokens is not None else (8192 if dev.type == "cuda" else 2048),
-        max_running=cfg.max_running, prefix_caching=cfg.prefix_caching, cascade=cfg.cascade,
+        max_batch_tokens=max_batch_tokens, max_running=max_running,
+        prefix_caching=cfg.prefix_caching, cascade=cfg.cascade,
     )
     timings["kv_cache_s"] = lap()
     cuda_graph = cfg.cuda_graph if cfg.cuda_graph is not None else dev.type == "cuda" and backends.supports_cuda_graph

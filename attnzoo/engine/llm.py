@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from attnzoo.attention.kv_cache import KVPool, kv_bytes_by_kind
+from attnzoo.attention.kv_cache import KVPool, kv_bytes_by_kind, kv_footprint
 from attnzoo.engine import build
 from attnzoo.engine.engine import Completion
 from attnzoo.engine import load_config
@@ -53,7 +53,7 @@ class LLM:
 
     def _setup(self, *, model, tokenizer, config, architecture, source, decision, pool, engine, dtype, device,
                progress: bool = False, tp=None, load_timings: dict | None = None,
-               window_kv_fraction: float | None = None, generation_config=None):
+               window_kv_fraction: float | str | None = None, generation_config=None):
         self.generation_config = generation_config  # transformers.GenerationConfig: the checkpoint's defaults
         self.model = model
         self.tokenizer = tokenizer
@@ -305,19 +305,22 @@ class LLM:
         def group(name: str, alloc) -> dict:
             layers = [i for i in range(len(specs)) if specs[i] is not None and pool.in_window_group(i) == (name == "window")]
             return {"pages": alloc.capacity, "tokens": alloc.capacity * ps, "layers": len(layers),
-                    "kv_bytes_per_token": KVPool.bytes_per_page(specs, 1, pool.kv_dtype, group=name)}
+                    "kv_bytes_per_token": KVPool.bytes_per_token(specs, ps, pool.kv_dtype, group=name)}
 
         if not pool.has_window_group:
             windows = {s.sliding_window for s in specs if s is not None and s.sliding_window}
             why = ("one group: no layer has a sliding window" if not windows else
                    "one group: window_kv_fraction=None" if self.window_kv_fraction is None else
+                   "one group: window_kv_fraction='auto' splits only models whose layers compress their keys"
+                   if self.window_kv_fraction == "auto" and e.context_len > max(windows) else
                    f"one group: the context ({e.context_len}) fits the sliding window ({max(windows)})")
             return {"explain": why, "window_kv_fraction": None, "full": group("full", e.allocator)}
         return {
             "explain": (f"two groups in one buffer: the {group('window', e.window_allocator)['layers']} sliding-window "
                         f"layers keep only the pages their window ({pool.window} tokens) can still see, in their own "
                         f"pages ('window'); the others keep every token ('full'). window_kv_fraction="
-                        f"{self.window_kv_fraction} sizes the window group in tokens per full-group token; kv_cache_tokens "
+                        f"{self.window_kv_fraction!r} sizes the window group ('auto': for max_running decoding requests' "
+                        "windows and one prefill chunk; a number: in tokens per full-group token); kv_cache_tokens "
                         "counts the full group. A request reserves prompt + max_new_tokens in 'full' and at most its "
                         "window + a page + its largest prefill chunk in 'window'"),
             "window_kv_fraction": self.window_kv_fraction,
@@ -329,7 +332,7 @@ class LLM:
     def info(self) -> dict[str, Any]:
         specs = self.model.kv_cache_specs()
         elt = torch.empty((), dtype=self.pool.kv_dtype).element_size()
-        kv_bytes_per_token = KVPool.bytes_per_page(specs, 1, self.pool.kv_dtype)
+        kv_bytes_per_token = KVPool.bytes_per_token(specs, self.pool.page_size, self.pool.kv_dtype)
         return {
             "model": self.source.name,
             "architecture": self.architecture,
@@ -346,6 +349,7 @@ class LLM:
             "kv_page_groups": self._page_groups_info(),
             "kv_bytes_per_token": kv_bytes_per_token,
             "kv_bytes_per_token_by_kind": kv_bytes_by_kind(specs, self.pool.page_size, self.pool.kv_dtype),
+            "kv_footprint": kv_footprint(self.pool, self.config),
             "kv_layers_with_memory": sum(1 for i in range(len(specs)) if self.pool.owns_memory(i)),
             "kv_element_bytes": elt,
             "context_len": self.engine.context_len,
@@ -399,7 +403,7 @@ def load_model(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     progress: bool | None = None,
-    window_kv_fraction: float | None = WINDOW_KV_FRACTION,
+    window_kv_fraction: float | str | None = WINDOW_KV_FRACTION,
     gpu_memory_utilization: float | None = None,
     max_model_len: int | None = None,
     config: LoadConfig | None = None,
@@ -434,12 +438,14 @@ def load_model(
     split layer stays FP8 where each rank's part is whole 128-blocks (else it is dequantized, and
     ``info()["weights"]["split_blocks"]`` says why); the routed experts (whole experts per rank) stay FP8.
     ``progress``: status lines on stderr (loading, KV allocation, generation); None: when stderr is a terminal.
-    ``window_kv_fraction``: models with sliding-window layers (Gemma 4) whose context is longer than the
-    window get two KV page groups in the one pool: the sliding layers keep only the pages their window
-    still sees (released as it moves on), the others every token. This sizes the window group in tokens
-    per full-group token (``kv_cache_tokens`` counts the full group; memory is split accordingly); a float
-    in (0, 1]. None (the default, ``WINDOW_KV_FRACTION`` says why): one group, every layer keeps every
-    token. ``info()["kv_page_groups"]`` reports both capacities and the split.
+    ``window_kv_fraction``: models with sliding-window layers (Gemma 4, DeepSeek-V4) whose context is longer
+    than the window can get two KV page groups in the one pool: the sliding layers keep only the pages their
+    window still sees (released as it moves on), the others every token. A float in (0, 1] sizes the window
+    group in tokens per full-group token (``kv_cache_tokens`` counts the full group; memory is split
+    accordingly); None: one group, every layer keeps every token; "auto" (the default, ``WINDOW_KV_FRACTION``
+    says why): two groups where a layer compresses its keys (V4), the window group sized for ``max_running``
+    decoding requests' windows plus one prefill chunk, else one group. ``info()["kv_page_groups"]`` reports
+    both capacities and the split, ``info()["kv_footprint"]`` the measured bytes per token.
     ``gpu_memory_utilization`` (vLLM's): the fraction of the GPU's memory this process may hold once the
     KV cache is allocated (weights + KV; None: the KV cache takes 85% of what is free after the weights);
     ignored on CPU, where the KV cache is sized by ``kv_cache_tokens`` / ``kv_cache_memory``.

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 from attnzoo.errors import ModelLoadError
 
-# Default window_kv_fraction: one page group. The split is fixed at load and a request shorter than the window
-# needs as many window tokens as full ones, so a fraction lowers few-shot evals' concurrency (results:
-# e2e_gemma4_31b_{onegroup,window05}); long generations gain from one (SGLang's swa_full_tokens_ratio is 0.8).
-WINDOW_KV_FRACTION = None
+# Default window_kv_fraction "auto": a window page group sized for the running requests' windows where a layer
+# compresses its keys (``kv_cache.wants_window_group``: V4's raw keys and compressor state are 29x its entries per
+# token), one group elsewhere: there a split fixed at load lowers few-shot evals' concurrency, as a request shorter
+# than the window needs as many window tokens as full ones (results: e2e_gemma4_31b_{onegroup,window05}).
+WINDOW_KV_FRACTION = "auto"
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,14 @@ class LoadConfig:
 
     # The KV cache: its size (tokens, bytes, or vLLM's gpu_memory_utilization; None: 85% of the free memory
     # on a GPU), what it stores (kv_cache_dtype with its per-tensor k/v scales) and the sliding-window
-    # layers' page group (window_kv_fraction in (0, 1]; None: one group).
+    # layers' page group (window_kv_fraction "auto", a fraction in (0, 1], or None: one group).
     kv_cache_tokens: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float | None = None
     kv_cache_dtype: str = "auto"
     k_scale: float = 1.0
     v_scale: float = 1.0
-    window_kv_fraction: float | None = WINDOW_KV_FRACTION
+    window_kv_fraction: float | str | None = WINDOW_KV_FRACTION
 
     # The engine: its batch limits, vLLM's max_model_len (None: the model's context), shared-prefix reuse,
     # decode CUDA graphs and cascade attention (None: wherever the backend supports them).
@@ -87,9 +88,9 @@ class LoadConfig:
             raise ModelLoadError(f"cuda_graph_max_context must be a positive integer, got {self.cuda_graph_max_context!r}",
                                  fix="pass cuda_graph_max_context=N tokens with N >= 1")
         f = self.window_kv_fraction
-        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
-            raise ModelLoadError(f"window_kv_fraction must be a number in (0, 1] or None, got {f!r}",
-                                 fix=f"pass e.g. window_kv_fraction={WINDOW_KV_FRACTION}, or None for one KV page group")
+        if f not in (None, "auto") and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
+            raise ModelLoadError(f"window_kv_fraction must be \"auto\", a number in (0, 1] or None, got {f!r}",
+                                 fix="pass window_kv_fraction=\"auto\" (the default), e.g. 0.5, or None for one KV page group")
         for name in ("k_scale", "v_scale"):
             value = getattr(self, name)
             # The scales divide every stored k/v: 0, a negative or NaN would fill the cache with inf/NaN.
