@@ -26,7 +26,7 @@ def test_fields_are_load_models_keywords_with_the_same_defaults():
     (dict(load_format="dummy"), "unknown load_format 'dummy'"),
     (dict(max_running=True), "max_running must be a positive integer, got True"),
     (dict(kv_cache_memory=0), "kv_cache_memory must be a positive integer, got 0"),
-    (dict(window_kv_fraction=0), r"window_kv_fraction must be a number in \(0, 1\] or None"),
+    (dict(window_kv_fraction=0), r'window_kv_fraction must be "auto", a number in \(0, 1\] or None'),
     (dict(k_scale=float("nan")), "k_scale must be a positive finite number"),
     (dict(gpu_memory_utilization=0), r"gpu_memory_utilization must be a number in \(0, 1\]"),
     (dict(max_model_len=1), "max_model_len must be an integer >= 2"),
