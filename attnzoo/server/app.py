@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import threading
 
 from fastapi import FastAPI, Request
@@ -21,6 +22,8 @@ from attnzoo.errors import KVCacheFullError, QueueFullError, RequestError
 from attnzoo.server import protocol
 from attnzoo.server.metrics import Metrics
 from attnzoo.server.protocol import APIError
+
+SWITCH_INTERVAL_S = 0.0005
 
 
 def create_app(llm, *, model_name: str, api_key: str | None = None, max_queue: int = 1024,
@@ -151,6 +154,42 @@ async def _stream(parsed, handles, prompts, queue, times, done, tok, prompt_only
     hold = max((len(s) for s in handles[0].params.stop), default=1) - 1
     usage_out = 0
     detok = [_Detokenizer(tok) for _ in range(n)]
+
+    def _stream_event(i, ev, out: list[str], finished: int) -> tuple[int, bool]:
+        """Append event ``ev`` of choice ``i``'s SSE text to ``out``: (choices finished, whether the engine failed)."""
+        nonlocal usage_out
+        if ev.error is not None:
+            out.append(_sse(protocol.APIError(500, f"the engine failed: {ev.error}", type="server_error").body()))
+            return finished, True
+        if ev.token is not None and not prompt_only:
+            times[i].append(ev.at)
+            ids[i].append(ev.token)
+            text = detok[i].add(ids[i]) if tok is not None else ""
+            cut = len(text) - hold if hold else len(text)
+            delta = text[len(sent[i]):cut] if cut > len(sent[i]) else ""
+            lp = None
+            if ev.logprob is not None:
+                lp = (protocol.chat_logprobs(tok, [ev.logprob]) if parsed.chat else
+                      protocol.completion_logprobs(tok, [ev.logprob], [ev.token], len(sent[i])))
+            sent[i] += delta  # a chunk per token, its text possibly empty (held back)
+            out.append(_sse(protocol.chunk(parsed, i, delta, None, logprobs=lp)))
+        if ev.completion is not None:
+            c = ev.completion
+            finished += 1
+            if len(c.token_ids) > len(times[i]):
+                times[i].append(ev.at)
+            done(i, c)
+            final = "" if prompt_only else (c.text or "")
+            usage_out += 0 if prompt_only else len(c.token_ids)
+            lp = None
+            if c.logprobs and not prompt_only and len(c.logprobs) > len(ids[i]):
+                last = c.logprobs[len(ids[i]):]
+                lp = (protocol.chat_logprobs(tok, last) if parsed.chat else
+                      protocol.completion_logprobs(tok, last, [e.token for e in last], len(sent[i])))
+            out.append(_sse(protocol.chunk(parsed, i, final[len(sent[i]):], "length" if prompt_only else c.finish_reason,
+                                           logprobs=lp)))
+        return finished, False
+
     try:
         for i in range(n):
             if parsed.chat:
@@ -159,37 +198,19 @@ async def _stream(parsed, handles, prompts, queue, times, done, tok, prompt_only
                 yield _sse(protocol.chunk(parsed, i, tok.decode(prompts[i]) if tok is not None else "", None))
         finished = 0
         while finished < n:
-            i, ev = await queue.get()
-            if ev.error is not None:
-                yield _sse(protocol.APIError(500, f"the engine failed: {ev.error}", type="server_error").body())
+            # Every event already queued goes out in one write: a step's tokens of n choices, or several steps'
+            # where the loop fell behind (one SSE event per token all the same).
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            out, failed = [], False
+            for i, ev in batch:
+                finished, failed = _stream_event(i, ev, out, finished)
+                if failed:
+                    break
+            yield "".join(out)
+            if failed:
                 break
-            if ev.token is not None and not prompt_only:
-                times[i].append(ev.at)
-                ids[i].append(ev.token)
-                text = detok[i].add(ids[i]) if tok is not None else ""
-                cut = len(text) - hold if hold else len(text)
-                delta = text[len(sent[i]):cut] if cut > len(sent[i]) else ""
-                lp = None
-                if ev.logprob is not None:
-                    lp = (protocol.chat_logprobs(tok, [ev.logprob]) if parsed.chat else
-                          protocol.completion_logprobs(tok, [ev.logprob], [ev.token], len(sent[i])))
-                sent[i] += delta  # a chunk per token, its text possibly empty (held back)
-                yield _sse(protocol.chunk(parsed, i, delta, None, logprobs=lp))
-            if ev.completion is not None:
-                c = ev.completion
-                finished += 1
-                if len(c.token_ids) > len(times[i]):
-                    times[i].append(ev.at)
-                done(i, c)
-                final = "" if prompt_only else (c.text or "")
-                usage_out += 0 if prompt_only else len(c.token_ids)
-                lp = None
-                if c.logprobs and not prompt_only and len(c.logprobs) > len(ids[i]):
-                    last = c.logprobs[len(ids[i]):]
-                    lp = (protocol.chat_logprobs(tok, last) if parsed.chat else
-                          protocol.completion_logprobs(tok, last, [e.token for e in last], len(sent[i])))
-                yield _sse(protocol.chunk(parsed, i, final[len(sent[i]):], "length" if prompt_only else c.finish_reason,
-                                          logprobs=lp))
         if parsed.include_usage:
             p = sum(map(len, parsed.prompts))
             yield _sse({"id": parsed.id, "object": "chat.completion.chunk" if parsed.chat else "text_completion",
@@ -246,6 +267,10 @@ def run(llm, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_
         max_queue: int = 1024, log_level: str = "info") -> None:
     """Serve until SIGTERM/SIGINT; open requests finish first."""
     import uvicorn
+
+    # The engine thread waits on the GIL after every step's device sync while the HTTP thread streams; at
+    # Python's 5 ms default switch interval that wait can double a decode step.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     app = create_app(llm, model_name=model_name, api_key=api_key, max_queue=max_queue, on_shutdown=llm.close)
     uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
