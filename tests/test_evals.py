@@ -16,6 +16,8 @@ import json
 import math
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -488,16 +490,27 @@ def test_lm_class_scores_and_generates(tiny_model):
     assert all(1 <= g.output_tokens <= 2 + g.doc_id % 3 for g in lm.records)
 
 
+def test_importing_the_model_module_registers_it_and_nothing_else_does():
+    """A fresh interpreter: `import attnzoo.evals.lm` alone makes `model="attnzoo"` resolvable (lm-eval's own
+    models too); `import attnzoo` leaves lm-eval alone."""
+    code = ("import sys, attnzoo, attnzoo.evals; assert 'lm_eval' not in sys.modules, 'import attnzoo touched lm-eval'\n"
+            "import attnzoo.evals.lm as m\n"
+            "from lm_eval.api.registry import get_model\n"
+            "assert get_model('attnzoo') is m.AttnzooLM and get_model('hf').__name__ == 'HFLM'\n"
+            "m.register(); assert get_model('attnzoo') is m.AttnzooLM\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
 def test_registered_for_lm_eval(tiny_model, tiny_data):
-    """`--model attnzoo --model_args pretrained=...,backend=...` resolves through lm-eval's registry."""
+    """`simple_evaluate(model="attnzoo", model_args="pretrained=...,backend=...")` with no register() call."""
     import lm_eval
     from lm_eval.api.registry import get_model
 
-    from attnzoo.evals.lm import AttnzooLM, register
+    from attnzoo.evals.lm import AttnzooLM
     from attnzoo.evals.tasks import check_data_dir, load_tasks
 
-    register()
-    register()  # idempotent
     assert get_model("attnzoo") is AttnzooLM and get_model("hf").__name__ == "HFLM"
     tm, tasks = load_tasks("gsm8k", check_data_dir("gsm8k", tiny_data))
     res = lm_eval.simple_evaluate(

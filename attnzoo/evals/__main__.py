@@ -99,12 +99,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
-    from attnzoo.evals.lm import register
+    import attnzoo.evals.lm  # noqa: F401  (registers --model attnzoo with lm-eval)
 
     if any(a in ("-h", "--help") for a in argv):
         print(_HELP)
     args, data_dir = _pop_data_dir(argv)
-    register()
     with tempfile.TemporaryDirectory(prefix="attnzoo-tasks-") as tmp:
         try:
             if data_dir is not None:
