@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from attnzoo.attention.kv_cache import KV_CACHE_DTYPES
+from attnzoo.console import setup_logging
 from attnzoo.errors import AttnzooError, ModelLoadError, PolicyError, RequestError, UnsupportedArchitectureError
 
 GPU_NAMES = "cpu, sm80, sm89, sm90, sm100, sm103, sm120"
@@ -392,7 +393,7 @@ def _policy_backends(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+        setup_logging(logging.INFO)
         args = build_parser().parse_args(argv)
         return args.func(args)
     except AttnzooError as e:

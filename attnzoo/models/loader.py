@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from attnzoo.errors import ModelLoadError, UnsupportedArchitectureError, WeightError
+from attnzoo.network import hub_host, reachable
 from attnzoo.models import registry
 
 log = logging.getLogger("attnzoo")
@@ -96,29 +97,6 @@ def _hub_snapshot(repo_id: str, local_only: bool = False) -> Path:
             f"{not_cached} and could not be downloaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
             fix=f"check the network (and `hf auth login` for gated models), or {local_fix}",
         ) from None
-
-
-def hub_host() -> str:
-    """host[:port] of the Hugging Face endpoint (``HF_ENDPOINT``)."""
-    from huggingface_hub import constants
-
-    return re.sub(r"^\w+://", "", constants.ENDPOINT).split("/")[0]
-
-
-def reachable(host: str, timeout: float = 3.0) -> bool:
-    """Whether a TCP connection to ``host[:port]`` opens: a network check of milliseconds where the hub and
-    download clients would retry for tens of seconds."""
-    import socket
-
-    # Behind a proxy a direct connection may fail while the hub client works: let the client try.
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return True
-    hostname, _, port = host.partition(":")
-    try:
-        socket.create_connection((hostname, int(port or 443)), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
 
 
 def _global_attr(cfg, key: str):
