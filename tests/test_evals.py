@@ -519,6 +519,7 @@ def test_registered_for_lm_eval(tiny_model, tiny_data):
     )
     assert "exact_match,flexible-extract" in res["results"]["gsm8k"]
     assert res["config"]["page_size"] == 32 and res["config"]["prefill_backend"] == "torch"
+    assert res["config"]["decision"]["decode_backend"] == "torch" and json.dumps(res["config"]["decision"])
 
 
 # ------------------------------------------------------------------------------ acceptance: SmolLM2 vs lm-eval hf

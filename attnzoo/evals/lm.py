@@ -302,7 +302,8 @@ class AttnzooLM(TemplateLM):
         return {"model_name": info["model"], "architecture": info["architecture"],
                 "prefill_backend": info["prefill_backend"], "decode_backend": info["decode_backend"],
                 "page_size": info["page_size"], "dtype": info["dtype"], "device": info["device"],
-                "kv_cache_dtype": info["kv_cache_dtype"], "kv_bytes_per_token": info["kv_bytes_per_token"]}
+                "kv_cache_dtype": info["kv_cache_dtype"], "kv_bytes_per_token": info["kv_bytes_per_token"],
+                "decision": self.llm.decision.to_dict()}  # lm-eval's results["config"] carries the whole Decision
 
 
 def register() -> None:
