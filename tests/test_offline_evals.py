@@ -52,6 +52,16 @@ def test_lm_eval_route_reads_documents_before_the_model(no_hub, monkeypatch, cap
     assert "cannot be reached" in err and "--data-dir" in err
 
 
+def test_lm_eval_route_with_hf_hub_offline_set_reads_documents_first(monkeypatch, capsys):
+    from attnzoo.evals import lm
+    from attnzoo.evals.__main__ import main
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(lm.AttnzooLM, "__init__", lambda *a, **k: pytest.fail("the model loaded first"))
+    assert main(["run", "--model", "attnzoo", "--tasks", "gsm8k", "--limit", "1"]) == 2
+    assert "--data-dir" in capsys.readouterr().err
+
+
 def test_library_log_lines_print_once():
     """huggingface_hub and datasets log through a handler of their own and propagate: the CLIs' root handler
     must not print their lines again."""

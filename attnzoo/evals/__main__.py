@@ -9,7 +9,7 @@ bare ``lm_eval`` command cannot see ours; this runs the same command line after 
 Without a GPU the model runs where ``load_model`` puts it (lm-eval's default ``--device cuda:0`` is
 ignored then; ``device=`` in ``--model_args`` is not).
 
-Where the Hub cannot be reached, the named tasks' documents are read first (from the datasets cache, in
+Where the Hub cannot be reached (or HF_HUB_OFFLINE is set), the named tasks' documents are read first (from the datasets cache, in
 its offline mode), so a missing dataset fails in seconds, before the model loads.
 
 ``--data-dir DIR`` (ours, taken off the command line before lm-eval sees it) replaces ``gsm8k`` in
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     import attnzoo.evals.lm  # noqa: F401  (registers --model attnzoo with lm-eval)
-    from attnzoo.evals.tasks import hub_offline_if_unreachable
+    from attnzoo.evals.tasks import hub_offline_if_unreachable, offline_set
 
     if any(a in ("-h", "--help") for a in argv):
         print(_HELP)
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                 cli_evaluate()
             else:
                 with hub_offline_if_unreachable() as unreachable:
-                    if unreachable:
+                    if unreachable or offline_set():
                         _check_tasks_offline(args)
                     cli_evaluate()
         except AttnzooError as e:

@@ -109,7 +109,8 @@ def check_fewshot_pool(data_files: dict[str, str] | None, loaded, num_fewshot: i
                                 fix=f"pass --num-fewshot {have} or fewer, or use the full {Path(data_files[split]).name}")
 
 
-def _offline_set() -> bool:
+def offline_set() -> bool:
+    """HF_HUB_OFFLINE (or its datasets / transformers spellings) is set."""
     return any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on")
                for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
@@ -122,7 +123,7 @@ def hub_offline_if_unreachable():
     from attnzoo.network import hub_host, reachable
 
     host = hub_host()
-    if _offline_set() or reachable(host):
+    if offline_set() or reachable(host):
         yield None
         return
     import datasets.config
