@@ -58,8 +58,12 @@ def test_lm_eval_route_with_hf_hub_offline_set_reads_documents_first(monkeypatch
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(lm.AttnzooLM, "__init__", lambda *a, **k: pytest.fail("the model loaded first"))
+    monkeypatch.setattr(network, "reachable", lambda host, timeout=3.0: pytest.fail("probed a network said offline"))
+    t = time.monotonic()  # set after datasets' import, which read the environment: offline all the same
     assert main(["run", "--model", "attnzoo", "--tasks", "gsm8k", "--limit", "1"]) == 2
-    assert "--data-dir" in capsys.readouterr().err
+    assert time.monotonic() - t < RETRY_SECONDS / 2
+    err = capsys.readouterr().err
+    assert "HF_HUB_OFFLINE" in err and "--data-dir" in err
 
 
 def test_library_log_lines_print_once():

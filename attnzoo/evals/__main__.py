@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     import attnzoo.evals.lm  # noqa: F401  (registers --model attnzoo with lm-eval)
-    from attnzoo.evals.tasks import hub_offline_if_unreachable, offline_set
+    from attnzoo.evals.tasks import hub_offline_mode
 
     if any(a in ("-h", "--help") for a in argv):
         print(_HELP)
@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                 sys.argv[1:] = _with_local_tasks(args, data_dir, Path(tmp))
                 cli_evaluate()
             else:
-                with hub_offline_if_unreachable() as unreachable:
-                    if unreachable or offline_set():
+                with hub_offline_mode() as offline:
+                    if offline:
                         _check_tasks_offline(args)
                     cli_evaluate()
         except AttnzooError as e:

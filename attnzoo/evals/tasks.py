@@ -116,27 +116,33 @@ def offline_set() -> bool:
 
 
 @contextlib.contextmanager
-def hub_offline_if_unreachable():
-    """Where the Hub cannot be reached, the documents are read in the datasets library's offline mode: a cached
-    dataset still loads and anything else fails at once (the Hub client would retry each file for ~25 s,
-    logging every try). Yields the unreachable host, or None where nothing changed."""
+def hub_offline_mode():
+    """Where the Hub cannot be reached, or the environment says offline, the documents are read in the
+    datasets library's offline mode: a cached dataset still loads and anything else fails at once (the Hub
+    client would retry each file for ~23 s, logging every try; the libraries read the environment only at
+    their import, so a variable set later did not count). Yields why (for the error), or None where
+    nothing changed."""
     from attnzoo.network import hub_host, reachable
 
     host = hub_host()
-    if offline_set() or reachable(host):
+    if offline_set():
+        why = "HF_HUB_OFFLINE (or HF_DATASETS_OFFLINE) is set"
+    elif not reachable(host):
+        why = f"{host} cannot be reached (no network?)"
+    else:
         yield None
         return
     import datasets.config
     import huggingface_hub.constants
 
-    # Both libraries read these module flags on every request (set from the environment at their import).
+    # Both libraries read these module flags on every request.
     flags = [(huggingface_hub.constants, "HF_HUB_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"),
              (datasets.config, "HF_DATASETS_OFFLINE")]
     saved = [getattr(mod, name) for mod, name in flags]
     for mod, name in flags:
         setattr(mod, name, True)
     try:
-        yield host
+        yield why
     finally:
         for (mod, name), value in zip(flags, saved):
             setattr(mod, name, value)
@@ -186,16 +192,16 @@ def load_tasks(task: str, data_files: dict[str, str] | None) -> tuple[Any, dict[
     ``{"tasks": ..., ...}``."""
     tm = task_manager(task)
     spec = task_spec(tm, task, data_files)
-    unreachable = None
+    offline = None
     try:
-        with (contextlib.nullcontext() if data_files else hub_offline_if_unreachable()) as unreachable:
+        with (contextlib.nullcontext() if data_files else hub_offline_mode()) as offline:
             loaded = tm.load([spec])
     except EvalError:
         raise
     except Exception as e:  # offline hub, gated dataset, bad YAML: lm-eval and datasets raise many types
-        if unreachable:
-            raise EvalError(f"cannot load the documents of task {task!r}: {unreachable} cannot be reached (no network?) "
-                            "and they are not in the local datasets cache", fix=_offline_fix(task)) from None
+        if offline:
+            raise EvalError(f"cannot load the documents of task {task!r}: {offline} and they are not in the "
+                            "local datasets cache", fix=_offline_fix(task)) from None
         where = "the local files" if data_files else "the Hugging Face Hub"
         fix = "check the files under --data-dir" if data_files else _offline_fix(task)
         raise EvalError(f"cannot load the documents of task {task!r} from {where}: {type(e).__name__}: {e}", fix=fix) from e
