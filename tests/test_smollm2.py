@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import attnzoo
+from attnzoo.errors import ModelLoadError
 from attnzoo.models.loader import default_model_path
 
 PROMPTS = [
@@ -15,6 +16,10 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def ours():
+    try:
+        default_model_path()  # installed, cached, or downloaded once
+    except ModelLoadError as e:
+        pytest.skip(str(e))
     return attnzoo.load_model(page_size=16)  # no name: the embedded default model
 
 

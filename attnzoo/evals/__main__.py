@@ -9,6 +9,9 @@ bare ``lm_eval`` command cannot see ours; this runs the same command line after 
 Without a GPU the model runs where ``load_model`` puts it (lm-eval's default ``--device cuda:0`` is
 ignored then; ``device=`` in ``--model_args`` is not).
 
+Where the Hub cannot be reached (or HF_HUB_OFFLINE is set), the named tasks' documents are read first (from the datasets cache, in
+its offline mode), so a missing dataset fails in seconds, before the model loads.
+
 ``--data-dir DIR`` (ours, taken off the command line before lm-eval sees it) replaces ``gsm8k`` in
 ``--tasks`` with a task file that includes lm-eval's own gsm8k YAML and swaps only its dataset for
 DIR/train.jsonl and DIR/test.jsonl, as ``run_eval --data-dir`` does.
@@ -61,15 +64,34 @@ def _with_local_tasks(argv: list[str], data_dir: str, folder: Path) -> list[str]
                             fix="drop --data-dir, or run those tasks separately")
         return ",".join(str(local_task_file(n, data_dir, folder)) for n in names.split(","))
 
+    found = _tasks_arg(argv)
+    if found is None:
+        raise EvalError("--data-dir needs --tasks gsm8k", fix="add --tasks gsm8k")
+    i, names = found
     out = list(argv)
-    for i, a in enumerate(out):
-        if a in ("--tasks", "-t") and i + 1 < len(out):
-            out[i + 1] = local(out[i + 1])
-            return out
+    out[i] = local(names) if out[i] == names else "--tasks=" + local(names)
+    return out
+
+
+def _tasks_arg(argv: list[str]) -> tuple[int, str] | None:
+    """Where the task names are in ``argv`` (``--tasks X``, ``-t X``, ``--tasks=X``): (index, names)."""
+    for i, a in enumerate(argv):
+        if a in ("--tasks", "-t") and i + 1 < len(argv):
+            return i + 1, argv[i + 1]
         if a.startswith("--tasks="):
-            out[i] = "--tasks=" + local(a.split("=", 1)[1])
-            return out
-    raise EvalError("--data-dir needs --tasks gsm8k", fix="add --tasks gsm8k")
+            return i, a.split("=", 1)[1]
+    return None
+
+
+def _check_tasks_offline(argv: list[str]) -> None:
+    """Without the Hub, read each named task's documents (from the datasets cache) before lm-eval loads the
+    model: lm-eval loads the model first and the documents after."""
+    from attnzoo.evals.tasks import load_tasks
+
+    found = _tasks_arg(argv)
+    for name in (found[1].split(",") if found else ()):
+        if name and not name.endswith((".yaml", ".yml")) and "/" not in name:
+            load_tasks(name, None)
 
 
 def _is_hub_failure(e: BaseException) -> bool:
@@ -99,18 +121,23 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
-    from attnzoo.evals.lm import register
+    import attnzoo.evals.lm  # noqa: F401  (registers --model attnzoo with lm-eval)
+    from attnzoo.evals.tasks import hub_offline_mode
 
     if any(a in ("-h", "--help") for a in argv):
         print(_HELP)
     args, data_dir = _pop_data_dir(argv)
-    register()
     with tempfile.TemporaryDirectory(prefix="attnzoo-tasks-") as tmp:
         try:
-            if data_dir is not None:
-                args = _with_local_tasks(args, data_dir, Path(tmp))
             sys.argv = [sys.argv[0], *args]
-            cli_evaluate()
+            if data_dir is not None:
+                sys.argv[1:] = _with_local_tasks(args, data_dir, Path(tmp))
+                cli_evaluate()
+            else:
+                with hub_offline_mode() as offline:
+                    if offline:
+                        _check_tasks_offline(args)
+                    cli_evaluate()
         except AttnzooError as e:
             print(f"attnzoo.evals: error: {e}", file=sys.stderr)
             return 2

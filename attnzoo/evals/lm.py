@@ -4,7 +4,10 @@ Tokenisation follows lm-eval's own ``hf`` model (same special-token rules, same 
 stop-string handling), so that a task scored through ``attnzoo`` and through ``hf`` on the same
 checkpoint differs only by the arithmetic of the forward pass.
 
-Registration in lm-eval's model registry happens in :func:`register`, not at import.
+Importing this module registers the class in lm-eval's model registry as ``attnzoo`` (lm-eval's own
+``@register_model`` convention: lm-eval 0.4.13 has no plugin entry points, so a model module registers
+itself), after which ``lm_eval.simple_evaluate(model="attnzoo", model_args="pretrained=...")`` resolves it;
+``simple_evaluate(model=AttnzooLM(...))`` needs no registry at all.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from attnzoo.errors import EvalError
 
 try:
     from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
     from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs, postprocess_generated_text
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 except ImportError as e:  # the evals extra is optional
@@ -50,6 +54,9 @@ class GenerationRecord:
     latency_s: float | None = None
 
 
+# lm_eval.models (imported above through lm_eval.models.utils) has filled the registry with lm-eval's own
+# models first: lm-eval's get_model imports them only while the registry is empty.
+@register_model(MODEL_NAME)
 class AttnzooLM(TemplateLM):
     """An ``LLM`` from :func:`attnzoo.load_model` behind lm-eval's model interface.
 
@@ -295,12 +302,13 @@ class AttnzooLM(TemplateLM):
         return {"model_name": info["model"], "architecture": info["architecture"],
                 "prefill_backend": info["prefill_backend"], "decode_backend": info["decode_backend"],
                 "page_size": info["page_size"], "dtype": info["dtype"], "device": info["device"],
-                "kv_cache_dtype": info["kv_cache_dtype"], "kv_bytes_per_token": info["kv_bytes_per_token"]}
+                "kv_cache_dtype": info["kv_cache_dtype"], "kv_bytes_per_token": info["kv_bytes_per_token"],
+                "decision": self.llm.decision.to_dict()}  # lm-eval's results["config"] carries the whole Decision
 
 
 def register() -> None:
-    """Make ``--model attnzoo`` resolvable in lm-eval's registry (idempotent)."""
-    import lm_eval.models  # noqa: F401  (registers lm-eval's own models first; get_model skips that once the registry is non-empty)
+    """Make ``--model attnzoo`` resolvable in lm-eval's registry. Importing this module already did; kept for
+    callers that registered explicitly (idempotent)."""
     from lm_eval.api.registry import model_registry
 
     if model_registry.get(MODEL_NAME, None) is not AttnzooLM:

