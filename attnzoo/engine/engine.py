@@ -73,6 +73,11 @@ class Engine:
         self.step_log: list[dict] | None = None  # set to [] to record one summary per step (benchmarks)
         self.overlap = True
         self.early_launch = True
+        # A step launched early on the device tokens admits no one, so none is while a request added since the
+        # last admission, or one in the online engine's inbox (``arrivals``), waits to join: a chain of early
+        # steps could otherwise run until a request ends.
+        self.arrivals: Callable[[], bool] | None = None
+        self._joined = False
         # prepared: steps prepared ahead; launched: of those, launched as prepared; early: of those, launched
         # before this step's tokens were read back
         self.overlap_stats = {"prepared": 0, "launched": 0, "early": 0}
@@ -133,6 +138,7 @@ class Engine:
         if arrival is not None:
             req.arrival = arrival
         self.scheduler.waiting.append(req)
+        self._joined = True
         return req
 
     def generate(
@@ -179,7 +185,7 @@ class Engine:
         else:
             gone = self._reap_cancelled()
             sched.admit()
-            self._freed = False
+            self._freed = self._joined = False
             ahead, self._ahead = self._ahead, None
             if not sched.running:
                 return [], gone
@@ -200,7 +206,7 @@ class Engine:
         # early-launched step would wait for that whole step.
         host, copied = self.runner.to_host(tokens)
         ahead = self._prepare_ahead() if self.overlap else None
-        if ahead is not None and self.early_launch and not self._freed:
+        if ahead is not None and self.early_launch and not (self._freed or self._joined or self.arrivals and self.arrivals()):
             self._early = self._launch_early(ahead, batch, tokens)
             if self._early is not None:
                 ahead = None

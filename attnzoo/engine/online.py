@@ -80,6 +80,7 @@ class OnlineEngine:
         self._stopping = False
         self._drain = True
         self.error: BaseException | None = None  # what stopped the loop, if anything did
+        self.engine.arrivals = lambda: bool(self._inbox)  # read without the lock: a stale answer costs a step
         self._thread = threading.Thread(target=self._run, name="attnzoo-engine", daemon=True)
         self._thread.start()
 
@@ -136,6 +137,8 @@ class OnlineEngine:
         except BaseException as e:  # noqa: BLE001 - reported to every request still waiting
             self.error = e
             self._fail_all(e)
+        finally:
+            self.engine.arrivals = None
 
     def _loop(self) -> None:
         engine = self.engine
