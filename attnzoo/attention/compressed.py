@@ -32,7 +32,7 @@ from attnzoo.attention.backends.base import CompressedBackend
 from attnzoo.attention.compressed_reference import entry_slots
 from attnzoo.attention.kv_cache import KVCacheSpec
 from attnzoo.attention.layer import Attention, ForwardContext
-from attnzoo.attention.metadata import BatchMetadata
+from attnzoo.attention.metadata import BatchMetadata, to_device
 from attnzoo.errors import BackendError, ModelLoadError
 
 # (states [n, span, state_dim], valid [n, span] bool, first positions [n]) -> (entries [n, D], index keys or None)
@@ -126,8 +126,8 @@ class CompressedAttention(Attention):
                 return
             reqs, first = blocks
             pos = first[:, None] - (r if self.overlap else 0) + np.arange(span)[None, :]  # [n, span]
-            reqs_d, first_d = torch.from_numpy(reqs).to(dev), torch.from_numpy(first).to(dev)
-            valid, pos_d = torch.from_numpy(pos >= 0).to(dev), torch.from_numpy(np.maximum(pos, 0)).to(dev)
+            reqs_d, first_d = to_device(reqs, torch.int64, dev), to_device(first, torch.int64, dev)
+            valid, pos_d = to_device(pos >= 0, torch.bool, dev), to_device(np.maximum(pos, 0), torch.int64, dev)
         tables = meta.block_tables_for(self.sliding_window)
         state_slots = tables.long()[reqs_d[:, None], pos_d // ps] * ps + pos_d % ps
         states = pool.view(self.layer_id, "state").view(-1, self.state_dim)[state_slots]

@@ -81,6 +81,12 @@ class BatchMetadata:
         return self.mode is ForwardMode.DECODE
 
 
+def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
+    """Host data (a list, a numpy array) as a tensor on ``device``, without waiting for the stream: a
+    blocking copy holds the host until every step already queued has run, which undoes launching ahead."""
+    return torch.as_tensor(data, dtype=dtype).to(device, non_blocking=True)
+
+
 def build_metadata(
     *,
     prefix_lens: list[int],
@@ -123,7 +129,7 @@ def build_metadata(
     slots = table[req, positions // page_size].astype(np.int64) * page_size + positions % page_size
 
     def dev(x, dtype):
-        return torch.as_tensor(x, dtype=dtype).to(device, non_blocking=True)
+        return to_device(x, dtype, device)
 
     wtable = wslots = None
     if window_block_tables is not None:

@@ -23,6 +23,7 @@ import torch
 
 from attnzoo.attention.backends.hybrid import HybridBackend
 from attnzoo.attention.kv_cache import KVPool
+from attnzoo.attention.metadata import to_device
 from attnzoo.engine import scoring
 from attnzoo.engine.kv_pages import KVPages
 from attnzoo.engine.request import Completion, Request
@@ -275,7 +276,7 @@ class Engine:
                     rows.append(ends[j] - 1)
                 if j in sampled:
                     batch.sample_at_host.append(len(rows) - 1)
-            batch.sample_at = torch.tensor(batch.sample_at_host, dtype=torch.int64, device=self.device)
+            batch.sample_at = to_device(batch.sample_at_host, torch.int64, self.device)
         else:
             rows = last_rows(q_lens, batch.sample_rows)
         step = Step([r.num_cached for r in batch.reqs], q_lens, [r.page_table() for r in batch.reqs],
@@ -322,7 +323,7 @@ class Engine:
         idx = [row.get(id(r), -1) for r in nxt.reqs]
         if -1 in idx:
             return None
-        ids = tokens if idx == list(range(len(idx))) else tokens[torch.tensor(idx, device=tokens.device)]
+        ids = tokens if idx == list(range(len(idx))) else tokens[to_device(idx, torch.int64, tokens.device)]
         ids = ids.clamp(min=0)  # a non-finite row's -1 raises NumericsError at the sync, not an index fault here
         nxt.chunks = [[-1] for _ in nxt.reqs]  # known on the host after the sync; only their lengths are read
         self.overlap_stats["launched"] += 1

@@ -13,7 +13,7 @@ import torch
 from attnzoo.attention.backends.hybrid import HybridBackend
 from attnzoo.attention.kv_cache import KVPool
 from attnzoo.attention.layer import ForwardContext
-from attnzoo.attention.metadata import BatchMetadata, build_metadata
+from attnzoo.attention.metadata import BatchMetadata, build_metadata, to_device
 from attnzoo.errors import BackendError
 
 
@@ -157,8 +157,8 @@ class Runner:
                                       "fixed": Fixed(meta.shared_prefix_len, prep.graph)}))
         self.gone.clear()
         if not isinstance(ids, torch.Tensor):
-            ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        rows = None if step.rows is None else torch.tensor(step.rows, dtype=torch.int64, device=self.device)
+            ids = to_device(ids, torch.int64, self.device)
+        rows = None if step.rows is None else to_device(step.rows, torch.int64, self.device)
         with torch.inference_mode():
             if prep.graph:
                 hidden = self.graphs.launch(prep.staged, ids)  # decode: row i is request i

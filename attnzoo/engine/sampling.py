@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attnzoo.attention.metadata import to_device
 from attnzoo.errors import RequestError
 
 
@@ -80,18 +81,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     be NaN and argmax token 0) comes back as ``OVERFLOW``; the engine names it at the step's sync.
     """
     dev = logits.device
-    temp = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32)
+    temp = to_device([p.temperature for p in params], torch.float32, dev)
     logits = logits / temp[:, None]
     # max propagates NaN and sees +inf; checked on the values softmax reads, after the division.
     finite = torch.isfinite(logits.max(dim=-1).values)
     if any(p.top_k for p in params):
-        top_k = torch.tensor([p.top_k for p in params], device=dev)
+        top_k = to_device([p.top_k for p in params], torch.int64, dev)
         k_max = min(max(p.top_k for p in params), logits.shape[-1])
         kth = torch.topk(logits, k_max, dim=-1).values.gather(1, (top_k.clamp(1, k_max) - 1)[:, None])
         logits = logits.masked_fill((top_k[:, None] > 0) & (logits < kth), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32)
+        top_p = to_device([p.top_p for p in params], torch.float32, dev)
         sorted_p, order = torch.sort(probs, descending=True, dim=-1)
         # keep the smallest prefix whose mass reaches top_p (the token crossing the line included)
         drop = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= top_p[:, None]
@@ -113,7 +114,7 @@ def pick_tokens(logits: torch.Tensor, reqs, eos_ids) -> torch.Tensor:
     rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if rows:
         chosen = [reqs[i] for i in rows]
-        at = torch.tensor(rows, device=tokens.device)
+        at = to_device(rows, torch.int64, tokens.device)
         tokens[at] = sample(scores[at], [r.params for r in chosen], [r.generator for r in chosen])
     return torch.where(finite, tokens, -1)
 
@@ -130,7 +131,7 @@ class TokenLogprob:
 def token_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprob]:
     """Log-probabilities of ``targets`` (one per row of ``logits`` [n, vocab]) and each row's ``top`` best."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    got = logp.gather(1, torch.tensor(targets, device=logp.device)[:, None])[:, 0].tolist()
+    got = logp.gather(1, to_device(targets, torch.int64, logp.device)[:, None])[:, 0].tolist()
     if top:
         values, ids = torch.topk(logp, min(top, logp.shape[-1]), dim=-1)
         best = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
@@ -172,15 +173,15 @@ def process_logits(logits: torch.Tensor, reqs, eos_ids) -> torch.Tensor:
         seen = [reqs[i].prompt + reqs[i].out for i in rep]
         width = max(len(h) for h in seen)
         # Pad with the row's own first token: scattering the same value twice changes nothing.
-        ids = torch.tensor([h + h[:1] * (width - len(h)) for h in seen], device=dev)
-        rows = torch.tensor(rep, device=dev)
-        penalty = torch.tensor([reqs[i].params.repetition_penalty for i in rep], device=dev, dtype=logits.dtype)[:, None]
+        ids = to_device([h + h[:1] * (width - len(h)) for h in seen], torch.int64, dev)
+        rows = to_device(rep, torch.int64, dev)
+        penalty = to_device([reqs[i].params.repetition_penalty for i in rep], logits.dtype, dev)[:, None]
         sub = logits[rows]
         got = sub.gather(1, ids)
         got = torch.where(got < 0, got * penalty, got / penalty)
         logits[rows] = sub.scatter(1, ids, got)
     early = [i for i, r in enumerate(reqs) if len(r.out) < r.params.min_new_tokens]
     if early and eos_ids:
-        rows = torch.tensor(early, device=dev)[:, None]
-        logits[rows, torch.tensor(sorted(eos_ids), device=dev)[None, :]] = float("-inf")
+        rows = to_device(early, torch.int64, dev)[:, None]
+        logits[rows, to_device(sorted(eos_ids), torch.int64, dev)[None, :]] = float("-inf")
     return logits
