@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import sys
+import time
 from pathlib import Path
 
 from attnzoo.attention.kv_cache import KV_CACHE_DTYPES
@@ -96,6 +97,9 @@ def _serve(args) -> int:
     llm = _load(args, load_format=args.load_format, max_batch_tokens=args.max_batch_tokens,
                 kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory))
     name = args.served_model_name or (args.model or llm.architecture)
+    t0 = time.perf_counter()
+    llm.warm_up()  # the first requests must not wait for a kernel's just-in-time compile
+    print(f"# kernels warmed up in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     print(f"# serving {name} ({llm.architecture}: prefill={llm.decision.prefill_backend} "
           f"decode={llm.decision.decode_backend}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:

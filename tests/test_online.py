@@ -46,3 +46,53 @@ def test_an_arrival_joins_the_running_batch_at_once():
     finally:
         online.shutdown(drain=False)
         llm.close()
+
+
+def test_warm_up_runs_cascade_once_and_restores_the_thresholds():
+    """`attnzoo serve` warms up before it answers: a cascade step ran (its kernels built), and the runner's
+    cascade thresholds are the load's again afterwards."""
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    cfg.architectures = ["LlamaForCausalLM"]
+    llm = attnzoo.load_model(cfg, load_format="random", backend="triton", page_size=4, device="cpu", cascade=True)
+    runner = llm.engine.runner
+    before = runner.cascade_min_saved_tokens, runner.cascade_graph_min_saved_tokens
+    stats = llm.warm_up()
+    assert stats["cascade"] >= 1, stats
+    assert (runner.cascade_min_saved_tokens, runner.cascade_graph_min_saved_tokens) == before
+    assert llm.engine.allocator.num_free + llm.engine.prefix_cache.evictable() == llm.engine.allocator.capacity
+
+
+def test_attnzoo_serve_warms_up_then_answers_and_drains_on_sigterm(tmp_path):
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "attnzoo", "serve", str(tmp_path), "--load-format", "random",
+                             "--backend", "torch", "--port", str(port)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else "no /health"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.3)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=60)[1]
+    assert "kernels warmed up" in err and proc.returncode in (0, -signal.SIGTERM), err

@@ -164,6 +164,21 @@ class Engine:
             raise
         return [r.completion(self.tokenizer) for r in reqs]
 
+    def warm_up(self, tokens: tuple[int, int]) -> dict:
+        """Run once each kernel path a server's requests take (extend, decode, and cascade where it is on)
+        on two short prompts sharing a prefix, so that no request waits for a just-in-time compile
+        (FlashInfer's modules, Triton's kernels). ``tokens``: two valid ids. Returns the graph stats after."""
+        runner, a, b = self.runner, *tokens
+        saved = runner.cascade_min_saved_tokens, runner.cascade_graph_min_saved_tokens
+        if runner.cascade:  # eager cascade at any saving for these steps: no cascade graph slot is spent
+            runner.cascade_min_saved_tokens, runner.cascade_graph_min_saved_tokens = 1, float("inf")
+        prompt = [a] * (2 * self.pool.page_size + 1)
+        try:
+            self.generate([prompt, prompt[:-1] + [b]], [SamplingParams(max_new_tokens=4, ignore_eos=True)] * 2)
+        finally:
+            runner.cascade_min_saved_tokens, runner.cascade_graph_min_saved_tokens = saved
+        return dict(runner.graph_stats)
+
     def abort_all(self) -> None:
         """Drop every queued and running request (an error mid-step): no pages leak, no unwritten cache entry stays."""
         sched = self.scheduler

@@ -368,6 +368,14 @@ class LLM:
             "decision": self.decision.to_dict(),
         }
 
+    @_tensor_parallel_call
+    def warm_up(self) -> dict:
+        """Compile and load what the first requests would otherwise wait for (``Engine.warm_up``); ``attnzoo
+        serve`` calls it before it answers /health."""
+        vocab = self.config_vocab_size
+        with self._lock:
+            return self.engine.warm_up((min(10, vocab - 1), min(11, vocab - 1)))
+
     def close(self) -> None:
         """Tensor parallel from one process: stop the ranks this model spawned (also done at exit); later
         calls raise DistributedError."""
