@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from attnzoo.errors import ModelLoadError, WeightError
-from attnzoo.layers.moe import build_experts_as
+from attnzoo.layers.moe import FusedMoE, build_experts_as
 from attnzoo.layers.mxfp4 import FP4_VALUES, dequantize_mxfp4  # noqa: F401 (FP4_VALUES: re-exported)
 from attnzoo.models.quantization import WeightPlan, _name
 
@@ -39,6 +39,7 @@ class Mxfp4Plan(WeightPlan):
         self.device = device  # where the blocks are dequantized (a GPU does it far faster than the host)
         self.keep = keep
         self.count = 0
+        self.on_gpu = False  # set by finish: where the kept experts run
 
     def build(self, cls, config) -> nn.Module:
         if not self.keep:
@@ -71,13 +72,17 @@ class Mxfp4Plan(WeightPlan):
             raise WeightError(f"MXFP4 tensor {base!r} has {next(iter(pending[base]))} but not its pair",
                               fix="point to a complete checkpoint (all safetensors shards present)")
 
+    def finish(self, model) -> None:
+        self.on_gpu = any(isinstance(m, FusedMoE) and m.quant == "mxfp4" and m.w13.is_cuda for m in model.modules())
+
     def describe(self) -> dict:
         if self.keep:
             kept = f"{self.count} tensors" if self.count else "random MXFP4 codes"
+            path = ("read by the fused MoE's MXFP4 path (triton w4a16)" if self.on_gpu
+                    else "dequantized per expert by the MoE reference (cpu)")
             return {"format": f"mxfp4 experts ({'checkpoint' if self.count else 'random weights'}), other weights "
                               f"{_name(self.dtype)}",
-                    "gemm": f"mxfp4 experts kept as stored ({kept}, fp8_weights='mxfp4'), read by the fused MoE's "
-                            f"MXFP4 path (triton w4a16; the torch reference dequantizes per expert); torch linear "
+                    "gemm": f"mxfp4 experts kept as stored ({kept}, fp8_weights='mxfp4'), {path}; torch linear "
                             f"({_name(self.dtype)}) elsewhere"}
         if not self.count:  # load_format="random": nothing was dequantized
             return {"format": f"{_name(self.dtype)} (random weights; the config's experts are MXFP4)",
