@@ -65,15 +65,13 @@ def sweep_space(t: int, k: int, e: int, fp8) -> list[MoEConfig]:
     clamp = lambda v: min(128, max(16, v))  # noqa: E731
     fmt = weight_format(fp8)
     fp8 = fmt == "fp8"
-    elt = 1 if fp8 else 2  # MXFP4 tiles are decoded to bf16 before the dot
+    elt = 1 if fp8 else 2  # MXFP4 tiles are decoded to bf16 before the dot (and take bf16's K tiles, all whole 32-groups)
     out = []
     # Rows per expert scatter around the mean: near the top of its power of two, try the next one too.
     bms = {clamp(np2 // 2), clamp(np2)} | ({clamp(2 * np2)} if per_expert >= 0.75 * np2 else set())
     for bm in sorted(bms):
         bns = (32, 64, 128) if bm == 16 else (64, 128) if bm == 32 else (64, 128, 256)
         bks = (128,) if fp8 else (128, 256) if bm == 16 else (64, 128) if bm == 32 else (64,)
-        if fmt == "mxfp4":
-            bks = (64, 128)
         stages = (3, 5) if bm == 16 else (3, 4)
         for bn in bns:
             for bk in bks:
