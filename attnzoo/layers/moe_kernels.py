@@ -117,32 +117,25 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, bias
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if B_MXFP4:
         # B is packed bytes [E, N, K / 2] (two e2m1 codes per byte, the even k in the low nibble) with E8M0
-        # scales [E, N, K / 32] (b_scale_ptr / stride_bs*). Byte j of a K tile holds k0 + 2j and k0 + 2j + 1:
-        # the even and odd columns of A meet the low and high nibbles in two dots, so each byte is read once.
+        # scales [E, N, K / 32] (b_scale_ptr / stride_bs*). A K tile's bytes are read as [BLOCK_N, BLOCK_K / 2]
+        # (contiguous along K, as A's rows are), decoded, and the nibbles interleaved back into K order.
         offs_j = tl.arange(0, BLOCK_K // 2)
-        a_ptrs = a_ptr + a_rows[:, None] * stride_am + (2 * offs_j)[None, :] * stride_ak
-        b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_j[:, None] * stride_bk
-        b_s_ptrs = (b_scale_ptr + expert * stride_bse + offs_n[None, :].to(tl.int64) * stride_bsn
-                    + (offs_j // 16)[:, None] * stride_bsk)
+        b_ptrs = b_ptr + expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_j[None, :] * stride_bk
+        b_s_ptrs = (b_scale_ptr + expert * stride_bse + offs_n[:, None].to(tl.int64) * stride_bsn
+                    + (offs_j // 16)[None, :] * stride_bsk)
         for k0 in range(0, K, BLOCK_K):
-            j_ok = 2 * offs_j < K - k0
-            b_ok = j_ok[:, None] & n_ok[None, :]
+            k_ok = offs_k < K - k0
+            b_ok = n_ok[:, None] & (2 * offs_j < K - k0)[None, :]
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             packed = tl.load(b_ptrs, mask=b_ok, other=0).to(tl.int32)
             scale = _e8m0(tl.load(b_s_ptrs, mask=b_ok, other=127).to(tl.int32))
-            a_mask = row_ok[:, None] & j_ok[None, :]
-            a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
-            a_odd = tl.load(a_ptrs + stride_ak, mask=a_mask, other=0.0)
-            b_lo = (_e2m1(packed & 0xF) * scale).to(a_even.dtype)
-            b_hi = (_e2m1(packed >> 4) * scale).to(a_even.dtype)
+            b = tl.trans(tl.interleave(_e2m1(packed & 0xF) * scale, _e2m1(packed >> 4) * scale)).to(a.dtype)
             if F32_OPERANDS:
-                acc += tl.dot(a_even.to(tl.float32), b_lo.to(tl.float32), input_precision="ieee")
-                acc += tl.dot(a_odd.to(tl.float32), b_hi.to(tl.float32), input_precision="ieee")
+                acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
             elif IEEE:
-                acc += tl.dot(a_even, b_lo, input_precision="ieee")
-                acc += tl.dot(a_odd, b_hi, input_precision="ieee")
+                acc += tl.dot(a, b, input_precision="ieee")
             else:
-                acc += tl.dot(a_even, b_lo)
-                acc += tl.dot(a_odd, b_hi)
+                acc += tl.dot(a, b)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += (BLOCK_K // 2) * stride_bk
             b_s_ptrs += (BLOCK_K // 32) * stride_bsk
