@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from common import RESULTS, time_cuda, write_result  # noqa: E402
 
 from attnzoo.layers.moe import (  # noqa: E402
-    FP8, MXFP4, TILE_TABLES, MoEConfig, gpu_slug, weight_format, moe_reference, fused_moe, tile_config, tile_key, write_tile_table,
+    FP8, MXFP4, TILE_TABLES, MoEConfig, gpu_slug, moe_reference, fused_moe, tile_config, tile_key, weight_format,
+    write_tile_table,
 )
 
 SHAPES = {  # experts, top-k, hidden, intermediate; from the models' config.json
@@ -65,7 +66,7 @@ def sweep_space(t: int, k: int, e: int, fp8) -> list[MoEConfig]:
     clamp = lambda v: min(128, max(16, v))  # noqa: E731
     fmt = weight_format(fp8)
     fp8 = fmt == "fp8"
-    elt = 1 if fp8 else 2  # MXFP4 tiles are decoded to bf16 before the dot (and take bf16's K tiles, all whole 32-groups)
+    elt = 1 if fp8 else 2  # MXFP4 tiles are decoded to bf16 for the dot; bf16's K tiles are whole 32-groups
     out = []
     # Rows per expert scatter around the mean: near the top of its power of two, try the next one too.
     bms = {clamp(np2 // 2), clamp(np2)} | ({clamp(2 * np2)} if per_expert >= 0.75 * np2 else set())

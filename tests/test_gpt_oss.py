@@ -228,7 +228,8 @@ def test_mxfp4_experts_kept_as_stored_decode_as_dequantized(mxfp4_dirs, monkeypa
     assert torch.equal(kept.logits(prompts[0]), attnzoo.load_model(t_dir, page_size=4).logits(prompts[0]))
     tri = attnzoo.load_model(q_dir, page_size=4, fp8_weights="mxfp4", backend="triton")
     seen = []  # the weight dtypes the fused MoE was called with
-    monkeypatch.setattr(moe_layer, "fused_moe", lambda x, w13, *a, **kw: seen.append(w13.dtype) or fused_moe(x, w13, *a, **kw))
+    monkeypatch.setattr(moe_layer, "fused_moe",
+                        lambda x, w13, *a, **kw: seen.append(w13.dtype) or fused_moe(x, w13, *a, **kw))
     with fused.use("triton"):
         got = tri.generate(prompts, max_new_tokens=4, ignore_eos=True, return_logits=True)[0]
     assert seen and set(seen) == {MXFP4}

@@ -130,7 +130,8 @@ def test_layer_keeps_the_checkpoint_bytes_and_matches_the_dequantized_layer():
         return m
 
     kept, ref_layer = layer("mxfp4"), layer(None)
-    assert kept.w13.dtype == MXFP4 and kept.w13.shape == (e, 2 * i, h // 2) and kept.w2_scale_inv.shape == (e, h, i // 32)
+    assert kept.w13.dtype == MXFP4 and kept.w13.shape == (e, 2 * i, h // 2)
+    assert kept.w2_scale_inv.shape == (e, h, i // 32)
     assert set(kept.loaded_parameters()) == {"w13", "w2", "w13_scale_inv", "w2_scale_inv", "w13_bias", "w2_bias"}
     ref = ref_layer(x, weights, ids)
     assert torch.equal(kept(x, weights, ids), ref)
@@ -160,7 +161,8 @@ def test_tiles_know_mxfp4(tmp_path):
     assert default_config(8, 32, True) == default_config(8, 32, "fp8")  # the FP8 flag still works
     assert tile_config(1, 4, 32, 2880, 2880, "mxfp4", torch.device("cpu"), tmp_path) == default_config(4, 32, "mxfp4")
     with pytest.raises(BackendError, match="cannot run"):
-        write_tile_table(tmp_path / "x.json", "GPU", "90", {tile_key(32, 2880, 2880, "mxfp4"): {1: MoEConfig(16, 64, 16)}})
+        write_tile_table(tmp_path / "x.json", "GPU", "90",
+                         {tile_key(32, 2880, 2880, "mxfp4"): {1: MoEConfig(16, 64, 16)}})
     with pytest.raises(BackendError, match="unknown"):
         default_config(4, 32, "int4")
 
