@@ -84,7 +84,8 @@ GLM5 = dict(
 )
 # openai/gpt-oss-20b: 24 layers alternating sliding (128) and full, attention sinks, 32 experts top-4 with biases
 # and the clamped SwiGLU, YaRN. Random weights in the model dtype: the checkpoint's MXFP4 experts are
-# dequantized at load anyway (models/mxfp4.py), so bf16 experts are what attnzoo runs for the real model too.
+# dequantized at load by default (models/mxfp4.py), so bf16 experts are what attnzoo runs for the real model too;
+# --weights mxfp4 keeps random experts MXFP4 (fp8_weights="mxfp4": the fused MoE's w4a16 path).
 GPT_OSS_20B = dict(
     vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, head_dim=64,
     num_attention_heads=64, num_key_value_heads=8, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
@@ -335,8 +336,9 @@ def main(argv=None):
                     help="backends with a cascade path: the engine's choice (auto), plain and cascade (both), or one")
     ap.add_argument("--hf-baseline", default=None, metavar="JSON",
                     help="reuse the transformers result of an earlier run (its JSON) instead of measuring it")
-    ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
-                    help="fp8: DeepSeek-V3's block-scaled FP8 format (quantization_config as in the official checkpoints)")
+    ap.add_argument("--weights", choices=("bf16", "fp8", "mxfp4"), default="bf16",
+                    help="fp8: DeepSeek-V3's block-scaled FP8 format (quantization_config as in the official checkpoints); "
+                         "mxfp4: MoE experts kept MXFP4 as gpt-oss's checkpoints store them (fp8_weights='mxfp4')")
     ap.add_argument("--load-kwargs", default="{}", help="extra load_model keywords as JSON, e.g. '{\"page_size\": 64}'")
     ap.add_argument("--no-overlap", action="store_true",
                     help="prepare each step only after the previous one's tokens are back (Engine.overlap off)")
@@ -360,6 +362,8 @@ def main(argv=None):
         config.index_topk = cfg["index_topk"] = args.index_topk
     if args.weights == "fp8":
         config.quantization_config = cfg["quantization_config"] = dict(FP8_BLOCK_CONFIG)
+    if args.weights == "mxfp4":
+        config.quantization_config = cfg["quantization_config"] = {"quant_method": "mxfp4"}
     if args.quick:
         args.prompts, args.hf_prompts = 200, min(args.hf_prompts, 64)
     prompts, data = load_prompts(args.prompts)
@@ -381,6 +385,8 @@ def main(argv=None):
     from attnzoo.attention.backends import get_backend_class
 
     extra = json.loads(args.load_kwargs)
+    if args.weights == "mxfp4":
+        extra.setdefault("fp8_weights", "mxfp4")
     for b in args.backends.split(","):
         modes = [None]
         if b != "default" and get_backend_class(b).supports_cascade:

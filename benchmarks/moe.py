@@ -1,11 +1,14 @@
 """The fused MoE layer (attnzoo/layers/moe.py) on one GPU against a dense GEMM of the same work.
 
     python benchmarks/moe.py [--shapes v3,v2_lite] [--batches 1,64,512] [--dtypes bf16,fp8]
+    python benchmarks/moe.py --shapes gpt_oss_20b --dtypes bf16,mxfp4
                              [--sweep [--tables DIR]] [--output FILE.json]
 
 Shapes (routed experts only; the shared experts are an ordinary dense MLP):
   v3       DeepSeek-V3: 256 experts, top-8, hidden 7168, moe_intermediate 2048 (one layer: 22.5 GB in bf16)
   v2_lite  DeepSeek-V2-Lite: 64 experts, top-6, hidden 2048, moe_intermediate 1408
+  gpt_oss_20b  gpt-oss-20b: 32 experts, top-4, hidden 2880, intermediate 2880 (dtype mxfp4: its checkpoint's
+           expert format, the w4a16 path; its dense GEMM is bf16 with the same FLOPs)
 
 Per (shape, dtype, batch): T tokens routed uniformly at random (k distinct experts each), then
   moe_eager  ``fused_moe`` called from Python (the expert sort, both grouped GEMMs, act, the sum)
@@ -42,24 +45,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from common import RESULTS, time_cuda, write_result  # noqa: E402
 
 from attnzoo.layers.moe import (  # noqa: E402
-    FP8, TILE_TABLES, MoEConfig, gpu_slug, moe_reference, fused_moe, tile_config, tile_key, write_tile_table,
+    FP8, MXFP4, TILE_TABLES, MoEConfig, gpu_slug, moe_reference, fused_moe, tile_config, tile_key, weight_format,
+    write_tile_table,
 )
 
 SHAPES = {  # experts, top-k, hidden, intermediate; from the models' config.json
     "v3": (256, 8, 7168, 2048),
     "v2_lite": (64, 6, 2048, 1408),
+    "gpt_oss_20b": (32, 4, 2880, 2880),
 }
 SWEEP_BATCHES = "1,16,64,256,512,2048"
 
 
-def sweep_space(t: int, k: int, e: int, fp8: bool) -> list[MoEConfig]:
+def sweep_space(t: int, k: int, e: int, fp8) -> list[MoEConfig]:
     """Candidate tiles for T tokens: BLOCK_M the mean rows per chosen expert rounded up to a power of two,
     half that, and twice that when the mean is near the top (16..128); wide-and-shallow N tiles for
     16-row blocks (weight streaming), square ones above; FP8 K tiles are the 128-channel scale group; stages that fit in 160 KB of shared memory."""
     per_expert = t * k / min(e, t * k)
     np2 = 1 << max(0, (int(-(-per_expert // 1)) - 1).bit_length())
     clamp = lambda v: min(128, max(16, v))  # noqa: E731
-    elt = 1 if fp8 else 2
+    fmt = weight_format(fp8)
+    fp8 = fmt == "fp8"
+    elt = 1 if fp8 else 2  # MXFP4 tiles are decoded to bf16 for the dot; bf16's K tiles are whole 32-groups
     out = []
     # Rows per expert scatter around the mean: near the top of its power of two, try the next one too.
     bms = {clamp(np2 // 2), clamp(np2)} | ({clamp(2 * np2)} if per_expert >= 0.75 * np2 else set())
@@ -88,6 +95,12 @@ def make_experts(e, h, i, dtype: str, device):
     if dtype == "bf16":
         return {n: torch.randn(s, device=device, dtype=torch.bfloat16).mul_(0.02) for n, s in shapes.items()}
     out = {}
+    if dtype == "mxfp4":  # uniform codes, E8M0 scales near 2^-7 (weights of about 0.02)
+        for n, s in shapes.items():
+            out[n] = torch.randint(0, 256, (*s[:2], s[2] // 2), device=device, dtype=torch.int32).to(MXFP4)
+            out[n + "_scale_inv"] = torch.randint(118, 122, (*s[:2], s[2] // 32), device=device,
+                                                  dtype=torch.int32).to(MXFP4)
+        return out
     for n, s in shapes.items():
         w = torch.empty(s, device=device, dtype=FP8)
         for x in range(e):  # one expert at a time: no full-size float copy
@@ -101,7 +114,7 @@ def dense_case(n_active, t, k, h, i, dtype: str, device):
     """A GEMM with the MoE's weight bytes (chosen experts) and FLOPs."""
     n = 3 * i * n_active
     m = max(1, round(t * k / n_active))
-    if dtype == "bf16":
+    if dtype in ("bf16", "mxfp4"):
         x = torch.randn(m, h, device=device, dtype=torch.bfloat16)
         w = torch.randn(n, h, device=device, dtype=torch.bfloat16)
         return (lambda: torch.mm(x, w.t())), m, n
@@ -134,8 +147,9 @@ def run_case(shape, dtype, t, w, flush, *, sweep: bool, device) -> dict:
     check = rel_err(run(), moe_reference(x, w["w13"], w["w2"], weights, ids, quantize_activations=dtype == "fp8",
                                          **scales))
     n_active = int(torch.unique(ids).numel())
-    elt = 1 if dtype == "fp8" else 2
-    weight_bytes = n_active * 3 * i * h * elt + (n_active * 4 * sum(s[0].numel() for s in scales.values()))
+    elt = {"fp8": 1, "mxfp4": 0.5}.get(dtype, 2)
+    scale_bytes = 1 if dtype == "mxfp4" else 4
+    weight_bytes = int(n_active * 3 * i * h * elt) + n_active * scale_bytes * sum(s[0].numel() for s in scales.values())
     flops = 2 * t * k * 3 * i * h
     timing = dict(warmup=5, iters=30, flush=flush)
     eager = time_cuda(run, **timing)
@@ -145,7 +159,7 @@ def run_case(shape, dtype, t, w, flush, *, sweep: bool, device) -> dict:
     row = {
         "shape": shape, "dtype": dtype, "batch": t, "experts": e, "top_k": k, "hidden": h, "intermediate": i,
         "active_experts": n_active, "weight_bytes": weight_bytes, "flops": flops,
-        "config": asdict(tile_config(t, k, e, h, i, dtype == "fp8", device)), "check_rel_err": check,
+        "config": asdict(tile_config(t, k, e, h, i, dtype, device)), "check_rel_err": check,
         "moe_eager_ms": eager, "moe_graph_ms": graph, "dense_ms": dense, "dense_m": m, "dense_n": n,
         "ratio": graph / dense, "moe_graph_GBps": weight_bytes / graph / 1e6, "moe_graph_TFLOPs": flops / graph / 1e9,
     }
@@ -153,8 +167,8 @@ def run_case(shape, dtype, t, w, flush, *, sweep: bool, device) -> dict:
         picked, best = run(), None
         sweep_timing = dict(warmup=3, iters=15, flush=flush)
         # The picked tile runs under the same timing: "after" is never a noisier copy of "before".
-        now = tile_config(t, k, e, h, i, dtype == "fp8", device)
-        for cfg in [now] + [c for c in sweep_space(t, k, e, dtype == "fp8") if c != now]:
+        now = tile_config(t, k, e, h, i, dtype, device)
+        for cfg in [now] + [c for c in sweep_space(t, k, e, dtype) if c != now]:
             try:
                 err = rel_err(run(cfg), picked)
                 ms = time_cuda(graph_of(lambda: run(cfg)), **sweep_timing)

@@ -165,16 +165,18 @@ def _mxfp4_pack(w: torch.Tensor):
     return codes[..., 0] | (codes[..., 1] << 4), (exp + 127).to(torch.uint8)
 
 
-def test_mxfp4_checkpoint_loads_as_its_dequantized_bf16_twin(tmp_path, tiny_dir):
-    """An MXFP4 checkpoint (experts as *_blocks / *_scales) gives the logits of the model whose experts are
-    those MXFP4 values in float: the plan pairs the parts, dequantizes and transposes them to the layout."""
+@pytest.fixture(scope="module")
+def mxfp4_dirs(tmp_path_factory, tiny_dir):
+    """The tiny checkpoint with its experts MXFP4 (*_blocks / *_scales, quant_method "mxfp4"), and its twin
+    holding those MXFP4 values dequantized in float32 (no quantization_config)."""
     import json
 
     from safetensors.torch import load_file, save_file
 
     from attnzoo.models.mxfp4 import dequantize_mxfp4
 
-    d, hf = tiny_dir
+    d, _ = tiny_dir
+    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
     src = load_file(next(d.glob("*.safetensors")))
     quant, twin = dict(src), dict(src)
     for name, t in src.items():
@@ -184,17 +186,57 @@ def test_mxfp4_checkpoint_loads_as_its_dequantized_bf16_twin(tmp_path, tiny_dir)
             quant[name + "_blocks"], quant[name + "_scales"] = blocks, scales
             twin[name] = dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2).contiguous()
     cfg = json.loads((d / "config.json").read_text())
-    for out, tensors, qc in ((tmp_path / "q", quant, {"quant_method": "mxfp4"}), (tmp_path / "t", twin, None)):
+    for out, tensors, qc in ((root / "q", quant, {"quant_method": "mxfp4"}), (root / "t", twin, None)):
         out.mkdir()
         save_file(tensors, out / "model.safetensors")
         (out / "config.json").write_text(json.dumps({**cfg, **({"quantization_config": qc} if qc else {})}))
         for f in d.glob("tokenizer*"):
             (out / f.name).write_bytes(f.read_bytes())
-    q_llm, t_llm = attnzoo.load_model(tmp_path / "q", page_size=4), attnzoo.load_model(tmp_path / "t", page_size=4)
+    return root / "q", root / "t"
+
+
+def test_mxfp4_checkpoint_loads_as_its_dequantized_bf16_twin(tiny_dir, mxfp4_dirs):
+    """An MXFP4 checkpoint (experts as *_blocks / *_scales) gives the logits of the model whose experts are
+    those MXFP4 values in float: the plan pairs the parts, dequantizes and transposes them to the layout."""
+    d, _ = tiny_dir
+    q_dir, t_dir = mxfp4_dirs
+    q_llm, t_llm = attnzoo.load_model(q_dir, page_size=4), attnzoo.load_model(t_dir, page_size=4)
     assert "mxfp4" in q_llm.info()["weights"]["format"]
+    assert "dequantized" in q_llm.info()["weights"]["gemm"]
     prompt = random_prompts(VOCAB, [9])[0]
     assert torch.equal(q_llm.logits(prompt), t_llm.logits(prompt))
     assert (q_llm.logits(prompt) - attnzoo.load_model(d, page_size=4).logits(prompt)).abs().max() > 1e-3
+
+
+def test_mxfp4_experts_kept_as_stored_decode_as_dequantized(mxfp4_dirs, monkeypatch):
+    """fp8_weights="mxfp4" keeps the experts as the checkpoint's bytes (uint8 + E8M0 scales): the torch
+    reference (which dequantizes per expert) gives the dequantized model's logits exactly, and the fused MoE's
+    MXFP4 GEMM (Triton interpreter, Triton attention) its greedy tokens."""
+    from attnzoo.errors import ModelLoadError
+    from attnzoo.layers import fused
+    from attnzoo.layers.moe import MXFP4, fused_moe
+    from attnzoo.layers.moe import layer as moe_layer
+
+    q_dir, t_dir = mxfp4_dirs
+    prompts = random_prompts(VOCAB, [9], seed=4)
+    ref = attnzoo.load_model(q_dir, page_size=4).generate(prompts, max_new_tokens=4, ignore_eos=True,
+                                                          return_logits=True)[0]
+    kept = attnzoo.load_model(q_dir, page_size=4, fp8_weights="mxfp4")
+    experts = kept.model.model.layers[0].mlp.experts
+    assert experts.quant == "mxfp4" and experts.w13.dtype == MXFP4 and experts.w2_scale_inv.dtype == MXFP4
+    assert "kept as stored" in kept.info()["weights"]["gemm"]
+    assert torch.equal(kept.logits(prompts[0]), attnzoo.load_model(t_dir, page_size=4).logits(prompts[0]))
+    tri = attnzoo.load_model(q_dir, page_size=4, fp8_weights="mxfp4", backend="triton")
+    seen = []  # the weight dtypes the fused MoE was called with
+    monkeypatch.setattr(moe_layer, "fused_moe",
+                        lambda x, w13, *a, **kw: seen.append(w13.dtype) or fused_moe(x, w13, *a, **kw))
+    with fused.use("triton"):
+        got = tri.generate(prompts, max_new_tokens=4, ignore_eos=True, return_logits=True)[0]
+    assert seen and set(seen) == {MXFP4}
+    assert got.token_ids == ref.token_ids
+    torch.testing.assert_close(got.logits, ref.logits, rtol=0, atol=1e-3)
+    with pytest.raises(ModelLoadError, match="checkpoint is not MXFP4"):
+        attnzoo.load_model(t_dir, page_size=4, fp8_weights="mxfp4")
 
 
 # ---------------------------------------------------------------- tensor parallel, backend choice

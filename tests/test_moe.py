@@ -138,7 +138,7 @@ def test_sweep_space_is_small_and_runnable(bench_script):
     blocks only; no case times more than 24 tiles (the sweep stays within minutes)."""
     bench = bench_script("moe")
     for e, k, _, _ in bench.SHAPES.values():
-        for fp8 in (False, True):
+        for fp8 in (False, True, "mxfp4"):
             for t in map(int, bench.SWEEP_BATCHES.split(",")):
                 space = bench.sweep_space(t, k, e, fp8)
                 assert 0 < len(space) <= 24 and len(set(space)) == len(space)

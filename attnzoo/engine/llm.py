@@ -445,6 +445,8 @@ def load_model(
     dequantizes. ``info()["weights"]`` states the format and the GEMM path. Under tensor parallelism a
     split layer stays FP8 where each rank's part is whole 128-blocks (else it is dequantized, and
     ``info()["weights"]["split_blocks"]`` says why); the routed experts (whole experts per rank) stay FP8.
+    MXFP4 checkpoints (gpt-oss): "auto" / "dequantize" dequantize the experts to ``dtype`` at load; "mxfp4"
+    keeps them as stored, read by the fused MoE's MXFP4 GEMM (w4a16) on a GPU.
     ``progress``: status lines on stderr (loading, KV allocation, generation); None: when stderr is a terminal.
     ``window_kv_fraction``: models with sliding-window layers (Gemma 4, DeepSeek-V4) whose context is longer
     than the window can get two KV page groups in the one pool: the sliding layers keep only the pages their

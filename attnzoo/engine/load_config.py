@@ -33,7 +33,8 @@ class LoadConfig:
     policy_file: str | None = None
 
     # Where and in what precision: dtype None/"auto" is bf16 on a GPU, fp32 on the CPU; device None is cuda
-    # when available; fp8_weights "auto", "fp8" or "dequantize" (FP8 block-quantized checkpoints).
+    # when available; fp8_weights "auto", "fp8" or "dequantize" (FP8 block-quantized checkpoints), or "mxfp4"
+    # (an MXFP4 checkpoint's experts kept as stored; "auto" dequantizes them at load).
     dtype: object = None
     device: object = None
     load_format: str = "auto"

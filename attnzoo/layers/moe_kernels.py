@@ -2,7 +2,8 @@
 that importing a model file never imports triton; on CPU the interpreter must be chosen first).
 
 * ``align_kernel``: the expert sort and padding of ``moe_align_block_size`` (one launch).
-* ``gemm_kernel``: one projection of every expert's padded row blocks in one launch.
+* ``gemm_kernel``: one projection of every expert's padded row blocks in one launch (bf16/fp32 weights, FP8
+  block-scaled w8a8, or MXFP4 weights decoded in the K loop: w4a16).
 * ``sum_kernel``: each token's k weighted expert rows summed in float32 (plus the shared experts'
   output), stored in the model dtype.
 * ``route_kernel``: a router's scoring, group-limited top-k, renormalisation and scaling per token.
@@ -56,6 +57,23 @@ def align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, n, expert_start
         tl.store(expert_ids_ptr + first_block + offs_b, tl.full([CHUNK], 0, tl.int32) + e,
                  mask=offs_b < my_padded // BLOCK_M)
 
+@triton.jit
+def _e2m1(code):
+    # FP4 e2m1 code (int32, 0..15) -> float32: bit 3 the sign, bits 2-1 the exponent, bit 0 the mantissa;
+    # exponent 0 is subnormal (0 or 0.5). 4 * |value| is the integer 2m (subnormal) or (2 + m) << e.
+    e = (code >> 1) & 3
+    m = code & 1
+    q = tl.where(e == 0, 2 * m, (2 + m) << e).to(tl.float32) * 0.25
+    return tl.where((code & 8) != 0, -q, q)
+
+
+@triton.jit
+def _e8m0(s):
+    # E8M0 scale byte (int32) -> 2^(s - 127) as float32 bits (exact, no exp2 approximation or flush);
+    # s = 0 is the subnormal 2^-127.
+    return tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
+
+
 @triton.jit(do_not_specialize=["num_valid", "num_m_blocks", "rows_per_a", "mul_weight", "stride_asm", "stride_bse",
                                "stride_bsn"])
 def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, bias_ptr,
@@ -66,7 +84,8 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, bias
                 FP8: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr,
                 F32_OPERANDS: tl.constexpr,
                 GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                B_MXFP4: tl.constexpr = False):
     # C[row] = A[row // rows_per_a] @ B[expert(block)]^T for the rows of one padded M block; rows are
     # flat (token, slot) indices, A is x (rows_per_a = k) or the intermediate (rows_per_a = 1; a
     # runtime value so that one compiled kernel serves every top-k).
@@ -96,24 +115,49 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, bias
                           (split_n + GROUP_N - 1) // GROUP_N + (offs_n - split_n) // GROUP_N)
         b_s_ptrs = b_scale_ptr + expert * stride_bse + s_rows * stride_bsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if F32_OPERANDS:
-            d = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            d = tl.dot(a, b, input_precision="ieee")
-        else:
-            d = tl.dot(a, b)
-        if FP8:
-            a_s = tl.load(a_s_ptrs + (k0 // GROUP_K) * stride_ask, mask=row_ok, other=0.0)
-            b_s = tl.load(b_s_ptrs + (k0 // GROUP_K) * stride_bsk, mask=n_ok, other=0.0)
-            acc += d * a_s[:, None] * b_s[None, :]
-        else:
-            acc += d
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    if B_MXFP4:
+        # B is packed bytes [E, N, K / 2] (two e2m1 codes per byte, the even k in the low nibble) with E8M0
+        # scales [E, N, K / 32] (b_scale_ptr / stride_bs*). A K tile's bytes are read as [BLOCK_N, BLOCK_K / 2]
+        # (contiguous along K, as A's rows are), decoded, and the nibbles interleaved back into K order.
+        offs_j = tl.arange(0, BLOCK_K // 2)
+        b_ptrs = b_ptr + expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_j[None, :] * stride_bk
+        b_s_ptrs = (b_scale_ptr + expert * stride_bse + offs_n[:, None].to(tl.int64) * stride_bsn
+                    + (offs_j // 16)[None, :] * stride_bsk)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            b_ok = n_ok[:, None] & (2 * offs_j < K - k0)[None, :]
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            packed = tl.load(b_ptrs, mask=b_ok, other=0).to(tl.int32)
+            scale = _e8m0(tl.load(b_s_ptrs, mask=b_ok, other=127).to(tl.int32))
+            b = tl.trans(tl.interleave(_e2m1(packed & 0xF) * scale, _e2m1(packed >> 4) * scale)).to(a.dtype)
+            if F32_OPERANDS:
+                acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            elif IEEE:
+                acc += tl.dot(a, b, input_precision="ieee")
+            else:
+                acc += tl.dot(a, b)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += (BLOCK_K // 2) * stride_bk
+            b_s_ptrs += (BLOCK_K // 32) * stride_bsk
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if F32_OPERANDS:
+                d = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            elif IEEE:
+                d = tl.dot(a, b, input_precision="ieee")
+            else:
+                d = tl.dot(a, b)
+            if FP8:
+                a_s = tl.load(a_s_ptrs + (k0 // GROUP_K) * stride_ask, mask=row_ok, other=0.0)
+                b_s = tl.load(b_s_ptrs + (k0 // GROUP_K) * stride_bsk, mask=n_ok, other=0.0)
+                acc += d * a_s[:, None] * b_s[None, :]
+            else:
+                acc += d
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
     if HAS_BIAS:  # the expert's bias [N] (gpt-oss), before the routing weight
         acc += tl.load(bias_ptr + expert * stride_biase + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if mul_weight:  # the down projection: each row times its routing weight

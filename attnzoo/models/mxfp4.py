@@ -10,49 +10,42 @@ layout of transformers' ``GptOssExperts`` parameters and of a bf16 gpt-oss check
 ``Mxfp4Plan`` (``models.weights.plan_weights`` picks it for ``quant_method: "mxfp4"``) pairs each
 ``_blocks`` with its ``_scales`` in the checkpoint stream and yields the dequantized weight under the
 bf16 checkpoint's name and layout (a transposed view, no copy), so the model loads either checkpoint
-the same way. No kernel reads MXFP4 here: the experts run in the model dtype (4x the bytes of MXFP4).
+the same way: the experts run in the model dtype (4x the bytes of MXFP4). With ``fp8_weights="mxfp4"``
+the experts are kept as stored instead (``FusedMoE(quant="mxfp4")``, read by the fused MoE's MXFP4 GEMM).
+The decoding math lives in ``layers.mxfp4`` (the MoE reference dequantizes with it too).
 """
 from __future__ import annotations
 
 from typing import Iterable, Iterator
 
 import torch
+from torch import nn
 
 from attnzoo.errors import ModelLoadError, WeightError
+from attnzoo.layers.moe import FusedMoE, build_experts_as
+from attnzoo.layers.mxfp4 import FP4_VALUES, dequantize_mxfp4  # noqa: F401 (FP4_VALUES: re-exported)
 from attnzoo.models.quantization import WeightPlan, _name
 
-# e2m1 code -> value; bit 3 is the sign
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _PARTS = ("_blocks", "_scales")
-_CHUNK = 1 << 24  # values dequantized at a time
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """blocks uint8 [..., N, G, 16] and scales uint8 [..., N, G] -> [..., N, G * 32] in ``dtype``.
-    Every value is an FP4 code times a power of two: exact in bfloat16 and float32 (within range)."""
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise WeightError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair",
-                          fix="blocks must be [..., G, 16] bytes with scales [..., G], one per 32 values")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    out = torch.empty(*blocks.shape[:-2], blocks.shape[-2] * 32, dtype=dtype, device=blocks.device)
-    flat_b, flat_s, flat_o = blocks.reshape(-1, *blocks.shape[-2:]), scales.reshape(-1, scales.shape[-1]), out.view(
-        -1, out.shape[-1])
-    rows = max(1, _CHUNK // (blocks.shape[-2] * 32))  # bounds the int64 code indices' memory
-    for r in range(0, flat_b.shape[0], rows):
-        b = flat_b[r : r + rows].to(torch.uint8)
-        codes = torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2).long()  # [rows, G, 32], low nibble first
-        exp = flat_s[r : r + rows].to(torch.int32) - 127
-        flat_o[r : r + rows] = torch.ldexp(lut[codes], exp[..., None].float()).flatten(-2).to(dtype)
-    return out
 
 
 class Mxfp4Plan(WeightPlan):
-    """Weights stored as MXFP4 blocks dequantized to the model dtype as they stream in; others as stored."""
+    """Weights stored as MXFP4 blocks dequantized to the model dtype as they stream in (the default), or,
+    with ``keep``, the experts built ``FusedMoE(quant="mxfp4")`` and the blocks and scales loaded as stored
+    (read by the fused MoE's MXFP4 GEMM; the CPU reference dequantizes per expert); others as stored."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device | None = None):
+    def __init__(self, dtype: torch.dtype, device: torch.device | None = None, keep: bool = False):
         super().__init__(dtype)
         self.device = device  # where the blocks are dequantized (a GPU does it far faster than the host)
+        self.keep = keep
         self.count = 0
+        self.on_gpu = False  # set by finish: where the kept experts run
+
+    def build(self, cls, config) -> nn.Module:
+        if not self.keep:
+            return cls(config)
+        with build_experts_as(quant="mxfp4"):
+            return cls(config)
 
     def tensors(self, model, stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -66,22 +59,37 @@ class Mxfp4Plan(WeightPlan):
             got[part] = t
             if len(got) == 2:
                 del pending[base]
+                self.count += 1
+                if self.keep:  # the experts' loader takes both parts as stored
+                    for p in _PARTS:
+                        yield base + p, _read(got[p])
+                    continue
                 blocks, scales = (_read(got[p]).to(self.device or "cpu") for p in _PARTS)
                 w = dequantize_mxfp4(blocks, scales, self.dtype)
-                self.count += 1
                 yield base, w.transpose(-1, -2)  # the bf16 checkpoint's [E, K, N] layout, as a view
         if pending:
             base = next(iter(pending))
             raise WeightError(f"MXFP4 tensor {base!r} has {next(iter(pending[base]))} but not its pair",
                               fix="point to a complete checkpoint (all safetensors shards present)")
 
+    def finish(self, model) -> None:
+        self.on_gpu = any(isinstance(m, FusedMoE) and m.quant == "mxfp4" and m.w13.is_cuda for m in model.modules())
+
     def describe(self) -> dict:
+        if self.keep:
+            kept = f"{self.count} tensors" if self.count else "random MXFP4 codes"
+            path = ("read by the fused MoE's MXFP4 path (triton w4a16)" if self.on_gpu
+                    else "dequantized per expert by the MoE reference (cpu)")
+            return {"format": f"mxfp4 experts ({'checkpoint' if self.count else 'random weights'}), other weights "
+                              f"{_name(self.dtype)}",
+                    "gemm": f"mxfp4 experts kept as stored ({kept}, fp8_weights='mxfp4'), {path}; torch linear "
+                            f"({_name(self.dtype)}) elsewhere"}
         if not self.count:  # load_format="random": nothing was dequantized
             return {"format": f"{_name(self.dtype)} (random weights; the config's experts are MXFP4)",
                     "gemm": f"torch linear ({_name(self.dtype)})"}
         return {"format": f"mxfp4 experts (checkpoint), other weights {_name(self.dtype)}",
-                "gemm": f"experts dequantized to {_name(self.dtype)} at load ({self.count} tensors): no MXFP4 "
-                        f"kernel here; torch linear ({_name(self.dtype)}) elsewhere"}
+                "gemm": f"experts dequantized to {_name(self.dtype)} at load ({self.count} tensors; "
+                        f"fp8_weights='mxfp4' keeps them as stored); torch linear ({_name(self.dtype)}) elsewhere"}
 
 
 def _read(t) -> torch.Tensor:
@@ -99,7 +107,10 @@ def is_mxfp4(config) -> bool:
 
 
 def plan_mxfp4(dtype: torch.dtype, mode: str, device: torch.device | None = None) -> Mxfp4Plan:
+    """``mode`` (load_model's ``fp8_weights``): "auto" / "dequantize" dequantize the experts at load (the
+    default: the MXFP4 kernel is not yet measured against the dequantized one on a GPU); "mxfp4" keeps them."""
     if mode == "fp8":
         raise ModelLoadError("fp8_weights='fp8' was asked for, but the checkpoint is MXFP4",
-                             fix="leave fp8_weights at 'auto' (MXFP4 experts are dequantized at load)")
-    return Mxfp4Plan(dtype, device)
+                             fix="leave fp8_weights at 'auto' (MXFP4 experts are dequantized at load), or "
+                                 "'mxfp4' to keep them as stored")
+    return Mxfp4Plan(dtype, device, keep=mode == "mxfp4")

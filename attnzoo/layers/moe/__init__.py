@@ -37,6 +37,10 @@ one implementation the FP8 linear layers use; power-of-two scales under the chec
 scale blocks, so ``w13_scale_inv`` is [E, 2 * ceil(I/128), ceil(H/128)] (= ceil(2I/128) rows when 128
 divides I, as in vLLM's layout) and I need not be a multiple of 128.
 
+With ``quant="mxfp4"`` (gpt-oss's checkpoints kept as stored) the weights are uint8 [E, N, K/2], two e2m1
+codes per byte, with uint8 E8M0 ``w13_scale_inv`` / ``w2_scale_inv`` [E, N, K/32] (``layers.mxfp4``); the
+grouped GEMM decodes a K tile in registers and multiplies in the activation dtype (w4a16).
+
 On CPU ``moe_reference`` (a loop over the experts that have tokens, float32 accumulation, FP8 weights
 dequantized, activations rounded as the kernels round them) computes the same sum: it is the oracle the
 fused path is tested against. The Triton kernels also run on CPU under ``TRITON_INTERPRET=1`` (inside
@@ -47,18 +51,18 @@ from attnzoo.layers.moe.fused import (
 )
 from attnzoo.layers.moe.layer import STACKED_LAYOUTS, FusedMoE, build_experts_as
 from attnzoo.layers.moe.reference import (
-    ACTIVATIONS, FP8, SWIGLU_ALPHA, SWIGLU_LIMIT, dequantize_block_fp8, moe_reference, scale_rows,
+    ACTIVATIONS, FP8, MXFP4, SWIGLU_ALPHA, SWIGLU_LIMIT, dequantize_block_fp8, moe_reference, scale_rows,
 )
 from attnzoo.layers.moe.routing import GROUP_SCORES, select_experts, select_experts_reference
 from attnzoo.layers.moe.tiles import (
-    TILE_TABLES, MoEConfig, check_config, default_config, gpu_slug, pick_config, read_tile_table, tile_config, tile_key,
-    write_tile_table,
+    TILE_TABLES, WEIGHT_FORMATS, MoEConfig, check_config, default_config, gpu_slug, pick_config, read_tile_table, tile_config, tile_key,
+    weight_format, write_tile_table,
 )
 
 __all__ = [
-    "ACTIVATIONS", "FP8", "GROUP_SCORES", "MAX_CHUNK_TOKENS", "STACKED_LAYOUTS", "SWIGLU_ALPHA", "SWIGLU_LIMIT",
+    "ACTIVATIONS", "FP8", "GROUP_SCORES", "MXFP4", "MAX_CHUNK_TOKENS", "STACKED_LAYOUTS", "SWIGLU_ALPHA", "SWIGLU_LIMIT",
     "TILE_TABLES", "FusedMoE", "MoEConfig", "_grouped_gemm", "align_one_token", "build_experts_as", "check_config",
     "default_config", "dequantize_block_fp8", "fused_moe", "gpu_slug", "moe_align_block_size", "moe_reference",
     "padded_slots", "pick_config", "read_tile_table", "scale_rows", "select_experts", "select_experts_reference",
-    "tile_config", "tile_key", "write_tile_table",
+    "tile_config", "tile_key", "weight_format", "write_tile_table", "WEIGHT_FORMATS",
 ]

@@ -9,8 +9,9 @@ import torch
 from attnzoo.errors import ModelLoadError
 from attnzoo.layers.fp8 import GROUP as QUANT_GROUP
 from attnzoo.layers.fp8 import GROUPS_PER_PROGRAM, MIN_AMAX, act_quant
-from attnzoo.layers.moe.reference import ACTIVATIONS, FP8, SWIGLU_ALPHA, SWIGLU_LIMIT, _cdiv
+from attnzoo.layers.moe.reference import ACTIVATIONS, FP8, MXFP4, SWIGLU_ALPHA, SWIGLU_LIMIT, _cdiv
 from attnzoo.layers.moe.tiles import MoEConfig, tile_config
+from attnzoo.layers.mxfp4 import BLOCK as MXFP4_BLOCK
 
 # Bounds the transient [T*k, 2I] / [T*k, H] buffers of a long prefill; shapes still depend on T only.
 MAX_CHUNK_TOKENS = 4096
@@ -77,26 +78,29 @@ def align_one_token(topk_ids: torch.Tensor, block_m: int):
 def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *, num_valid: int, rows_per_a: int,
                   split_n: int, mul_weight: bool, block=(128, 128), bias=None):
     """out[row] = a[row // rows_per_a] @ w[expert]^T (times weights[row], float32 [T*k], if mul_weight):
-    both projections pass the same argument types, so they share one compiled kernel."""
+    both projections pass the same argument types, so they share one compiled kernel. ``w`` uint8
+    [E, N, K/2] is MXFP4 (``w_scale`` its E8M0 bytes [E, N, K/32]), decoded in the kernel's K loop."""
     sorted_ids, expert_ids, total = align
-    n_out, k_in = w.shape[1], w.shape[2]
+    mxfp4 = w.dtype == MXFP4
+    n_out, k_in = w.shape[1], w.shape[2] * (2 if mxfp4 else 1)
     fp8 = w.dtype == FP8
+    scaled = fp8 or mxfp4
     num_m_blocks = expert_ids.numel()
     grid = (num_m_blocks * _cdiv(n_out, cfg.block_n),)
     dummy = out  # never read when the matching flag is off
     _kernels().gemm_kernel[grid](
-        a, w, out, a_scale if fp8 else dummy, w_scale if fp8 else dummy, weights, dummy if bias is None else bias,
+        a, w, out, a_scale if fp8 else dummy, w_scale if scaled else dummy, weights, dummy if bias is None else bias,
         sorted_ids, expert_ids, total,
         n_out, k_in, num_valid, num_m_blocks, split_n, rows_per_a, int(mul_weight),
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
-        w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
+        w_scale.stride(0) if scaled else 0, w_scale.stride(1) if scaled else 0, w_scale.stride(2) if scaled else 0,
         0 if bias is None else bias.stride(0),
         FP8=fp8, IEEE=a.dtype == torch.float32, HAS_BIAS=bias is not None,
         F32_OPERANDS=a.device.type != "cuda",
         GROUP_N=block[0], GROUP_K=block[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, B_MXFP4=mxfp4,
     )
 
 
@@ -115,6 +119,25 @@ def _act_and_mul(gate_up: torch.Tensor, act: str, quant: bool, dtype, ue8m0: boo
     return y, (s if quant else None)
 
 
+def _check_mxfp4(x, w13, w2, s13, s2, cfg: MoEConfig) -> None:
+    h, inter = x.shape[1], w2.shape[2] * 2
+    if cfg.block_k % MXFP4_BLOCK:
+        raise ModelLoadError(f"MXFP4 MoE needs BLOCK_K ({cfg.block_k}) a multiple of {MXFP4_BLOCK} (one scale per "
+                             f"{MXFP4_BLOCK} inputs)", fix="use the default MoEConfig, or BLOCK_K 32, 64 or 128")
+    if w2.dtype != MXFP4 or s13 is None or s2 is None or s13.dtype != MXFP4 or s2.dtype != MXFP4:
+        raise ModelLoadError("MXFP4 MoE needs both w13 and w2 uint8 with uint8 E8M0 w13_scale_inv / w2_scale_inv",
+                             fix="pass both projections packed, with their scales (FusedMoE(quant='mxfp4') does)")
+    want = {"w13": (w13.shape[0], 2 * inter, h // 2), "w2": (w2.shape[0], h, inter // 2),
+            "w13_scale_inv": (w13.shape[0], 2 * inter, h // MXFP4_BLOCK),
+            "w2_scale_inv": (w2.shape[0], h, inter // MXFP4_BLOCK)}
+    got = {"w13": w13, "w2": w2, "w13_scale_inv": s13, "w2_scale_inv": s2}
+    bad = [f"{n} {tuple(got[n].shape)} (expected {shape})" for n, shape in want.items() if tuple(got[n].shape) != shape]
+    if h % MXFP4_BLOCK or inter % MXFP4_BLOCK or bad:
+        raise ModelLoadError(f"MXFP4 MoE shapes do not fit hidden {h} / intermediate {inter}: {', '.join(bad)}",
+                             fix=f"hidden and intermediate must be multiples of {MXFP4_BLOCK}, weights [E, N, K/2] "
+                                 f"bytes with scales [E, N, K/{MXFP4_BLOCK}]")
+
+
 def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_start: int = 0,
               holds_all_experts: bool = True, w13_scale_inv=None, w2_scale_inv=None, block=(128, 128),
               ue8m0: bool = False, add: torch.Tensor | None = None, config: MoEConfig | None = None,
@@ -127,6 +150,10 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
     activations quantized by ``fp8.act_quant`` (power-of-two scales under ``ue8m0``, the checkpoint's
     ``scale_fmt``). ``add`` [T, H] (the shared experts' output) is added in the final sum's kernel.
     ``w13_bias`` [E, 2I] / ``w2_bias`` [E, H] (gpt-oss) are added in the GEMMs' epilogues.
+    MXFP4 weights (gpt-oss's checkpoints as stored) run w4a16: ``w13`` uint8 [E, 2I, H/2] and ``w2`` uint8
+    [E, H, I/2] hold two e2m1 codes per byte (the even input in the low nibble) and ``w13_scale_inv`` /
+    ``w2_scale_inv`` uint8 [E, 2I, H/32] / [E, H, I/32] their E8M0 scales (``layers.mxfp4``); the GEMM
+    decodes them in its K loop and multiplies in the activation dtype (``block`` and ``ue8m0`` unused).
     """
     t, k = topk_ids.shape
     if t == 0:
@@ -140,9 +167,13 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
                       config=config, w13_bias=w13_bias, w2_bias=w2_bias, swiglu_limit=swiglu_limit)
             for i in range(0, t, MAX_CHUNK_TOKENS)
         ])
-    num_local, inter = w2.shape[0], w2.shape[2]
+    mxfp4 = w13.dtype == MXFP4
+    num_local, inter = w2.shape[0], w2.shape[2] * (2 if mxfp4 else 1)
     fp8 = w13.dtype == FP8
-    cfg = config or tile_config(t, k, num_local, x.shape[1], inter, fp8, x.device)
+    fmt = "fp8" if fp8 else "mxfp4" if mxfp4 else "bf16"
+    cfg = config or tile_config(t, k, num_local, x.shape[1], inter, fmt, x.device)
+    if mxfp4:
+        _check_mxfp4(x, w13, w2, w13_scale_inv, w2_scale_inv, cfg)
     if fp8 and (block[1] % cfg.block_k or block[1] != QUANT_GROUP):
         raise ModelLoadError(
             f"FP8 MoE needs BLOCK_K ({cfg.block_k}) dividing the weight block's K side ({block[1]}) and a K side of "

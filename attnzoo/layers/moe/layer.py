@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 
 import torch
 from torch import nn
@@ -11,7 +12,9 @@ from torch import nn
 from attnzoo.errors import ModelLoadError, WeightError
 from attnzoo.layers.fp8 import CODE_RMS, random_codes_
 from attnzoo.layers.moe.fused import fused_moe
-from attnzoo.layers.moe.reference import ACTIVATIONS, FP8, _cdiv, moe_reference
+from attnzoo.layers.moe.reference import ACTIVATIONS, FP8, MXFP4, _cdiv, moe_reference
+from attnzoo.layers.mxfp4 import BLOCK as MXFP4_BLOCK
+from attnzoo.layers.mxfp4 import FP4_VALUES
 from attnzoo.layers.moe.routing import _fused_triton
 
 
@@ -34,7 +37,11 @@ def build_experts_as(**kwargs):
 # checkpoint projection -> (stacked parameter, which half of w13)
 _PROJECTIONS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
 # transformers' stacked expert tensors (Gemma 4, gpt-oss) and their biases (gpt-oss)
-_STACKED = {"gate_up_proj": "w13", "down_proj": "w2", "gate_up_proj_bias": "w13_bias", "down_proj_bias": "w2_bias"}
+_STACKED = {"gate_up_proj": "w13", "down_proj": "w2", "gate_up_proj_bias": "w13_bias", "down_proj_bias": "w2_bias",
+            # MXFP4 (gpt-oss's checkpoints): W [E, N, K] as blocks [E, N, K/32, 16] bytes and E8M0 scales [E, N, K/32]
+            "gate_up_proj_blocks": "w13", "gate_up_proj_scales": "w13_scale_inv",
+            "down_proj_blocks": "w2", "down_proj_scales": "w2_scale_inv"}
+_FP4_RMS = (sum(v * v for v in FP4_VALUES) / len(FP4_VALUES)) ** 0.5  # of uniformly random codes
 # How a checkpoint stacks them: "gate_up" [E, 2I, H] gate rows then up rows, down [E, H, I] (Gemma 4);
 # "interleaved_t" [E, H, 2I] with gate and up alternating along 2I, down [E, I, H] (gpt-oss).
 STACKED_LAYOUTS = ("gate_up", "interleaved_t")
@@ -47,6 +54,9 @@ class FusedMoE(nn.Module):
     Triton path on CUDA, the per-expert reference elsewhere. Checkpoint tensors reach the stacked
     parameters through ``load_checkpoint_tensor`` (per-expert ``{e}.gate_proj.weight`` / ``up_proj`` /
     ``down_proj`` and their ``.weight_scale_inv``, or stacked ``gate_up_proj`` / ``down_proj``).
+    ``quant="mxfp4"`` keeps MXFP4 experts as stored (stacked ``*_blocks`` / ``*_scales``): ``w13`` / ``w2``
+    uint8 [E, N, K/2] and ``w13_scale_inv`` / ``w2_scale_inv`` uint8 E8M0 [E, N, K/32] (``fused_moe``'s
+    MXFP4 layout; the reference path dequantizes them per expert).
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu", *,
@@ -63,8 +73,11 @@ class FusedMoE(nn.Module):
                                  fix="give each rank range(start, stop) of the layer's experts")
         if act not in ACTIVATIONS:
             raise ModelLoadError(f"MoE activation {act!r} is not supported", fix=f"use one of {ACTIVATIONS}")
-        if quant not in (None, "fp8"):
-            raise ModelLoadError(f"MoE weight format {quant!r} is not supported", fix="use quant=None or 'fp8'")
+        if quant not in (None, "fp8", "mxfp4"):
+            raise ModelLoadError(f"MoE weight format {quant!r} is not supported", fix="use quant=None, 'fp8' or 'mxfp4'")
+        if quant == "mxfp4" and (hidden % MXFP4_BLOCK or intermediate % MXFP4_BLOCK):
+            raise ModelLoadError(f"MXFP4 experts need hidden ({hidden}) and intermediate ({intermediate}) multiples of "
+                                 f"{MXFP4_BLOCK}", fix="load the experts dequantized (fp8_weights='auto')")
         if stacked_layout not in STACKED_LAYOUTS:
             raise ModelLoadError(f"stacked expert layout {stacked_layout!r} is unknown", fix=f"use one of {STACKED_LAYOUTS}")
         self.stacked_layout = stacked_layout
@@ -72,10 +85,18 @@ class FusedMoE(nn.Module):
         self.swiglu_limit = float(swiglu_limit or 0.0)  # > 0: gate and up clamped (DeepSeek-V4)
         self.expert_start, self.num_local = experts.start, len(experts)
         self.quant, self.block = quant, tuple(block)
-        self.ue8m0 = bool(quant) and ue8m0  # FP8 activation scales rounded up to powers of two (scale_fmt)
+        self.ue8m0 = quant == "fp8" and ue8m0  # FP8 activation scales rounded up to powers of two (scale_fmt)
         shapes = {"w13": (self.num_local, 2 * intermediate, hidden), "w2": (self.num_local, hidden, intermediate)}
         for name, shape in shapes.items():
-            if quant is None:
+            if quant == "mxfp4":
+                # Random codes and one scale giving the float experts' spread (init_std), as the FP8 branch.
+                n, k = shape[1], shape[2]
+                codes = torch.randint(0, 256, (self.num_local, n, k // 2), dtype=torch.int32).to(MXFP4)
+                exp = 127 + round(math.log2(init_std / _FP4_RMS))
+                setattr(self, name, nn.Parameter(codes, requires_grad=False))
+                setattr(self, name + "_scale_inv", nn.Parameter(
+                    torch.full((self.num_local, n, k // MXFP4_BLOCK), exp, dtype=MXFP4), requires_grad=False))
+            elif quant is None:
                 # Initialised (not torch.empty) so that load_format="random" models compute finite numbers.
                 setattr(self, name, nn.Parameter(torch.empty(shape).normal_(0, init_std)))
             else:
@@ -126,6 +147,8 @@ class FusedMoE(nn.Module):
         biases = {"w13_bias": self.w13_bias, "w2_bias": self.w2_bias} if self.w13_bias is not None else {}
         if self.quant is None:
             return biases
+        if self.quant == "mxfp4":
+            return {**biases, "w13_scale_inv": self.w13_scale_inv, "w2_scale_inv": self.w2_scale_inv}
         return {**biases, "w13_scale_inv": self.w13_scale_inv, "w2_scale_inv": self.w2_scale_inv, "block": self.block,
                 "ue8m0": self.ue8m0}
 
@@ -155,12 +178,18 @@ class FusedMoE(nn.Module):
             if tensor.shape[0] != self.num_experts:
                 raise WeightError(f"stacked expert tensor {full_name!r} has {tensor.shape[0]} experts, expected "
                                   f"{self.num_experts}", fix="the checkpoint does not match its config.json")
+            packed = parts[0].endswith(("_blocks", "_scales"))
+            if packed:
+                self._check_mxfp4(full_name, tensor)
             if getattr(self, param) is None:
                 raise WeightError(f"checkpoint tensor {full_name!r} is an expert bias, but these experts have none",
                                   fix="build the MoE with bias=True for this checkpoint")
-            if not param.endswith("_bias"):
+            if not packed and not param.endswith("_bias"):
                 self._check_format(full_name, tensor, False)
-            share = self._from_layout(param, tensor[self.expert_start : self.expert_start + self.num_local])
+            share = tensor[self.expert_start : self.expert_start + self.num_local]
+            if parts[0].endswith("_blocks"):  # [E, N, K/32, 16] -> [E, N, K/2], the same bytes
+                share = share.reshape(*share.shape[:2], -1)
+            share = self._packed_layout(param, share) if packed else self._from_layout(param, share)
             self._copy(getattr(self, param), share, full_name)
             halves = (0, 1) if param.startswith("w13") else (0,)
             self._loaded.update((param, e, h) for e in range(self.num_local) for h in halves)
@@ -188,6 +217,19 @@ class FusedMoE(nn.Module):
         self._copy(dst, tensor, full_name)
         self._loaded.add((param, e, half))
 
+    def _packed_layout(self, param: str, share: torch.Tensor) -> torch.Tensor:
+        """MXFP4 bytes or scales [E, N, ...] are stored by output row N already: only gpt-oss's interleaved
+        gate / up rows move."""
+        if self.stacked_layout == "interleaved_t" and param.startswith("w13"):
+            share = torch.cat([share[:, 0::2], share[:, 1::2]], dim=1)
+        return share
+
+    def _check_mxfp4(self, full_name: str, tensor: torch.Tensor) -> None:
+        if self.quant != "mxfp4" or tensor.dtype != MXFP4:
+            raise WeightError(f"expert tensor {full_name!r} ({tensor.dtype}) is MXFP4, but these experts are built "
+                              f"{self.quant or 'unquantized'}", fix="load MXFP4 checkpoints through models.mxfp4's "
+                              "plan (load_model does): it dequantizes them, or keeps them with fp8_weights='mxfp4'")
+
     def _from_layout(self, param: str, share: torch.Tensor) -> torch.Tensor:
         """A stacked checkpoint tensor's share of experts in this module's layout (``stacked_layout``)."""
         if self.stacked_layout == "gate_up":
@@ -199,6 +241,9 @@ class FusedMoE(nn.Module):
         return share
 
     def _check_format(self, full_name: str, tensor: torch.Tensor, scale: bool) -> None:
+        if self.quant == "mxfp4":
+            raise WeightError(f"expert tensor {full_name!r} ({tensor.dtype}) does not fit experts kept MXFP4",
+                              fix="keep experts MXFP4 (fp8_weights='mxfp4') only for an MXFP4 checkpoint")
         fp8 = self.quant == "fp8"
         if (scale and not fp8) or (not scale and fp8 != (tensor.dtype == FP8)):
             raise WeightError(

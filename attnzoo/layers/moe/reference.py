@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from attnzoo.layers.fp8 import GROUP as QUANT_GROUP
 from attnzoo.layers.fp8 import act_quant_reference
+from attnzoo.layers.mxfp4 import dequantize_packed
 
 
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_clamped")
@@ -14,6 +15,7 @@ ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_clamped")
 # to [-LIMIT, LIMIT], out = (up + 1) * gate * sigmoid(ALPHA * gate).
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 FP8 = torch.float8_e4m3fn
+MXFP4 = torch.uint8  # packed FP4 expert weights and their E8M0 scales (layers.mxfp4)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -56,7 +58,8 @@ def moe_reference(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expe
     """The per-expert loop: for each local expert with tokens, its gated MLP on those tokens.
 
     One float32 row per (token, slot), summed over the slots at the end: deterministic (no atomic
-    index_add) and accumulated in float32. FP8 weights are dequantized per expert; with
+    index_add) and accumulated in float32. FP8 and MXFP4 (uint8, ``fused_moe``'s layout) weights are
+    dequantized per expert; with
     ``quantize_activations`` (FP8 weights only) the GEMM inputs are rounded as the w8a8 kernel rounds
     them. ``w13_bias`` [E, 2I] / ``w2_bias`` [E, H] (gpt-oss) are added to each projection, the down
     one before the routing weight (``fp8.act_quant_reference``; scales powers of two under ``ue8m0``): the arithmetic of the
@@ -64,7 +67,8 @@ def moe_reference(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expe
     One host sync (the per-expert counts): this is the eager/CPU oracle, never captured.
     """
     t, k = topk_ids.shape
-    num_local, inter = w2.shape[0], w2.shape[2]
+    num_local = w2.shape[0]
+    inter = w2.shape[2] * (2 if w2.dtype == MXFP4 else 1)
     local = topk_ids.reshape(-1) - expert_start
     local = torch.where((local >= 0) & (local < num_local), local, num_local)  # others: a dropped bucket
     order = local.argsort(stable=True)
@@ -81,7 +85,9 @@ def moe_reference(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expe
         rows = order[start : start + n]
         start += n
         a, b = w13[e], w2[e]
-        if w13_scale_inv is not None:
+        if a.dtype == MXFP4:  # MXFP4 kept as stored: its exact values in the model dtype
+            a, b = dequantize_packed(a, w13_scale_inv[e], wdt), dequantize_packed(b, w2_scale_inv[e], wdt)
+        elif w13_scale_inv is not None:
             a = dequantize_block_fp8(a, w13_scale_inv[e], split=inter, block=block).to(wdt)
             b = dequantize_block_fp8(b, w2_scale_inv[e], split=b.shape[0], block=block).to(wdt)
         h = x[rows // k]

@@ -27,12 +27,27 @@ class MoEConfig:
     num_stages: int = 3
 
 
-def default_config(num_assignments: int, num_local: int, fp8: bool) -> MoEConfig:
+WEIGHT_FORMATS = ("bf16", "fp8", "mxfp4")  # the experts' stored format: the tables' "dtype=" and the kernel branch
+
+
+def weight_format(fmt) -> str:
+    """A weight format name; True / False (the former ``fp8`` flag) are "fp8" / "bf16"."""
+    if isinstance(fmt, bool):
+        return "fp8" if fmt else "bf16"
+    if fmt not in WEIGHT_FORMATS:
+        raise BackendError(f"MoE weight format {fmt!r} is unknown", fix=f"use one of {WEIGHT_FORMATS}")
+    return fmt
+
+
+def default_config(num_assignments: int, num_local: int, fp8) -> MoEConfig:
     """Tiles by the mean rows per expert (vLLM's defaults and tuned Hopper tables as the starting point):
     decode-sized groups use short blocks (few padded rows, many programs over N to stream the weights);
-    larger groups use square tiles. FP8 block-scaled GEMMs use BLOCK_K = 128, one scale per K step."""
+    larger groups use square tiles. FP8 block-scaled GEMMs use BLOCK_K = 128, one scale per K step; MXFP4
+    too (64 bytes of a weight row per K step, four E8M0 scales). ``fp8``: a weight format or the FP8 flag."""
+    fmt = weight_format(fp8)
+    fp8 = fmt == "fp8"
     per_expert = num_assignments / max(num_local, 1)
-    bk = 128 if fp8 else 64
+    bk = 64 if fmt == "bf16" else 128
     if per_expert <= 16:
         return MoEConfig(16, 64, bk, 1, 4, 4)
     if per_expert <= 48:
@@ -57,18 +72,27 @@ def gpu_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
-def check_config(cfg: MoEConfig, fp8: bool, where: str) -> MoEConfig:
+def check_config(cfg: MoEConfig, fp8, where: str) -> MoEConfig:
     """A tile the kernels can run: powers of two, BLOCK_M >= 16 (tensor-core rows), FP8 K tiles inside one
-    128-channel scale group and >= 32 (Triton's smallest K for an 8-bit tl.dot on NVIDIA GPUs)."""
+    128-channel scale group and >= 32 (Triton's smallest K for an 8-bit tl.dot on NVIDIA GPUs), MXFP4 K
+    tiles whole 32-value scale groups. ``fp8``: a weight format or the FP8 flag."""
+    fmt = weight_format(fp8)
+    fp8 = fmt == "fp8"
     ints = [cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_warps, cfg.num_stages]
     pow2 = all(isinstance(v, int) and v > 0 and v & (v - 1) == 0 for v in ints[:5])
     if not (pow2 and isinstance(cfg.num_stages, int) and 1 <= cfg.num_stages <= 8 and cfg.block_m >= 16
             and cfg.block_n >= 16 and cfg.block_k >= 16
-            and (not fp8 or (QUANT_GROUP % cfg.block_k == 0 and cfg.block_k >= 32))):
+            and (not fp8 or (QUANT_GROUP % cfg.block_k == 0 and cfg.block_k >= 32))
+            and (fmt != "mxfp4" or cfg.block_k >= 32)):
         raise BackendError(f"MoE tile config {cfg} in {where} cannot run", fix=(
-            "use powers of two (BLOCK_M/N/K >= 16; FP8 BLOCK_K 32, 64 or 128) and 1-8 stages, or delete the entry "
+            "use powers of two (BLOCK_M/N/K >= 16; FP8 BLOCK_K 32, 64 or 128; MXFP4 BLOCK_K >= 32) and 1-8 stages, "
+            "or delete the entry "
             "and re-run benchmarks/moe.py --sweep"))
     return cfg
+
+
+def _key_format(key: str) -> str:
+    return next((f for f in WEIGHT_FORMATS if key.endswith(f"dtype={f}")), "bf16")
 
 
 def read_tile_table(path: Path) -> dict:
@@ -78,8 +102,8 @@ def read_tile_table(path: Path) -> dict:
         names = {f.name for f in fields(MoEConfig)}
         configs = {}
         for key, by_m in raw["configs"].items():
-            fp8 = key.endswith("dtype=fp8")
-            configs[key] = {int(m): check_config(MoEConfig(**{n: c[n] for n in names}), fp8, f"{path} [{key}][{m}]")
+            fmt = _key_format(key)
+            configs[key] = {int(m): check_config(MoEConfig(**{n: c[n] for n in names}), fmt, f"{path} [{key}][{m}]")
                             for m, c in by_m.items()}
         return {"device": str(raw["device"]), "sm": str(raw["sm"]), "configs": configs}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -93,7 +117,7 @@ def write_tile_table(path: Path, device_name: str, sm: str, configs: dict[str, d
     merged = read_tile_table(path)["configs"] if path.exists() else {}
     for key, by_m in configs.items():
         for m, c in by_m.items():
-            check_config(c, key.endswith("dtype=fp8"), f"{path} [{key}][{m}]")
+            check_config(c, _key_format(key), f"{path} [{key}][{m}]")
         merged.setdefault(key, {}).update(by_m)
     body = {key: {str(m): vars(c) for m, c in sorted(by_m.items())} for key, by_m in sorted(merged.items())}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -124,13 +148,15 @@ def _device_ids(device_index: int) -> tuple[str, str]:
     return props.name, f"{props.major}{props.minor}"
 
 
-def tile_config(num_tokens: int, top_k: int, num_local: int, hidden: int, intermediate: int, fp8: bool,
+def tile_config(num_tokens: int, top_k: int, num_local: int, hidden: int, intermediate: int, fp8,
                 device: torch.device, tables_dir: Path = TILE_TABLES) -> MoEConfig:
     """The grouped GEMMs' tiles for T tokens: a shipped tuned table (``moe_configs/``) where one matches
-    this GPU and shape, else ``default_config``."""
+    this GPU and shape, else ``default_config``. ``fp8``: the weight format ("bf16", "fp8", "mxfp4") or
+    the FP8 flag."""
+    fp8 = weight_format(fp8)
     if device.type == "cuda":
         name, sm = _device_ids(device.index if device.index is not None else torch.cuda.current_device())
-        key = tile_key(num_local, intermediate, hidden, "fp8" if fp8 else "bf16")
+        key = tile_key(num_local, intermediate, hidden, fp8)
         cfg = pick_config(_tables(tables_dir), name, sm, key, num_tokens)
         if cfg is not None:
             return cfg
