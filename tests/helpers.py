@@ -2,6 +2,9 @@
 of our model against the transformers reference (float32 logits, greedy tokens)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -79,3 +82,9 @@ def greedy_logit_gap(outs, ref_outs) -> float:
         first = next((j for j, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), len(x.token_ids) - 1)
         gap = max(gap, (x.logits[: first + 1].float() - y.logits[: first + 1].float()).abs().max().item())
     return gap
+
+
+def fresh_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``code`` run by a fresh interpreter that imports this checkout's attnzoo (stdout, stderr captured)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)

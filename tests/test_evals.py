@@ -16,8 +16,6 @@ import json
 import math
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +34,7 @@ GSM8K_DIR = Path(os.environ.get("ATTNZOO_GSM8K_DIR", REPO.parent / "shared" / "d
 HF_REFERENCE = REPO / "tests" / "data" / "gsm8k_hf_reference.json"
 # Questions the SmolLM2 acceptance run uses (CPU time grows linearly; the reference holds 50).
 SMOL_QUESTIONS = int(os.environ.get("ATTNZOO_EVAL_QUESTIONS", "16"))
+from helpers import fresh_python
 
 
 # ------------------------------------------------------------------------------ statistics
@@ -498,8 +497,7 @@ def test_importing_the_model_module_registers_it_and_nothing_else_does():
             "from lm_eval.api.registry import get_model\n"
             "assert get_model('attnzoo') is m.AttnzooLM and get_model('hf').__name__ == 'HFLM'\n"
             "m.register(); assert get_model('attnzoo') is m.AttnzooLM\n")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    res = fresh_python(code)
     assert res.returncode == 0, res.stderr[-2000:]
 
 

@@ -2,8 +2,6 @@
 ~23 s, every line printed twice), naming --data-dir; library log lines print once. No network is used: the
 Hub is made unreachable by the same check the code makes."""
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from attnzoo import network  # noqa: E402
 from attnzoo.errors import EvalError  # noqa: E402
 
 RETRY_SECONDS = 23  # huggingface_hub's backoff over its 5 retries: 1 + 2 + 4 + 8 + 8
+from helpers import fresh_python
 
 
 @pytest.fixture
@@ -76,8 +75,7 @@ def test_library_log_lines_print_once():
             "logging.getLogger('huggingface_hub.utils._http').warning('hub line')\n"
             "logging.getLogger('datasets.load').warning('datasets line')\n"
             "logging.getLogger('attnzoo').info('our line')\n")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    res = fresh_python(code)
     assert res.returncode == 0, res.stderr[-2000:]
     lines = res.stderr.splitlines()
     assert [lines.count(x) for x in ("hub line", "datasets line", "our line")] == [1, 1, 1], lines
