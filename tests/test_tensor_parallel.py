@@ -253,6 +253,7 @@ def test_spawn_route_matches_single_process(checkpoints):
         from attnzoo.engine.online import OnlineEngine
         from attnzoo.engine.sampling import SamplingParams
 
+        assert llm.warm_up()["eager"] >= 1  # attnzoo serve's warm-up: a rank-0 call the other rank follows
         online = OnlineEngine(llm)
         handles = [online.submit(llm._encode(p), SamplingParams(STEPS, ignore_eos=True)) for p in PROMPTS]
         assert [h.result(120).token_ids for h in handles] == ref["tokens"]
