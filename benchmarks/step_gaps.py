@@ -49,7 +49,8 @@ def main(argv=None):
     data = json.loads((Path(__file__).parent / "data" / "gsm8k_8shot_tokens.json").read_text())
     prompts = [data["prefix"] + q for q in data["questions"]][: args.prompts]
     llm = attnzoo.load_model(cfg, load_format="random", dtype="bfloat16", device="cuda", max_running=max(args.prompts, 1))
-    llm.generate(prompts, max_new_tokens=args.steps + 1, ignore_eos=True)  # warm: graphs, prefix cache
+    for _ in range(3):  # warm: the prefix cache, and graphs, captured once a batch size was seen (capture_after)
+        llm.generate(prompts, max_new_tokens=args.steps + 1, ignore_eos=True)
     torch.cuda.synchronize()
     t = time.perf_counter()
     llm.generate(prompts, max_new_tokens=args.steps + 1, ignore_eos=True)
