@@ -235,26 +235,26 @@ class KVPool:
         for lid, spec in enumerate(specs):
             if spec is None or (spec.shared_from is not None and not spec.index_head_dim):
                 continue
-            n = num_window_pages if lid in self._window_layers else num_pages
-            parts = {}
+            group = "window" if lid in self._window_layers else "full"
+            n = num_window_pages if group == "window" else num_pages
+            parts = {}  # name -> (shape, page group)
             if spec.shared_from is None:
-                parts["k"] = (n, spec.num_kv_heads, page_size, spec.head_dim)
+                parts["k"] = ((n, spec.num_kv_heads, page_size, spec.head_dim), group)
             if spec.shared_from is None and not spec.v_from_k:
-                parts["v"] = (n, spec.num_kv_heads, page_size, spec.v_head_dim)
+                parts["v"] = ((n, spec.num_kv_heads, page_size, spec.v_head_dim), group)
             if spec.index_head_dim:
-                parts["index_k"] = (n, page_size, spec.index_head_dim)
+                parts["index_k"] = ((n, page_size, spec.index_head_dim), group)
             if spec.state_dim:
-                parts["state"] = (n, page_size, spec.state_dim)
+                parts["state"] = ((n, page_size, spec.state_dim), group)
             if spec.compress_rate:  # full group: entries outlive the window
-                parts["compressed"] = (num_pages, spec.entries_per_page(page_size), spec.compressed_dim)
+                parts["compressed"] = ((num_pages, spec.entries_per_page(page_size), spec.compressed_dim), "full")
                 if spec.index_compressed_dim:
-                    parts["index_compressed"] = (num_pages, spec.entries_per_page(page_size),
-                                                 spec.index_compressed_dim)
+                    parts["index_compressed"] = ((num_pages, spec.entries_per_page(page_size),
+                                                  spec.index_compressed_dim), "full")
             layout[lid] = {}
-            for name, shape in parts.items():
+            for name, (shape, part_group) in parts.items():
                 layout[lid][name] = (offset, shape)
-                in_window = lid in self._window_layers and name not in ("compressed", "index_compressed")
-                groups[lid, name] = "window" if in_window else "full"
+                groups[lid, name] = part_group
                 nbytes = elt * torch.Size(shape).numel()
                 offset += -(-nbytes // _ALIGN) * _ALIGN
         self.nbytes = offset
