@@ -53,7 +53,8 @@ def make_prompts(args) -> list[tuple[list[int], int]]:
                 for _ in range(args.num_prompts)]
     data = json.loads(Path(args.gsm8k_tokens).read_text())
     qs = data["questions"]
-    return [(data["prefix"] + qs[i % len(qs)], args.output_len) for i in range(args.num_prompts)]
+    first = rng.randrange(len(qs)) if args.seed else 0  # seed 0: the first questions, as before
+    return [(data["prefix"] + qs[(first + i) % len(qs)], args.output_len) for i in range(args.num_prompts)]
 
 
 async def _sse_lines(url: str, body: dict, api_key: str | None):
