@@ -59,12 +59,12 @@ def align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, n, expert_start
 
 @triton.jit
 def _e2m1(code):
-    # FP4 e2m1 code (int32, 0..15) -> its exact bfloat16: bit 3 the sign, bits 2-1 the exponent e, bit 0 the
-    # mantissa m. A normal code (e > 0) is 2^(e-1) (1 + m/2): bf16 exponent field e + 126 and mantissa bit m,
-    # i.e. the code's low 3 bits at bit 6 plus 126 << 7; the subnormal codes are 0 and 0.5 (126 << 7).
-    em = code & 7
-    bits = tl.where(em < 2, em * 16128, (em << 6) + 16128) | ((code & 8) << 12)
-    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    # FP4 e2m1 code (int32, 0..15) -> float32: bit 3 the sign, bits 2-1 the exponent, bit 0 the mantissa;
+    # exponent 0 is subnormal (0 or 0.5). 4 * |value| is the integer 2m (subnormal) or (2 + m) << e.
+    e = (code >> 1) & 3
+    m = code & 1
+    q = tl.where(e == 0, 2 * m, (2 + m) << e).to(tl.float32) * 0.25
+    return tl.where((code & 8) != 0, -q, q)
 
 
 @triton.jit
@@ -117,32 +117,28 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, bias
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if B_MXFP4:
         # B is packed bytes [E, N, K / 2] (two e2m1 codes per byte, the even k in the low nibble) with E8M0
-        # scales [E, N, K / 32] (b_scale_ptr / stride_bs*). Per group of 32 inputs (one scale per column):
-        # A's even and odd columns (strided loads) times the low and high nibbles, so the codes are never
-        # interleaved back into K order, and the scale multiplies the group's float32 partial sum.
-        offs_j = tl.arange(0, 16)
-        a_ptrs = a_ptr + a_rows[:, None] * stride_am + (2 * offs_j)[None, :] * stride_ak
-        b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_j[:, None] * stride_bk
-        b_s_ptrs = b_scale_ptr + expert * stride_bse + offs_n.to(tl.int64) * stride_bsn
+        # scales [E, N, K / 32] (b_scale_ptr / stride_bs*). A K tile's bytes are read as [BLOCK_N, BLOCK_K / 2]
+        # (contiguous along K, as A's rows are), decoded, and the nibbles interleaved back into K order.
+        offs_j = tl.arange(0, BLOCK_K // 2)
+        b_ptrs = b_ptr + expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_j[None, :] * stride_bk
+        b_s_ptrs = (b_scale_ptr + expert * stride_bse + offs_n[:, None].to(tl.int64) * stride_bsn
+                    + (offs_j // 16)[None, :] * stride_bsk)
         for k0 in range(0, K, BLOCK_K):
-            for g in tl.static_range(BLOCK_K // 32):
-                kg = k0 + 32 * g
-                a_ok = row_ok[:, None] & (2 * offs_j < K - kg)[None, :]
-                a_even = tl.load(a_ptrs + kg * stride_ak, mask=a_ok, other=0.0)
-                a_odd = tl.load(a_ptrs + (kg + 1) * stride_ak, mask=a_ok, other=0.0)
-                b_ok = (2 * offs_j < K - kg)[:, None] & n_ok[None, :]
-                packed = tl.load(b_ptrs + (kg // 2) * stride_bk, mask=b_ok, other=0).to(tl.int32)  # [16, BLOCK_N]
-                lo, hi = _e2m1(packed & 0xF).to(a_even.dtype), _e2m1(packed >> 4).to(a_even.dtype)
-                s_ok = n_ok & (offs_n * 0 + kg < K)  # a group past K (BLOCK_K not dividing K) reads scale 1
-                scale = _e8m0(tl.load(b_s_ptrs + (kg // 32) * stride_bsk, mask=s_ok, other=127).to(tl.int32))
-                if F32_OPERANDS:
-                    d = tl.dot(a_even.to(tl.float32), lo.to(tl.float32), input_precision="ieee")
-                    d = tl.dot(a_odd.to(tl.float32), hi.to(tl.float32), d, input_precision="ieee")
-                elif IEEE:
-                    d = tl.dot(a_odd, hi, tl.dot(a_even, lo, input_precision="ieee"), input_precision="ieee")
-                else:
-                    d = tl.dot(a_odd, hi, tl.dot(a_even, lo))
-                acc += d * scale[None, :]
+            k_ok = offs_k < K - k0
+            b_ok = n_ok[:, None] & (2 * offs_j < K - k0)[None, :]
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            packed = tl.load(b_ptrs, mask=b_ok, other=0).to(tl.int32)
+            scale = _e8m0(tl.load(b_s_ptrs, mask=b_ok, other=127).to(tl.int32))
+            b = tl.trans(tl.interleave(_e2m1(packed & 0xF) * scale, _e2m1(packed >> 4) * scale)).to(a.dtype)
+            if F32_OPERANDS:
+                acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            elif IEEE:
+                acc += tl.dot(a, b, input_precision="ieee")
+            else:
+                acc += tl.dot(a, b)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += (BLOCK_K // 2) * stride_bk
+            b_s_ptrs += (BLOCK_K // 32) * stride_bsk
     else:
         for k0 in range(0, K, BLOCK_K):
             k_ok = offs_k < K - k0
