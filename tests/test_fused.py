@@ -10,6 +10,7 @@ from attnzoo.layers import fused
 from attnzoo.models.common import RMSNorm
 from helpers import random_prompts, save_checkpoint
 from test_deepseek import tiny_v2
+from test_deepseek_v4 import MODELS as V4_MODELS, tiny_v4
 from test_gemma4 import dense_31b_like, e2b_like
 from test_llama import tiny_llama
 
@@ -81,6 +82,21 @@ def test_act_and_mul(dtype, act):
     x = randn(7, 2 * 24, dtype=dtype, scale=4.0)
     check(lambda: fused.act_and_mul(x, act), dtype)
     check(lambda: fused.act_and_mul(x[:0], act), dtype)  # an empty step
+
+
+@pytest.mark.parametrize("n,iters,t", [(4, 20, 37), (4, 1, 1), (3, 5, 33)])
+def test_hc_weights(n, iters, t):
+    """DeepSeek-V4's hyper-connection weights: sigmoid pre/post and the Sinkhorn-projected comb, over a
+    row count that is not a multiple of the kernel's block; n = 3 pads the n x n tile to 4 x 4."""
+    mixes = randn(t, (2 + n) * n, dtype=torch.float32, scale=2.0)
+    scale, base = randn(3, dtype=torch.float32, seed=1) + 1.0, randn((2 + n) * n, dtype=torch.float32, seed=2)
+    check(lambda: fused.hc_weights(mixes, scale, base, n=n, iters=iters, eps=1e-6), torch.float32)
+    with fused.use("triton"):
+        pre, post, comb = fused.hc_weights(mixes, scale, base, n=n, iters=iters, eps=1e-6)
+    # after the last column step every column sums to 1 (up to eps)
+    torch.testing.assert_close(comb.sum(dim=-2), torch.ones(t, n, device=DEV), rtol=1e-5, atol=1e-5)
+    with pytest.raises(BackendError, match="float32 mixes"):
+        fused.hc_weights(mixes.bfloat16(), scale, base, n=n, iters=iters, eps=1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -176,19 +192,21 @@ def test_use_rejects_unknown_implementation():
 
 
 # Whole models: every fused op in its place (merged qkv / gate_up projections, residual stream through
-# add_and_norm, Gemma's post-norms and per-head norms, interleaved MLA RoPE, partial RoPE).
+# add_and_norm, Gemma's post-norms and per-head norms, interleaved MLA RoPE, partial RoPE, V4's mHC weights).
 MODELS = {
     "llama": lambda: tiny_llama(heads=4, kv_heads=2, head_dim=32),
     "gemma4-dense-k_eq_v": dense_31b_like,
     "gemma4-ple-shared-kv": e2b_like,
     "deepseek-v2": lambda: tiny_v2(num_hidden_layers=2),
+    "deepseek-v4-hyper-connections": lambda: tiny_v4(*V4_MODELS["all-kinds"]),
 }
 
 
 def generate(path, impl, dtype, steps, backend="torch"):
     with fused.use(impl):  # around loading too: CUDA graphs are captured with the ops of their time
         llm = attnzoo.load_model(path, backend=backend, device=DEV, dtype=dtype, page_size=16)
-        out = llm.generate(random_prompts(160, [9], seed=3), max_new_tokens=steps, ignore_eos=True, return_logits=True)
+        prompts = random_prompts(min(160, llm.config_vocab_size), [9], seed=3)
+        out = llm.generate(prompts, max_new_tokens=steps, ignore_eos=True, return_logits=True)
     return out[0]
 
 

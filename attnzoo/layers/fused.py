@@ -6,7 +6,9 @@
 * ``act_and_mul``: silu(gate) * up or gelu_tanh(gate) * up from one [T, 2I] gate_up projection;
 * ``rope``: rotate-half or interleaved-pair RoPE of q and k in one launch (partial RoPE too);
 * ``norm_rope``: per-head RMSNorms of q, k and v, then RoPE of q and k, in one launch (Gemma 4);
-* ``softcap``: float32 logits tanh(x / cap) * cap from the LM head's output (Gemma's final soft-cap).
+* ``softcap``: float32 logits tanh(x / cap) * cap from the LM head's output (Gemma's final soft-cap);
+* ``hc_weights``: DeepSeek-V4's hyper-connection weights (pre, post, Sinkhorn-projected comb) from the
+  projected streams, where torch launches ~6 kernels per Sinkhorn iteration.
 
 The torch functions here are the reference: they run on CPU tensors and are the oracle the Triton
 kernels (``fused_kernels``, used for CUDA tensors) are tested against. ``use("torch")`` runs the
@@ -128,6 +130,19 @@ def softcap_ref(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x.float() / cap) * cap
 
 
+def hc_weights_ref(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int, eps: float):
+    pre, post, comb = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre = torch.sigmoid(pre * scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post * scale[1] + post_b)
+    comb = torch.softmax(comb.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):  # Sinkhorn-Knopp: rows, then columns, sum to 1
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
 # ----------------------------------------------------------------------------------------------
 # the ops
 
@@ -199,3 +214,16 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     where torch makes four (the float copy, the divide, tanh, the multiply), each over [tokens, vocab]."""
     k = _triton(x)
     return softcap_ref(x, cap) if k is None else k.softcap(x, cap)
+
+
+def hc_weights(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, n: int, iters: int, eps: float):
+    """DeepSeek-V4 mHC: mixes [T, (2 + n) n] float32 (the normed streams' projection), scale [3], base
+    [(2 + n) n] -> pre [T, n] = sigmoid + eps, post [T, n] = 2 sigmoid, comb [T, n, n] = softmax over the
+    last axis + eps, then normalized over columns, rows and columns (``iters`` Sinkhorn steps in all)."""
+    if mixes.dtype != torch.float32 or mixes.shape[-1] != (2 + n) * n:
+        raise BackendError(f"hc_weights wants float32 mixes [T, {(2 + n) * n}], got {mixes.dtype} {list(mixes.shape)}",
+                           fix="project the float32 normed streams with the (2 + n) n x (n hidden) matrix")
+    k = _triton(mixes)
+    if k is None:
+        return hc_weights_ref(mixes, scale, base, n, iters, eps)
+    return k.hc_weights(mixes, scale, base, n, iters, eps)

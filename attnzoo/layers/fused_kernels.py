@@ -166,6 +166,53 @@ def softcap(x, cap: float):
 
 
 @triton.jit
+def _hc_weights_kernel(MIX, SCALE, BASE, PRE, POST, COMB, T, stride_m, eps, iters,
+                       N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
+    # BLOCK_T rows of mixes -> pre, post [T, N] and comb [T, N, N] (fused.hc_weights_ref); NP = N padded to a
+    # power of two, the padding masked out of every softmax and Sinkhorn sum.
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    r_ok = rows < T
+    j = tl.arange(0, NP)
+    m = r_ok[:, None] & (j < N)[None, :]
+    s0, s1, s2 = tl.load(SCALE), tl.load(SCALE + 1), tl.load(SCALE + 2)
+    row = MIX + rows.to(tl.int64)[:, None] * stride_m
+    pre = tl.load(row + j[None, :], mask=m, other=0.0) * s0 + tl.load(BASE + j, mask=j < N, other=0.0)[None, :]
+    tl.store(PRE + rows[:, None] * N + j[None, :], tl.sigmoid(pre) + eps, mask=m)
+    post = tl.load(row + N + j[None, :], mask=m, other=0.0) * s1 + tl.load(BASE + N + j, mask=j < N, other=0.0)[None, :]
+    tl.store(POST + rows[:, None] * N + j[None, :], 2 * tl.sigmoid(post), mask=m)
+    a = tl.arange(0, NP)[:, None]
+    b = tl.arange(0, NP)[None, :]
+    ab_ok = (a < N) & (b < N)  # [NP, NP]
+    off = 2 * N + a * N + b
+    c = tl.load(row[:, :, None] + off[None, :, :], mask=r_ok[:, None, None] & ab_ok[None, :, :], other=0.0)
+    c = c * s2 + tl.load(BASE + off, mask=ab_ok, other=0.0)[None, :, :]
+    c = tl.where(ab_ok[None, :, :], c, -1e30)  # finite: a padding row's max is then no -inf (no inf - inf)
+    e = tl.exp(c - tl.max(c, axis=2)[:, :, None])
+    c = tl.where(ab_ok[None, :, :], e / tl.sum(e, axis=2)[:, :, None] + eps, 0.0)
+    c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
+    for _ in range(iters - 1):
+        c = c / (tl.sum(c, axis=2)[:, :, None] + eps)
+        c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
+    tl.store(COMB + rows[:, None, None] * (N * N) + (a * N + b)[None, :, :], c,
+             mask=r_ok[:, None, None] & ab_ok[None, :, :])
+
+
+def hc_weights(mixes, scale, base, n: int, iters: int, eps: float):
+    """mixes [T, (2 + n) n] float32 -> (pre [T, n], post [T, n], comb [T, n, n]), float32."""
+    mixes = mixes if mixes.stride(-1) == 1 else mixes.contiguous()
+    t = mixes.shape[0]
+    pre = torch.empty(t, n, dtype=torch.float32, device=mixes.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty(t, n, n, dtype=torch.float32, device=mixes.device)
+    if t:
+        block_t = 32
+        _hc_weights_kernel[(triton.cdiv(t, block_t),)](
+            mixes, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, t, mixes.stride(0),
+            float(eps), int(iters), N=n, NP=next_pow2(n), BLOCK_T=block_t, num_warps=4)
+    return pre, post, comb
+
+
+@triton.jit
 def _rope_tile(X, OUT, COS, SIN, W, t, h0, stride_t, stride_h, stride_ct, eps, offset,
                HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                PASS_PAD: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,

@@ -30,6 +30,7 @@ from attnzoo.attention.compressed import CompressedAttention
 from attnzoo.attention.compressor import Compressor, CSACompressor, V4Rope
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.errors import ModelLoadError
+from attnzoo.layers import fused
 from attnzoo.layers.moe import FusedMoE
 from attnzoo.layers.parallel import ParallelLMHead, VocabParallelEmbedding
 from attnzoo.models.common import CausalLM, MergedLinear, RMSNorm
@@ -123,15 +124,8 @@ class HyperConnection(nn.Module):
         n = self.n
         flat = streams.flatten(1).float()
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
-        pre, post, comb = F.linear(flat, self.fn.float()).split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre = torch.sigmoid(pre * self.scale[0] + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post * self.scale[1] + post_b)
-        comb = torch.softmax(comb.view(-1, n, n) * self.scale[2] + comb_b.view(n, n), dim=-1) + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):  # Sinkhorn-Knopp: rows, then columns, sum to 1
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        pre, post, comb = fused.hc_weights(F.linear(flat, self.fn.float()), self.scale, self.base, n=n,
+                                           iters=self.iters, eps=self.eps)
         return post, comb, (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
