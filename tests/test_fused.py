@@ -100,6 +100,24 @@ def test_hc_weights(n, iters, t):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [4, 3])
+def test_hc_collapse_and_mix(dtype, n):
+    """The streams collapsed with pre, and a block output spread back with post while comb mixes the
+    streams (comb transposed: stream k takes sum_j comb[j, k] stream_j); 700 channels: a partial block."""
+    t, hidden = 5, 700
+    streams = randn(t, n, hidden, dtype=dtype)
+    out = randn(t, hidden, dtype=dtype, seed=1)
+    pre = torch.rand(t, n, generator=torch.Generator().manual_seed(2)).to(DEV)
+    comb = torch.rand(t, n, n, generator=torch.Generator().manual_seed(3)).to(DEV)
+    check(lambda: fused.hc_collapse(streams, pre), dtype)
+    check(lambda: fused.hc_mix(streams, pre, comb, out), dtype)
+    with fused.use("torch"):  # the reference itself: comb's transpose
+        mixed = fused.hc_mix(streams, torch.zeros_like(pre), comb, out).float()
+    expect = torch.einsum("tjk,tjh->tkh", comb.to(dtype).float(), streams.float())
+    torch.testing.assert_close(mixed, expect, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_softcap(dtype):
     """Gemma's final logit soft-cap, float32 out from any input dtype; a length that is not a multiple of
     the kernel's block; +-inf map to +-cap and NaN stays NaN, as torch's tanh does."""

@@ -8,7 +8,9 @@
 * ``norm_rope``: per-head RMSNorms of q, k and v, then RoPE of q and k, in one launch (Gemma 4);
 * ``softcap``: float32 logits tanh(x / cap) * cap from the LM head's output (Gemma's final soft-cap);
 * ``hc_weights``: DeepSeek-V4's hyper-connection weights (pre, post, Sinkhorn-projected comb) from the
-  projected streams, where torch launches ~6 kernels per Sinkhorn iteration.
+  projected streams, where torch launches ~6 kernels per Sinkhorn iteration;
+* ``hc_collapse`` / ``hc_mix``: the streams collapsed into a block's input, and the block's output spread
+  back over the streams they mix (torch: a broadcast product and a sum; a batched n x n matmul and an add).
 
 The torch functions here are the reference: they run on CPU tensors and are the oracle the Triton
 kernels (``fused_kernels``, used for CUDA tensors) are tested against. ``use("torch")`` runs the
@@ -143,6 +145,16 @@ def hc_weights_ref(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
     return pre, post, comb
 
 
+def hc_collapse_ref(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+def hc_mix_ref(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    # sum_j comb[j, k] * stream_j: comb is applied transposed (it is not symmetric).
+    dt = streams.dtype
+    return post.to(dt).unsqueeze(-1) * out.unsqueeze(1) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
+
+
 # ----------------------------------------------------------------------------------------------
 # the ops
 
@@ -227,3 +239,16 @@ def hc_weights(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, 
     if k is None:
         return hc_weights_ref(mixes, scale, base, n, iters, eps)
     return k.hc_weights(mixes, scale, base, n, iters, eps)
+
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """streams [T, n, H] with pre [T, n] float32 -> sum_j pre[:, j] * streams[:, j] [T, H] in streams' dtype."""
+    k = _triton(streams)
+    return hc_collapse_ref(streams, pre) if k is None else k.hc_collapse(streams, pre)
+
+
+def hc_mix(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """New streams [T, n, H]: stream k = post[:, k] * out + sum_j comb[:, j, k] * streams[:, j], for the
+    block output out [T, H]; post and comb float32, rounded to streams' dtype as the reference rounds them."""
+    k = _triton(streams)
+    return hc_mix_ref(streams, post, comb, out) if k is None else k.hc_mix(streams, post, comb, out)

@@ -213,6 +213,59 @@ def hc_weights(mixes, scale, base, n: int, iters: int, eps: float):
 
 
 @triton.jit
+def _hc_streams_kernel(S, PRE, COMB, O, OUT, H, stride_st, stride_sn, stride_ot, stride_outt, stride_outn,
+                       N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr, MIX: tl.constexpr):
+    # One token's streams over BLOCK channels. MIX: OUT[k] = PRE[k] * O + sum_j COMB[j, k] S[j] with the
+    # reference's rounding points (weights, product and matmul in the streams' dtype); else the collapse
+    # OUT = sum_j PRE[j] S[j] in float32.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    h_ok = h < H
+    j = tl.arange(0, NP)
+    m = (j < N)[:, None] & h_ok[None, :]
+    s = tl.load(S + t * stride_st + j[:, None] * stride_sn + h[None, :], mask=m, other=0.0)  # [NP, BLOCK]
+    pre = tl.load(PRE + t * N + j, mask=j < N, other=0.0)  # [NP]
+    if MIX:
+        dt = s.dtype
+        a = tl.arange(0, NP)[:, None]
+        b = tl.arange(0, NP)[None, :]
+        comb = tl.load(COMB + t * (N * N) + a * N + b, mask=(a < N) & (b < N), other=0.0).to(dt).to(tl.float32)
+        mixed = tl.sum(comb[:, :, None] * s.to(tl.float32)[:, None, :], axis=0).to(dt)  # [NP (k), BLOCK]
+        o = tl.load(O + t * stride_ot + h, mask=h_ok, other=0.0)
+        spread = (pre.to(dt).to(tl.float32)[:, None] * o.to(tl.float32)[None, :]).to(dt)
+        new = spread.to(tl.float32) + mixed.to(tl.float32)
+        tl.store(OUT + t * stride_outt + j[:, None] * stride_outn + h[None, :], new.to(OUT.dtype.element_ty), mask=m)
+    else:
+        x = tl.sum(pre[:, None] * s.to(tl.float32), axis=0)
+        tl.store(OUT + t * stride_outt + h, x.to(OUT.dtype.element_ty), mask=h_ok)
+
+
+def _hc_streams(streams, pre, comb, out):
+    streams = streams if streams.stride(-1) == 1 else streams.contiguous()
+    t, n, hidden = streams.shape
+    block = min(512, next_pow2(hidden))
+    mix = comb is not None
+    res = torch.empty_like(streams) if mix else torch.empty(t, hidden, dtype=streams.dtype, device=streams.device)
+    if t:
+        o = out.contiguous() if mix else streams
+        _hc_streams_kernel[(t, triton.cdiv(hidden, block))](
+            streams, pre.float().contiguous(), comb.float().contiguous() if mix else pre, o, res, hidden,
+            streams.stride(0), streams.stride(1), o.stride(0), res.stride(0), res.stride(1) if mix else 0,
+            N=n, NP=next_pow2(n), BLOCK=block, MIX=mix, num_warps=4)
+    return res
+
+
+def hc_collapse(streams, pre):
+    """streams [T, n, H], pre [T, n] -> [T, H]."""
+    return _hc_streams(streams, pre, None, None)
+
+
+def hc_mix(streams, post, comb, out):
+    """streams [T, n, H], post [T, n], comb [T, n, n], out [T, H] -> [T, n, H]."""
+    return _hc_streams(streams, post, comb, out)
+
+
+@triton.jit
 def _rope_tile(X, OUT, COS, SIN, W, t, h0, stride_t, stride_h, stride_ct, eps, offset,
                HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                PASS_PAD: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,

@@ -126,7 +126,7 @@ class HyperConnection(nn.Module):
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
         pre, post, comb = fused.hc_weights(F.linear(flat, self.fn.float()), self.scale, self.base, n=n,
                                            iters=self.iters, eps=self.eps)
-        return post, comb, (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, fused.hc_collapse(streams, pre)
 
 
 class HyperHead(nn.Module):
@@ -143,8 +143,7 @@ class HyperHead(nn.Module):
         flat = streams.flatten(1).float()
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
         mixes = F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()
-        pre = torch.sigmoid(mixes) + self.eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return fused.hc_collapse(streams, torch.sigmoid(mixes) + self.eps)
 
 
 class Router(nn.Module):
@@ -213,17 +212,11 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc, self.ffn_hc = HyperConnection(config), HyperConnection(config)
 
-    @staticmethod
-    def _mix(streams, post, comb, out):
-        # sum_j comb[j, k] * stream_j: comb is applied transposed (it is not symmetric).
-        dt = streams.dtype
-        return post.to(dt).unsqueeze(-1) * out.unsqueeze(1) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
-
     def forward(self, streams, positions, input_ids, ctx):
         post, comb, x = self.attn_hc(streams)
-        streams = self._mix(streams, post, comb, self.self_attn(self.input_layernorm(x), positions, ctx))
+        streams = fused.hc_mix(streams, post, comb, self.self_attn(self.input_layernorm(x), positions, ctx))
         post, comb, x = self.ffn_hc(streams)
-        return self._mix(streams, post, comb, self.mlp(self.post_attention_layernorm(x), input_ids))
+        return fused.hc_mix(streams, post, comb, self.mlp(self.post_attention_layernorm(x), input_ids))
 
 
 class DeepseekV4Model(nn.Module):
