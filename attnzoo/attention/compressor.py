@@ -36,13 +36,15 @@ class V4Rope(nn.Module):
         return f.cos() * self.scaling, f.sin() * self.scaling
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, ..., D] with cos/sin [T, rope_dim / 2]; sin negated un-rotates."""
+        """x [T, ..., D] with cos/sin [T, rope_dim / 2]: its trailing channels rotated IN PLACE, x returned
+        (every caller passes a tensor it just made; a copy of the other channels costs a pass over x);
+        sin negated un-rotates."""
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
         c, s = cos.view(shape), sin.view(shape)
         rope = x[..., -self.rope_dim:].float()
         even, odd = rope[..., 0::2], rope[..., 1::2]
-        rotated = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
-        return torch.cat([x[..., : -self.rope_dim], rotated.to(x.dtype)], dim=-1)
+        x[..., -self.rope_dim:] = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
+        return x
 
 
 class Compressor(nn.Module):
