@@ -122,8 +122,7 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor):
         n = self.n
-        flat = streams.flatten(1).float()
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
+        flat = F.rms_norm(streams.flatten(1).float(), (streams.shape[1] * streams.shape[2],), eps=self.norm_eps)
         pre, post, comb = fused.hc_weights(F.linear(flat, self.fn.float()), self.scale, self.base, n=n,
                                            iters=self.iters, eps=self.eps)
         return post, comb, fused.hc_collapse(streams, pre)
@@ -140,8 +139,7 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = streams.flatten(1).float()
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
+        flat = F.rms_norm(streams.flatten(1).float(), (streams.shape[1] * streams.shape[2],), eps=self.norm_eps)
         mixes = F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()
         return fused.hc_collapse(streams, torch.sigmoid(mixes) + self.eps)
 
