@@ -15,6 +15,10 @@ def test_an_arrival_joins_the_running_batch_at_once():
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024)
     cfg.architectures = ["LlamaForCausalLM"]
     llm = attnzoo.load_model(cfg, load_format="random", backend="torch", page_size=4, device="cpu")
+    # Off by default on a CPU (each step runs on the host: a step launched early would hold back this step's
+    # tokens for a whole step); on here, where the GPU's path is under test.
+    assert (llm.engine.overlap, llm.engine.early_launch) == (False, False)
+    llm.engine.overlap = llm.engine.early_launch = True
     online = OnlineEngine(llm)
     long = SamplingParams(max_new_tokens=1000, ignore_eos=True)
     counts = {"a": 0}

@@ -72,8 +72,9 @@ class Engine:
                              cascade_min_saved_tokens=cascade_min_saved_tokens, max_rows=self.scheduler.max_running)
         self.scheduler.gone = self.runner.gone  # one list: the scheduler adds ended requests, each step sends them
         self.step_log: list[dict] | None = None  # set to [] to record one summary per step (benchmarks)
-        self.overlap = True
-        self.early_launch = True
+        # Both hide host work behind an asynchronous device. On a CPU the step runs on the host itself: a step
+        # launched early runs to its end before this step's tokens are handed out, a step later.
+        self.overlap = self.early_launch = self.device.type != "cpu"
         # A step launched early on the device tokens admits no one, so none is while a request added since the
         # last admission, or one in the online engine's inbox (``arrivals``), waits to join: a chain of early
         # steps could otherwise run until a request ends.
