@@ -46,15 +46,19 @@ class Result:
 
 
 def make_prompts(args) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output length) per request."""
+    """(prompt token ids, output length) per request: the ``warmup`` requests' prompts first, then the
+    measured ones, all distinct (a measured prompt the warm-up sent would be a prefix-cache hit). GSM8K
+    takes questions from ``first_question`` on."""
     rng = random.Random(args.seed)
+    n = args.warmup + args.num_prompts
     if args.dataset == "random":
         return [([rng.randrange(args.min_token_id, args.vocab_size) for _ in range(args.input_len)], args.output_len)
-                for _ in range(args.num_prompts)]
+                for _ in range(n)]
     data = json.loads(Path(args.gsm8k_tokens).read_text())
-    qs = data["questions"]
-    first = rng.randrange(len(qs)) if args.seed else 0  # seed 0: the first questions, as before
-    return [(data["prefix"] + qs[(first + i) % len(qs)], args.output_len) for i in range(args.num_prompts)]
+    qs, first = data["questions"], getattr(args, "first_question", 0)
+    if n > len(qs):
+        raise SystemExit(f"{n} GSM8K requests (warm-up included) but {len(qs)} questions: fewer --num-prompts")
+    return [(data["prefix"] + qs[(first + i) % len(qs)], args.output_len) for i in range(n)]
 
 
 async def _sse_lines(url: str, body: dict, api_key: str | None):
@@ -134,7 +138,7 @@ async def one_request(url: str, model: str, prompt: list[int], out_len: int, api
 
 
 async def run(args) -> tuple[list[Result], float]:
-    prompts = make_prompts(args)
+    warm, prompts = (lambda p: (p[: args.warmup], p[args.warmup:]))(make_prompts(args))
     url = args.base_url.rstrip("/") + "/v1/completions"
     sem = asyncio.Semaphore(args.max_concurrency or len(prompts))
     rng = random.Random(args.seed + 1)
@@ -144,7 +148,7 @@ async def run(args) -> tuple[list[Result], float]:
             return await one_request(url, args.model, p, n, args.api_key)
 
     if args.warmup:
-        await asyncio.gather(*(one_request(url, args.model, p, 4, args.api_key) for p, _ in prompts[: args.warmup]))
+        await asyncio.gather(*(one_request(url, args.model, p, 4, args.api_key) for p, _ in warm))
     tasks = []
     t0 = time.perf_counter()
     for p, n in prompts:
@@ -230,7 +234,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gsm8k-tokens", default=str(GSM8K_TOKENS))
     ap.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
     ap.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: at once)")
-    ap.add_argument("--warmup", type=int, default=2, help="short requests sent first, not measured")
+    ap.add_argument("--warmup", type=int, default=2, help="short requests sent first (prompts of their own), not measured")
+    ap.add_argument("--first-question", type=int, default=0, help="GSM8K: the first question used")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--label", default="server")
 

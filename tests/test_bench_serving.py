@@ -1,0 +1,40 @@
+"""benchmarks/bench_serving.py's prompts and serve_peer.py's scenarios: no measured prompt is one the server
+saw before (the warm-up's, or an earlier scenario's), or its TTFT would time a prefix-cache hit."""
+import argparse
+
+
+def _args(**kw):
+    base = dict(dataset="random", seed=0, warmup=2, num_prompts=5, input_len=8, output_len=4, min_token_id=10,
+                vocab_size=1000, first_question=0)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_warm_up_prompts_are_not_measured_ones(bench_script):
+    bs = bench_script("bench_serving")
+    prompts = [tuple(p) for p, _ in bs.make_prompts(_args())]
+    assert len(prompts) == 7 and len(set(prompts)) == 7
+    other = {tuple(p) for p, _ in bs.make_prompts(_args(seed=1))}
+    assert not other & set(prompts)
+    gsm = bs.make_prompts(_args(dataset="gsm8k", gsm8k_tokens=str(bs.GSM8K_TOKENS), first_question=10))
+    later = bs.make_prompts(_args(dataset="gsm8k", gsm8k_tokens=str(bs.GSM8K_TOKENS), first_question=17))
+    assert len({tuple(p) for p, _ in gsm + later}) == 14  # questions 10..16, then 17..23
+
+
+def test_serve_peer_scenarios_draw_disjoint_prompts(bench_script, monkeypatch):
+    bs, peer = bench_script("bench_serving"), bench_script("serve_peer")
+    seen = []
+
+    async def fake_run(ns):
+        seen.append(ns)
+        return [], 1.0
+
+    monkeypatch.setattr(bs, "run", fake_run)
+    monkeypatch.setattr(bs, "summarize", lambda ns, results, wall: {})
+    monkeypatch.setattr(bs, "table", lambda rows: "row")
+    peer.measure("attnzoo", argparse.Namespace(port=1, input_len=8, output_len=4, prompts_scale=0.05, shape="llama8b"),
+                 "m")
+    assert len(seen) == len(peer.SCENARIOS["llama8b"])
+    sent = [{tuple(p) for p, _ in bs.make_prompts(ns)} for ns in seen]
+    for i in range(len(sent)):
+        for j in range(i):
+            assert not sent[i] & sent[j], (seen[i].dataset, seen[j].dataset)
