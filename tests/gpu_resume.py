@@ -4,9 +4,11 @@
 
 Every finished test's outcome is appended to the resume file as ``outcome<TAB>nodeid``; a later run
 deselects the tests already there, so a call cut short by its time limit (``timeout -s INT`` lets
-pytest stop cleanly) is continued by the next. A test whose setup failed is recorded as failed, and
-the file keeps every outcome, so the last call's file is the suite's whole record. Delete the file to
-start over, or a line to run that test again.
+pytest stop cleanly) is continued by the next. A test whose setup failed is recorded as failed, one
+whose teardown failed gets a second line ("error"), and a module that fails to import is recorded by
+its path (pytest then stops every run: fix it, or pass ``--continue-on-collection-errors``). The file
+keeps every outcome, so the last call's file is the suite's whole record. Delete the file to start
+over, or a test's lines to run it again (a failure that an earlier test's CUDA error caused, say).
 """
 from __future__ import annotations
 
@@ -35,11 +37,20 @@ class _Resume:
             config.hook.pytest_deselected(items=gone)
             items[:] = [item for item in items if item.nodeid not in done]
 
+    def _record(self, outcome: str, nodeid: str) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"{outcome}\t{nodeid}\n")
+
     def pytest_runtest_logreport(self, report):
-        # the call phase's outcome, or a setup that did not pass (error or skip), where no call follows
-        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-            with open(self.path, "a") as f:
-                f.write(f"{report.outcome}\t{report.nodeid}\n")
+        # the call phase's outcome; a setup that did not pass (error or skip), where no call follows; a
+        # teardown that failed (a second line for the test: the last says how it ended)
+        if report.when == "call" or (report.when != "call" and report.outcome != "passed"):
+            self._record("error" if report.when == "teardown" else report.outcome, report.nodeid)
+
+    def pytest_collectreport(self, report):
+        # a module that does not import stops every run: recorded, so the file names it
+        if report.failed:
+            self._record("error", report.nodeid)
 
 
 def pytest_configure(config):
