@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -48,23 +49,27 @@ def write_shape(shape: str, layers: int | None, path: Path) -> None:
 def parse_configs(text: str) -> list[tuple[str, list[str]]]:
     """``"name=args;name=args"`` -> [(name, vllm_offline.py arguments)], names unique and file-safe."""
     configs = []
-    for part in (p.strip() for p in text.split(";")):
+    for part in (p.strip() for p in text.split(";") if p.strip()):
         name, sep, rest = part.partition("=")
         name = name.strip()
-        if not part or not sep or not name.replace("_", "").replace("-", "").isalnum():
+        if not sep or not name.replace("_", "").replace("-", "").isalnum():
             raise SystemExit(f"--vllm-configs: {part!r} is not NAME=ARGS (NAME letters, digits, - or _); "
                              f"e.g. \"default=;fp8kv=--kv-cache-dtype fp8\"")
         if name in (n for n, _ in configs):
             raise SystemExit(f"--vllm-configs: {name!r} is named twice")
-        configs.append((name, rest.split()))
+        configs.append((name, shlex.split(rest)))
+    if not configs:
+        raise SystemExit("--vllm-configs names no configuration")
     return configs
 
 
-def vllm_row(name: str, peer: dict) -> dict:
+def vllm_row(name: str, peer: dict, args: list[str] | None = None) -> dict:
     """One vLLM configuration's row of the result: its measurement, or the error it ended with."""
+    if "error" not in peer and not peer.get("output_tok_per_s"):
+        peer = {"error": "no output_tok_per_s in vllm_offline.py's result"}
     if "error" in peer:
-        return {"engine": "vllm", "config": name, "backend": f"vLLM ({name}): failed", "error": peer["error"]}
-    row = {"engine": "vllm", "config": name,
+        return {"engine": "vllm", "config": name, "args": args, "backend": f"vLLM ({name}): failed", "error": peer["error"]}
+    row = {"engine": "vllm", "config": name, "args": args,
            "backend": f"{peer['engine']} ({name}: {','.join(peer.get('attention_backends', [])) or peer.get('attn_backend_arg')})",
            **{k: peer.get(k) for k in ("output_tok_per_s", "wall_s", "ttft_mean_s", "tpot_mean_ms", "max_num_seqs",
                                        "kv_cache_dtype", "num_gpu_blocks", "block_size", "cached_prompt_tokens")}}
@@ -93,9 +98,10 @@ def run(cmd: list[str], env: dict, log: Path, check: bool = True) -> int:
     with open(log, "w") as f:
         proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
     print(f"  exit {proc.returncode} after {time.perf_counter() - t0:.0f} s (log: {log})", flush=True)
-    if proc.returncode and check:
+    if proc.returncode:
         sys.stdout.write("".join(open(log).readlines()[-40:]))
-        raise SystemExit(f"{cmd[1]} failed with exit code {proc.returncode}")
+        if check:
+            raise SystemExit(f"{cmd[1]} failed with exit code {proc.returncode}")
     return proc.returncode
 
 
@@ -131,6 +137,9 @@ def main(argv=None) -> None:
     ours_cmd = [sys.executable, str(HERE / "e2e.py"), "--out", f"{out}_attnzoo", "--shape", args.shape,
                 "--backends", args.backends, "--hf-prompts", "0", *n, *depth, *args.e2e_args.split()]
     env_ours = dict(os.environ)
+    if args.vllm_configs and (args.vllm_args or args.vllm_attn_backend != "auto"):
+        raise SystemExit("--vllm-configs names every vLLM configuration in full: put --vllm-attn-backend / "
+                         "--vllm-args into its entries (e.g. \"fi=--attn-backend FLASHINFER\")")
     configs = parse_configs(args.vllm_configs) if args.vllm_configs else [
         ("default", ["--attn-backend", args.vllm_attn_backend, *args.vllm_args.split()])]
     env_vllm = dict(os.environ, PYTHONPATH=":".join(p for p in (args.vllm_extra_path, args.vllm_site) if p),
@@ -158,7 +167,7 @@ def main(argv=None) -> None:
     ours = json.loads(Path(f"{out}_attnzoo.json").read_text())
     rows = [r for r in ours["results"] if r.get("engine") == "attnzoo"]
     peers = {name: json.loads(Path(f"{out}_vllm_{name}.json").read_text()) for name, _ in configs}
-    vllm_rows = [vllm_row(name, peer) for name, peer in peers.items()]
+    vllm_rows = [vllm_row(name, peers[name], extra) for name, extra in configs]
     best = compare(rows, vllm_rows)
     if args.reuse_vllm:
         vllm_rows[0]["reused_from"] = args.reuse_vllm
