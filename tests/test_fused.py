@@ -115,6 +115,8 @@ def test_hc_collapse_and_mix(dtype, n):
         mixed = fused.hc_mix(streams, torch.zeros_like(pre), comb, out).float()
     expect = torch.einsum("tjk,tjh->tkh", comb.to(dtype).float(), streams.float())
     torch.testing.assert_close(mixed, expect, **tol(dtype))
+    with pytest.raises(BackendError, match="hc_mix got"):
+        fused.hc_mix(streams, pre, comb, out[:, :-1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

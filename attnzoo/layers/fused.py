@@ -250,5 +250,10 @@ def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 def hc_mix(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """New streams [T, n, H]: stream k = post[:, k] * out + sum_j comb[:, j, k] * streams[:, j], for the
     block output out [T, H]; post and comb float32, rounded to streams' dtype as the reference rounds them."""
+    t, n, h = streams.shape
+    if out.shape != (t, h) or out.dtype != streams.dtype or post.shape != (t, n) or comb.shape != (t, n, n):
+        raise BackendError(f"hc_mix got streams {list(streams.shape)} {streams.dtype}, post {list(post.shape)}, comb "
+                           f"{list(comb.shape)}, out {list(out.shape)} {out.dtype}",
+                           fix="pass out [T, H] in the streams' dtype, post [T, n] and comb [T, n, n]")
     k = _triton(streams)
     return hc_mix_ref(streams, post, comb, out) if k is None else k.hc_mix(streams, post, comb, out)
