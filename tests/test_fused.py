@@ -300,6 +300,7 @@ def test_gpu_greedy_fused_equals_unfused(tmp_path, name):
             if n.endswith("q_norm.weight"):
                 p.mul_(p.shape[0] ** -0.5)
     path = save_checkpoint(hf, tmp_path)
-    ref = generate(path, "torch", "bfloat16", steps=16, backend="triton")
-    got = generate(path, "triton", "bfloat16", steps=16, backend="triton")
+    backend = "compressed_triton" if "v4" in name else "triton"  # V4's layers need its compressed attention
+    ref = generate(path, "torch", "bfloat16", steps=16, backend=backend)
+    got = generate(path, "triton", "bfloat16", steps=16, backend=backend)
     assert got.token_ids == ref.token_ids
