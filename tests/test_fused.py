@@ -251,6 +251,28 @@ def assert_bf16_matches(got, ref, min_equal=0.999):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens", [1, 1024])
+def test_gpu_hyper_connection_kernels_v4_flash_shape(tokens):
+    """DeepSeek-V4-Flash's mHC (4 streams of 4096, 20 Sinkhorn steps): the kernels against the torch
+    reference on the GPU, bf16 streams and float32 weights, as the model runs them."""
+    n, hidden = 4, 4096
+    mixes = randn(tokens, (2 + n) * n, dtype=torch.float32, scale=2.0)
+    scale, base = randn(3, dtype=torch.float32, seed=1) + 1.0, randn((2 + n) * n, dtype=torch.float32, seed=2)
+    with fused.use("torch"):
+        ref = fused.hc_weights(mixes, scale, base, n=n, iters=20, eps=1e-6)
+    got = fused.hc_weights(mixes, scale, base, n=n, iters=20, eps=1e-6)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+    pre, post, comb = ref
+    streams, out = randn(tokens, n, hidden, dtype=torch.bfloat16), randn(tokens, hidden, dtype=torch.bfloat16, seed=3)
+    with fused.use("torch"):
+        ref_x, ref_s = fused.hc_collapse(streams, pre), fused.hc_mix(streams, post, comb, out)
+    assert_bf16_matches(fused.hc_collapse(streams, pre), ref_x)
+    assert_bf16_matches(fused.hc_mix(streams, post, comb, out), ref_s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("shape", ["llama-8b", "gemma4-31b"])
 @pytest.mark.parametrize("tokens", [1, 1024])
 def test_gpu_realistic_shapes(shape, tokens):
