@@ -120,6 +120,26 @@ def test_hc_collapse_and_mix(dtype, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("span,dim", [(128, 96), (8, 40), (12, 16)])
+def test_gated_pool(dtype, span, dim):
+    """V4's compressor pooling over strided views of the state (kv and gate halves of one tensor): spans of
+    HCA (128), CSA (8) and 12 (padded to 16), channels past the kernel's block; invalid slots weigh nothing."""
+    n = 5
+    states = randn(n, span, 2 * dim, dtype=dtype, scale=3.0)
+    kv, gate = states.chunk(2, dim=-1)
+    bias = randn(span, dim, dtype=torch.float32, seed=1)
+    valid = torch.ones(n, span, dtype=torch.bool, device=DEV)
+    valid[0, : span // 2] = False  # a first block's missing previous block
+    valid[3, 1::3] = False
+    check(lambda: fused.gated_pool(kv, gate, bias, valid), dtype)
+    with fused.use("triton"):
+        got = fused.gated_pool(kv, gate, bias, valid)
+        moved = kv.clone()
+        moved[0, : span // 2] = 1e4  # an invalid slot's value must not count
+        assert torch.equal(fused.gated_pool(moved, gate, bias, valid)[0], got[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_softcap(dtype):
     """Gemma's final logit soft-cap, float32 out from any input dtype; a length that is not a multiple of
     the kernel's block; +-inf map to +-cap and NaN stays NaN, as torch's tanh does."""
@@ -269,6 +289,21 @@ def test_gpu_hyper_connection_kernels_v4_flash_shape(tokens):
         ref_x, ref_s = fused.hc_collapse(streams, pre), fused.hc_mix(streams, post, comb, out)
     assert_bf16_matches(fused.hc_collapse(streams, pre), ref_x)
     assert_bf16_matches(fused.hc_mix(streams, post, comb, out), ref_s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("span,dim", [(128, 512), (8, 512), (8, 128)])  # HCA; CSA's entries and indexer keys
+def test_gpu_gated_pool_v4_flash_shape(span, dim):
+    """The compressor pooling of a batch-512 decode step (one block per row) against the torch reference."""
+    states = randn(512, span, 2 * dim, dtype=torch.bfloat16, scale=3.0)
+    kv, gate = states.chunk(2, dim=-1)
+    bias = randn(span, dim, dtype=torch.float32, seed=1)
+    valid = torch.ones(512, span, dtype=torch.bool, device=DEV)
+    valid[::7, : span // 2] = False
+    with fused.use("torch"):
+        ref = fused.gated_pool(kv, gate, bias, valid)
+    assert_bf16_matches(fused.gated_pool(kv, gate, bias, valid), ref, min_equal=0.99)
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from attnzoo.layers import fused
 from attnzoo.models.common import MergedLinear, RMSNorm, RotaryEmbedding
 
 
@@ -71,18 +72,13 @@ class Compressor(nn.Module):
         """states [n, span, state_dim] (span = 2 * rate with overlap, the previous block first), valid
         [n, span] bool, first [n] the block's first position -> (entries [n, dim] roped, None)."""
         kv, gate = states.chunk(2, dim=-1)
-        gate = gate.float()
         r, d = self.rate, self.dim
-        if self.overlap:
-            bias = self.position_bias.float()
+        bias = self.position_bias.float()
+        if self.overlap:  # the previous block's first halves, then this block's second halves
             kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
-            gate = torch.cat([gate[:, :r, :d] + bias[:, :d], gate[:, r:, d:] + bias[:, d:]], dim=1)
-        else:
-            gate = gate + self.position_bias.float()
-        gate = gate.masked_fill(~valid[..., None], float("-inf"))
-        kv = kv.masked_fill(~valid[..., None], 0)
-        pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
-        entries = self.kv_norm(pooled)
+            gate = torch.cat([gate[:, :r, :d], gate[:, r:, d:]], dim=1)
+            bias = torch.cat([bias[:, :d], bias[:, d:]], dim=0)
+        entries = self.kv_norm(fused.gated_pool(kv, gate, bias, valid))
         cos, sin = self.rope.tables(first)
         return self.rope.apply(entries, cos, sin), None
 

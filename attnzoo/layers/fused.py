@@ -10,7 +10,9 @@
 * ``hc_weights``: DeepSeek-V4's hyper-connection weights (pre, post, Sinkhorn-projected comb) from the
   projected streams, where torch launches ~6 kernels per Sinkhorn iteration;
 * ``hc_collapse`` / ``hc_mix``: the streams collapsed into a block's input, and the block's output spread
-  back over the streams they mix (torch: a broadcast product and a sum; a batched n x n matmul and an add).
+  back over the streams they mix (torch: a broadcast product and a sum; a batched n x n matmul and an add);
+* ``gated_pool``: V4's compressor pooling, a per-channel softmax over a block's gate logits weighting its
+  values (torch: six passes over [blocks, span, dim], float32 for most).
 
 The torch functions here are the reference: they run on CPU tensors and are the oracle the Triton
 kernels (``fused_kernels``, used for CUDA tensors) are tested against. ``use("torch")`` runs the
@@ -145,6 +147,12 @@ def hc_weights_ref(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
     return pre, post, comb
 
 
+def gated_pool_ref(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    gate = (gate.float() + bias).masked_fill(~valid[..., None], float("-inf"))
+    kv = kv.masked_fill(~valid[..., None], 0)
+    return (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
+
+
 def hc_collapse_ref(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
@@ -257,3 +265,11 @@ def hc_mix(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: t
                            fix="pass out [T, H] in the streams' dtype, post [T, n] and comb [T, n, n]")
     k = _triton(streams)
     return hc_mix_ref(streams, post, comb, out) if k is None else k.hc_mix(streams, post, comb, out)
+
+
+def gated_pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """kv, gate [n, S, D] (views are fine), bias [S, D] float32, valid [n, S] bool -> [n, D] in kv's dtype:
+    sum_j softmax_j(gate + bias) * kv over the valid j of each row, the softmax per channel in float32 and
+    rounded to kv's dtype before the product, as the reference rounds it. Every row needs a valid j."""
+    k = _triton(kv)
+    return gated_pool_ref(kv, gate, bias, valid) if k is None else k.gated_pool(kv, gate, bias, valid)

@@ -266,6 +266,41 @@ def hc_mix(streams, post, comb, out):
 
 
 @triton.jit
+def _gated_pool_kernel(KV, G, B, V, OUT, S, D, stride_kn, stride_ks, stride_gn, stride_gs, stride_b, stride_vn,
+                       SP: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One row's BLOCK_D channels: the whole span at once (SP = S padded to a power of two).
+    n = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    j = tl.arange(0, SP)
+    ok = (j < S) & (tl.load(V + n * stride_vn + j, mask=j < S, other=0) != 0)
+    m = ok[:, None] & (d < D)[None, :]
+    g = tl.load(G + n * stride_gn + j[:, None] * stride_gs + d[None, :], mask=m, other=0.0).to(tl.float32)
+    g = g + tl.load(B + j[:, None] * stride_b + d[None, :], mask=m, other=0.0)
+    g = tl.where(m, g, -1e30)  # finite: a padding channel's max is then no -inf (no inf - inf)
+    e = tl.exp(g - tl.max(g, axis=0)[None, :])
+    kv = tl.load(KV + n * stride_kn + j[:, None] * stride_ks + d[None, :], mask=m, other=0.0)
+    w = (e / tl.sum(e, axis=0)[None, :]).to(kv.dtype)
+    prod = (kv.to(tl.float32) * w.to(tl.float32)).to(kv.dtype)
+    tl.store(OUT + n * D + d, tl.sum(prod.to(tl.float32), axis=0).to(OUT.dtype.element_ty), mask=d < D)
+
+
+def gated_pool(kv, gate, bias, valid):
+    """kv, gate [n, S, D] (unit channel stride), bias [S, D], valid [n, S] -> [n, D] in kv's dtype."""
+    n, span, dim = kv.shape
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    gate = gate if gate.stride(-1) == 1 else gate.contiguous()
+    bias, valid = bias.float().contiguous(), valid.to(torch.int8).contiguous()
+    out = torch.empty(n, dim, dtype=kv.dtype, device=kv.device)
+    sp = next_pow2(span)
+    block_d = max(16, min(128, next_pow2(dim), 8192 // sp))
+    if n:
+        _gated_pool_kernel[(n, triton.cdiv(dim, block_d))](
+            kv, gate, bias, valid, out, span, dim, kv.stride(0), kv.stride(1), gate.stride(0), gate.stride(1),
+            bias.stride(0), valid.stride(0), SP=sp, BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+@triton.jit
 def _rope_tile(X, OUT, COS, SIN, W, t, h0, stride_t, stride_h, stride_ct, eps, offset,
                HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                PASS_PAD: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
