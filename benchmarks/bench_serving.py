@@ -55,7 +55,7 @@ def make_prompts(args) -> list[tuple[list[int], int]]:
         return [([rng.randrange(args.min_token_id, args.vocab_size) for _ in range(args.input_len)], args.output_len)
                 for _ in range(n)]
     data = json.loads(Path(args.gsm8k_tokens).read_text())
-    qs, first = data["questions"], getattr(args, "first_question", 0)
+    qs, first = data["questions"], args.first_question
     if n > len(qs):
         raise SystemExit(f"{n} GSM8K requests (warm-up included) but {len(qs)} questions: fewer --num-prompts")
     return [(data["prefix"] + qs[(first + i) % len(qs)], args.output_len) for i in range(n)]
@@ -138,7 +138,8 @@ async def one_request(url: str, model: str, prompt: list[int], out_len: int, api
 
 
 async def run(args) -> tuple[list[Result], float]:
-    warm, prompts = (lambda p: (p[: args.warmup], p[args.warmup:]))(make_prompts(args))
+    prompts = make_prompts(args)
+    warm, prompts = prompts[: args.warmup], prompts[args.warmup:]
     url = args.base_url.rstrip("/") + "/v1/completions"
     sem = asyncio.Semaphore(args.max_concurrency or len(prompts))
     rng = random.Random(args.seed + 1)

@@ -303,6 +303,7 @@ def test_gpu_gated_pool_v4_flash_shape(span, dim):
     valid[::7, : span // 2] = False
     with fused.use("torch"):
         ref = fused.gated_pool(kv, gate, bias, valid)
+    # 128 products summed in another order than torch's reduction: more outputs land a bf16 unit apart
     assert_bf16_matches(fused.gated_pool(kv, gate, bias, valid), ref, min_equal=0.99)
 
 

@@ -109,6 +109,11 @@ class DeepseekV4Attention(nn.Module):
         return self.o_b_proj(torch.bmm(o.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(t, -1))
 
 
+def normed_streams(streams: torch.Tensor, eps: float) -> torch.Tensor:
+    """streams [T, n, hidden] -> float32 [T, n * hidden], RMS-normed over all streams together."""
+    return F.rms_norm(streams.flatten(1).float(), (streams.shape[1] * streams.shape[2],), eps=eps)
+
+
 class HyperConnection(nn.Module):
     """mHC around one block: streams [T, N, hidden] -> (post [T, N], comb [T, N, N], block input [T, hidden])."""
 
@@ -122,8 +127,7 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor):
         n = self.n
-        flat = F.rms_norm(streams.flatten(1).float(), (streams.shape[1] * streams.shape[2],), eps=self.norm_eps)
-        pre, post, comb = fused.hc_weights(F.linear(flat, self.fn.float()), self.scale, self.base, n=n,
+        pre, post, comb = fused.hc_weights(F.linear(normed_streams(streams, self.norm_eps), self.fn.float()), self.scale, self.base, n=n,
                                            iters=self.iters, eps=self.eps)
         return post, comb, fused.hc_collapse(streams, pre)
 
@@ -139,8 +143,7 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = F.rms_norm(streams.flatten(1).float(), (streams.shape[1] * streams.shape[2],), eps=self.norm_eps)
-        mixes = F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()
+        mixes = F.linear(normed_streams(streams, self.norm_eps), self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()
         return fused.hc_collapse(streams, torch.sigmoid(mixes) + self.eps)
 
 
