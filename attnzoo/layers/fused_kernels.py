@@ -19,6 +19,9 @@ _TILE = 2048
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
+_ROUND = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # the rounding points of _rounded, by storage dtype
+
+
 def _warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
@@ -213,10 +216,24 @@ def hc_weights(mixes, scale, base, n: int, iters: int, eps: float):
 
 
 @triton.jit
+def _rounded(x, ROUND: tl.constexpr):
+    # float32 -> the nearest value of ROUND ("bf16", "fp16" or "" for none), kept in float32. bf16 by integer
+    # arithmetic (ties to even): a truncate-extend pair of casts may be folded by the compiler into nothing.
+    if ROUND == "bf16":
+        b = x.to(tl.uint32, bitcast=True)
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        x = b.to(tl.float32, bitcast=True)
+    elif ROUND == "fp16":
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _hc_streams_kernel(S, PRE, COMB, O, OUT, H, stride_st, stride_sn, stride_ot, stride_outt, stride_outn,
-                       N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr, MIX: tl.constexpr):
+                       N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr, MIX: tl.constexpr,
+                       ROUND: tl.constexpr):
     # One token's streams over BLOCK channels. MIX: OUT[k] = PRE[k] * O + sum_j COMB[j, k] S[j] with the
-    # reference's rounding points (weights, product and matmul in the streams' dtype); else the collapse
+    # reference's rounding points (weights, product and matmul in bf16 when the streams are); else the collapse
     # OUT = sum_j PRE[j] S[j] in float32.
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -226,14 +243,13 @@ def _hc_streams_kernel(S, PRE, COMB, O, OUT, H, stride_st, stride_sn, stride_ot,
     s = tl.load(S + t * stride_st + j[:, None] * stride_sn + h[None, :], mask=m, other=0.0)  # [NP, BLOCK]
     pre = tl.load(PRE + t * N + j, mask=j < N, other=0.0)  # [NP]
     if MIX:
-        dt = s.dtype
         a = tl.arange(0, NP)[:, None]
         b = tl.arange(0, NP)[None, :]
-        comb = tl.load(COMB + t * (N * N) + a * N + b, mask=(a < N) & (b < N), other=0.0).to(dt).to(tl.float32)
-        mixed = tl.sum(comb[:, :, None] * s.to(tl.float32)[:, None, :], axis=0).to(dt)  # [NP (k), BLOCK]
+        comb = _rounded(tl.load(COMB + t * (N * N) + a * N + b, mask=(a < N) & (b < N), other=0.0), ROUND)
+        mixed = _rounded(tl.sum(comb[:, :, None] * s.to(tl.float32)[:, None, :], axis=0), ROUND)  # [NP (k), BLOCK]
         o = tl.load(O + t * stride_ot + h, mask=h_ok, other=0.0)
-        spread = (pre.to(dt).to(tl.float32)[:, None] * o.to(tl.float32)[None, :]).to(dt)
-        new = spread.to(tl.float32) + mixed.to(tl.float32)
+        spread = _rounded(_rounded(pre, ROUND)[:, None] * o.to(tl.float32)[None, :], ROUND)
+        new = spread + mixed
         tl.store(OUT + t * stride_outt + j[:, None] * stride_outn + h[None, :], new.to(OUT.dtype.element_ty), mask=m)
     else:
         x = tl.sum(pre[:, None] * s.to(tl.float32), axis=0)
@@ -251,7 +267,8 @@ def _hc_streams(streams, pre, comb, out):
         _hc_streams_kernel[(t, triton.cdiv(hidden, block))](
             streams, pre.float().contiguous(), comb.float().contiguous() if mix else pre, o, res, hidden,
             streams.stride(0), streams.stride(1), o.stride(0), res.stride(0), res.stride(1) if mix else 0,
-            N=n, NP=next_pow2(n), BLOCK=block, MIX=mix, num_warps=4)
+            N=n, NP=next_pow2(n), BLOCK=block, MIX=mix,
+            ROUND=_ROUND.get(streams.dtype, ""), num_warps=4)
     return res
 
 
@@ -267,7 +284,7 @@ def hc_mix(streams, post, comb, out):
 
 @triton.jit
 def _gated_pool_kernel(KV, G, B, V, OUT, S, D, stride_kn, stride_ks, stride_gn, stride_gs, stride_b, stride_vn,
-                       SP: tl.constexpr, BLOCK_D: tl.constexpr):
+                       SP: tl.constexpr, BLOCK_D: tl.constexpr, ROUND: tl.constexpr):
     # One row's BLOCK_D channels: the whole span at once (SP = S padded to a power of two).
     n = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -279,9 +296,9 @@ def _gated_pool_kernel(KV, G, B, V, OUT, S, D, stride_kn, stride_ks, stride_gn, 
     g = tl.where(m, g, -1e30)  # finite: a padding channel's max is then no -inf (no inf - inf)
     e = tl.exp(g - tl.max(g, axis=0)[None, :])
     kv = tl.load(KV + n * stride_kn + j[:, None] * stride_ks + d[None, :], mask=m, other=0.0)
-    w = (e / tl.sum(e, axis=0)[None, :]).to(kv.dtype)
-    prod = (kv.to(tl.float32) * w.to(tl.float32)).to(kv.dtype)
-    tl.store(OUT + n * D + d, tl.sum(prod.to(tl.float32), axis=0).to(OUT.dtype.element_ty), mask=d < D)
+    w = _rounded(e / tl.sum(e, axis=0)[None, :], ROUND)
+    prod = _rounded(kv.to(tl.float32) * w, ROUND)
+    tl.store(OUT + n * D + d, tl.sum(prod, axis=0).to(OUT.dtype.element_ty), mask=d < D)
 
 
 def gated_pool(kv, gate, bias, valid):
@@ -296,7 +313,7 @@ def gated_pool(kv, gate, bias, valid):
     if n:
         _gated_pool_kernel[(n, triton.cdiv(dim, block_d))](
             kv, gate, bias, valid, out, span, dim, kv.stride(0), kv.stride(1), gate.stride(0), gate.stride(1),
-            bias.stride(0), valid.stride(0), SP=sp, BLOCK_D=block_d, num_warps=4)
+            bias.stride(0), valid.stride(0), SP=sp, BLOCK_D=block_d, ROUND=_ROUND.get(kv.dtype, ""), num_warps=4)
     return out
 
 
