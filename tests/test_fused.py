@@ -119,24 +119,34 @@ def test_hc_collapse_and_mix(dtype, n):
         fused.hc_mix(streams, pre, comb, out[:, :-1])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("span,dim", [(128, 96), (8, 40), (12, 16)])
-def test_gated_pool(dtype, span, dim):
-    """V4's compressor pooling over strided views of the state (kv and gate halves of one tensor): spans of
-    HCA (128), CSA (8) and 12 (padded to 16), channels past the kernel's block; invalid slots weigh nothing."""
-    n = 5
-    states = randn(n, span, 2 * dim, dtype=dtype, scale=3.0)
-    kv, gate = states.chunk(2, dim=-1)
-    bias = randn(span, dim, dtype=torch.float32, seed=1)
+def pool_rows(n, rate, dim, overlap, dtype, extra=24, rows=300, seed=0):
+    """A pool's state rows (a column slice of wider rows, as CSA's main compressor reads them), n blocks'
+    slots into them (any rows, repeats too), their valid mask and the position bias."""
+    width = 2 * dim if overlap else dim
+    span = 2 * rate if overlap else rate
+    wide = randn(rows, 2 * width + extra, dtype=dtype, scale=3.0, seed=seed)
+    slots = torch.randint(1, rows, (n, span), generator=torch.Generator().manual_seed(seed)).to(DEV)
     valid = torch.ones(n, span, dtype=torch.bool, device=DEV)
     valid[0, : span // 2] = False  # a first block's missing previous block
-    valid[3, 1::3] = False
-    check(lambda: fused.gated_pool(kv, gate, bias, valid), dtype)
+    valid[-1, 1::3] = False
+    return wide[:, : 2 * width], slots, valid, randn(rate, width, dtype=torch.float32, seed=seed + 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rate,dim,overlap", [(128, 96, False), (4, 40, True), (6, 16, True)])
+def test_gated_pool(dtype, rate, dim, overlap):
+    """V4's compressor pooling read from the pool's rows by slot: HCA's span (128), CSA's overlapping 2 x 4
+    and 2 x 6 (padded to 16), channels past the kernel's block; invalid positions weigh nothing."""
+    rows, slots, valid, bias = pool_rows(5, rate, dim, overlap, dtype)
+    pool = dict(dim=dim, rate=rate, overlap=overlap)
+    check(lambda: fused.gated_pool(rows, slots, valid, bias, **pool), dtype)
     with fused.use("triton"):
-        got = fused.gated_pool(kv, gate, bias, valid)
-        moved = kv.clone()
-        moved[0, : span // 2] = 1e4  # an invalid slot's value must not count
-        assert torch.equal(fused.gated_pool(moved, gate, bias, valid)[0], got[0])
+        got = fused.gated_pool(rows, slots, valid, bias, **pool)
+        slots[0, : slots.shape[1] // 2] = 0  # an invalid position's row must not count: row 0 is nobody else's
+        rows[0] = 1e4
+        assert torch.equal(fused.gated_pool(rows, slots, valid, bias, **pool)[0], got[0])
+    with pytest.raises(BackendError, match="gated_pool got"):
+        fused.gated_pool(rows, slots[:, :-1], valid, bias, **pool)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -300,18 +310,16 @@ def test_gpu_hyper_connection_kernels_v4_flash_shape(tokens):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("span,dim", [(128, 512), (8, 512), (8, 128)])  # HCA; CSA's entries and indexer keys
-def test_gpu_gated_pool_v4_flash_shape(span, dim):
+@pytest.mark.parametrize("rate,dim,overlap", [(128, 512, False), (4, 512, True), (4, 128, True)])  # HCA, CSA, indexer
+def test_gpu_gated_pool_v4_flash_shape(rate, dim, overlap):
     """The compressor pooling of a batch-512 decode step (one block per row) against the torch reference."""
-    states = randn(512, span, 2 * dim, dtype=torch.bfloat16, scale=3.0)
-    kv, gate = states.chunk(2, dim=-1)
-    bias = randn(span, dim, dtype=torch.float32, seed=1)
-    valid = torch.ones(512, span, dtype=torch.bool, device=DEV)
-    valid[::7, : span // 2] = False
+    rows, slots, valid, bias = pool_rows(512, rate, dim, overlap, torch.bfloat16, rows=70_000)
+    valid[::7, : slots.shape[1] // 2] = False
+    pool = dict(dim=dim, rate=rate, overlap=overlap)
     with fused.use("torch"):
-        ref = fused.gated_pool(kv, gate, bias, valid)
-    # 128 products summed in another order than torch's reduction: more outputs land a bf16 unit apart
-    assert_bf16_matches(fused.gated_pool(kv, gate, bias, valid), ref, min_equal=0.99)
+        ref = fused.gated_pool(rows, slots, valid, bias, **pool)
+    # up to 128 products summed in another order than torch's reduction: some outputs land a bf16 unit apart
+    assert_bf16_matches(fused.gated_pool(rows, slots, valid, bias, **pool), ref, min_equal=0.99)
 
 
 @pytest.mark.gpu

@@ -36,7 +36,8 @@ from attnzoo.attention.metadata import BatchMetadata, to_device
 from attnzoo.errors import BackendError, ModelLoadError
 
 # (states [n, span, state_dim], valid [n, span] bool, first positions [n]) -> (entries [n, D], index keys or None)
-CompressFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+# (state rows [S, state_dim], their slots [n, span], valid [n, span], first positions [n]) -> (entries, indexer keys)
+CompressFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 class CompressedAttention(Attention):
@@ -130,8 +131,8 @@ class CompressedAttention(Attention):
             valid, pos_d = to_device(pos >= 0, torch.bool, dev), to_device(np.maximum(pos, 0), torch.int64, dev)
         tables = meta.block_tables_for(self.sliding_window)
         state_slots = tables.long()[reqs_d[:, None], pos_d // ps] * ps + pos_d % ps
-        states = pool.view(self.layer_id, "state").view(-1, self.state_dim)[state_slots]
-        entries, index_entries = compress(states, valid, first_d.clamp_min(0))
+        rows = pool.view(self.layer_id, "state").view(-1, self.state_dim)
+        entries, index_entries = compress(rows, state_slots, valid, first_d.clamp_min(0))
         eslots = entry_slots(meta.block_tables, reqs_d, first_d.clamp_min(0) // r, r, ps)
         if meta.is_decode:
             eslots = torch.where(done, eslots, 0)

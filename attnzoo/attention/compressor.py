@@ -68,19 +68,14 @@ class Compressor(nn.Module):
         """x [T, hidden] -> the per-token state [T, state_dim] = [C | Z]."""
         return self.kv_gate_proj(x)
 
-    def pool(self, states: torch.Tensor, valid: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-        """states [n, span, state_dim] (span = 2 * rate with overlap, the previous block first), valid
-        [n, span] bool, first [n] the block's first position -> (entries [n, dim] roped, None)."""
-        kv, gate = states.chunk(2, dim=-1)
-        r, d = self.rate, self.dim
-        bias = self.position_bias.float()
-        if self.overlap:  # the previous block's first halves, then this block's second halves
-            kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
-            gate = torch.cat([gate[:, :r, :d], gate[:, r:, d:]], dim=1)
-            bias = torch.cat([bias[:, :d], bias[:, d:]], dim=0)
-        entries = self.kv_norm(fused.gated_pool(kv, gate, bias, valid))
+    def pool(self, rows: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, first: torch.Tensor):
+        """rows [S, state_dim] (the pool's state rows, a view), slots [n, span] the row of each position of
+        each block (span = 2 * rate with overlap, the previous block first), valid [n, span] bool, first [n]
+        the block's first position -> (entries [n, dim] roped, None)."""
+        entries = fused.gated_pool(rows, slots, valid, self.position_bias, dim=self.dim, rate=self.rate,
+                                   overlap=self.overlap)
         cos, sin = self.rope.tables(first)
-        return self.rope.apply(entries, cos, sin), None
+        return self.rope.apply(self.kv_norm(entries), cos, sin), None
 
 
 class IndexerScorer(nn.Module):
@@ -121,7 +116,7 @@ class CSACompressor(Compressor):
     def project(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([super().project(x), self.indexer.project(x)], dim=-1)
 
-    def pool(self, states, valid, first):
+    def pool(self, rows, slots, valid, first):
         split = Compressor.state_dim.fget(self)
-        return (super().pool(states[..., :split], valid, first)[0],
-                self.indexer.pool(states[..., split:], valid, first)[0])
+        return (super().pool(rows[:, :split], slots, valid, first)[0],
+                self.indexer.pool(rows[:, split:], slots, valid, first)[0])

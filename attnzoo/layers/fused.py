@@ -147,7 +147,13 @@ def hc_weights_ref(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
     return pre, post, comb
 
 
-def gated_pool_ref(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def gated_pool_ref(rows: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, bias: torch.Tensor, dim: int,
+                   rate: int, overlap: bool) -> torch.Tensor:
+    kv, gate = rows[slots].chunk(2, dim=-1)  # [n, span, W]
+    if overlap:  # the previous block's first halves, then this block's second halves
+        kv = torch.cat([kv[:, :rate, :dim], kv[:, rate:, dim:]], dim=1)
+        gate = torch.cat([gate[:, :rate, :dim], gate[:, rate:, dim:]], dim=1)
+        bias = torch.cat([bias[:, :dim], bias[:, dim:]], dim=0)
     gate = (gate.float() + bias).masked_fill(~valid[..., None], float("-inf"))
     kv = kv.masked_fill(~valid[..., None], 0)
     return (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
@@ -267,9 +273,25 @@ def hc_mix(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: t
     return hc_mix_ref(streams, post, comb, out) if k is None else k.hc_mix(streams, post, comb, out)
 
 
-def gated_pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """kv, gate [n, S, D] (views are fine), bias [S, D] float32, valid [n, S] bool -> [n, D] in kv's dtype:
-    sum_j softmax_j(gate + bias) * kv over the valid j of each row, the softmax per channel in float32 and
-    rounded to kv's dtype before the product, as the reference rounds it. Every row needs a valid j."""
-    k = _triton(kv)
-    return gated_pool_ref(kv, gate, bias, valid) if k is None else k.gated_pool(kv, gate, bias, valid)
+def gated_pool(rows: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, bias: torch.Tensor, *, dim: int,
+               rate: int, overlap: bool) -> torch.Tensor:
+    """V4's compressor pooling of n blocks, read where the pool keeps the states (no gathered copy).
+
+    rows [S, 2W]: per token [kv | gate], W = 2 * dim with overlap, else dim (a view with unit channel
+    stride, such as a column slice of the pool's state rows); slots [n, span] int64 row ids, span = 2 * rate
+    with overlap (the previous block first), else rate; valid [n, span] bool; bias [rate, W] float32.
+    -> [n, dim] in rows' dtype: per channel, sum_j softmax_j(gate_j + bias_j) * kv_j over the valid j (the
+    softmax in float32, rounded to rows' dtype before the product, as the reference rounds it); with overlap
+    the previous block's j read the first dim channels, this block's the second. Every block needs a valid j."""
+    n, span = slots.shape
+    width = 2 * dim if overlap else dim
+    if (rows.dim() != 2 or rows.shape[1] != 2 * width or rows.stride(-1) != 1 or span != (2 if overlap else 1) * rate
+            or valid.shape != slots.shape or bias.shape != (rate, width)):
+        raise BackendError(f"gated_pool got rows {list(rows.shape)} (strides {rows.stride()}), slots {list(slots.shape)}, "
+                           f"valid {list(valid.shape)}, bias {list(bias.shape)} for dim {dim}, rate {rate}, overlap "
+                           f"{overlap}", fix=f"pass rows [S, {2 * width}] with unit channel stride, slots and valid "
+                           f"[n, {(2 if overlap else 1) * rate}], bias [{rate}, {width}]")
+    k = _triton(rows)
+    if k is None:
+        return gated_pool_ref(rows, slots, valid, bias, dim, rate, overlap)
+    return k.gated_pool(rows, slots, valid, bias, dim, rate, overlap)

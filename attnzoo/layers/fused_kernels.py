@@ -283,37 +283,45 @@ def hc_mix(streams, post, comb, out):
 
 
 @triton.jit
-def _gated_pool_kernel(KV, G, B, V, OUT, S, D, stride_kn, stride_ks, stride_gn, stride_gs, stride_b, stride_vn,
-                       SP: tl.constexpr, BLOCK_D: tl.constexpr, ROUND: tl.constexpr):
-    # One row's BLOCK_D channels: the whole span at once (SP = S padded to a power of two).
+def _gated_pool_kernel(ROWS, SLOTS, V, B, OUT, SPAN, D, W, R, stride_r, stride_b,
+                       SP: tl.constexpr, BLOCK_D: tl.constexpr, OVERLAP: tl.constexpr, ROUND: tl.constexpr):
+    # One block's BLOCK_D channels: its whole span at once (SP = SPAN padded to a power of two), each span
+    # position's state row read where the pool keeps it. With OVERLAP the previous block's positions (j < R)
+    # read the first D channels of kv, gate and bias, this block's the next D.
     n = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     j = tl.arange(0, SP)
-    ok = (j < S) & (tl.load(V + n * stride_vn + j, mask=j < S, other=0) != 0)
+    ok = (j < SPAN) & (tl.load(V + n * SPAN + j, mask=j < SPAN, other=0) != 0)
     m = ok[:, None] & (d < D)[None, :]
-    g = tl.load(G + n * stride_gn + j[:, None] * stride_gs + d[None, :], mask=m, other=0.0).to(tl.float32)
-    g = g + tl.load(B + j[:, None] * stride_b + d[None, :], mask=m, other=0.0)
+    row = tl.load(SLOTS + n * SPAN + j, mask=j < SPAN, other=0).to(tl.int64)
+    if OVERLAP:
+        half = (j >= R).to(tl.int32)
+    else:
+        half = tl.zeros([SP], dtype=tl.int32)
+    col = (half * D)[:, None] + d[None, :]
+    at = ROWS + row[:, None] * stride_r + col
+    g = tl.load(at + W, mask=m, other=0.0).to(tl.float32)
+    g = g + tl.load(B + (j - half * R)[:, None] * stride_b + col, mask=m, other=0.0)
     g = tl.where(m, g, -1e30)  # finite: a padding channel's max is then no -inf (no inf - inf)
     e = tl.exp(g - tl.max(g, axis=0)[None, :])
-    kv = tl.load(KV + n * stride_kn + j[:, None] * stride_ks + d[None, :], mask=m, other=0.0)
+    kv = tl.load(at, mask=m, other=0.0)
     w = _rounded(e / tl.sum(e, axis=0)[None, :], ROUND)
     prod = _rounded(kv.to(tl.float32) * w, ROUND)
     tl.store(OUT + n * D + d, tl.sum(prod, axis=0).to(OUT.dtype.element_ty), mask=d < D)
 
 
-def gated_pool(kv, gate, bias, valid):
-    """kv, gate [n, S, D] (unit channel stride), bias [S, D], valid [n, S] -> [n, D] in kv's dtype."""
-    n, span, dim = kv.shape
-    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
-    gate = gate if gate.stride(-1) == 1 else gate.contiguous()
-    bias, valid = bias.float().contiguous(), valid.to(torch.int8).contiguous()
-    out = torch.empty(n, dim, dtype=kv.dtype, device=kv.device)
+def gated_pool(rows, slots, valid, bias, dim, rate, overlap):
+    """rows [S, 2W] (unit channel stride), slots and valid [n, span], bias [rate, W] -> [n, dim] in rows' dtype."""
+    n, span = slots.shape
+    width = rows.shape[1] // 2
+    slots, valid, bias = slots.contiguous(), valid.to(torch.int8).contiguous(), bias.float().contiguous()
+    out = torch.empty(n, dim, dtype=rows.dtype, device=rows.device)
     sp = next_pow2(span)
     block_d = max(16, min(128, next_pow2(dim), 8192 // sp))
     if n:
         _gated_pool_kernel[(n, triton.cdiv(dim, block_d))](
-            kv, gate, bias, valid, out, span, dim, kv.stride(0), kv.stride(1), gate.stride(0), gate.stride(1),
-            bias.stride(0), valid.stride(0), SP=sp, BLOCK_D=block_d, ROUND=_ROUND.get(kv.dtype, ""), num_warps=4)
+            rows, slots, valid, bias, out, span, dim, width, rate, rows.stride(0), bias.stride(0), SP=sp,
+            BLOCK_D=block_d, OVERLAP=overlap, ROUND=_ROUND.get(rows.dtype, ""), num_warps=4)
     return out
 
 
