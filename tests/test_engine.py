@@ -173,6 +173,24 @@ def test_invalid_engine_settings_are_named(tiny_dir, kw):
         attnzoo.load_model(tiny_dir, **kw)
 
 
+def test_out_of_memory_in_graph_capture_names_the_kv_cache_and_the_fix(tiny_dir, monkeypatch):
+    """A decode step's activations that do not fit beside the default-sized KV cache: a load error that
+    says what took the memory and what to pass, not torch's bare OutOfMemoryError."""
+    from attnzoo.engine import build
+    from attnzoo.engine.engine import Engine
+
+    def capture(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 160.00 MiB")
+
+    monkeypatch.setattr(build, "_check_graph_and_cascade", lambda *args: None)  # graphs on the CPU: capture fails
+    monkeypatch.setattr(Engine, "enable_cuda_graphs", capture)
+    with pytest.raises(ModelLoadError, match=r"capturing the decode CUDA graphs .* the default") as e:
+        attnzoo.load_model(tiny_dir, cuda_graph=True)
+    assert "gpu_memory_utilization=0.8" in str(e.value) and isinstance(e.value.__cause__, torch.OutOfMemoryError)
+    with pytest.raises(ModelLoadError, match=r"GiB \(as asked\)"):
+        attnzoo.load_model(tiny_dir, cuda_graph=True, kv_cache_tokens=256)
+
+
 def test_shared_prefix_pages_of_a_decode_batch():
     from attnzoo.attention.metadata import build_metadata, shared_prefix_pages
 

@@ -95,6 +95,16 @@ def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory,
     return max(2, full), max(2, int(window_kv_fraction * full))
 
 
+def _capture_oom(pool: KVPool, max_running: int, sized_by_default: bool) -> ModelLoadError:
+    """A decode step's activations at the largest captured batch did not fit beside the KV cache."""
+    how = "85% of the memory free after the weights, the default" if sized_by_default else "as asked"
+    return ModelLoadError(
+        f"out of GPU memory capturing the decode CUDA graphs (batches up to {max_running}): the KV cache took "
+        f"{pool.nbytes / 2**30:.2f} GiB ({how}) and left too little for a step's activations",
+        fix="leave more room beside the KV cache (gpu_memory_utilization=0.8, or a smaller kv_cache_memory or "
+            "kv_cache_tokens), capture smaller batches (max_running=N), or pass cuda_graph=False")
+
+
 def _decode_window_pages(specs, ps: int) -> int:
     """Window-group pages a decoding request holds at most: its window and a page (KVPages.window_peak)."""
     return -(-max(specs[i].kept_window() for i in window_group_layers(specs)) // ps) + 1
@@ -230,9 +240,13 @@ def build(name_or_path, cfg: LoadConfig, *, tp) -> dict:
     cuda_graph = cfg.cuda_graph if cfg.cuda_graph is not None else dev.type == "cuda" and backends.supports_cuda_graph
     if cuda_graph:
         say("capturing CUDA graphs for decode ...")
-        engine.enable_cuda_graphs(max_batch=engine.max_running, max_context=min(context_len, cfg.cuda_graph_max_context),
-                                  batch_sizes=None if cfg.cuda_graph_batch_sizes is None else list(cfg.cuda_graph_batch_sizes),
-                                  prune=tp is None and cfg.cuda_graph_batch_sizes is None)
+        try:
+            engine.enable_cuda_graphs(max_batch=engine.max_running, max_context=min(context_len, cfg.cuda_graph_max_context),
+                                      batch_sizes=None if cfg.cuda_graph_batch_sizes is None else list(cfg.cuda_graph_batch_sizes),
+                                      prune=tp is None and cfg.cuda_graph_batch_sizes is None)
+        except torch.OutOfMemoryError as e:
+            raise _capture_oom(pool, engine.max_running, sized_by_default=kv_cache_memory is None and
+                               cfg.kv_cache_tokens is None) from e
         timings["cuda_graphs_s"] = lap()
     if src is None:
         src = loader.CheckpointSource(f"random-weight {arch}", None)
