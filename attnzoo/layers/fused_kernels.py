@@ -218,7 +218,7 @@ def hc_weights(mixes, scale, base, n: int, iters: int, eps: float):
 @triton.jit
 def _rounded(x, ROUND: tl.constexpr):
     # float32 -> the nearest value of ROUND ("bf16", "fp16" or "" for none), kept in float32. bf16 by integer
-    # arithmetic (ties to even): a truncate-extend pair of casts may be folded by the compiler into nothing.
+    # arithmetic (ties to even): compiled, a bf16 cast pair did not round as torch does (fp16 not yet seen).
     if ROUND == "bf16":
         b = x.to(tl.uint32, bitcast=True)
         b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16

@@ -127,8 +127,8 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor):
         n = self.n
-        pre, post, comb = fused.hc_weights(F.linear(normed_streams(streams, self.norm_eps), self.fn.float()), self.scale, self.base, n=n,
-                                           iters=self.iters, eps=self.eps)
+        mixes = F.linear(normed_streams(streams, self.norm_eps), self.fn.float())
+        pre, post, comb = fused.hc_weights(mixes, self.scale, self.base, n=n, iters=self.iters, eps=self.eps)
         return post, comb, fused.hc_collapse(streams, pre)
 
 
@@ -143,7 +143,8 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        mixes = F.linear(normed_streams(streams, self.norm_eps), self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()
+        mixes = F.linear(normed_streams(streams, self.norm_eps), self.hc_fn.float())
+        mixes = mixes * self.hc_scale.float() + self.hc_base.float()
         return fused.hc_collapse(streams, torch.sigmoid(mixes) + self.eps)
 
 
