@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnzoo.errors import ModelLoadError
+from attnzoo.layers import skinny
 from attnzoo.layers.fp8 import Fp8Format, Fp8Linear
 
 
@@ -150,7 +151,14 @@ def mark_shard(param: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) 
     return param
 
 
-class ColumnParallelLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear whose product is ``skinny.linear``: the skinny kernel at decode's few rows, cuBLAS otherwise."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return skinny.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(Linear):
     """y = x W^T + b with this rank's rows of W and b (its output features); no communication.
 
     ``rows``: (first, count) of the output features this rank keeps (default: an even split);
@@ -167,7 +175,7 @@ class ColumnParallelLinear(nn.Linear):
                 mark_shard(self.bias, narrow(0, start, size, out_features))
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """y = sum over ranks of x_r W_r^T (+ b once): this rank's input features (columns of W).
 
     ``reduce=False`` returns the partial sum (the bias counted on rank 0 only) for the caller to
@@ -183,7 +191,7 @@ class RowParallelLinear(nn.Linear):
             mark_shard(self.weight, narrow(1, start, size, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        y = skinny.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(y) if self.reduce else y
 
 
@@ -226,7 +234,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(Linear):
     """Logits for this rank's vocabulary range, gathered into the full [n, vocab] on every rank."""
 
     def __init__(self, hidden: int, vocab_size: int, *, tp: TPContext = SINGLE):
@@ -237,5 +245,5 @@ class ParallelLMHead(nn.Linear):
             mark_shard(self.weight, _padded_rows(tp.rank * per, per))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last(skinny.linear(hidden, self.weight))
         return logits[..., : self.vocab_size]

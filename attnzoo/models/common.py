@@ -18,7 +18,7 @@ from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.errors import WeightError
 from attnzoo.layers import fused
 from attnzoo.layers.fp8 import Fp8MergedLinear
-from attnzoo.layers.parallel import SINGLE, RowParallelLinear, TPContext, VocabParallelEmbedding, narrow
+from attnzoo.layers.parallel import SINGLE, Linear, RowParallelLinear, TPContext, VocabParallelEmbedding, narrow
 
 
 class RMSNorm(nn.Module):
@@ -86,7 +86,7 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     return fused.rope(q, k, cos, sin, interleaved=interleaved)
 
 
-class MergedLinear(nn.Linear):
+class MergedLinear(Linear):
     """Several projections of the same input as one GEMM, stacked along the output: ``parts`` maps each
     checkpoint module name (a sibling of this one: "q_proj") to its output rows, in order. Checkpoint
     tensors keep their names; ``CausalLM.load_weights`` copies ``<parent>.q_proj.weight`` into its rows.

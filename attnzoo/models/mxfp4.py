@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from attnzoo.errors import ModelLoadError, WeightError
+from attnzoo.layers import skinny
 from attnzoo.layers.moe import FusedMoE, build_experts_as
 from attnzoo.layers.mxfp4 import FP4_VALUES, dequantize_mxfp4  # noqa: F401 (FP4_VALUES: re-exported)
 from attnzoo.models.quantization import WeightPlan, _name
@@ -82,14 +83,14 @@ class Mxfp4Plan(WeightPlan):
                     else "dequantized per expert by the MoE reference (cpu)")
             return {"format": f"mxfp4 experts ({'checkpoint' if self.count else 'random weights'}), other weights "
                               f"{_name(self.dtype)}",
-                    "gemm": f"mxfp4 experts kept as stored ({kept}, fp8_weights='mxfp4'), {path}; torch linear "
-                            f"({_name(self.dtype)}) elsewhere"}
+                    "gemm": f"mxfp4 experts kept as stored ({kept}, fp8_weights='mxfp4'), {path}; "
+                            f"{skinny.describe(self.dtype)} elsewhere"}
         if not self.count:  # load_format="random": nothing was dequantized
             return {"format": f"{_name(self.dtype)} (random weights; the config's experts are MXFP4)",
-                    "gemm": f"torch linear ({_name(self.dtype)})"}
+                    "gemm": skinny.describe(self.dtype)}
         return {"format": f"mxfp4 experts (checkpoint), other weights {_name(self.dtype)}",
                 "gemm": f"experts dequantized to {_name(self.dtype)} at load ({self.count} tensors; "
-                        f"fp8_weights='mxfp4' keeps them as stored); torch linear ({_name(self.dtype)}) elsewhere"}
+                        f"fp8_weights='mxfp4' keeps them as stored); {skinny.describe(self.dtype)} elsewhere"}
 
 
 def _read(t) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from attnzoo.errors import ModelLoadError, WeightError
+from attnzoo.layers import skinny
 from attnzoo.layers.fp8 import (
     FP8, Fp8Format, Fp8Linear, Fp8MergedLinear, dequantize, fp8_gemm_supported,
 )
@@ -104,7 +105,7 @@ class WeightPlan:
         pass
 
     def describe(self) -> dict:
-        return {"format": _name(self.dtype), "gemm": f"torch linear ({_name(self.dtype)})"}
+        return {"format": _name(self.dtype), "gemm": skinny.describe(self.dtype)}
 
 
 class Fp8Plan(WeightPlan):

@@ -1,0 +1,87 @@
+"""Dense projections (y = x W^T + b) for every unquantized linear layer: at decode's few rows the skinny
+Triton kernel (``skinny_kernels``), cuBLAS (``F.linear``) for everything else.
+
+At 1-16 rows a projection only streams its weight, and cuBLAS's GEMV-shaped kernels leave bandwidth on the
+table on the small ones (a split-K pass plus a reduction kernel) and on the LM head; the Triton kernel reads
+W in one pass (benchmarks/skinny_gemm.py, results/README.md). It is taken on CUDA for bfloat16/float16
+weights with the activation's dtype; ``use(False)`` turns it off (cuBLAS-only comparisons), ``use(True)``
+takes it for float32 too and runs it on a CPU under ``TRITON_INTERPRET=1``.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from attnzoo.errors import BackendError
+
+MAX_ROWS = 16  # the kernel pads x's rows to one 16-deep tensor-core tile
+DTYPES = (torch.bfloat16, torch.float16)
+_forced: bool | None = None
+
+
+@contextlib.contextmanager
+def use(on: bool) -> Iterator[None]:
+    """Within the block, take the skinny kernel wherever its shapes allow (True) or never (False)."""
+    global _forced
+    previous, _forced = _forced, bool(on)
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    try:
+        from attnzoo.layers import skinny_kernels
+    except ImportError:
+        return None
+    return skinny_kernels
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear(x, weight)`` takes the skinny kernel (its shapes and dtypes, the device, ``use``)."""
+    if _forced is False or weight.dim() != 2 or x.shape[-1] != weight.shape[1] or x.stride(-1) != 1:
+        return False
+    # float32 only when asked for (the CPU tests): its cuBLAS path is not bandwidth-starved the same way
+    dtypes = (*DTYPES, torch.float32) if _forced else DTYPES
+    if x.dtype != weight.dtype or weight.dtype not in dtypes or not weight.is_contiguous():
+        return False
+    if x.numel() // max(x.shape[-1], 1) > MAX_ROWS or x.numel() == 0:
+        return False
+    if not x.is_cuda:
+        return _forced is True and os.environ.get("TRITON_INTERPRET") == "1"
+    return _kernels() is not None
+
+
+def config_for(n: int, k: int):
+    """The tile config for an [n, k] weight: narrow tiles and a deep pipeline where the output has few tiles
+    (o_proj, down_proj: every SM needs a program), wide ones elsewhere (benchmarks/skinny_gemm.py)."""
+    sk = _kernels()
+    return sk.Config(32, 128, 4, 8) if n <= 8192 else sk.Config(64, 256, 4, 3)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), by the skinny kernel where ``fits``."""
+    if not fits(x, weight):
+        if _forced is True and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise BackendError("skinny.use(True) on a CPU needs Triton's interpreter",
+                               fix="set TRITON_INTERPRET=1 before triton is imported, or leave skinny.use alone")
+        return F.linear(x, weight, bias)
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    y = _kernels().linear(rows, weight, bias, config=config_for(n, k))
+    return y.view(*x.shape[:-1], n)
+
+
+def describe(dtype: torch.dtype) -> str:
+    """How unquantized projections in ``dtype`` are computed (a model's ``info()``)."""
+    name = str(dtype).replace("torch.", "")
+    if dtype not in DTYPES:
+        return f"torch linear ({name})"
+    return f"torch linear ({name}); skinny Triton kernel at <= {MAX_ROWS} rows on CUDA"

@@ -1,0 +1,72 @@
+"""Triton kernel behind ``attnzoo.layers.skinny``: y = x W^T (+ b) for a few rows of x.
+
+Decode at batch 1-16 is bound by reading W once. Each program owns ``BLOCK_N`` output features and
+streams their rows of W over the whole K (no split-K, so no second reduction kernel); the few rows of x
+are padded to 16 in registers so the product runs on tensor cores. Importing this module imports
+triton; on a CPU it runs only under Triton's interpreter.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # rows of x one program multiplies (tensor-core tiles are 16 deep)
+
+
+class Config(NamedTuple):
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+# One tile shape for every layer; the sweep in benchmarks/skinny_gemm.py chose it (results/README.md).
+DEFAULT = Config(block_n=16, block_k=512, warps=4, stages=4)
+
+
+@triton.jit
+def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    x_ptr = X + rm[:, None] * stride_xm + rk[None, :]
+    w_ptr = W + rn[:, None] * stride_wn + rk[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN:  # N and K whole tiles: unmasked, vectorised loads of W
+            w = tl.load(w_ptr)
+            x = tl.load(x_ptr, mask=rm[:, None] < M, other=0.0)
+        else:
+            k_ok = (k0 + rk) < K
+            w = tl.load(w_ptr, mask=(rn[:, None] < N) & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
+        if F32_DOT:  # the interpreter's dot reads bfloat16 as raw integers
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        x_ptr += BLOCK_K
+        w_ptr += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: Config = DEFAULT) -> torch.Tensor:
+    """x [M, K] (M <= 16, unit stride along K), weight [N, K] contiguous, bias [N] or None -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    c = config
+    even = n % c.block_n == 0 and k % c.block_k == 0
+    _skinny_kernel[(triton.cdiv(n, c.block_n),)](
+        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=MAX_ROWS, BLOCK_N=c.block_n, BLOCK_K=c.block_k, HAS_BIAS=bias is not None, EVEN=even, F32_DOT=not x.is_cuda,
+        num_warps=c.warps, num_stages=c.stages)
+    return y

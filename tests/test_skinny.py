@@ -1,0 +1,82 @@
+"""The skinny projection kernel (attnzoo.layers.skinny) against F.linear: under Triton's interpreter on tiny
+shapes without a GPU, at full Llama/Gemma decode shapes with one (marked gpu); and where it is taken."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnzoo
+from attnzoo.layers import skinny
+from helpers import random_prompts, save_checkpoint
+from test_llama import tiny_llama
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+
+
+def rand(*shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * 0.5).to(DEV, dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_torch(rows, bias, dtype):
+    # 300 x 200: neither a multiple of the tiles (masked loads); 256 x 512: whole tiles (unmasked)
+    for n, k in ((300, 200), (256, 512)):
+        x, w = rand(rows, k, dtype=dtype, seed=1), rand(n, k, dtype=dtype, seed=2)
+        b = rand(n, dtype=dtype, seed=3) if bias else None
+        with skinny.use(True):
+            assert skinny.fits(x, w)
+            got = skinny.linear(x, w, b)
+        ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+        assert got.dtype == dtype and got.shape == (rows, n)
+        tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+        torch.testing.assert_close(got.float(), ref, **tol)
+
+
+def test_leading_dims_and_where_it_is_taken():
+    w = rand(64, 32, dtype=torch.float32, seed=0)
+    x = rand(2, 3, 32, dtype=torch.float32, seed=1)
+    with skinny.use(True):
+        y = skinny.linear(x, w)
+        assert y.shape == (2, 3, 64)
+        torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-4)
+        assert not skinny.fits(rand(17, 32, dtype=torch.float32, seed=1), w)  # past 16 rows: cuBLAS
+        assert not skinny.fits(x.to(torch.bfloat16), w)  # mixed dtypes
+        assert not skinny.fits(rand(1, 64, dtype=torch.float32, seed=1)[:, ::2], w)  # strided along K
+        assert not skinny.fits(x, w.t().contiguous().t())  # a transposed weight view
+    with skinny.use(False):
+        assert not skinny.fits(x, w)
+    if not GPU:  # by default the kernel is a CUDA path: a CPU tensor takes F.linear
+        assert not skinny.fits(x, w)
+
+
+def test_describe_names_the_path():
+    assert skinny.describe(torch.float32) == "torch linear (float32)"
+    assert "skinny Triton kernel at <= 16 rows" in skinny.describe(torch.bfloat16)
+
+
+def test_tiny_llama_greedy_same_with_and_without(tmp_path):
+    path = save_checkpoint(tiny_llama(), tmp_path)
+    llm = attnzoo.load_model(str(path), backend="torch", dtype="float32", device=DEV)
+    prompts = random_prompts(160, [9, 5, 12], seed=4)
+    with skinny.use(False):
+        ref = llm.generate(prompts, max_new_tokens=6)
+    with skinny.use(True):
+        got = llm.generate(prompts, max_new_tokens=6)
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
+                                 (5376, 21504)])
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_gpu_full_shapes_match_cublas(n, k, rows):
+    x, w = rand(rows, k, dtype=torch.bfloat16, seed=5), rand(n, k, dtype=torch.bfloat16, seed=6) * 0.05
+    got = skinny.linear(x, w)
+    ref = x.float() @ w.float().T
+    # both round a float32 sum to bfloat16 once: within a unit or two of the last place
+    assert ((got.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-3).float().mean() >= 0.999
+    torch.testing.assert_close(got.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
