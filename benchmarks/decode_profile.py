@@ -23,7 +23,7 @@ import attnzoo  # noqa: E402
 
 # Kernel name fragments -> kind, first match wins (cuBLAS's Hopper GEMMs are "nvjet_*"; Triton's are ours).
 KINDS = (("attention", ("flashinfer", "Prefill", "Decode", "attention", "cascade", "merge_state", "xqa")),
-         ("gemm", ("nvjet", "gemm", "sm90_xmma", "cutlass", "matmul", "_moe")),
+         ("gemm", ("nvjet", "gemm", "sm90_xmma", "cutlass", "matmul", "_moe", "_skinny")),
          ("norm/rope/act (fused)", ("rms", "norm", "rope", "act_and_mul", "silu", "gelu")),
          ("sampling/logits", ("softmax", "argmax", "topk", "sort", "tanh")))
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import gpu_slug, parse_ints, write_result  # noqa: E402
 
-from attnzoo.layers import skinny_kernels as sk  # noqa: E402
+from attnzoo.layers import skinny, skinny_kernels as sk  # noqa: E402
 
 SHAPES = {  # name: (N, K)
     "llama8b.qkv": (6144, 4096), "llama8b.o": (4096, 4096), "llama8b.gate_up": (28672, 4096),
@@ -84,15 +84,11 @@ def main() -> None:
                                                      rel_err=err)
             ok = {kc: v["us"] for kc, v in row["configs"].items() if "us" in v}
             best = min(ok, key=ok.get)
-            row.update(best=best, best_us=ok[best], speedup=cub / ok[best], default_us=ok.get(str(tuple(sk.DEFAULT))))
-            # programmatic dependent launch: each call reads its first tile of W while the one before finishes
-            got = sk.linear(x, ws[0], pdl=True).float()
-            assert ((got - ref).abs().max() / ref.abs().max()).item() < 2e-2, "pdl path wrong"
-            row["default_pdl_us"] = graph_us(lambda i: sk.linear(x, ws[i], pdl=True), copies)
+            row.update(best=best, best_us=ok[best], speedup=cub / ok[best], default_us=ok.get(str(tuple(sk.DEFAULT))),
+                       rule=str(tuple(skinny.config_for(n, k))), rule_us=ok.get(str(tuple(skinny.config_for(n, k)))))
             rows_out.append(row)
             print(f"{name:24} {m:>3} {nbytes / 1e6:>7.1f} {cub:>9.1f} {nbytes / cub / 1e3:>6.0f} {ok[best]:>8.1f} "
-                  f"{nbytes / ok[best] / 1e3:>6.0f} {cub / ok[best]:>5.2f}  {best} default {row['default_us']:.1f} "
-                  f"pdl {row['default_pdl_us']:.1f}")
+                  f"{nbytes / ok[best] / 1e3:>6.0f} {cub / ok[best]:>5.2f}  {best} rule {row['rule_us']:.1f}")
         del ws
         torch.cuda.empty_cache()
     out = args.out if args.out.endswith(".json") else args.out + f"_{gpu_slug()}"

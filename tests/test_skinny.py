@@ -46,6 +46,8 @@ def test_leading_dims_and_where_it_is_taken():
         assert not skinny.fits(x.to(torch.bfloat16), w)  # mixed dtypes
         assert not skinny.fits(rand(1, 64, dtype=torch.float32, seed=1)[:, ::2], w)  # strided along K
         assert not skinny.fits(x, w.t().contiguous().t())  # a transposed weight view
+        long_k = rand(8, skinny.MAX_K + 64, dtype=torch.float32, seed=2)
+        assert not skinny.fits(rand(1, skinny.MAX_K + 64, dtype=torch.float32, seed=1), long_k)  # cuBLAS's split-K
     with skinny.use(False):
         assert not skinny.fits(x, w)
     if not GPU:  # by default the kernel is a CUDA path: a CPU tensor takes F.linear
@@ -70,12 +72,23 @@ def test_tiny_llama_greedy_same_with_and_without(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
+def test_gpu_decode_rows_take_the_kernel():
+    w = rand(4096, 4096, dtype=torch.bfloat16, seed=0)
+    assert skinny.fits(rand(16, 4096, dtype=torch.bfloat16, seed=1), w)
+    assert not skinny.fits(rand(17, 4096, dtype=torch.bfloat16, seed=1), w)
+    assert not skinny.fits(rand(1, 4096, dtype=torch.float32, seed=1), w.float())  # float32: cuBLAS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
                                  (5376, 21504)])
 @pytest.mark.parametrize("rows", [1, 8, 16])
 def test_gpu_full_shapes_match_cublas(n, k, rows):
+    from attnzoo.layers import skinny_kernels
+
     x, w = rand(rows, k, dtype=torch.bfloat16, seed=5), rand(n, k, dtype=torch.bfloat16, seed=6) * 0.05
-    got = skinny.linear(x, w)
+    got = skinny_kernels.linear(x, w, config=skinny.config_for(n, k))  # the kernel, whatever fits() decides
     ref = x.float() @ w.float().T
     # both round a float32 sum to bfloat16 once: within a unit or two of the last place
     assert ((got.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-3).float().mean() >= 0.999
