@@ -226,6 +226,8 @@ def _add_policy(sub) -> None:
     ex.add_argument("--page-size", type=int, default=None)
     ex.add_argument("--dtype", default=None, help="the dtype the model will run in (checked against the backends)")
     ex.add_argument("--arch", default=None, help="the architecture, when the model's config.json is not at hand")
+    ex.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
+                    help="what the KV cache will store (backends that cannot read it are refused, as at load)")
     ex.add_argument("--assume-installed", nargs="?", const=",".join(OPTIONAL_PACKAGES), default=None,
                     metavar="PKG[,PKG]", help="answer for a machine that has these packages (default with the flag: "
                     f"{', '.join(OPTIONAL_PACKAGES)}; without it: all of them for another --gpu, none here)")
@@ -321,7 +323,8 @@ def _policy_explain(args) -> int:
                           fix=f"use some of: {', '.join(OPTIONAL_PACKAGES)}")
     decision = resolve(model, gpu=args.gpu, model_id=model_id, overrides=Overrides(
         backend=args.backend, prefill_backend=args.prefill_backend, decode_backend=args.decode_backend,
-        page_size=args.page_size, policy_file=args.policy, dtype=args.dtype, assume_installed=assume))
+        page_size=args.page_size, policy_file=args.policy, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        assume_installed=assume))
     if elsewhere and given is None:
         notes.append(f"--gpu {args.gpu} is not this machine ({here}): the answer is what would run there, with "
                      f"{', '.join(OPTIONAL_PACKAGES)} assumed installed (--assume-installed '' checks this machine's)")

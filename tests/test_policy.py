@@ -641,6 +641,20 @@ def test_cli_explain_flagship_offline_for_another_gpu(capsys, tmp_path, monkeypa
     assert "HYPOTHETICAL" not in capsys.readouterr().out
 
 
+def test_cli_explain_takes_the_kv_cache_dtype(capsys):
+    # The decision depends on what the cache stores, as load_model's kv_cache_dtype does.
+    assert policy_main(["policy", "explain", "LlamaForCausalLM", "--gpu", "sm90", "--json", "--assume-installed"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert policy_main(["policy", "explain", "LlamaForCausalLM", "--gpu", "sm90", "--json", "--assume-installed",
+                        "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    assert (plain["kv_cache_dtype"], fp8["kv_cache_dtype"]) == ("auto", "fp8_e4m3")
+    assert "FA3" in plain["kernels"]["prefill"] and "FA3" not in fp8["kernels"]["prefill"]
+    assert policy_main(["policy", "explain", "DeepseekV2ForCausalLM", "--gpu", "sm90",
+                        "--kv-cache-dtype", "fp8_e4m3"]) == 2
+    assert "kv_cache_dtype='auto'" in capsys.readouterr().err
+
+
 def test_cli_explain_reads_cached_and_local_configs(capsys, tmp_path, monkeypatch):
     import huggingface_hub.constants as hf_constants
 
