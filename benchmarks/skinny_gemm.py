@@ -19,7 +19,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import gpu_slug, parse_ints, write_result  # noqa: E402
 
-from attnzoo.layers import skinny, skinny_kernels as sk  # noqa: E402
+from attnzoo.layers import fused, skinny, skinny_kernels as sk  # noqa: E402
 
 SHAPES = {  # name: (N, K)
     "llama8b.qkv": (6144, 4096), "llama8b.o": (4096, 4096), "llama8b.gate_up": (28672, 4096),
@@ -84,8 +84,14 @@ def main() -> None:
                                                      rel_err=err)
             ok = {kc: v["us"] for kc, v in row["configs"].items() if "us" in v}
             best = min(ok, key=ok.get)
-            row.update(best=best, best_us=ok[best], speedup=cub / ok[best], default_us=ok.get(str(tuple(sk.DEFAULT))),
+            row.update(best=best, best_us=ok[best], speedup=cub / ok[best], 
                        rule=str(tuple(skinny.config_for(n, k))), rule_us=ok.get(str(tuple(skinny.config_for(n, k)))))
+            if name.endswith("gate_up"):  # the MLP's activation in the same launch, against a launch of its own
+                act = "gelu_tanh" if name.startswith("gemma") else "silu"
+                row["act_separate_us"] = graph_us(lambda i: fused.act_and_mul(skinny.linear(x, ws[i]), act), copies)
+                row["gated_us"] = graph_us(lambda i: skinny.gated(x, ws[i], None, act), copies)
+                print(f"{'':24} {m:>3} {act}: projection + activation {row['act_separate_us']:.1f} us, "
+                      f"one launch {row['gated_us']:.1f} us")
             rows_out.append(row)
             print(f"{name:24} {m:>3} {nbytes / 1e6:>7.1f} {cub:>9.1f} {nbytes / cub / 1e3:>6.0f} {ok[best]:>8.1f} "
                   f"{nbytes / ok[best] / 1e3:>6.0f} {cub / ok[best]:>5.2f}  {best} rule {row['rule_us']:.1f}")

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo
-from attnzoo.layers import skinny
+from attnzoo.errors import BackendError
+from attnzoo.layers import fused, skinny
 from helpers import random_prompts, save_checkpoint
 from test_llama import tiny_llama
 
@@ -33,6 +34,40 @@ def test_kernel_matches_torch(rows, bias, dtype):
         assert got.dtype == dtype and got.shape == (rows, n)
         tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
         torch.testing.assert_close(got.float(), ref, **tol)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_equals_projection_then_act(act, dtype, bias):
+    # 2 x 150 gate/up rows (masked tiles) and 2 x 256 (whole ones): act(gate) * up in one launch, the same
+    # bits as the projection followed by fused.act_and_mul
+    for i, k in ((150, 200), (256, 256)):
+        x, w = rand(3, k, dtype=dtype, seed=1), rand(2 * i, k, dtype=dtype, seed=2)
+        b = rand(2 * i, dtype=dtype, seed=3) if bias else None
+        with skinny.use(True), fused.use("triton"):
+            got = skinny.gated(x, w, b, act)
+            ref = fused.act_and_mul(skinny.linear(x, w, b), act)
+        assert got.shape == (3, i) and got.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        else:  # the interpreter truncates casts the kernel rounds by integer arithmetic: a few units apart
+            torch.testing.assert_close(got.float(), ref.float(), rtol=4e-2, atol=4e-2)
+        torch.testing.assert_close(got.float(), fused.act_and_mul_ref(F.linear(x.float(), w.float(), None if b is None
+                                   else b.float()), act), rtol=4e-2, atol=4e-2)
+
+
+def test_gated_follows_the_fused_switch():
+    # fused.use("torch") (the unfused reference runs) keeps the activation a torch op of its own
+    x, w = rand(2, 64, dtype=torch.float32, seed=1), rand(64, 64, dtype=torch.float32, seed=2)
+    with skinny.use(True):
+        with fused.use("torch"):
+            assert not fused.enabled(x)
+            ref = skinny.gated(x, w, None, "silu")
+        torch.testing.assert_close(ref, fused.act_and_mul_ref(F.linear(x, w), "silu"), rtol=1e-5, atol=1e-5)
+        with pytest.raises(BackendError, match="unknown gated activation"):
+            with fused.use("triton"):
+                skinny.gated(x, w, None, "relu")
 
 
 def test_leading_dims_and_where_it_is_taken():
@@ -67,7 +102,9 @@ def test_tiny_llama_greedy_same_with_and_without(tmp_path):
         ref = llm.generate(prompts, max_new_tokens=6)
     with skinny.use(True):
         got = llm.generate(prompts, max_new_tokens=6)
-    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    with skinny.use(True), fused.use("triton"):  # the MLP's gate_up and activation as one launch too
+        gated = llm.generate(prompts, max_new_tokens=6)
+    assert [c.token_ids for c in got] == [c.token_ids for c in gated] == [c.token_ids for c in ref]
 
 
 @pytest.mark.gpu
@@ -93,3 +130,14 @@ def test_gpu_full_shapes_match_cublas(n, k, rows):
     # both round a float32 sum to bfloat16 once: within a unit or two of the last place
     assert ((got.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-3).float().mean() >= 0.999
     torch.testing.assert_close(got.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+@pytest.mark.parametrize("i,k,act", [(14336, 4096, "silu"), (21504, 5376, "gelu_tanh"), (1408, 2048, "silu")])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_gpu_gated_same_bits_as_unfused(i, k, act, rows):
+    x, w = rand(rows, k, dtype=torch.bfloat16, seed=5), rand(2 * i, k, dtype=torch.bfloat16, seed=6) * 0.05
+    got = skinny.gated(x, w, None, act)
+    ref = fused.act_and_mul(skinny.linear(x, w), act)
+    assert (got == ref).float().mean().item() >= 0.999

@@ -81,6 +81,11 @@ def _triton(x: torch.Tensor):
     return kernels
 
 
+def enabled(x: torch.Tensor) -> bool:
+    """Whether the ops run as Triton kernels for ``x`` (kernels that fuse them into others, too)."""
+    return _triton(x) is not None
+
+
 # ----------------------------------------------------------------------------------------------
 # torch references
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo.errors import BackendError
+from attnzoo.layers import fused
 
 MAX_ROWS = 16  # the kernel pads x's rows to one 16-deep tensor-core tile
 # Past this K one program streams too long a row and cuBLAS's split-K wins (Gemma-4-31B's down_proj, K=21504:
@@ -69,17 +70,41 @@ def config_for(n: int, k: int):
     return sk.Config(32, 128, 4, 8) if n <= 8192 else sk.Config(64, 256, 4, 3)
 
 
+def _check_interpreter(x: torch.Tensor) -> None:
+    if _forced is True and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise BackendError("skinny.use(True) on a CPU needs Triton's interpreter",
+                           fix="set TRITON_INTERPRET=1 before triton is imported, or leave skinny.use alone")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), by the skinny kernel where ``fits``."""
     if not fits(x, weight):
-        if _forced is True and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise BackendError("skinny.use(True) on a CPU needs Triton's interpreter",
-                               fix="set TRITON_INTERPRET=1 before triton is imported, or leave skinny.use alone")
+        _check_interpreter(x)
         return F.linear(x, weight, bias)
     n, k = weight.shape
-    rows = x.reshape(-1, k)
-    y = _kernels().linear(rows, weight, bias, config=config_for(n, k))
+    y = _kernels().linear(x.reshape(-1, k), weight, bias, config=config_for(n, k))
     return y.view(*x.shape[:-1], n)
+
+
+def gates(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``gated`` runs one launch: ``fits``, and the fused ops run as kernels (not under
+    ``fused.use("torch")``, the unfused reference)."""
+    return fits(x, weight) and fused.enabled(x)
+
+
+def gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
+    """act(gate) * up of a gated MLP's stacked gate_up projection (``weight`` [2I, K]: gate rows, then up):
+    one skinny launch where ``gates``, else the projection (``linear``) and ``fused.act_and_mul``; the same
+    bits either way."""
+    if not gates(x, weight):
+        _check_interpreter(x)
+        return fused.act_and_mul(linear(x, weight, bias), act)
+    if act not in ("silu", "gelu_tanh"):
+        raise BackendError(f"unknown gated activation {act!r}", fix="use 'silu' or 'gelu_tanh'")
+    n2, k = weight.shape
+    c = config_for(n2, k)  # each program reads block_n rows of gate and of up: a plain tile's bytes
+    y = _kernels().linear(x.reshape(-1, k), weight, bias, config=c._replace(block_n=c.block_n // 2), act=act)
+    return y.view(*x.shape[:-1], n2 // 2)
 
 
 def describe(dtype: torch.dtype) -> str:

@@ -2,7 +2,8 @@
 
 Decode at batch 1-16 is bound by reading W once. Each program owns ``BLOCK_N`` output features and
 streams their rows of W over the whole K (no split-K, so no second reduction kernel); the few rows of x
-are padded to 16 in registers so the product runs on tensor cores. Importing this module imports
+are padded to 16 in registers so the product runs on tensor cores. A gated MLP's gate_up projection can
+end in its activation (act(gate) * up), one launch instead of two. Importing this module imports
 triton; on a CPU it runs only under Triton's interpreter.
 """
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from attnzoo.layers.fused_kernels import _ROUND, ACTIVATIONS, _rounded, _tanh
 
 MAX_ROWS = 16  # rows of x one program multiplies (tensor-core tiles are 16 deep)
 
@@ -23,50 +26,72 @@ class Config(NamedTuple):
     stages: int
 
 
-# One tile shape for every layer; the sweep in benchmarks/skinny_gemm.py chose it (results/README.md).
-DEFAULT = Config(block_n=16, block_k=512, warps=4, stages=4)
-
-
 @triton.jit
 def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr,
+                   GATED: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr):
+    # GATED: W is [2N, K], gate rows then up rows; the output is act(gate) * up, rounded where the unfused
+    # path rounds (the projection's output, the activation, the product), so both give the same bits.
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     x_ptr = X + rm[:, None] * stride_xm + rk[None, :]
     w_ptr = W + rn[:, None] * stride_wn + rk[None, :]
+    up_ptr = w_ptr + N * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN:  # N and K whole tiles: unmasked, vectorised loads of W
             w = tl.load(w_ptr)
             x = tl.load(x_ptr, mask=rm[:, None] < M, other=0.0)
+            if GATED:
+                wu = tl.load(up_ptr)
         else:
-            k_ok = (k0 + rk) < K
-            w = tl.load(w_ptr, mask=(rn[:, None] < N) & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
+            w_ok = (rn[:, None] < N) & ((k0 + rk) < K)[None, :]
+            w = tl.load(w_ptr, mask=w_ok, other=0.0)
+            x = tl.load(x_ptr, mask=(rm[:, None] < M) & ((k0 + rk) < K)[None, :], other=0.0)
+            if GATED:
+                wu = tl.load(up_ptr, mask=w_ok, other=0.0)
         if F32_DOT:  # the interpreter's dot reads bfloat16 as raw integers
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        if GATED:
+            if F32_DOT:
+                wu = wu.to(tl.float32)
+            acc_up += tl.dot(x, tl.trans(wu), input_precision="ieee")
+            up_ptr += BLOCK_K
         x_ptr += BLOCK_K
         w_ptr += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(B + N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        g = _rounded(acc, ROUND)
+        if ACT == 0:
+            a = g / (1.0 + tl.exp(-g))
+        else:
+            a = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+        acc = _rounded(a, ROUND) * _rounded(acc_up, ROUND)
     tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: Config = DEFAULT) -> torch.Tensor:
-    """x [M, K] (M <= 16, unit stride along K), weight [N, K] contiguous, bias [N] or None -> [M, N] in x's dtype."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: Config,
+           act: str | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 16, unit stride along K), weight [N, K] contiguous, bias [N] or None -> [M, N] in x's dtype.
+    ``act`` ("silu", "gelu_tanh"): weight is [2I, K] (gate rows, then up rows) and the result act(gate) * up
+    [M, I], ``config.block_n`` rows of each per program."""
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] if act is None else weight.shape[0] // 2
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     c = config
     even = n % c.block_n == 0 and k % c.block_k == 0
     _skinny_kernel[(triton.cdiv(n, c.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_N=c.block_n, BLOCK_K=c.block_k, HAS_BIAS=bias is not None, EVEN=even, F32_DOT=not x.is_cuda,
+        BLOCK_M=MAX_ROWS, BLOCK_N=c.block_n, BLOCK_K=c.block_k, HAS_BIAS=bias is not None, EVEN=even,
+        F32_DOT=not x.is_cuda, GATED=act is not None, ACT=ACTIVATIONS.get(act, 0), ROUND=_ROUND.get(x.dtype, ""),
         num_warps=c.warps, num_stages=c.stages)
     return y

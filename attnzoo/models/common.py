@@ -16,7 +16,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from attnzoo.attention.kv_cache import KVCacheSpec
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.errors import WeightError
-from attnzoo.layers import fused
+from attnzoo.layers import fused, skinny
 from attnzoo.layers.fp8 import Fp8MergedLinear
 from attnzoo.layers.parallel import SINGLE, Linear, RowParallelLinear, TPContext, VocabParallelEmbedding, narrow
 
@@ -128,7 +128,12 @@ class GatedMLP(nn.Module):
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.act_and_mul(self.gate_up_proj(x), self.act))
+        up = self.gate_up_proj
+        # Plain weights at decode rows: projection and activation in one launch, which calls no module (forward
+        # hooks on gate_up_proj do not see those rows). FP8 plans swap in a module with a GEMM of its own.
+        if type(up) is MergedLinear and skinny.gates(x, up.weight):
+            return self.down_proj(skinny.gated(x, up.weight, up.bias, self.act))
+        return self.down_proj(fused.act_and_mul(up(x), self.act))
 
 
 class CausalLM(nn.Module):
