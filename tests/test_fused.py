@@ -166,6 +166,29 @@ def test_softcap(dtype):
         assert fused.softcap(x[:0], 30.0).shape == (0, 4099)
 
 
+@pytest.mark.parametrize("vocab", [7, 4099, 9000])
+def test_argmax_finite(vocab):
+    """Greedy tokens: the first index on ties (within a chunk and across chunks of the kernel), -1 for a row
+    with NaN, +inf, or nothing but -inf; -inf entries elsewhere and a strided row view are fine."""
+    x = randn(7, vocab, dtype=torch.float32, scale=3.0)
+    top = x.max().item() + 1.0
+    x[0, [vocab // 2, vocab - 1]] = top  # a tie: the first wins
+    x[1, 0] = float("nan")
+    x[2, vocab - 1] = float("inf")
+    x[3] = float("-inf")
+    x[4, : vocab // 2] = float("-inf")
+    x[5, [1, vocab - 2]] = top  # the earliest chunk holds the first of the tie
+    view = torch.cat([x, x], dim=1)[:, :vocab]  # rows strided past their length
+    with fused.use("torch"):
+        ref = fused.argmax_finite(view)
+    with fused.use("triton"):
+        got = fused.argmax_finite(view)
+    assert got.dtype == torch.int64 and got.tolist() == ref.tolist()
+    assert got[1:4].tolist() == [-1, -1, -1] and got[0] == vocab // 2 and got[5] == 1
+    with fused.use("triton"):
+        assert fused.argmax_finite(x[:0]).shape == (0,)
+
+
 def rope_inputs(dtype, *, t=5, qh=4, kh=2, d=40, rot=None, seed=0):
     """q and k as views of one qkv projection output (strided rows), cos/sin [t, rot] float32."""
     qkv = randn(t, (qh + 2 * kh) * d, dtype=dtype, seed=seed)
@@ -360,6 +383,19 @@ def test_gpu_realistic_shapes(shape, tokens):
     with fused.use("torch"):
         ref = fused.softcap(logits, 30.0)
     torch.testing.assert_close(fused.softcap(logits, 30.0), ref, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 64, 1319])
+def test_gpu_argmax_finite_full_vocab(rows):
+    x = randn(rows, 128256, dtype=torch.float32, scale=3.0, seed=rows)
+    x[0, 70000] = x[0, 3] = x.max() + 1  # a tie across chunks
+    x[-1, 5] = float("nan") if rows > 1 else x[-1, 5]
+    got = fused.argmax_finite(x)
+    with fused.use("torch"):
+        assert got.tolist() == fused.argmax_finite(x).tolist()
+    assert got[0] == 3
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@ import torch
 
 from attnzoo.attention.metadata import to_device
 from attnzoo.errors import RequestError
+from attnzoo.layers import fused
 
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -104,14 +105,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 def pick_tokens(logits: torch.Tensor, reqs, eos_ids) -> torch.Tensor:
     """The next token of each row of ``logits`` [rows, vocab] (row i: request ``reqs[i]``), on the device
     and without a host sync: greedy rows by argmax, the others by ``sample``, after ``process_logits``;
-    -1 where the row holds a non-finite value (NaN and +inf win argmax, so a row's top logit is non-finite
-    iff the row holds one, or is all -inf: an O(rows) check that comes back with the tokens)."""
-    tokens = logits.argmax(dim=-1)
-    finite = torch.isfinite(logits.gather(1, tokens[:, None]))[:, 0]
+    -1 where the raw logits' top value is not finite (``fused.argmax_finite``: an O(rows) check that comes
+    back with the tokens)."""
+    tokens = fused.argmax_finite(logits)  # -1: a non-finite row
     scores = process_logits(logits, reqs, eos_ids)
+    rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if scores is logits and not rows:
+        return tokens
+    finite = tokens >= 0
     if scores is not logits:
         tokens = scores.argmax(dim=-1)
-    rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if rows:
         chosen = [reqs[i] for i in rows]
         at = to_device(rows, torch.int64, tokens.device)

@@ -7,6 +7,7 @@
 * ``rope``: rotate-half or interleaved-pair RoPE of q and k in one launch (partial RoPE too);
 * ``norm_rope``: per-head RMSNorms of q, k and v, then RoPE of q and k, in one launch (Gemma 4);
 * ``softcap``: float32 logits tanh(x / cap) * cap from the LM head's output (Gemma's final soft-cap);
+* ``argmax_finite``: greedy tokens from the logits, -1 for a row with a non-finite top value;
 * ``hc_weights``: DeepSeek-V4's hyper-connection weights (pre, post, Sinkhorn-projected comb) from the
   projected streams, where torch launches ~6 kernels per Sinkhorn iteration;
 * ``hc_collapse`` / ``hc_mix``: the streams collapsed into a block's input, and the block's output spread
@@ -139,6 +140,12 @@ def softcap_ref(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x.float() / cap) * cap
 
 
+def argmax_finite_ref(x: torch.Tensor) -> torch.Tensor:
+    # NaN and +inf win argmax, so the top value is non-finite iff the row holds one, or is all -inf
+    tokens = x.argmax(dim=-1)
+    return torch.where(torch.isfinite(x.gather(-1, tokens[:, None]))[:, 0], tokens, -1)
+
+
 def hc_weights_ref(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int, eps: float):
     pre, post, comb = mixes.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.split([n, n, n * n])
@@ -245,6 +252,14 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     where torch makes four (the float copy, the divide, tanh, the multiply), each over [tokens, vocab]."""
     k = _triton(x)
     return softcap_ref(x, cap) if k is None else k.softcap(x, cap)
+
+
+def argmax_finite(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, V] (logits) -> int64 [rows]: each row's argmax (the first on ties), -1 where the row holds NaN
+    or +inf or is all -inf; two launches where torch's argmax runs one block per row (27 us for one
+    128K-vocab row on an H200), then a gather, an isfinite and a where."""
+    k = _triton(x)
+    return argmax_finite_ref(x) if k is None else k.argmax_finite(x)
 
 
 def hc_weights(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, n: int, iters: int, eps: float):

@@ -169,6 +169,49 @@ def softcap(x, cap: float):
 
 
 @triton.jit
+def _argmax_chunks_kernel(X, VAL, IDX, BAD, V, stride_x, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    # One chunk of one row: its largest finite value, that value's first index, and whether it holds NaN/+inf.
+    r, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = c * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + r * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    bad = (x != x) | (x == float("inf"))
+    x = tl.where(bad, float("-inf"), x)
+    at = r * CHUNKS + c
+    tl.store(VAL + at, tl.max(x, axis=0))
+    tl.store(IDX + at, c * BLOCK + tl.argmax(x, axis=0, tie_break_left=True))
+    tl.store(BAD + at, tl.max(bad.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _argmax_rows_kernel(VAL, IDX, BAD, OUT, CHUNKS: tl.constexpr, CP: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CP)
+    ok = c < CHUNKS
+    val = tl.load(VAL + r * CHUNKS + c, mask=ok, other=float("-inf"))
+    best = tl.argmax(val, axis=0, tie_break_left=True)  # the first chunk holding the row's maximum
+    idx = tl.sum(tl.where(c == best, tl.load(IDX + r * CHUNKS + c, mask=ok, other=0), 0), axis=0)
+    bad = (tl.max(tl.load(BAD + r * CHUNKS + c, mask=ok, other=0), axis=0) > 0) | (tl.max(val, axis=0) == float("-inf"))
+    tl.store(OUT + r, tl.where(bad, -1, idx).to(tl.int64))
+
+
+def argmax_finite(x):
+    """x [rows, V] -> int64 [rows]: each row's first argmax, -1 where the row holds NaN or +inf or is all -inf."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, v = x.shape
+    block = min(4096, max(16, next_pow2(v)))
+    chunks = triton.cdiv(v, block)
+    val = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
+    idx = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
+    bad = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if rows:
+        _argmax_chunks_kernel[(rows, chunks)](x, val, idx, bad, v, x.stride(0), CHUNKS=chunks, BLOCK=block, num_warps=8)
+        _argmax_rows_kernel[(rows,)](val, idx, bad, out, CHUNKS=chunks, CP=max(2, next_pow2(chunks)), num_warps=1)
+    return out
+
+
+@triton.jit
 def _hc_weights_kernel(MIX, SCALE, BASE, PRE, POST, COMB, T, stride_m, eps, iters,
                        N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
     # BLOCK_T rows of mixes -> pre, post [T, N] and comb [T, N, N] (fused.hc_weights_ref); NP = N padded to a
