@@ -84,7 +84,7 @@ def main() -> None:
                                                      rel_err=err)
             ok = {kc: v["us"] for kc, v in row["configs"].items() if "us" in v}
             best = min(ok, key=ok.get)
-            row.update(best=best, best_us=ok[best], speedup=cub / ok[best], 
+            row.update(best=best, best_us=ok[best], speedup=cub / ok[best],
                        rule=str(tuple(skinny.config_for(n, k))), rule_us=ok.get(str(tuple(skinny.config_for(n, k)))))
             if name.endswith("gate_up"):  # the MLP's activation in the same launch, against a launch of its own
                 act = "gelu_tanh" if name.startswith("gemma") else "silu"
@@ -94,7 +94,7 @@ def main() -> None:
                       f"one launch {row['gated_us']:.1f} us")
             rows_out.append(row)
             print(f"{name:24} {m:>3} {nbytes / 1e6:>7.1f} {cub:>9.1f} {nbytes / cub / 1e3:>6.0f} {ok[best]:>8.1f} "
-                  f"{nbytes / ok[best] / 1e3:>6.0f} {cub / ok[best]:>5.2f}  {best} rule {row['rule_us']:.1f}")
+                  f"{nbytes / ok[best] / 1e3:>6.0f} {cub / ok[best]:>5.2f}  {best} rule {row['rule_us'] or float('nan'):.1f}")
         del ws
         torch.cuda.empty_cache()
     out = args.out if args.out.endswith(".json") else args.out + f"_{gpu_slug()}"

@@ -328,7 +328,8 @@ def test_buckets_whose_gemms_measured_slower_than_the_next_kept_one_are_dropped(
 
 
 def test_gemm_shapes_counts_the_dense_linears_a_decode_graph_runs():
-    from attnzoo.layers.parallel import ParallelLMHead
+    from attnzoo.layers import skinny
+    from attnzoo.layers.parallel import Linear, ParallelLMHead
 
     class M(torch.nn.Module):
         def __init__(self):
@@ -341,6 +342,9 @@ def test_gemm_shapes_counts_the_dense_linears_a_decode_graph_runs():
     m = M()
     shapes = cuda_graph.gemm_shapes(m)
     assert cuda_graph.gemm_share(m, shapes) == (3 * 128 + 128) / (3 * 128 + 128 + 128)  # lm_head aside
-    assert {k: c for k, (w, c) in shapes.items()} == {(16, 8, torch.bfloat16): 3, (8, 16, torch.bfloat16): 1}
+    assert {k: c for k, (w, c, _) in shapes.items()} == {(16, 8, torch.bfloat16): 3, (8, 16, torch.bfloat16): 1}
     assert shapes[(8, 16, torch.bfloat16)][0] is m.b.weight
+    assert shapes[(8, 16, torch.bfloat16)][2] is torch.nn.functional.linear  # a plain nn.Linear: cuBLAS
+    m.b = Linear(16, 8, bias=False, dtype=torch.bfloat16)
+    assert cuda_graph.gemm_shapes(m)[(8, 16, torch.bfloat16)][2] is skinny.linear
     assert cuda_graph.prune_buckets(shapes, [1, 2], torch.device("cpu")) == ([1, 2], {})  # measured on GPUs only

@@ -40,8 +40,7 @@ def test_kernel_matches_torch(rows, bias, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gated_equals_projection_then_act(act, dtype, bias):
-    # 2 x 150 gate/up rows (masked tiles) and 2 x 256 (whole ones): act(gate) * up in one launch, the same
-    # bits as the projection followed by fused.act_and_mul
+    # 2 x 150 gate/up rows (masked tiles), 2 x 256 (whole): one launch against projection + fused.act_and_mul
     for i, k in ((150, 200), (256, 256)):
         x, w = rand(3, k, dtype=dtype, seed=1), rand(2 * i, k, dtype=dtype, seed=2)
         b = rand(2 * i, dtype=dtype, seed=3) if bias else None
@@ -62,8 +61,10 @@ def test_gated_follows_the_fused_switch():
     x, w = rand(2, 64, dtype=torch.float32, seed=1), rand(64, 64, dtype=torch.float32, seed=2)
     with skinny.use(True):
         with fused.use("torch"):
-            assert not fused.enabled(x)
+            assert not fused.enabled(x) and not skinny.gates(x, w)
             ref = skinny.gated(x, w, None, "silu")
+        with fused.use("triton"):
+            assert skinny.gates(x, w)
         torch.testing.assert_close(ref, fused.act_and_mul_ref(F.linear(x, w), "silu"), rtol=1e-5, atol=1e-5)
         with pytest.raises(BackendError, match="unknown gated activation"):
             with fused.use("triton"):
@@ -89,21 +90,48 @@ def test_leading_dims_and_where_it_is_taken():
         assert not skinny.fits(x, w)
 
 
+def test_strided_rows_bias_rules_and_limits():
+    w, b = rand(48, 32, dtype=torch.float32, seed=0), rand(96, dtype=torch.float32, seed=3)
+    x = rand(4, 64, dtype=torch.float32, seed=1)[:, :32]  # rows 64 apart
+    with skinny.use(True):
+        assert skinny.fits(x, w, b[:48])
+        torch.testing.assert_close(skinny.linear(x, w, b[:48]), F.linear(x, w, b[:48]), rtol=1e-5, atol=1e-4)
+        assert not skinny.fits(x, w, b[::2])  # a strided bias: F.linear
+        torch.testing.assert_close(skinny.linear(x, w, b[::2]), F.linear(x, w, b[::2]))
+        assert not skinny.fits(x, w, b[:48].double())
+        assert not skinny.fits(x, w.requires_grad_())  # no backward in the kernel
+        with torch.no_grad():
+            assert skinny.fits(x, w)
+        with pytest.raises(ValueError, match="at most 16 rows"):
+            skinny._kernels().linear(rand(17, 32, dtype=torch.float32, seed=1), w.detach(),
+                                     config=skinny.config_for(48, 32))
+
+
+def test_dispatch_stays_within_the_kernel_tile():
+    assert skinny.MAX_ROWS <= skinny._kernels().BLOCK_M
+
+
 def test_describe_names_the_path():
     assert skinny.describe(torch.float32) == "torch linear (float32)"
     assert "skinny Triton kernel at <= 16 rows" in skinny.describe(torch.bfloat16)
 
 
-def test_tiny_llama_greedy_same_with_and_without(tmp_path):
+def test_tiny_llama_greedy_same_with_and_without(tmp_path, monkeypatch):
     path = save_checkpoint(tiny_llama(), tmp_path)
     llm = attnzoo.load_model(str(path), backend="torch", dtype="float32", device=DEV)
     prompts = random_prompts(160, [9, 5, 12], seed=4)
     with skinny.use(False):
         ref = llm.generate(prompts, max_new_tokens=6)
+    calls = []
+    kernel = skinny._kernels().linear
+    monkeypatch.setattr(skinny._kernels(), "linear", lambda *a, **k: calls.append(k.get("act")) or kernel(*a, **k))
     with skinny.use(True):
         got = llm.generate(prompts, max_new_tokens=6)
+    assert calls and set(calls) == {None}  # decode rows took the kernel, the activation a launch of its own
+    calls.clear()
     with skinny.use(True), fused.use("triton"):  # the MLP's gate_up and activation as one launch too
         gated = llm.generate(prompts, max_new_tokens=6)
+    assert set(calls) == {None, "silu"}
     assert [c.token_ids for c in got] == [c.token_ids for c in gated] == [c.token_ids for c in ref]
 
 
@@ -138,6 +166,7 @@ def test_gpu_full_shapes_match_cublas(n, k, rows):
 @pytest.mark.parametrize("rows", [1, 16])
 def test_gpu_gated_same_bits_as_unfused(i, k, act, rows):
     x, w = rand(rows, k, dtype=torch.bfloat16, seed=5), rand(2 * i, k, dtype=torch.bfloat16, seed=6) * 0.05
+    assert skinny.gates(x, w)
     got = skinny.gated(x, w, None, act)
     ref = fused.act_and_mul(skinny.linear(x, w), act)
     assert (got == ref).float().mean().item() >= 0.999

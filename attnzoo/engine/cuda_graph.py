@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from attnzoo.attention.backends.base import StepPlan
 from attnzoo.attention.backends.hybrid import HybridBackend
@@ -54,17 +56,19 @@ PRUNE_MARGIN = 0.03
 PRUNE_MIN_SHARE = 0.9
 
 
-def gemm_shapes(model) -> dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, int]]:
-    """(out, in, dtype) -> (one such weight, how many layers have that shape) over the dense linear layers
-    a decode graph runs (the LM head runs eagerly after the replay; FP8 layers and fused MoE experts have
-    kernels of their own and are left out)."""
-    from attnzoo.layers.parallel import ParallelLMHead
+def gemm_shapes(model) -> dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, int, Callable]]:
+    """(out, in, dtype) -> (one such weight, how many layers have that shape, the product they run:
+    ``skinny.linear`` for ``parallel.Linear`` layers, ``F.linear`` for plain ones) over the dense linear
+    layers a decode graph runs (the LM head runs eagerly after the replay; FP8 layers and fused MoE experts
+    have kernels of their own and are left out)."""
+    from attnzoo.layers.parallel import Linear, ParallelLMHead
 
-    shapes: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, int]] = {}
+    shapes: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, int, Callable]] = {}
     for m in model.modules():
         if isinstance(m, torch.nn.Linear) and not isinstance(m, ParallelLMHead) and m.weight.dtype in (torch.bfloat16, torch.float16):
             key = (*m.weight.shape, m.weight.dtype)
-            shapes[key] = (m.weight, shapes[key][1] + 1 if key in shapes else 1)
+            fn = skinny.linear if isinstance(m, Linear) else F.linear
+            shapes[key] = (m.weight, shapes[key][1] + 1 if key in shapes else 1, fn)
     return shapes
 
 
@@ -75,26 +79,27 @@ def gemm_share(model, shapes: dict) -> float:
 
     skip = {id(m.weight) for m in model.modules() if isinstance(m, (torch.nn.Embedding, ParallelLMHead))}
     total = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in skip)
-    return sum(w.numel() * count for w, count in shapes.values()) / max(total, 1)
+    return sum(w.numel() * count for w, count, _ in shapes.values()) / max(total, 1)
 
 
 def prune_buckets(shapes: dict, buckets, device, margin: float = PRUNE_MARGIN, reps: int = 5):
     """(kept buckets, {dropped bucket: the larger bucket it pads to}), from the measured time of the
-    model's GEMMs at each bucket's row count. A step runs at its bucket's size, and cuBLAS's kernel choice
-    is not monotone in the rows (a GEMM can be faster at more rows). A bucket is dropped where the next larger kept one (the one its steps then pad to) is ``margin``
-    faster; the largest is always kept (it is ``max_running``)."""
+    model's GEMMs at each bucket's row count, each by the product its layers run (``gemm_shapes``). A step
+    runs at its bucket's size, and the kernel choice is not monotone in the rows (a GEMM can be faster at more
+    rows; the skinny kernel stops at 16). A bucket is dropped where the next larger kept one (the one its steps
+    then pad to) is ``margin`` faster; the largest is always kept (it is ``max_running``)."""
     if not shapes or device.type != "cuda":
         return list(buckets), {}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     cost = {}
     for b in buckets:
         total = 0.0
-        for w, count in shapes.values():
+        for w, count, fn in shapes.values():
             x = torch.randn(b, w.shape[1], device=device, dtype=w.dtype)
-            skinny.linear(x, w)  # warm-up: the kernel choice and its first launch
+            fn(x, w)  # warm-up: the kernel choice and its first launch
             start.record()
             for _ in range(reps):
-                skinny.linear(x, w)
+                fn(x, w)
             end.record()
             end.synchronize()
             total += start.elapsed_time(end) / reps * count

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnzoo.errors import WeightError
+from attnzoo.layers import fused
 
 log = logging.getLogger("attnzoo")
 
@@ -419,6 +420,11 @@ class Fp8MergedLinear(Fp8Linear):
     def scale_rows(self) -> dict[str, slice]:
         """Each part's rows of ``weight_scale_inv``."""
         return dict(self._scale_rows)
+
+    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
+        """As ``MergedLinear.forward``: with ``act`` (parts gate then up), act(gate) * up."""
+        y = super().forward(x)
+        return y if act is None else fused.act_and_mul(y, act)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(list(self.parts.values()), dim=-1)

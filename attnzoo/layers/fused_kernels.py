@@ -19,7 +19,7 @@ _TILE = 2048
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
-_ROUND = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # the rounding points of _rounded, by storage dtype
+ROUND_OF = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # the rounding points of rounded, by storage dtype
 
 
 def _warps(block: int) -> int:
@@ -110,7 +110,7 @@ def rms_norm(x, weight, eps, offset, *, residual=None, x_weight=None, x_eps=0.0,
 
 
 @triton.jit
-def _tanh(y):
+def tanh(y):
     # through exp (not every Triton has tl.tanh), of -2|y| so that nothing overflows
     e = tl.exp(-2.0 * tl.abs(y))
     th = (1.0 - e) / (1.0 + e)
@@ -118,7 +118,8 @@ def _tanh(y):
 
 
 @triton.jit
-def _act_and_mul_kernel(X, OUT, stride_x, stride_o, I: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr):
+def _act_and_mul_kernel(X, OUT, stride_x, stride_o, I: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
+                        ROUND: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -129,9 +130,9 @@ def _act_and_mul_kernel(X, OUT, stride_x, stride_o, I: tl.constexpr, BLOCK: tl.c
     if ACT == 0:
         a = g / (1.0 + tl.exp(-g))
     else:
-        a = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
-    # Rounded after the activation as in torch's act(gate) * up, then after the product.
-    a = a.to(dtype).to(tl.float32)
+        a = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+    # Rounded after the activation as in torch's act(gate) * up (by ``rounded``: compiled, a cast pair need not round)
+    a = rounded(a, ROUND)
     tl.store(OUT + t * stride_o + cols, (a * u.to(tl.float32)).to(dtype), mask=mask)
 
 
@@ -145,7 +146,8 @@ def act_and_mul(x, act: str):
     block = min(1024, max(16, next_pow2(i)))
     if x2.shape[0]:
         _act_and_mul_kernel[(x2.shape[0], triton.cdiv(i, block))](
-            x2, out, x2.stride(0), out.stride(0), I=i, BLOCK=block, ACT=ACTIVATIONS[act], num_warps=4,
+            x2, out, x2.stride(0), out.stride(0), I=i, BLOCK=block, ACT=ACTIVATIONS[act], ROUND=ROUND_OF.get(x.dtype, ""),
+            num_warps=4,
         )
     return out.view(*x.shape[:-1], i)
 
@@ -155,7 +157,7 @@ def _softcap_kernel(X, OUT, n, cap, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + offs, _tanh(x / cap) * cap, mask=mask)
+    tl.store(OUT + offs, tanh(x / cap) * cap, mask=mask)
 
 
 def softcap(x, cap: float):
@@ -259,7 +261,7 @@ def hc_weights(mixes, scale, base, n: int, iters: int, eps: float):
 
 
 @triton.jit
-def _rounded(x, ROUND: tl.constexpr):
+def rounded(x, ROUND: tl.constexpr):
     # float32 -> the nearest value of ROUND ("bf16", "fp16" or "" for none), kept in float32. bf16 by integer
     # arithmetic (ties to even): compiled, a bf16 cast pair did not round as torch does (fp16 not yet seen).
     if ROUND == "bf16":
@@ -288,10 +290,10 @@ def _hc_streams_kernel(S, PRE, COMB, O, OUT, H, stride_st, stride_sn, stride_ot,
     if MIX:
         a = tl.arange(0, NP)[:, None]
         b = tl.arange(0, NP)[None, :]
-        comb = _rounded(tl.load(COMB + t * (N * N) + a * N + b, mask=(a < N) & (b < N), other=0.0), ROUND)
-        mixed = _rounded(tl.sum(comb[:, :, None] * s.to(tl.float32)[:, None, :], axis=0), ROUND)  # [NP (k), BLOCK]
+        comb = rounded(tl.load(COMB + t * (N * N) + a * N + b, mask=(a < N) & (b < N), other=0.0), ROUND)
+        mixed = rounded(tl.sum(comb[:, :, None] * s.to(tl.float32)[:, None, :], axis=0), ROUND)  # [NP (k), BLOCK]
         o = tl.load(O + t * stride_ot + h, mask=h_ok, other=0.0)
-        spread = _rounded(_rounded(pre, ROUND)[:, None] * o.to(tl.float32)[None, :], ROUND)
+        spread = rounded(rounded(pre, ROUND)[:, None] * o.to(tl.float32)[None, :], ROUND)
         new = spread + mixed
         tl.store(OUT + t * stride_outt + j[:, None] * stride_outn + h[None, :], new.to(OUT.dtype.element_ty), mask=m)
     else:
@@ -311,7 +313,7 @@ def _hc_streams(streams, pre, comb, out):
             streams, pre.float().contiguous(), comb.float().contiguous() if mix else pre, o, res, hidden,
             streams.stride(0), streams.stride(1), o.stride(0), res.stride(0), res.stride(1) if mix else 0,
             N=n, NP=next_pow2(n), BLOCK=block, MIX=mix,
-            ROUND=_ROUND.get(streams.dtype, ""), num_warps=4)
+            ROUND=ROUND_OF.get(streams.dtype, ""), num_warps=4)
     return res
 
 
@@ -348,8 +350,8 @@ def _gated_pool_kernel(ROWS, SLOTS, V, B, OUT, SPAN, D, W, R, stride_r, stride_b
     g = tl.where(m, g, -1e30)  # finite: a padding channel's max is then no -inf (no inf - inf)
     e = tl.exp(g - tl.max(g, axis=0)[None, :])
     kv = tl.load(at, mask=m, other=0.0)
-    w = _rounded(e / tl.sum(e, axis=0)[None, :], ROUND)
-    prod = _rounded(kv.to(tl.float32) * w, ROUND)
+    w = rounded(e / tl.sum(e, axis=0)[None, :], ROUND)
+    prod = rounded(kv.to(tl.float32) * w, ROUND)
     tl.store(OUT + n * D + d, tl.sum(prod, axis=0).to(OUT.dtype.element_ty), mask=d < D)
 
 
@@ -364,7 +366,7 @@ def gated_pool(rows, slots, valid, bias, dim, rate, overlap):
     if n:
         _gated_pool_kernel[(n, triton.cdiv(dim, block_d))](
             rows, slots, valid, bias, out, span, dim, width, rate, rows.stride(0), bias.stride(0), SP=sp,
-            BLOCK_D=block_d, OVERLAP=overlap, ROUND=_ROUND.get(rows.dtype, ""), num_warps=4)
+            BLOCK_D=block_d, OVERLAP=overlap, ROUND=ROUND_OF.get(rows.dtype, ""), num_warps=4)
     return out
 
 

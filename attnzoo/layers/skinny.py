@@ -1,5 +1,5 @@
-"""Dense projections (y = x W^T + b) for every unquantized linear layer: at decode's few rows the skinny
-Triton kernel (``skinny_kernels``), cuBLAS (``F.linear``) for everything else.
+"""Dense projections (y = x W^T + b) of the layers built on ``parallel.Linear`` (column/row-parallel, merged,
+the LM head): at decode's few rows the skinny Triton kernel (``skinny_kernels``), cuBLAS (``F.linear``) else.
 
 At 1-16 rows a projection only streams its weight, and cuBLAS's GEMV-shaped kernels leave bandwidth on the
 table on the small ones (a split-K pass plus a reduction kernel) and on the LM head; the Triton kernel reads
@@ -20,10 +20,8 @@ import torch.nn.functional as F
 from attnzoo.errors import BackendError
 from attnzoo.layers import fused
 
-MAX_ROWS = 16  # the kernel pads x's rows to one 16-deep tensor-core tile
-# Past this K one program streams too long a row and cuBLAS's split-K wins (Gemma-4-31B's down_proj, K=21504:
-# 0.93x on an H200; Llama's, K=14336: 1.03x)
-MAX_K = 16384
+MAX_ROWS = 16  # rows that take the kernel: at most its tile (skinny_kernels.BLOCK_M)
+MAX_K = 16384  # past it one program streams too long a row: cuBLAS's split-K won (Gemma-4-31B down_proj, H200)
 DTYPES = (torch.bfloat16, torch.float16)
 _forced: bool | None = None
 
@@ -48,18 +46,22 @@ def _kernels():
     return skinny_kernels
 
 
-def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``linear(x, weight)`` takes the skinny kernel (its shapes and dtypes, the device, ``use``)."""
+def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether ``linear(x, weight, bias)`` takes the skinny kernel (shapes, dtypes, device, autograd, ``use``)."""
     if _forced is False or weight.dim() != 2 or x.shape[-1] != weight.shape[1] or x.stride(-1) != 1:
         return False
     # float32 only when asked for (the CPU tests): its cuBLAS path is not bandwidth-starved the same way
     dtypes = (*DTYPES, torch.float32) if _forced else DTYPES
     if x.dtype != weight.dtype or weight.dtype not in dtypes or not weight.is_contiguous():
         return False
+    if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
+        return False
     if x.numel() // max(x.shape[-1], 1) > MAX_ROWS or x.numel() == 0 or weight.shape[1] > MAX_K:
         return False
-    if not x.is_cuda:
-        return _forced is True and os.environ.get("TRITON_INTERPRET") == "1"
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False  # the kernel has no backward
+    if not x.is_cuda and not (_forced is True and os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
     return _kernels() is not None
 
 
@@ -78,7 +80,7 @@ def _check_interpreter(x: torch.Tensor) -> None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), by the skinny kernel where ``fits``."""
-    if not fits(x, weight):
+    if not fits(x, weight, bias):
         _check_interpreter(x)
         return F.linear(x, weight, bias)
     n, k = weight.shape
@@ -86,17 +88,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.view(*x.shape[:-1], n)
 
 
-def gates(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def gates(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether ``gated`` runs one launch: ``fits``, and the fused ops run as kernels (not under
     ``fused.use("torch")``, the unfused reference)."""
-    return fits(x, weight) and fused.enabled(x)
+    return fits(x, weight, bias) and fused.enabled(x)
 
 
 def gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     """act(gate) * up of a gated MLP's stacked gate_up projection (``weight`` [2I, K]: gate rows, then up):
-    one skinny launch where ``gates``, else the projection (``linear``) and ``fused.act_and_mul``; the same
-    bits either way."""
-    if not gates(x, weight):
+    one skinny launch where ``gates``, else the projection (``linear``) and ``fused.act_and_mul``, rounded at
+    the same points (the projection's output, the activation, the product)."""
+    if not gates(x, weight, bias):
         _check_interpreter(x)
         return fused.act_and_mul(linear(x, weight, bias), act)
     if act not in ("silu", "gelu_tanh"):
@@ -110,6 +112,6 @@ def gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act:
 def describe(dtype: torch.dtype) -> str:
     """How unquantized projections in ``dtype`` are computed (a model's ``info()``)."""
     name = str(dtype).replace("torch.", "")
-    if dtype not in DTYPES:
+    if dtype not in DTYPES or _kernels() is None:
         return f"torch linear ({name})"
     return f"torch linear ({name}); skinny Triton kernel at <= {MAX_ROWS} rows on CUDA"

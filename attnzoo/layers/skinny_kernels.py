@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from attnzoo.layers.fused_kernels import _ROUND, ACTIVATIONS, _rounded, _tanh
+from attnzoo.layers.fused_kernels import ACTIVATIONS, ROUND_OF, rounded, tanh
 
-MAX_ROWS = 16  # rows of x one program multiplies (tensor-core tiles are 16 deep)
+BLOCK_M = 16  # rows of x one program multiplies, padded (tensor-core tiles are 16 deep)
 
 
 class Config(NamedTuple):
@@ -31,10 +31,9 @@ def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr,
                    GATED: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr):
-    # GATED: W is [2N, K], gate rows then up rows; the output is act(gate) * up, rounded where the unfused
-    # path rounds (the projection's output, the activation, the product), so both give the same bits.
+    # GATED: W [2N, K] is gate rows then up rows, and the output act(gate) * up, rounded as the two-kernel path
     pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # int64: a vocabulary-sized W passes 2**31 elements
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     x_ptr = X + rm[:, None] * stride_xm + rk[None, :]
@@ -69,12 +68,12 @@ def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
         if GATED:
             acc_up += tl.load(B + N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        g = _rounded(acc, ROUND)
+        g = rounded(acc, ROUND)
         if ACT == 0:
             a = g / (1.0 + tl.exp(-g))
         else:
-            a = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
-        acc = _rounded(a, ROUND) * _rounded(acc_up, ROUND)
+            a = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+        acc = rounded(a, ROUND) * rounded(acc_up, ROUND)
     tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -85,13 +84,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``act`` ("silu", "gelu_tanh"): weight is [2I, K] (gate rows, then up rows) and the result act(gate) * up
     [M, I], ``config.block_n`` rows of each per program."""
     m, k = x.shape
+    if m > BLOCK_M:
+        raise ValueError(f"the skinny kernel multiplies at most {BLOCK_M} rows, got {m}")
     n = weight.shape[0] if act is None else weight.shape[0] // 2
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     c = config
     even = n % c.block_n == 0 and k % c.block_k == 0
     _skinny_kernel[(triton.cdiv(n, c.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_N=c.block_n, BLOCK_K=c.block_k, HAS_BIAS=bias is not None, EVEN=even,
-        F32_DOT=not x.is_cuda, GATED=act is not None, ACT=ACTIVATIONS.get(act, 0), ROUND=_ROUND.get(x.dtype, ""),
+        BLOCK_M=BLOCK_M, BLOCK_N=c.block_n, BLOCK_K=c.block_k, HAS_BIAS=bias is not None, EVEN=even,
+        F32_DOT=not x.is_cuda, GATED=act is not None, ACT=ACTIVATIONS.get(act, 0), ROUND=ROUND_OF.get(x.dtype, ""),
         num_warps=c.warps, num_stages=c.stages)
     return y

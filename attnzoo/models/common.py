@@ -111,6 +111,10 @@ class MergedLinear(Linear):
             start += n
         return rows
 
+    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
+        """The stacked projections, or with ``act`` (parts gate then up) act(gate) * up (``skinny.gated``)."""
+        return super().forward(x) if act is None else skinny.gated(x, self.weight, self.bias, act)
+
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This projection's output [..., sum(parts)] -> one view per part."""
         return y.split(list(self.parts.values()), dim=-1)
@@ -128,12 +132,7 @@ class GatedMLP(nn.Module):
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        up = self.gate_up_proj
-        # Plain weights at decode rows: projection and activation in one launch, which calls no module (forward
-        # hooks on gate_up_proj do not see those rows). FP8 plans swap in a module with a GEMM of its own.
-        if type(up) is MergedLinear and skinny.gates(x, up.weight):
-            return self.down_proj(skinny.gated(x, up.weight, up.bias, self.act))
-        return self.down_proj(fused.act_and_mul(up(x), self.act))
+        return self.down_proj(self.gate_up_proj(x, act=self.act))
 
 
 class CausalLM(nn.Module):

@@ -33,7 +33,9 @@ from attnzoo.layers.fp8 import (
     FP8, Fp8Format, Fp8Linear, Fp8MergedLinear, dequantize, fp8_gemm_supported,
 )
 from attnzoo.layers.moe import FusedMoE, build_experts_as
-from attnzoo.layers.parallel import ColumnParallelLinear, Fp8RowParallelLinear, RowParallelLinear, mark_shard
+from attnzoo.layers.parallel import (
+    ColumnParallelLinear, Fp8RowParallelLinear, Linear, RowParallelLinear, mark_shard,
+)
 from attnzoo.models.common import MergedLinear
 
 FP8_MODES = ("auto", "fp8", "dequantize")
@@ -43,7 +45,7 @@ _FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, tor
 
 def _is_linear(m: nn.Module) -> bool:
     """A float linear layer, whole or a tensor-parallel shard (``weight.tp_shard``)."""
-    return type(m) in (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+    return type(m) in (nn.Linear, Linear, ColumnParallelLinear, RowParallelLinear)
 
 
 class LazyDequantized:
@@ -206,7 +208,7 @@ class Fp8Plan(WeightPlan):
         if isinstance(mod, Fp8RowParallelLinear):
             return RowParallelLinear(mod.cut.full_size, mod.out_features, bias, tp=mod.tp, reduce=mod.reduce).to(
                 dev, self.dtype)
-        new = nn.Linear(mod.in_features, mod.out_features, bias=bias, device=dev, dtype=self.dtype)
+        new = Linear(mod.in_features, mod.out_features, bias=bias, device=dev, dtype=self.dtype)
         for pname in ("weight", "bias"):
             cut = getattr(getattr(mod, pname), "tp_shard", None)
             if cut is not None:
