@@ -2,6 +2,7 @@
 and modules whose import pulls in an optional kernel library (Triton)."""
 from __future__ import annotations
 
+import functools
 import importlib
 
 
@@ -23,3 +24,13 @@ def lazy_module(name: str) -> _LazyModule:
     """Module ``name``, imported on first attribute access. The page-table kernels import Triton: a
     backend module holding them this way stays importable (its declaration readable) without it."""
     return _LazyModule(name)
+
+
+@functools.lru_cache(maxsize=None)
+def optional_module(name: str):
+    """Module ``name``, or None where importing it fails for a missing dependency (kernels that need Triton:
+    their torch references still run)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None

@@ -23,7 +23,6 @@ reference on a GPU (for unfused-vs-fused checks), ``use("triton")`` the kernels 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from typing import Iterator, Protocol
 
@@ -31,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo.errors import BackendError
+from attnzoo.lazy import optional_module
 
 IMPLS = ("torch", "triton")
 _forced: str | None = None
@@ -57,13 +57,8 @@ def use(impl: str) -> Iterator[None]:
         _forced = previous
 
 
-@functools.lru_cache(maxsize=None)
 def _kernels():
-    try:
-        from attnzoo.layers import fused_kernels
-    except ImportError:
-        return None
-    return fused_kernels
+    return optional_module("attnzoo.layers.fused_kernels")
 
 
 def _triton(x: torch.Tensor):

@@ -10,7 +10,6 @@ takes it for float32 too and runs it on a CPU under ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from typing import Iterator
 
@@ -18,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo.errors import BackendError
+from attnzoo.lazy import optional_module
 from attnzoo.layers import fused
 
 MAX_ROWS = 16  # rows that take the kernel: at most its tile (skinny_kernels.BLOCK_M)
@@ -37,13 +37,8 @@ def use(on: bool) -> Iterator[None]:
         _forced = previous
 
 
-@functools.lru_cache(maxsize=None)
 def _kernels():
-    try:
-        from attnzoo.layers import skinny_kernels
-    except ImportError:
-        return None
-    return skinny_kernels
+    return optional_module("attnzoo.layers.skinny_kernels")
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
