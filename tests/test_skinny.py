@@ -50,8 +50,8 @@ def test_gated_equals_projection_then_act(act, dtype, bias):
         assert got.shape == (3, i) and got.dtype == dtype
         if dtype == torch.float32:
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-        else:  # the interpreter truncates casts the kernel rounds by integer arithmetic: a few units apart
-            torch.testing.assert_close(got.float(), ref.float(), rtol=4e-2, atol=4e-2)
+        else:
+            assert torch.equal(got, ref)
         torch.testing.assert_close(got.float(), fused.act_and_mul_ref(F.linear(x.float(), w.float(), None if b is None
                                    else b.float()), act), rtol=4e-2, atol=4e-2)
 

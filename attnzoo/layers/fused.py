@@ -207,10 +207,17 @@ def add_rms_norm(
                       x_weight=x_norm.weight, x_eps=x_norm.eps, x_offset=x_norm.offset, scale=scale)
 
 
+GATED_ACTS = ("silu", "gelu_tanh")
+
+
+def check_gated_act(act: str) -> None:
+    if act not in GATED_ACTS:
+        raise BackendError(f"unknown gated activation {act!r}", fix="use 'silu' or 'gelu_tanh'")
+
+
 def act_and_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """x [..., 2I] (gate then up) -> act(gate) * up [..., I]; act "silu" or "gelu_tanh"."""
-    if act not in ("silu", "gelu_tanh"):
-        raise BackendError(f"unknown gated activation {act!r}", fix="use 'silu' or 'gelu_tanh'")
+    check_gated_act(act)
     k = _triton(x)
     return act_and_mul_ref(x, act) if k is None else k.act_and_mul(x, act)
 
@@ -251,8 +258,8 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
 
 def argmax_finite(x: torch.Tensor) -> torch.Tensor:
     """x [rows, V] (logits) -> int64 [rows]: each row's argmax (the first on ties), -1 where the row holds NaN
-    or +inf or is all -inf; two launches where torch's argmax runs one block per row (27 us for one
-    128K-vocab row on an H200), then a gather, an isfinite and a where."""
+    or +inf or is all -inf; two launches where torch runs one block per row for argmax (slow over a large
+    vocabulary at a few rows), then a gather, an isfinite and a where."""
     k = _triton(x)
     return argmax_finite_ref(x) if k is None else k.argmax_finite(x)
 

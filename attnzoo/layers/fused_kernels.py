@@ -133,7 +133,7 @@ def _act_and_mul_kernel(X, OUT, stride_x, stride_o, I: tl.constexpr, BLOCK: tl.c
         a = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
     # Rounded after the activation as in torch's act(gate) * up (by ``rounded``: compiled, a cast pair need not round)
     a = rounded(a, ROUND)
-    tl.store(OUT + t * stride_o + cols, (a * u.to(tl.float32)).to(dtype), mask=mask)
+    tl.store(OUT + t * stride_o + cols, rounded(a * u.to(tl.float32), ROUND).to(dtype), mask=mask)
 
 
 def act_and_mul(x, act: str):

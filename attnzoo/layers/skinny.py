@@ -96,8 +96,7 @@ def gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act:
     if not gates(x, weight, bias):
         _check_interpreter(x)
         return fused.act_and_mul(linear(x, weight, bias), act)
-    if act not in ("silu", "gelu_tanh"):
-        raise BackendError(f"unknown gated activation {act!r}", fix="use 'silu' or 'gelu_tanh'")
+    fused.check_gated_act(act)
     n2, k = weight.shape
     c = config_for(n2, k)  # each program reads block_n rows of gate and of up: a plain tile's bytes
     y = _kernels().linear(x.reshape(-1, k), weight, bias, config=c._replace(block_n=c.block_n // 2), act=act)

@@ -74,6 +74,7 @@ def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
         else:
             a = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
         acc = rounded(a, ROUND) * rounded(acc_up, ROUND)
+    acc = rounded(acc, ROUND)  # to nearest, also under the interpreter, whose casts truncate
     tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
