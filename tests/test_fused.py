@@ -189,6 +189,35 @@ def test_argmax_finite(vocab):
         assert fused.argmax_finite(x[:0]).shape == (0,)
 
 
+
+try:  # a kernel of the test's own around fused_kernels.rounded (Triton resolves its globals at module level)
+    import triton
+    import triton.language as tl
+
+    from attnzoo.layers.fused_kernels import rounded
+
+    @triton.jit
+    def _round_kernel(X, Y, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(Y + offs, rounded(tl.load(X + offs, mask=offs < n), "bf16"), mask=offs < n)
+except ImportError:
+    _round_kernel = None
+
+
+@pytest.mark.skipif(_round_kernel is None, reason="needs Triton")
+def test_rounded_to_bf16_keeps_nan_and_inf():
+    """The kernels' bf16 rounding (fused_kernels.rounded) rounds to nearest even as torch does, and keeps NaN of
+    any payload: the GPU's NaN is 0x7FFFFFFF, whose integer rounding carried into the sign (-0.0, finite logits)."""
+    words = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F800001, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x3F808000,
+             0x3F818000, 0x3F80C000, 0x00000001, 0x80000000]
+    x = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32).view(torch.float32)
+    x = torch.cat([x, randn(53, dtype=torch.float32, scale=100.0)]).to(DEV)
+    y = torch.empty_like(x)
+    _round_kernel[(1,)](x, y, x.numel(), BLOCK=128)
+    nan = x.isnan()
+    assert nan[:4].all() and y[nan].isnan().all()
+    assert torch.equal(y[~nan], x[~nan].to(torch.bfloat16).float())
+
 def rope_inputs(dtype, *, t=5, qh=4, kh=2, d=40, rot=None, seed=0):
     """q and k as views of one qkv projection output (strided rows), cos/sin [t, rot] float32."""
     qkv = randn(t, (qh + 2 * kh) * d, dtype=dtype, seed=seed)

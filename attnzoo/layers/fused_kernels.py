@@ -266,8 +266,9 @@ def rounded(x, ROUND: tl.constexpr):
     # arithmetic (ties to even): compiled, a bf16 cast pair did not round as torch does (fp16 not yet seen).
     if ROUND == "bf16":
         b = x.to(tl.uint32, bitcast=True)
-        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
-        x = b.to(tl.float32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        # NaN stays NaN: the GPU's NaN (0x7FFFFFFF) would carry into the sign bit and come out as -0.0
+        x = tl.where((b & 0x7FFFFFFF) > 0x7F800000, x, r.to(tl.float32, bitcast=True))
     elif ROUND == "fp16":
         x = x.to(tl.float16).to(tl.float32)
     return x
