@@ -234,6 +234,14 @@ def test_layout_round_trip_torch_and_triton():
     assert torch.equal(out[slots].cpu(), rows)
     assert (out[[4, 8, 10]] == 77).all()  # other rows untouched
 
+    # NaN stays NaN where it was, in the fp8 latent and the bf16 rope part (the integer rounding carried the
+    # GPU's NaN into the sign; the clamp dropped it)
+    x_nan = x_dev.clone()
+    x_nan[2, 5] = x_nan[6, rank + 3] = float("nan")
+    pack_rows(x_nan, out, layout, rank=rank, slots=slots)
+    back = unpack(out[slots].cpu(), layout, rank=rank, rope=rope, dtype=torch.float32)
+    assert torch.equal(back.isnan(), x_nan.cpu().isnan())
+
 
 def test_layout_geometry():
     assert KVLayout.FP8_NOPE_SCALED_BF16_ROPE.row_bytes(512, 64, torch.bfloat16) == 656  # FlashMLA's

@@ -24,21 +24,24 @@ _CONVERTED = (KVLayout.FP8_NOPE_SCALED_BF16_ROPE,)  # the layouts these kernels 
 
 @triton.jit
 def fp8_bytes(x):
-    """float32 -> float8 e4m3fn bytes, round to nearest even, saturating at +-448 like the reference.
+    """float32 -> float8 e4m3fn bytes, round to nearest even, saturating at +-448 like the reference; NaN ->
+    the NaN byte (0x7F, sign kept) as torch's cast gives.
 
     Integer arithmetic on the float32 bits rather than a cast: the interpreter's cast drops the carry
     when rounding overflows the mantissa (1.97 -> 1.0), and this also runs on GPUs without fp8 (SM80).
     """
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
     bits = x.to(tl.uint32, bitcast=True)
     sign = (bits >> 31).to(tl.uint8) << 7
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000  # tl.minimum/maximum would drop it
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
     a = tl.abs(x)
     # Normal range: round the 23-bit mantissa to 3 bits; a carry moves into the exponent by itself.
-    r = (a.to(tl.uint32, bitcast=True) + 0x7FFFF + ((bits >> 20) & 1)) >> 20
+    ab = a.to(tl.uint32, bitcast=True)
+    r = (ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20
     normal = (r - (120 << 3)).to(tl.uint8)  # rebias the exponent: 127 - 7
     # Subnormals (below 2^-6): multiples of 2^-9, rounded to nearest even by the float add.
     sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.uint8)
-    return tl.where(a < 0.015625, sub, normal) | sign
+    return tl.where(nan, 0x7F, tl.where(a < 0.015625, sub, normal)) | sign
 
 
 @triton.jit
@@ -55,9 +58,10 @@ def fp8_value(b):
 
 @triton.jit
 def _bf16_bits(x):
-    """float32 -> bfloat16 bits, round to nearest even (finite inputs)."""
+    """float32 -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (as torch), not carried into the sign."""
     bits = x.to(tl.uint32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(nan, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
 
 
 @triton.jit

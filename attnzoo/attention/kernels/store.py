@@ -5,7 +5,7 @@ one launch per layer instead of the two scatter kernels (plus index arithmetic) 
 Destinations are addressed through the pool views' strides, so MLA's strided value view and NSA's
 indexer keys (one "head") go through the same kernel.
 
-An fp8 (e4m3) cache stores row / scale, saturated to +-448 and rounded to nearest even, as
+An fp8 (e4m3) cache stores row / scale, saturated to +-448 and rounded to nearest even (NaN kept), as
 ``kv_cache.quantize_fp8`` does on the CPU.
 """
 from __future__ import annotations
@@ -15,24 +15,8 @@ import triton
 import triton.language as tl
 
 from attnzoo.attention.kernels.common import next_pow2
+from attnzoo.attention.kernels.kv_layout import fp8_bytes
 from attnzoo.errors import BackendError
-
-
-@triton.jit
-def fp8_e4m3_round(x):
-    """x saturated to +-448 and rounded to nearest even on the e4m3 grid, still in float32.
-
-    The cast to fp8 that follows is then exact. Triton's CPU interpreter mis-rounds float -> fp8 casts
-    whose rounding carries into the exponent (31.9 -> 16, not 32); snapping to the grid first gives
-    the same bits there as on the GPU, for a few ALU ops on a store."""
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    e = tl.maximum(e, -6)  # subnormals share the smallest normal exponent's step, 2^-9
-    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    y = tl.abs(x) / step  # exact: a power-of-two divisor
-    r = tl.floor(y + 0.5)
-    r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) == 1.0), r - 1.0, r)  # ties to even
-    return tl.where(x < 0, -r, r) * step
 
 
 @triton.jit
@@ -59,15 +43,15 @@ def _store_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     k = tl.load(K + t.to(tl.int64) * stride_kt + h * stride_kh + offs_k * stride_kd, mask=offs_k < K_DIM)
     dst = K_CACHE + page * stride_cp + h * stride_ch + off * stride_cs + offs_k * stride_cd
-    if FP8:
-        k = fp8_e4m3_round(k.to(tl.float32) * k_inv_scale)
+    if FP8:  # bytes by integer arithmetic into a uint8 view: the interpreter's fp8 casts mis-round and lose NaN
+        k = fp8_bytes(k.to(tl.float32) * k_inv_scale)
     tl.store(dst, k.to(K_CACHE.dtype.element_ty), mask=offs_k < K_DIM)
     if HAS_V:
         offs_v = tl.arange(0, BLOCK_V)
         v = tl.load(V + t.to(tl.int64) * stride_vt + h * stride_vh + offs_v * stride_vd, mask=offs_v < V_DIM)
         dst_v = V_CACHE + page * stride_dp + h * stride_dh + off * stride_ds + offs_v * stride_dd
         if FP8:
-            v = fp8_e4m3_round(v.to(tl.float32) * v_inv_scale)
+            v = fp8_bytes(v.to(tl.float32) * v_inv_scale)
         tl.store(dst_v, v.to(V_CACHE.dtype.element_ty), mask=offs_v < V_DIM)
 
 
@@ -100,13 +84,16 @@ def store_kv(
     if num_tokens == 0:
         return
     v_arg, vc_arg = (v, v_cache) if has_v else (k, k_cache)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:  # the kernel writes the bytes (fp8_bytes)
+        k_cache, vc_arg = k_cache.view(torch.uint8), vc_arg.view(torch.uint8)
     _store_kernel[(num_tokens, heads)](
         slot_mapping, k, v_arg, k_cache, vc_arg,
         *k.stride(), *v_arg.stride(), *k_cache.stride(), *vc_arg.stride(),
         1.0 / k_scale, 1.0 / v_scale,
         PAGE_SIZE=k_cache.shape[2], K_DIM=k_dim, V_DIM=v_arg.shape[2],
         BLOCK_K=next_pow2(k_dim), BLOCK_V=next_pow2(v_arg.shape[2]), HAS_V=has_v,
-        FP8=k_cache.dtype == torch.float8_e4m3fn,
+        FP8=fp8,
         num_warps=1 if max(k_dim, v_arg.shape[2]) <= 256 else 2,
     )
 
