@@ -188,6 +188,21 @@ def test_fused_equals_reference(t, k, e, h, i, dtype, act):
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2 if CUDA else 3e-2)
 
 
+@pytest.mark.parametrize("act,clamp", [("swiglu_clamped", 0.0), ("silu", 10.0)])
+def test_activation_clamps_keep_nan(act, clamp):
+    """gpt-oss's clamped SwiGLU and V4's clamp keep a NaN gate or up NaN, as torch.clamp does (the kernel's
+    clamp returned the bound: a NaN expert input came out finite); large values clamp as in the reference."""
+    from attnzoo.layers.moe.fused import _act_and_mul
+    from attnzoo.layers.moe.reference import _act_and_mul_ref
+
+    gate_up = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)) * 20
+    gate_up[0, 3] = gate_up[1, 32 + 7] = float("nan")  # a gate, an up
+    gate_up = gate_up.to(DEVICE)
+    got, _ = _act_and_mul(gate_up, act, False, torch.float32, clamp=clamp)
+    ref = _act_and_mul_ref(gate_up[:, :32], gate_up[:, 32:], act, clamp)
+    assert got.isnan().sum() == 2 and torch.equal(got.isnan(), ref.isnan())
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+
 def test_expert_subset_shares_sum_to_the_whole():
     """Two expert-parallel shares (tokens routed elsewhere contribute zero) add up to all experts."""
     t, k, e, h, i = 11, 2, 8, 32, 16

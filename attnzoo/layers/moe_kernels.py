@@ -165,6 +165,18 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, bias
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
+
+@triton.jit
+def _at_most(x, hi):
+    # torch.clamp's rule: NaN stays NaN (tl.minimum/maximum return the other operand)
+    return tl.where(x != x, x, tl.minimum(x, hi))
+
+
+@triton.jit
+def _clamp(x, lo, hi):
+    return _at_most(tl.where(x != x, x, tl.maximum(x, lo)), hi)
+
+
 @triton.jit
 def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
                ACT: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, MIN_AMAX: tl.constexpr,
@@ -181,13 +193,13 @@ def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
     gate = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + width + offs, mask=ok, other=0.0).to(tl.float32)
     if CLAMP > 0:
-        gate = tl.minimum(gate, CLAMP)
-        up = tl.minimum(tl.maximum(up, -CLAMP), CLAMP)
+        gate = _at_most(gate, CLAMP)
+        up = _clamp(up, -CLAMP, CLAMP)
     if ACT == 1:
         v = gate * tl.sigmoid(gate) * up
     elif ACT == 3:
-        g = tl.minimum(gate, LIMIT)
-        v = (tl.minimum(tl.maximum(up, -LIMIT), LIMIT) + 1.0) * (g * tl.sigmoid(g * ALPHA))
+        g = _at_most(gate, LIMIT)
+        v = (_clamp(up, -LIMIT, LIMIT) + 1.0) * (g * tl.sigmoid(g * ALPHA))
     else:
         z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         v = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * z) - 1.0)) * up
