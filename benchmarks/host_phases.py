@@ -12,11 +12,12 @@ step, the step waits on the host. Phases, per decode step (means over ``--steps`
     replay         of which CUDAGraph.replay (cudaGraphLaunch: its host cost grows with the graph's nodes)
     logits         of which compute_logits (eager, after the graph)
   pick           pick_tokens (sampling: launches only)
-  wait           the one sync a step (the host idle until the step's tokens are copied back)
+  wait           the one sync a step on the tokens' copy (the host idle until they are back)
   step           Engine.step in all; "other" = step - the phases above (bookkeeping, early-launch choice)
 
-Timed from the second step on (the first is the prompt's extend step, with any first-use compiles): the wall
-per step is between the tokens of the first and the last step reaching the host.
+Timed from the second step on (the first is the prompt's extend step, with any first-use compiles); each phase
+is its mean per call (a step prepares and launches the next, so the timed steps hold one call fewer of those).
+The wall per step is between the tokens of the first and the last step reaching the host.
 
     python benchmarks/host_phases.py --shape dsv2lite [--prompts 1] [--steps 64] [backend]
 """
@@ -39,11 +40,20 @@ PHASES = ("prepare", "metadata", "stage", "launch", "replay", "logits", "pick", 
 
 
 class Timers:
-    """Accumulated host seconds per phase, while ``on``."""
+    """Accumulated host seconds and calls per phase, while ``on``."""
 
     def __init__(self):
         self.total = defaultdict(float)
+        self.calls = defaultdict(int)
         self.on = self.armed = False
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.total[phase] += seconds
+        self.calls[phase] += 1
+
+    def mean_us(self, phase: str) -> float:
+        """Per call: a step prepares and launches the next one, so the timed steps hold one call fewer of those."""
+        return self.total[phase] / max(self.calls[phase], 1) * 1e6
 
     def wrap(self, owner, name: str, phase: str) -> None:
         fn = getattr(owner, name)
@@ -55,9 +65,23 @@ class Timers:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.total[phase] += time.perf_counter() - t
+                self.add(phase, time.perf_counter() - t)
 
         setattr(owner, name, timed)
+
+
+class TimedEvent:
+    """The step's token copy event, its ``synchronize`` timed as "wait" (not every event's: the FlashInfer
+    backends' plan fence waits inside prepare)."""
+
+    def __init__(self, event, timers: Timers):
+        self.event, self.timers = event, timers
+
+    def synchronize(self) -> None:
+        t = time.perf_counter()
+        self.event.synchronize()
+        if self.timers.on:
+            self.timers.add("wait", time.perf_counter() - t)
 
 
 def main(argv=None):
@@ -84,7 +108,13 @@ def main(argv=None):
     timers.wrap(torch.cuda.CUDAGraph, "replay", "replay")
     timers.wrap(type(llm.model), "compute_logits", "logits")
     timers.wrap(engine_mod, "pick_tokens", "pick")
-    timers.wrap(torch.cuda.Event, "synchronize", "wait")
+    to_host = runner_mod.Runner.to_host
+
+    def to_host_timed(self, tokens):
+        host, done = to_host(self, tokens)
+        return host, None if done is None else TimedEvent(done, timers)
+
+    runner_mod.Runner.to_host = to_host_timed
     timers.wrap(engine_mod.Engine, "step", "step")
     # the first step of a run is the prompt's (an eager extend step, with any first-use compiles): timed from
     # the second on, so that every phase is a decode step's
@@ -109,7 +139,7 @@ def main(argv=None):
     decode = [s["t"] for s in e.step_log]  # when each step's tokens reached the host
     steps = len(decode) - 1
     wall = decode[-1] - decode[0]
-    per = {k: timers.total[k] / steps * 1e6 for k in PHASES}
+    per = {k: timers.mean_us(k) for k in PHASES}
     per["other"] = per["step"] - per["prepare"] - per["launch"] - per["pick"] - per["wait"]
     per["host_busy"] = per["step"] - per["wait"]
     info = llm.info()

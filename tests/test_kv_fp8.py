@@ -66,7 +66,7 @@ def test_triton_store_kernel_matches_torch_quantization(k_scale):
     # Values across the whole e4m3 range, subnormals and saturation included.
     k = (torch.randn(7, 2, 32, generator=g) * torch.logspace(-3, 3, 32)).to(torch.bfloat16)
     v = (torch.randn(7, 2, 16, generator=g) * 100).to(torch.bfloat16)
-    k[1, 0, :3] = torch.tensor([float("nan"), -float("nan"), float("inf")])  # NaN stays NaN; inf saturates
+    k[1, 0, :4] = torch.tensor([float("nan"), -float("nan"), float("inf"), -0.0])  # NaN stays NaN; inf saturates
     v[2, 1, 5] = float("nan")
     slots = torch.tensor([4, 5, 6, 7, 9, 10, 13])
     pool.store(0, slots, k, v)  # CPU: torch indexing and quantize_fp8

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 # float32 -> e4m3 bytes with integer arithmetic: the interpreter's cast drops the rounding carry.
-from attnzoo.attention.kernels.kv_layout import fp8_bytes
+from attnzoo.attention.kernels.codec import fp8_bytes
 
 
 @triton.jit

@@ -7,8 +7,8 @@ One program per token; the sparse attention kernel reads the packed rows back in
 The bf16 rope part is rounded with integer arithmetic (round to nearest even) rather than a cast:
 Triton's interpreter does not round float32 -> bfloat16 to nearest, and the torch reference does.
 Divisions use ``div_rn`` (IEEE) so the fp8 bytes match the torch reference on the GPU too.
-fp8 values are encoded and decoded with integer arithmetic (``fp8_bytes`` here, ``fp8_value`` for the
-sparse attention kernel), so the kernels also run on GPUs without fp8 support.
+fp8 values are encoded and decoded with integer arithmetic (``codec.py``: ``fp8_bytes`` here, ``fp8_value``
+for the sparse attention kernel), so the kernels also run on GPUs without fp8 support.
 """
 from __future__ import annotations
 
@@ -16,52 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
+from attnzoo.attention.kernels.codec import bf16_bits, fp8_bytes
 from attnzoo.attention.kv_cache import FP8_BLOCK, KVLayout
 from attnzoo.errors import BackendError
 
 _CONVERTED = (KVLayout.FP8_NOPE_SCALED_BF16_ROPE,)  # the layouts these kernels write and read
-
-
-@triton.jit
-def fp8_bytes(x):
-    """float32 -> float8 e4m3fn bytes, round to nearest even, saturating at +-448 like the reference; NaN ->
-    the NaN byte (0x7F, sign kept) as torch's cast gives.
-
-    Integer arithmetic on the float32 bits rather than a cast: the interpreter's cast drops the carry
-    when rounding overflows the mantissa (1.97 -> 1.0), and this also runs on GPUs without fp8 (SM80).
-    """
-    bits = x.to(tl.uint32, bitcast=True)
-    sign = (bits >> 31).to(tl.uint8) << 7
-    nan = (bits & 0x7FFFFFFF) > 0x7F800000  # tl.minimum/maximum would drop it
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    a = tl.abs(x)
-    # Normal range: round the 23-bit mantissa to 3 bits; a carry moves into the exponent by itself.
-    ab = a.to(tl.uint32, bitcast=True)
-    r = (ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20
-    normal = (r - (120 << 3)).to(tl.uint8)  # rebias the exponent: 127 - 7
-    # Subnormals (below 2^-6): multiples of 2^-9, rounded to nearest even by the float add.
-    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.uint8)
-    return tl.where(nan, 0x7F, tl.where(a < 0.015625, sub, normal)) | sign
-
-
-@triton.jit
-def fp8_value(b):
-    """float8 e4m3fn bytes -> float32 (exact)."""
-    b = b.to(tl.uint32)
-    e = (b >> 3) & 15
-    m = b & 7
-    normal = ((b >> 7) << 31) | ((e + 120) << 23) | (m << 20)
-    val = tl.where(e == 0, m.to(tl.float32) * 0.001953125, 0.0)
-    val = tl.where((e == 0) & ((b >> 7) == 1), -val, val)
-    return tl.where(e == 0, val, normal.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _bf16_bits(x):
-    """float32 -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (as torch), not carried into the sign."""
-    bits = x.to(tl.uint32, bitcast=True)
-    nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    return tl.where(nan, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
 
 
 @triton.jit
@@ -98,7 +57,7 @@ def _pack_kernel(
     q = tl.math.div_rn(lat, s[:, None])
     tl.store(dst + offs, fp8_bytes(q), mask=b_ok[:, None])
     tl.store((dst + RANK).to(tl.pointer_type(tl.float32)) + offs_b, s, mask=b_ok)
-    tl.store((dst + RANK + 4 * NB).to(tl.pointer_type(tl.uint16)) + offs_p, _bf16_bits(rope), mask=p_ok)
+    tl.store((dst + RANK + 4 * NB).to(tl.pointer_type(tl.uint16)) + offs_p, bf16_bits(rope), mask=p_ok)
 
 
 def _geometry(layout: KVLayout, rank: int, rope: int) -> dict:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from attnzoo.attention.kernels.common import MIN_TILE, dot_args, launch
-from attnzoo.attention.kernels.kv_layout import fp8_value
+from attnzoo.attention.kernels.codec import fp8_value
 from attnzoo.attention.kv_cache import FP8_BLOCK, KVLayout
 from attnzoo.errors import BackendError
 

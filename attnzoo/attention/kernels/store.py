@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from attnzoo.attention.kernels.common import next_pow2
-from attnzoo.attention.kernels.kv_layout import fp8_bytes
+from attnzoo.attention.kernels.codec import fp8_bytes
 from attnzoo.errors import BackendError
 
 
@@ -85,6 +85,9 @@ def store_kv(
         return
     v_arg, vc_arg = (v, v_cache) if has_v else (k, k_cache)
     fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if vc_arg.dtype != k_cache.dtype:
+        raise BackendError(f"store: the k cache is {k_cache.dtype} and the v cache {vc_arg.dtype}",
+                           fix="pass the k and v views of one pool (one dtype)")
     if fp8:  # the kernel writes the bytes (fp8_bytes)
         k_cache, vc_arg = k_cache.view(torch.uint8), vc_arg.view(torch.uint8)
     _store_kernel[(num_tokens, heads)](
