@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnzoo.attention.kernels.codec import bf16_bits
 from attnzoo.attention.kernels.common import next_pow2
 
 # Elements one program keeps in registers: rows of a norm or heads of a RoPE tile are packed up to it.
@@ -263,12 +264,9 @@ def hc_weights(mixes, scale, base, n: int, iters: int, eps: float):
 @triton.jit
 def rounded(x, ROUND: tl.constexpr):
     # float32 -> the nearest value of ROUND ("bf16", "fp16" or "" for none), kept in float32. bf16 by integer
-    # arithmetic (ties to even): compiled, a bf16 cast pair did not round as torch does (fp16 not yet seen).
+    # arithmetic (codec.bf16_bits, NaN kept): compiled, a bf16 cast pair did not round as torch does.
     if ROUND == "bf16":
-        b = x.to(tl.uint32, bitcast=True)
-        r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
-        # NaN stays NaN: the GPU's NaN (0x7FFFFFFF) would carry into the sign bit and come out as -0.0
-        x = tl.where((b & 0x7FFFFFFF) > 0x7F800000, x, r.to(tl.float32, bitcast=True))
+        x = (bf16_bits(x).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     elif ROUND == "fp16":
         x = x.to(tl.float16).to(tl.float32)
     return x
