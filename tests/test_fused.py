@@ -211,7 +211,7 @@ def test_rounded_to_bf16_keeps_nan_and_inf():
     words = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F800001, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x3F808000,
              0x3F818000, 0x3F80C000, 0x00000001, 0x80000000]
     x = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32).view(torch.float32)
-    x = torch.cat([x, randn(53, dtype=torch.float32, scale=100.0)]).to(DEV)
+    x = torch.cat([x.to(DEV), randn(53, dtype=torch.float32, scale=100.0)])
     y = torch.empty_like(x)
     _round_kernel[(1,)](x, y, x.numel(), BLOCK=128)
     nan = x.isnan()

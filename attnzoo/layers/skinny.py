@@ -61,10 +61,13 @@ def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def config_for(n: int, k: int):
-    """The tile config for an [n, k] weight: narrow tiles and a deep pipeline where the output has few tiles
-    (o_proj, down_proj: every SM needs a program), wide ones elsewhere (benchmarks/skinny_gemm.py)."""
+    """The tile config for an [n, k] weight, by its output features (benchmarks/skinny_gemm.py): up to 4096
+    (o_proj, down_proj, MLA's small projections) 32 rows with 512-wide steps along K, so that each of the few
+    programs keeps long reads in flight; to 8192 64 x 128 tiles six stages deep; wider ones 64 x 256."""
     sk = _kernels()
-    return sk.Config(32, 128, 4, 8) if n <= 8192 else sk.Config(64, 256, 4, 3)
+    if n <= 4096:
+        return sk.Config(32, 512, 4, 3)
+    return sk.Config(64, 128, 4, 6) if n <= 8192 else sk.Config(64, 256, 4, 3)
 
 
 def _check_interpreter(x: torch.Tensor) -> None:
