@@ -7,6 +7,10 @@ what the host costs between kernels (the gap CUDA graphs and host/GPU overlap re
 
     python benchmarks/decode_profile.py flashinfer                          # Llama-3.1-8B, batch 1024
     python benchmarks/decode_profile.py --shape gemma4-31b --prompts 239 --cascade on
+    python benchmarks/decode_profile.py --shape dsv4-flash --layers 4 --prompts 1319 --phase extend
+
+``--phase extend`` profiles the prompts' prefill instead: the shared 8-shot prefix is cached (as in e2e.py's run),
+each question is not (a distinct marker token ahead of it on every pass), one output token each.
 """
 import argparse
 import json
@@ -45,6 +49,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--cascade", choices=("both", "on", "off"), default="both")
     ap.add_argument("--rows", type=int, default=18, help="kernels listed per section")
+    ap.add_argument("--phase", choices=("decode", "extend"), default="decode")
+    ap.add_argument("--load-kwargs", default="{}", help="extra load_model keywords as JSON")
     args = ap.parse_args(argv)
 
     cfg, _ = make_config(args.shape, args.layers)
@@ -52,27 +58,32 @@ def main(argv=None):
     prompts = [data["prefix"] + q for q in data["questions"]][: args.prompts]
     for cascade in {"both": (False, True), "on": (True,), "off": (False,)}[args.cascade]:
         llm = attnzoo.load_model(cfg, load_format="random", backend=args.backend, dtype="bfloat16", device="cuda",
-                                 max_running=args.prompts, cascade=cascade)
+                                 max_running=args.prompts, cascade=cascade, **json.loads(args.load_kwargs))
         e = llm.engine
         llm.generate(prompts[:2], max_new_tokens=4, ignore_eos=True)
-        llm.generate(prompts, max_new_tokens=1, ignore_eos=True)  # the prompts' pages are now cached
-        n = args.steps + 1
-        llm.generate(prompts, max_new_tokens=n, ignore_eos=True)  # warm: graphs for this batch captured
+        if args.phase == "extend":  # a fresh marker token per pass keeps every question out of the prefix cache
+            passes = [[data["prefix"] + [1000 + i] + q for q in data["questions"][: args.prompts]] for i in range(3)]
+            n = 1
+        else:
+            llm.generate(prompts, max_new_tokens=1, ignore_eos=True)  # the prompts' pages are now cached
+            passes = [prompts] * 3
+            n = args.steps + 1
+        llm.generate(passes[0], max_new_tokens=n, ignore_eos=True)  # warm: kernels built, graphs captured
         torch.cuda.synchronize()
         t = time.perf_counter()
-        llm.generate(prompts, max_new_tokens=n, ignore_eos=True)
+        llm.generate(passes[1], max_new_tokens=n, ignore_eos=True)
         torch.cuda.synchronize()
         plain_wall = time.perf_counter() - t
         e.step_log = []
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t = time.perf_counter()
-            llm.generate(prompts, max_new_tokens=n, ignore_eos=True)
+            llm.generate(passes[2], max_new_tokens=n, ignore_eos=True)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
         dec = [s for s in e.step_log if s["new_tokens"] == s["num_reqs"]]
         info = llm.info()
-        print(f"\n=== {args.shape} prefill={info['prefill_backend']} decode={info['decode_backend']} cascade={cascade} "
+        print(f"\n=== {args.phase} {args.shape} prefill={info['prefill_backend']} decode={info['decode_backend']} cascade={cascade} "
               f"batch {args.prompts}: wall {plain_wall * 1e3:.0f} ms without the profiler ({len(e.step_log)} steps, "
               f"{len(dec)} decode), {wall * 1e3:.0f} ms with it; graphs {e.graph_stats}")
         ka = prof.key_averages()

@@ -53,6 +53,7 @@ SHAPES = {  # experts, top-k, hidden, intermediate; from the models' config.json
     "v3": (256, 8, 7168, 2048),
     "v2_lite": (64, 6, 2048, 1408),
     "gpt_oss_20b": (32, 4, 2880, 2880),
+    "dsv4_flash": (256, 6, 4096, 2048),
 }
 SWEEP_BATCHES = "1,16,64,256,512,2048"
 

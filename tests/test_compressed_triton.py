@@ -15,9 +15,9 @@ interpreter = pytest.mark.skipif(GPU, reason="interpreter check; the gpu tests r
 PS, D, H, DI, HI = 4, 32, 4, 16, 2
 
 
-def _case(kind, decode, seed=0):
+def _case(kind, decode, seed=0, heads=H):
     rate = {"sliding": 0, "hca": 8, "csa": 4}[kind]
-    layer = CompressedAttention(0, H, D, sliding_window=6, scale=D**-0.5, compress_rate=rate, overlap=kind == "csa",
+    layer = CompressedAttention(0, heads, D, sliding_window=6, scale=D**-0.5, compress_rate=rate, overlap=kind == "csa",
                                 state_dim=8 if rate else 0, index_dim=DI if kind == "csa" else 0,
                                 index_n_heads=HI if kind == "csa" else 0, index_topk=3 if kind == "csa" else 0)
     pool = KVPool([layer.kv_cache_spec()], num_pages=40, page_size=PS, dtype=torch.float32, device="cpu")
@@ -30,8 +30,8 @@ def _case(kind, decode, seed=0):
     tables = [list(range(1 + 10 * i, 1 + 10 * i + -(-(p + n) // PS))) for i, (p, n) in enumerate(zip(prefix, q_lens))]
     meta = build_metadata(prefix_lens=prefix, q_lens=q_lens, block_tables=tables, page_size=PS, device="cpu")
     t = meta.num_tokens
-    q = torch.randn(t, H, D, generator=g)
-    sinks = torch.randn(H, generator=g)
+    q = torch.randn(t, heads, D, generator=g)
+    sinks = torch.randn(heads, generator=g)
     return layer, pool, meta, q, sinks, g
 
 
@@ -60,6 +60,30 @@ def test_attend_and_topk_match_reference(kind, decode):
                          rate=layer.compress_rate, page_size=PS, scale=layer.scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
+
+
+@interpreter
+@pytest.mark.parametrize("decode", [False, True], ids=["extend", "decode"])
+def test_attend_with_several_head_blocks_per_token(decode):
+    """20 heads in blocks of 16: each token's programs are neighbours in one flat grid, the last block part empty."""
+    from attnzoo.attention.kernels import compressed as kernels
+
+    layer, pool, meta, q, sinks, g = _case("hca", decode, seed=3, heads=20)
+    comp = pool.view(0, "compressed")
+    want = attend_reference(pool.k(0), comp, q, sinks, None, meta, window=6, rate=8, scale=layer.scale)
+    cfg = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    got = kernels.attend(q, pool.k(0).reshape(-1, D), comp.reshape(-1, D), sinks, meta.block_tables,
+                         meta.block_tables, token_requests(meta), meta.positions, None, window=6, rate=8,
+                         page_size=PS, scale=layer.scale, config=cfg)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_attend_tiles_cover_every_head_on_the_gpu():
+    from attnzoo.attention.kernels.compressed import attend_tiles
+
+    cfg = attend_tiles(64, 512, True)  # V4-Flash: one program reads each key once for all 64 heads
+    assert (cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["num_stages"]) == (64, 32, 2)
+    assert attend_tiles(128, 512, True)["BLOCK_H"] == 64  # more heads: several blocks, none wider than 64
 
 
 @interpreter

@@ -66,8 +66,11 @@ def _attend_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    # The head blocks of one token are neighbours in launch order: they read the same keys, so the second
+    # and later ones find them in L2.
+    head_blocks: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+    t = tl.program_id(0) // head_blocks
+    heads = (tl.program_id(0) % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < NUM_HEADS
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -129,6 +132,7 @@ def attend(
     rate: int,
     page_size: int,
     scale: float,
+    config: dict | None = None,  # a launch config (attend_tiles' keys); None: attend_tiles'
 ) -> torch.Tensor:  # [T, H, D] float32
     t, heads, dim = q.shape
     out = torch.empty(t, heads, dim, dtype=torch.float32, device=q.device)
@@ -137,18 +141,26 @@ def attend(
     mode = 0 if compressed is None else 1 if entry_ids is None else 2
     comp = raw if compressed is None else compressed
     ids = entry_ids if entry_ids is not None else positions.view(-1, 1)  # unread unless MODE 2
-    block_h = _tile(min(heads, 16 if dim > 256 else 64))
-    block_n = MIN_TILE if q.device.type != "cuda" or dim > 256 else 32
     args = (q, raw, comp, sinks.float().contiguous(), window_tables, block_tables, token_reqs, positions, ids, out,
             q.stride(0), q.stride(1), q.stride(2), window_tables.stride(0), block_tables.stride(0),
             ids.stride(0), ids.stride(1), out.stride(0), out.stride(1), out.stride(2),
             ids.shape[1] if mode == 2 else 0, float(scale) * LOG2E)
     constexprs = dict(NUM_HEADS=heads, HEAD_DIM=dim, WINDOW=window, RATE=max(rate, 1), PAGE_SIZE=page_size,
                       EPP=-(-page_size // max(rate, 1)), MODE=mode, BLOCK_D=_tile(dim), **dot_args(raw))
-    launch(_attend_kernel, lambda c: (t, triton.cdiv(heads, c["BLOCK_H"])), args, constexprs,
-           {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": 8 if dim > 256 else 4, "num_stages": 1},
-           tile_keys=("BLOCK_N", "BLOCK_H"))
+    launch(_attend_kernel, lambda c: (t * triton.cdiv(heads, c["BLOCK_H"]),), args, constexprs,
+           dict(config or attend_tiles(heads, dim, q.device.type == "cuda")), tile_keys=("BLOCK_N", "BLOCK_H"))
     return out
+
+
+def attend_tiles(heads: int, dim: int, on_cuda: bool) -> dict:
+    """``attend``'s launch config: heads per program (BLOCK_H), keys per step (BLOCK_N), warps, stages.
+
+    ``benchmarks/compressed_attend.py`` sweeps these at V4-Flash's shapes.
+    """
+    if not on_cuda:
+        return {"BLOCK_H": _tile(min(heads, 64)), "BLOCK_N": MIN_TILE, "num_warps": 4, "num_stages": 1}
+    # All of V4's 64 heads in one program read each key once; two stages overlap the next tile's gather.
+    return {"BLOCK_H": _tile(min(heads, 64)), "BLOCK_N": 32, "num_warps": 8 if dim > 256 else 4, "num_stages": 2}
 
 
 @triton.jit
