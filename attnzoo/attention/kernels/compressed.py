@@ -159,8 +159,10 @@ def attend_tiles(heads: int, dim: int, on_cuda: bool) -> dict:
     """
     if not on_cuda:
         return {"BLOCK_H": _tile(min(heads, 64)), "BLOCK_N": MIN_TILE, "num_warps": 4, "num_stages": 1}
+    if dim <= 256:  # not V4's shape: the tiles of before the sweep
+        return {"BLOCK_H": _tile(min(heads, 64)), "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
     # All of V4's 64 heads in one program read each key once; two stages overlap the next tile's gather.
-    return {"BLOCK_H": _tile(min(heads, 64)), "BLOCK_N": 32, "num_warps": 8 if dim > 256 else 4, "num_stages": 2}
+    return {"BLOCK_H": _tile(min(heads, 64)), "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
 
 
 @triton.jit
