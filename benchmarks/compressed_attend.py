@@ -118,7 +118,8 @@ def main(argv=None):
                     row["speedup_vs_default"] = base / row["ms"]
                 rows.append(row)
                 c = cfg
-                print(f"{kind:8s} {step:7s} H{c['BLOCK_H']:<3d}N{c['BLOCK_N']:<3d}w{c['num_warps']:<3d}s{c['num_stages']}"
+                tiles = f"H{c['BLOCK_H']:<3d}N{c['BLOCK_N']:<3d}w{c['num_warps']:<3d}s{c['num_stages']}"
+                print(f"{kind:8s} {step:7s} {tiles}"
                       f"  {row.get('ms', float('nan')):8.3f} ms  x{row.get('speedup_vs_default', 0):.2f}"
                       f"  err {row.get('max_rel_err', float('nan')):.1e} {row.get('error', '')}", flush=True)
             del case

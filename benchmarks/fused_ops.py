@@ -1,8 +1,9 @@
 """Fused elementwise ops and merged projections vs the torch reference, per op and per decode step.
 
-Ops (attnzoo.layers.fused) at the decode shapes of Llama-3.1-8B, Gemma-4-31B and DeepSeek-V3 (bf16,
-1024 tokens by default): the torch reference (``fused.use("torch")``) against the Triton kernel, and the
-separate q/k/v and gate/up GEMMs against the merged ones. ``--model`` also times whole decode steps of
+Ops (attnzoo.layers.fused) at the decode shapes of Llama-3.1-8B, Gemma-4-31B, DeepSeek-V3 and
+DeepSeek-V4-Flash's hyper-connections (bf16, 1024 tokens by default): the torch reference
+(``fused.use("torch")``) against the Triton kernel, and the separate q/k/v and gate/up GEMMs against the
+merged ones. ``--model`` also times whole decode steps of
 the Llama-3.1-8B shape (random weights, batch = --tokens, CUDA graphs as the engine uses them) fused vs
 unfused.
 
@@ -77,6 +78,33 @@ def ops(shape: str, t: int) -> list[dict]:
     return rows
 
 
+def v4_ops(t: int) -> list[dict]:
+    """DeepSeek-V4-Flash's hyper-connection ops (4 streams of 4096): the torch reference against the kernels."""
+    n, hidden, dev = 4, 4096, "cuda"
+    streams = torch.randn(t, n, hidden, dtype=torch.bfloat16, device=dev)
+    out = torch.randn(t, hidden, dtype=torch.bfloat16, device=dev)
+    fn = torch.randn((2 + n) * n, n * hidden, device=dev) * hidden**-0.5
+    head_fn = torch.randn(n, n * hidden, device=dev) * hidden**-0.5
+    mixes = fused.hc_project(streams, fn, 1e-6)
+    scale, base = torch.ones(3, device=dev), torch.zeros((2 + n) * n, device=dev)
+    pre, post, comb = fused.hc_weights(mixes, scale, base, n=n, iters=20, eps=1e-6)
+    cases = {
+        "hc_project": lambda: fused.hc_project(streams, fn, 1e-6),
+        "hc_project_head": lambda: fused.hc_project(streams, head_fn, 1e-6),
+        "hc_weights": lambda: fused.hc_weights(mixes, scale, base, n=n, iters=20, eps=1e-6),
+        "hc_collapse": lambda: fused.hc_collapse(streams, pre),
+        "hc_mix": lambda: fused.hc_mix(streams, post, comb, out),
+    }
+    rows = []
+    for name, fn_ in cases.items():
+        with fused.use("torch"):
+            ref = bench(fn_)
+        got = bench(fn_)
+        rows.append(dict(shape="deepseek-v4-flash-hc", tokens=t, op=name, torch_us=ref, fused_us=got,
+                         speedup=ref / got))
+    return rows
+
+
 def decode_steps(tokens: int, steps: int = 32) -> list[dict]:
     """Decode-step time of the Llama-3.1-8B shape at batch ``tokens``, fused vs unfused."""
     from e2e import LLAMA_8B
@@ -116,7 +144,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
-    rows = [r for s in SHAPES for r in ops(s, args.tokens)]
+    rows = [r for s in SHAPES for r in ops(s, args.tokens)] + v4_ops(args.tokens)
     print(f"{gpu}, torch {torch.__version__}, bf16, {args.tokens} tokens")
     print(f"{'shape':<20} {'op':<24} {'torch us':>9} {'fused us':>9} {'speedup':>8}")
     for r in rows:

@@ -84,6 +84,27 @@ def test_act_and_mul(dtype, act):
     check(lambda: fused.act_and_mul(x[:0], act), dtype)  # an empty step
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,mixes", [(1, 24), (37, 24), (5, 4)])
+def test_hc_project(dtype, t, mixes):
+    """DeepSeek-V4's hyper-connection mixes: the streams RMS-normed together, times a float32 matrix, in one
+    pass; 4 x 48 channels (no whole number of the kernel's 128-wide K steps), one K slice and several."""
+    n, hidden = 4, 48
+    streams = randn(t, n, hidden, dtype=dtype, scale=3.0)
+    fn = randn(mixes, n * hidden, dtype=torch.float32, seed=1)
+    check(lambda: fused.hc_project(streams, fn, 1e-6), torch.float32)  # float32 out: its tolerance
+    with fused.use("torch"):
+        ref = fused.hc_project(streams, fn, 1e-6)
+    assert ref.dtype == torch.float32 and ref.shape == (t, mixes)
+    if not GPU:  # one K slice (scaled in the kernel) and two (partials summed in the wrapper)
+        from attnzoo.layers import v4_kernels
+        for splits in (1, 2):
+            got = v4_kernels.hc_project(streams, fn, 1e-6, splits=splits)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(BackendError, match="hc_project got"):
+        fused.hc_project(streams, fn[:, 1:], 1e-6)
+
+
 @pytest.mark.parametrize("n,iters,t", [(4, 20, 37), (4, 1, 1), (3, 5, 33)])
 def test_hc_weights(n, iters, t):
     """DeepSeek-V4's hyper-connection weights: sigmoid pre/post and the Sinkhorn-projected comb, over a
@@ -338,6 +359,12 @@ def test_gpu_hyper_connection_kernels_v4_flash_shape(tokens):
     """DeepSeek-V4-Flash's mHC (4 streams of 4096, 20 Sinkhorn steps): the kernels against the torch
     reference on the GPU, bf16 streams and float32 weights, as the model runs them."""
     n, hidden = 4, 4096
+    streams = randn(tokens, n, hidden, dtype=torch.bfloat16)
+    for rows in ((2 + n) * n, n):  # a block's mixes and the head's
+        fn = randn(rows, n * hidden, dtype=torch.float32, seed=4) * hidden**-0.5
+        with fused.use("torch"):
+            ref = fused.hc_project(streams, fn, 1e-6)
+        torch.testing.assert_close(fused.hc_project(streams, fn, 1e-6), ref, rtol=1e-4, atol=1e-5)
     mixes = randn(tokens, (2 + n) * n, dtype=torch.float32, scale=2.0)
     scale, base = randn(3, dtype=torch.float32, seed=1) + 1.0, randn((2 + n) * n, dtype=torch.float32, seed=2)
     with fused.use("torch"):

@@ -8,6 +8,8 @@
 * ``norm_rope``: per-head RMSNorms of q, k and v, then RoPE of q and k, in one launch (Gemma 4);
 * ``softcap``: float32 logits tanh(x / cap) * cap from the LM head's output (Gemma's final soft-cap);
 * ``argmax_finite``: greedy tokens from the logits, -1 for a row with a non-finite top value;
+* ``hc_project``: DeepSeek-V4's hyper-connection mixes, the RMS-normed streams times a small float32 matrix,
+  in one pass over the streams (torch: a float32 copy, the norm's read and write, then a float32 GEMM);
 * ``hc_weights``: DeepSeek-V4's hyper-connection weights (pre, post, Sinkhorn-projected comb) from the
   projected streams, where torch launches ~6 kernels per Sinkhorn iteration;
 * ``hc_collapse`` / ``hc_mix``: the streams collapsed into a block's input, and the block's output spread
@@ -16,9 +18,9 @@
   values (torch: six passes over [blocks, span, dim], float32 for most).
 
 The torch functions here are the reference: they run on CPU tensors and are the oracle the Triton
-kernels (``fused_kernels``, used for CUDA tensors) are tested against. ``use("torch")`` runs the
-reference on a GPU (for unfused-vs-fused checks), ``use("triton")`` the kernels on a CPU under
-``TRITON_INTERPRET=1``.
+kernels (``fused_kernels``; DeepSeek-V4's in ``v4_kernels``; used for CUDA tensors) are tested against.
+``use("torch")`` runs the reference on a GPU (for unfused-vs-fused checks), ``use("triton")`` the kernels
+on a CPU under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 
@@ -57,20 +59,20 @@ def use(impl: str) -> Iterator[None]:
         _forced = previous
 
 
-def _kernels():
-    return optional_module("attnzoo.layers.fused_kernels")
+def _kernels(module: str = "fused_kernels"):
+    return optional_module(f"attnzoo.layers.{module}")
 
 
-def _triton(x: torch.Tensor):
+def _triton(x: torch.Tensor, module: str = "fused_kernels"):
     """The kernel module when ``x`` should take the Triton path, else None."""
     if _forced is None:
-        return _kernels() if x.is_cuda else None  # no triton installed: the torch ops still run
+        return _kernels(module) if x.is_cuda else None  # no triton installed: the torch ops still run
     if _forced == "torch":
         return None
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise BackendError("the fused Triton ops run on a CPU only under Triton's interpreter",
                            fix="set TRITON_INTERPRET=1 before triton is imported, or use fused.use('torch')")
-    kernels = _kernels()
+    kernels = _kernels(module)
     if kernels is None:
         raise BackendError("fused.use('triton') was asked for but triton is not installed",
                            fix="pip install 'attnzoo[triton]'")
@@ -139,6 +141,11 @@ def argmax_finite_ref(x: torch.Tensor) -> torch.Tensor:
     # NaN and +inf win argmax, so the top value is non-finite iff the row holds one, or is all -inf
     tokens = x.argmax(dim=-1)
     return torch.where(torch.isfinite(x.gather(-1, tokens[:, None]))[:, 0], tokens, -1)
+
+
+def hc_project_ref(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    normed = F.rms_norm(streams.flatten(1).float(), (streams.shape[1] * streams.shape[2],), eps=eps)
+    return F.linear(normed, fn.float())
 
 
 def hc_weights_ref(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int, eps: float):
@@ -264,6 +271,17 @@ def argmax_finite(x: torch.Tensor) -> torch.Tensor:
     return argmax_finite_ref(x) if k is None else k.argmax_finite(x)
 
 
+def hc_project(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeepSeek-V4 mHC: streams [T, n, H] -> float32 [T, M], the streams as [T, n H] RMS-normed together (no
+    scale) in float32, times fn [M, n H] (float32, no TF32)."""
+    t, n, h = streams.shape
+    if fn.dim() != 2 or fn.shape[1] != n * h:
+        raise BackendError(f"hc_project got streams {list(streams.shape)} and fn {list(fn.shape)}",
+                           fix=f"pass fn [M, {n * h}]: one row per mix over the {n} streams' {h} channels")
+    k = _triton(streams, "v4_kernels")
+    return hc_project_ref(streams, fn, eps) if k is None else k.hc_project(streams, fn, eps)
+
+
 def hc_weights(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, n: int, iters: int, eps: float):
     """DeepSeek-V4 mHC: mixes [T, (2 + n) n] float32 (the normed streams' projection), scale [3], base
     [(2 + n) n] -> pre [T, n] = sigmoid + eps, post [T, n] = 2 sigmoid, comb [T, n, n] = softmax over the
@@ -271,7 +289,7 @@ def hc_weights(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, 
     if mixes.dtype != torch.float32 or mixes.shape[-1] != (2 + n) * n:
         raise BackendError(f"hc_weights wants float32 mixes [T, {(2 + n) * n}], got {mixes.dtype} {list(mixes.shape)}",
                            fix="project the float32 normed streams with the (2 + n) n x (n hidden) matrix")
-    k = _triton(mixes)
+    k = _triton(mixes, "v4_kernels")
     if k is None:
         return hc_weights_ref(mixes, scale, base, n, iters, eps)
     return k.hc_weights(mixes, scale, base, n, iters, eps)
@@ -279,7 +297,7 @@ def hc_weights(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """streams [T, n, H] with pre [T, n] float32 -> sum_j pre[:, j] * streams[:, j] [T, H] in streams' dtype."""
-    k = _triton(streams)
+    k = _triton(streams, "v4_kernels")
     return hc_collapse_ref(streams, pre) if k is None else k.hc_collapse(streams, pre)
 
 
@@ -291,7 +309,7 @@ def hc_mix(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: t
         raise BackendError(f"hc_mix got streams {list(streams.shape)} {streams.dtype}, post {list(post.shape)}, comb "
                            f"{list(comb.shape)}, out {list(out.shape)} {out.dtype}",
                            fix="pass out [T, H] in the streams' dtype, post [T, n] and comb [T, n, n]")
-    k = _triton(streams)
+    k = _triton(streams, "v4_kernels")
     return hc_mix_ref(streams, post, comb, out) if k is None else k.hc_mix(streams, post, comb, out)
 
 
@@ -313,7 +331,7 @@ def gated_pool(rows: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, bia
                            f"valid {list(valid.shape)}, bias {list(bias.shape)} for dim {dim}, rate {rate}, overlap "
                            f"{overlap}", fix=f"pass rows [S, {2 * width}] with unit channel stride, slots and valid "
                            f"[n, {(2 if overlap else 1) * rate}], bias [{rate}, {width}]")
-    k = _triton(rows)
+    k = _triton(rows, "v4_kernels")
     if k is None:
         return gated_pool_ref(rows, slots, valid, bias, dim, rate, overlap)
     return k.gated_pool(rows, slots, valid, bias, dim, rate, overlap)

@@ -109,11 +109,6 @@ class DeepseekV4Attention(nn.Module):
         return self.o_b_proj(torch.bmm(o.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(t, -1))
 
 
-def normed_streams(streams: torch.Tensor, eps: float) -> torch.Tensor:
-    """streams [T, n, hidden] -> float32 [T, n * hidden], RMS-normed over all streams together."""
-    return F.rms_norm(streams.flatten(1).float(), (streams.shape[1] * streams.shape[2],), eps=eps)
-
-
 class HyperConnection(nn.Module):
     """mHC around one block: streams [T, N, hidden] -> (post [T, N], comb [T, N, N], block input [T, hidden])."""
 
@@ -127,7 +122,7 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor):
         n = self.n
-        mixes = F.linear(normed_streams(streams, self.norm_eps), self.fn.float())
+        mixes = fused.hc_project(streams, self.fn, self.norm_eps)
         pre, post, comb = fused.hc_weights(mixes, self.scale, self.base, n=n, iters=self.iters, eps=self.eps)
         return post, comb, fused.hc_collapse(streams, pre)
 
@@ -143,7 +138,7 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        mixes = F.linear(normed_streams(streams, self.norm_eps), self.hc_fn.float())
+        mixes = fused.hc_project(streams, self.hc_fn, self.norm_eps)
         mixes = mixes * self.hc_scale.float() + self.hc_base.float()
         return fused.hc_collapse(streams, torch.sigmoid(mixes) + self.eps)
 
