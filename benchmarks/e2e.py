@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from common import git_sha, versions  # noqa: E402
 from gemma4 import GEMMA4_31B  # noqa: E402  (google/gemma-4-31B-it's text model)
 
-from attnzoo.layers import skinny  # noqa: E402
+from attnzoo.layers import fused, skinny  # noqa: E402
 from attnzoo.roofline import device_limits, model_profile, roofline_seconds, step_kinds  # noqa: E402
 
 LLAMA_8B = dict(
@@ -350,6 +350,8 @@ def main(argv=None):
     ap.add_argument("--capture-after", type=int, default=None,
                     help="capture a cascade graph on the N-th decode step in a row that asks for it "
                          "(DecodeGraphs.capture_after; default: the engine's)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="the fused ops' torch references instead of their Triton kernels (attnzoo.layers.fused)")
     ap.add_argument("--no-skinny", action="store_true",
                     help="every dense projection by cuBLAS, also at decode's few rows (attnzoo.layers.skinny off)")
     ap.add_argument("--dry-run", action="store_true",
@@ -398,12 +400,15 @@ def main(argv=None):
         elif b == "default" and args.cascade != "auto":
             modes = {"both": [False, None], "on": [None], "off": [False]}[args.cascade]
         for cascade in modes:
-            with skinny.use(False) if args.no_skinny else contextlib.nullcontext():
+            with (skinny.use(False) if args.no_skinny else contextlib.nullcontext(),
+                  fused.use("torch") if args.unfused else contextlib.nullcontext()):
                 r = run_attnzoo(config, prompts, args.new_tokens, b, args.max_running, limits, cascade, extra,
                                 args.dry_run, overlap=not args.no_overlap, capture_after=args.capture_after,
                                 early_launch=not args.no_early_launch)
             if args.no_skinny:
                 r["backend"] += " cuBLAS-only"
+            if args.unfused:
+                r["backend"] += " unfused"
             if hf is not None and not args.dry_run:
                 r["vs_transformers"] = r["output_tok_per_s"] / hf["output_tok_per_s"]
             print(json.dumps(r), flush=True)
