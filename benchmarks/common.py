@@ -1,8 +1,9 @@
-"""What every benchmark script shares: the CUDA timer, the run's metadata (device, versions, git SHA) and the
-result writer. Scripts import it as ``from common import ...``: a script's own folder is on ``sys.path`` when it
-runs, so no path set-up is needed."""
+"""What every benchmark script shares: the CUDA timer, the run's metadata (device, versions, git SHA, a hash of
+the source that ran) and the result writer. Scripts import it as ``from common import ...``: a script's own
+folder is on ``sys.path`` when it runs, so no path set-up is needed."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
@@ -61,6 +62,33 @@ def git_sha() -> str | None:
     return sha + ("+dirty" if dirty else "")
 
 
+SOURCE_SUFFIXES = (".py", ".toml", ".json")
+
+
+def source_hash(rev: str | None = None) -> str | None:
+    """The first 12 hex digits of a sha256 over attnzoo/'s source files (paths and bytes, sorted): the code a run
+    ran, also where the checkout's .git is stale, as on a device copy of the working tree. ``rev``: the same hash
+    of a commit's files, to find which commit a recorded result ran (``python benchmarks/common.py REV``)."""
+    h = hashlib.sha256()
+    if rev is None:
+        files = sorted(p for p in (ROOT / "attnzoo").rglob("*")
+                       if p.suffix in SOURCE_SUFFIXES and "__pycache__" not in p.parts and p.is_file())
+        items = ((p.relative_to(ROOT).as_posix(), p.read_bytes()) for p in files)
+    else:
+        try:
+            names = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, "attnzoo/"], cwd=ROOT,
+                                   capture_output=True, text=True, check=True).stdout.split()
+            items = ((n, subprocess.run(["git", "show", f"{rev}:{n}"], cwd=ROOT, capture_output=True,
+                                        check=True).stdout)
+                     for n in sorted(names) if n.endswith(SOURCE_SUFFIXES))
+            items = list(items)
+        except (OSError, subprocess.CalledProcessError):
+            return None
+    for name, data in items:
+        h.update(name.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()[:12]
+
+
 def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
@@ -72,7 +100,7 @@ def gpu_slug() -> str:
 
 def run_meta(**extra) -> dict:
     """Where and with what a run ran: device, compute capability, versions, git SHA, UTC time, plus ``extra``."""
-    meta = {"device": gpu_name(), "versions": versions(), "git_sha": git_sha(),
+    meta = {"device": gpu_name(), "versions": versions(), "git_sha": git_sha(), "source_hash": source_hash(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if torch.cuda.is_available():
         meta["capability"] = "sm%d%d" % torch.cuda.get_device_capability()
@@ -88,3 +116,10 @@ def write_result(path: str | Path, payload: dict, **meta) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"meta": run_meta(**meta), **payload}, indent=2, default=str))
     return path
+
+
+if __name__ == "__main__":  # which commit a result's source_hash names: python benchmarks/common.py [REV ...]
+    import sys
+
+    for rev in sys.argv[1:] or [None]:
+        print(rev or "working tree", source_hash(rev))

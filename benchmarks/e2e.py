@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from common import git_sha, versions  # noqa: E402
+from common import git_sha, source_hash, versions  # noqa: E402
 from gemma4 import GEMMA4_31B  # noqa: E402  (google/gemma-4-31B-it's text model)
 
 from attnzoo.layers import fused, skinny  # noqa: E402
@@ -414,7 +414,7 @@ def main(argv=None):
             print(json.dumps(r), flush=True)
             results.append(r)
 
-    meta = {"device": torch.cuda.get_device_name(), **versions(), "git_sha": git_sha(), "shape": args.shape,
+    meta = {"device": torch.cuda.get_device_name(), **versions(), "git_sha": git_sha(), "source_hash": source_hash(), "shape": args.shape,
             "model": f"{args.shape}-shaped, random {args.weights} weights", "config": cfg,
             "workload": f"{len(prompts)} GSM8K 8-shot prompts ({len(data['prefix'])}-token shared prefix), "
                         f"{args.new_tokens} output tokens each, EOS ignored", "limits": limits}

@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from common import git_sha, versions  # noqa: E402
+from common import git_sha, source_hash, versions  # noqa: E402
 from e2e import FP8_BLOCK_CONFIG, SHAPE_NAMES, load_timings, timed_generate, warm_up  # noqa: E402
 from e2e import make_config as e2e_make_config  # noqa: E402
 
@@ -172,7 +172,7 @@ def main():
             r["speedup_vs_tp1"] = r["output_tok_per_s"] / base["output_tok_per_s"]
             r["kv_capacity_vs_tp1"] = r["kv_cache_tokens"] / base["kv_cache_tokens"]
 
-    meta = {"device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}", **versions(), "git_sha": git_sha(), "limits": limits,
+    meta = {"device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}", **versions(), "git_sha": git_sha(), "source_hash": source_hash(), "limits": limits,
             "model": f"{label}, random {args.weights} weights", "config": config.to_dict(),
             "workload": f"{len(prompts)} GSM8K 8-shot prompts ({len(data['prefix'])}-token shared prefix), "
                         f"{args.new_tokens} output tokens each, EOS ignored"}

@@ -27,3 +27,33 @@ def test_every_result_file_is_indexed():
     prefixes = {m.split("{")[0].split("*")[0].split(".")[0] for m in re.findall(r"`([^`]+)`", index)}
     missing = sorted(s for s in stems if not any(p and s.startswith(p) for p in prefixes))
     assert not missing, f"add these to benchmarks/results/README.md: {missing}"
+
+
+def test_source_hash_names_the_code_and_matches_its_commit(tmp_path):
+    """A result's source_hash is the working tree's attnzoo/ sources; the same hash of a commit finds the commit
+    a recorded result ran (a device copy's .git can be stale). Checked in a repository of the test's own."""
+    import importlib.util
+    import shutil
+    import subprocess
+
+    spec = importlib.util.spec_from_file_location("bench_common", RESULTS.parent / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    (tmp_path / "attnzoo" / "sub").mkdir(parents=True)
+    (tmp_path / "attnzoo" / "a.py").write_text("x = 1\n")
+    (tmp_path / "attnzoo" / "sub" / "t.toml").write_text("k = 2\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(git + ["add", "-A"], cwd=tmp_path, check=True)
+    subprocess.run(git + ["commit", "-qm", "one"], cwd=tmp_path, check=True)
+    common.ROOT = tmp_path
+    first = common.source_hash()
+    assert first and first == common.source_hash("HEAD")
+    (tmp_path / "attnzoo" / "__pycache__").mkdir()
+    (tmp_path / "attnzoo" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0")
+    (tmp_path / "attnzoo" / "notes.txt").write_text("not source")
+    assert common.source_hash() == first  # caches and other files are not the code
+    (tmp_path / "attnzoo" / "a.py").write_text("x = 2\n")
+    assert common.source_hash() != first and common.source_hash("HEAD") == first
+    shutil.rmtree(tmp_path / ".git")
+    assert common.source_hash("HEAD") is None
