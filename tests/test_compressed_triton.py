@@ -62,20 +62,33 @@ def test_attend_and_topk_match_reference(kind, decode):
 
 
 
-@interpreter
-@pytest.mark.parametrize("decode", [False, True], ids=["extend", "decode"])
-def test_attend_with_several_head_blocks_per_token(decode):
-    """20 heads in blocks of 16: each token's programs are neighbours in one flat grid, the last block part empty."""
+def _attend_checked(kind, decode, heads, cfg, seed=3):
     from attnzoo.attention.kernels import compressed as kernels
 
-    layer, pool, meta, q, sinks, g = _case("hca", decode, seed=3, heads=20)
-    comp = pool.view(0, "compressed")
-    want = attend_reference(pool.k(0), comp, q, sinks, None, meta, window=6, rate=8, scale=layer.scale)
-    cfg = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-    got = kernels.attend(q, pool.k(0).reshape(-1, D), comp.reshape(-1, D), sinks, meta.block_tables,
-                         meta.block_tables, token_requests(meta), meta.positions, None, window=6, rate=8,
-                         page_size=PS, scale=layer.scale, config=cfg)
+    layer, pool, meta, q, sinks, g = _case(kind, decode, seed=seed, heads=heads)
+    ids = None
+    if kind == "csa":
+        iq, w = torch.randn(q.shape[0], HI, DI, generator=g), torch.rand(q.shape[0], HI, generator=g)
+        ids = topk_reference(pool.view(0, "index_compressed"), iq, w, meta, rate=4, topk=3, scale=DI**-0.5)
+    comp = pool.view(0, "compressed") if layer.compress_rate else None
+    want = attend_reference(pool.k(0), comp, q, sinks, ids, meta, window=6, rate=layer.compress_rate,
+                            scale=layer.scale)
+    got = kernels.attend(q, pool.k(0).reshape(-1, D), None if comp is None else comp.reshape(-1, D), sinks,
+                         meta.block_tables, meta.block_tables, token_requests(meta), meta.positions, ids, window=6,
+                         rate=layer.compress_rate, page_size=PS, scale=layer.scale, config=cfg)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@interpreter
+@pytest.mark.parametrize("decode", [False, True], ids=["extend", "decode"])
+@pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
+def test_attend_with_several_head_blocks_per_token(kind, decode):
+    """20 heads in blocks of 16: each token's programs are neighbours in one flat grid, the last block part
+    empty; and the GPU's tiles for wide heads (all heads in one program, 32 keys a step) on 40 heads."""
+    from attnzoo.attention.kernels.compressed import attend_tiles
+
+    _attend_checked(kind, decode, 20, {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1})
+    _attend_checked(kind, decode, 40, attend_tiles(40, 512, True))
 
 
 def test_attend_tiles_cover_every_head_on_the_gpu():

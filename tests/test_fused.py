@@ -105,6 +105,15 @@ def test_hc_project(dtype, t, mixes):
         fused.hc_project(streams, fn[:, 1:], 1e-6)
 
 
+def test_hc_project_strided_streams_and_row_blocks():
+    """Every other row of a wider batch (the row stride is not n H) and 300 rows: several 64-row blocks."""
+    n, hidden = 4, 48
+    streams = randn(600, n, hidden, dtype=torch.bfloat16, scale=3.0)[::2]
+    fn = randn(24, n * hidden, dtype=torch.float32, seed=1)
+    check(lambda: fused.hc_project(streams, fn, 1e-6), torch.float32)
+    check(lambda: fused.hc_project(streams[:7], fn, 1e-6), torch.float32)
+
+
 @pytest.mark.parametrize("n,iters,t", [(4, 20, 37), (4, 1, 1), (3, 5, 33)])
 def test_hc_weights(n, iters, t):
     """DeepSeek-V4's hyper-connection weights: sigmoid pre/post and the Sinkhorn-projected comb, over a
@@ -354,10 +363,9 @@ def assert_bf16_matches(got, ref, min_equal=0.999):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("tokens", [1, 1024])
-def test_gpu_hyper_connection_kernels_v4_flash_shape(tokens):
-    """DeepSeek-V4-Flash's mHC (4 streams of 4096, 20 Sinkhorn steps): the kernels against the torch
-    reference on the GPU, bf16 streams and float32 weights, as the model runs them."""
+@pytest.mark.parametrize("tokens", [1, 1024, 9000])
+def test_gpu_hc_project_v4_flash_shape(tokens):
+    """V4-Flash's mixes (4 streams of 4096): K split over many programs at 1 and 1024 rows, one pass at 9000."""
     n, hidden = 4, 4096
     streams = randn(tokens, n, hidden, dtype=torch.bfloat16)
     for rows in ((2 + n) * n, n):  # a block's mixes and the head's
@@ -365,6 +373,15 @@ def test_gpu_hyper_connection_kernels_v4_flash_shape(tokens):
         with fused.use("torch"):
             ref = fused.hc_project(streams, fn, 1e-6)
         torch.testing.assert_close(fused.hc_project(streams, fn, 1e-6), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens", [1, 1024])
+def test_gpu_hyper_connection_kernels_v4_flash_shape(tokens):
+    """DeepSeek-V4-Flash's mHC (4 streams of 4096, 20 Sinkhorn steps): the kernels against the torch
+    reference on the GPU, bf16 streams and float32 weights, as the model runs them."""
+    n, hidden = 4, 4096
     mixes = randn(tokens, (2 + n) * n, dtype=torch.float32, scale=2.0)
     scale, base = randn(3, dtype=torch.float32, seed=1) + 1.0, randn((2 + n) * n, dtype=torch.float32, seed=2)
     with fused.use("torch"):

@@ -17,12 +17,13 @@ _PROGRAMS = 264
 
 
 @triton.jit
-def _hc_project_kernel(X, W, OUT, T, K, stride_xt, stride_wn, stride_os, stride_ot, eps,
-                       N: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, FINAL: tl.constexpr):
+def _hc_project_kernel(X, W, OUT, T, K, K_SPLIT, stride_xt, stride_wn, stride_os, stride_ot, eps,
+                       N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       FINAL: tl.constexpr):
     # BLOCK_M rows of x [T, K] over one K_SPLIT-wide slice, read once: their product with W [N, K] (float32 FMAs,
     # no TF32) and their sum of squares in column N. FINAL (one slice): scaled by rsqrt(mean(x^2) + eps) and
-    # stored as [T, N]; else the partial [T, N + 1] of this slice, summed by the caller.
+    # stored as [T, N]; else the partial [T, N + 1] of this slice, summed by the caller. K_SPLIT is a runtime
+    # value: the split follows T, and a constexpr would compile a kernel per prefill size.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     r_ok = rows < T
     n = tl.arange(0, BLOCK_N)
@@ -66,8 +67,8 @@ def hc_project(streams, fn, eps: float, *, splits: int | None = None):
     out = torch.empty((t, m) if final else (splits, t, m + 1), dtype=torch.float32, device=streams.device)
     if t:
         _hc_project_kernel[(triton.cdiv(t, block_m), splits)](
-            x, fn, out, t, k, x.stride(0), fn.stride(0), 0 if final else out.stride(0), out.stride(-2), float(eps),
-            N=m, K_SPLIT=k_split, BLOCK_M=block_m, BLOCK_N=max(16, next_pow2(m + 1)), BLOCK_K=block_k,
+            x, fn, out, t, k, k_split, x.stride(0), fn.stride(0), 0 if final else out.stride(0), out.stride(-2),
+            float(eps), N=m, BLOCK_M=block_m, BLOCK_N=max(16, next_pow2(m + 1)), BLOCK_K=block_k,
             FINAL=final, num_warps=4)
     if final:
         return out

@@ -69,7 +69,7 @@ def _attend_kernel(
     # The head blocks of one token are neighbours in launch order: they read the same keys, so the second
     # and later ones find them in L2.
     head_blocks: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
-    t = tl.program_id(0) // head_blocks
+    t = (tl.program_id(0) // head_blocks).to(tl.int64)  # t * stride_qt passes 2^31 at 65,536 V4 tokens
     heads = (tl.program_id(0) % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < NUM_HEADS
     offs_d = tl.arange(0, BLOCK_D)
