@@ -127,6 +127,9 @@ def main(argv=None):
     if args.out:
         print("wrote", write_result(args.out, {"rows": rows}, heads=HEADS, head_dim=DIM, window=WINDOW,
                                     page_size=PAGE, topk=TOPK, default_config=default))
+    failed = [f"{r['kind']} {r['step']}: {r['error']}" for r in rows if r["config"] == default and "error" in r]
+    if failed:  # another config may fail and be skipped; the one the model runs may not
+        raise SystemExit("the default config failed: " + "; ".join(failed))
 
 
 if __name__ == "__main__":
