@@ -12,9 +12,6 @@ import triton.language as tl
 from attnzoo.attention.kernels.common import next_pow2
 from attnzoo.layers.fused_kernels import ROUND_OF, rounded
 
-# Programs to keep a GPU busy (two per SM of an H100/H200): hc_project splits its K over this many at few rows.
-_PROGRAMS = 264
-
 
 @triton.jit
 def _hc_project_kernel(X, W, OUT, T, K, K_SPLIT, stride_xt, stride_wn, stride_os, stride_ot, eps,
@@ -59,8 +56,9 @@ def hc_project(streams, fn, eps: float, *, splits: int | None = None):
     m = fn.shape[0]
     block_m = 16 if t <= 256 else 64
     block_k = 128
-    if splits is None:
-        splits = max(1, min(16, _PROGRAMS // triton.cdiv(max(t, 1), block_m), triton.cdiv(k, block_k)))
+    if splits is None:  # at few rows, K split until there are two programs per SM
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132  # CPU: an H100's
+        splits = max(1, min(16, 2 * sms // triton.cdiv(max(t, 1), block_m), triton.cdiv(k, block_k)))
     k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_split)
     final = splits == 1

@@ -157,12 +157,12 @@ def attend_tiles(heads: int, dim: int, on_cuda: bool) -> dict:
 
     ``benchmarks/compressed_attend.py`` sweeps these at V4-Flash's shapes.
     """
+    cfg = {"BLOCK_H": _tile(min(heads, 64)), "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
     if not on_cuda:
-        return {"BLOCK_H": _tile(min(heads, 64)), "BLOCK_N": MIN_TILE, "num_warps": 4, "num_stages": 1}
-    if dim <= 256:  # not V4's shape: the tiles of before the sweep
-        return {"BLOCK_H": _tile(min(heads, 64)), "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
-    # All of V4's 64 heads in one program read each key once; two stages overlap the next tile's gather.
-    return {"BLOCK_H": _tile(min(heads, 64)), "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+        cfg["BLOCK_N"] = MIN_TILE
+    elif dim > 256:  # V4's heads: all 64 in one program read each key once; two stages overlap the next gather
+        cfg.update(num_warps=8, num_stages=2)
+    return cfg
 
 
 @triton.jit
