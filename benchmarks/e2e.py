@@ -161,9 +161,15 @@ FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "
 SHAPE_NAMES = ("llama8b", "llama70b", "gemma4-31b", "gpt-oss-20b", "qwen3-30b-a3b", *DEEPSEEK_SHAPES)
 
 
-def warm_up(llm, prompts) -> dict:
+WARM_UP_MARKER = 7  # any token id: it only has to differ from every prompt's first page
+
+
+def warm_up(llm, prompts, full: bool = True) -> dict:
     """The first generate (two prompts, 4 tokens: the kernels' JIT happens here), timed, and a check that
-    the first decode step's logits are finite: a run on NaNs would still report tokens/s."""
+    the first decode step's logits are finite: a run on NaNs would still report tokens/s. ``full``: then
+    every prompt behind a marker token (so no page of it matches the measured run's), 2 tokens each: the
+    extend and decode shapes the measured run takes compile here (a first run on a fresh machine measured
+    its Triton compiles otherwise)."""
     t0 = time.perf_counter()
     outs = llm.generate(prompts[:2], max_new_tokens=4, ignore_eos=True, return_logits=True)
     if llm.device.type == "cuda":
@@ -178,6 +184,13 @@ def warm_up(llm, prompts) -> dict:
           f"std {res['first_decode_logits_std']})", flush=True)
     if not res["first_decode_logits_finite"]:
         raise SystemExit("the first decode step's logits are not all finite: the numbers would be measured on NaNs")
+    if full and len(prompts) > 2:
+        t0 = time.perf_counter()
+        llm.generate([[WARM_UP_MARKER] + list(p) for p in prompts], max_new_tokens=2, ignore_eos=True)
+        if llm.device.type == "cuda":
+            torch.cuda.synchronize()
+        res["full_warm_up_s"] = round(time.perf_counter() - t0, 2)
+        print(f"warm-up over all {len(prompts)} prompts: {res['full_warm_up_s']} s", flush=True)
     return res
 
 
@@ -227,7 +240,7 @@ def run_transformers(config, prompts, new_tokens, batch_size) -> dict:
 
 def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, cascade: bool | None,
                 extra: dict | None = None, dry_run: bool = False, overlap: bool = True,
-                capture_after: int | None = None, early_launch: bool = True) -> dict:
+                capture_after: int | None = None, early_launch: bool = True, full_warm_up: bool = True) -> dict:
     """One engine run of the workload. backend "default": the policy's choice; max_running None: the engine's.
     ``dry_run``: load and warm up only (the timings of each phase, the logits check)."""
     import attnzoo
@@ -247,7 +260,7 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
     if capture_after is not None and llm.engine.graphs is not None:
         llm.engine.graphs.capture_after = capture_after
     threshold, llm.engine.cascade_min_saved_tokens = llm.engine.cascade_min_saved_tokens, 1
-    timings.update(warm_up(llm, prompts))
+    timings.update(warm_up(llm, prompts, full=full_warm_up))
     llm.engine.cascade_min_saved_tokens = threshold
     if dry_run:
         info = llm.info()
@@ -347,6 +360,8 @@ def main(argv=None):
     ap.add_argument("--no-early-launch", action="store_true",
                     help="with overlap, launch a prepared step only after this step's tokens are read back "
                          "(Engine.early_launch off)")
+    ap.add_argument("--short-warm-up", action="store_true",
+                    help="warm up on two prompts only (not every prompt once more behind a marker token)")
     ap.add_argument("--capture-after", type=int, default=None,
                     help="capture a cascade graph on the N-th decode step in a row that asks for it "
                          "(DecodeGraphs.capture_after; default: the engine's)")
@@ -404,7 +419,7 @@ def main(argv=None):
                   fused.use("torch") if args.unfused else contextlib.nullcontext()):
                 r = run_attnzoo(config, prompts, args.new_tokens, b, args.max_running, limits, cascade, extra,
                                 args.dry_run, overlap=not args.no_overlap, capture_after=args.capture_after,
-                                early_launch=not args.no_early_launch)
+                                early_launch=not args.no_early_launch, full_warm_up=not args.short_warm_up)
             if args.no_skinny:
                 r["backend"] += " cuBLAS-only"
             if args.unfused:

@@ -36,16 +36,11 @@ class V4Rope(nn.Module):
         f = positions.float()[:, None] * self.inv_freq[None, :]
         return f.cos() * self.scaling, f.sin() * self.scaling
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm=None) -> torch.Tensor:
         """x [T, ..., D] with cos/sin [T, rope_dim / 2]: its trailing channels rotated IN PLACE, x returned
         (every caller passes a tensor it just made; a copy of the other channels costs a pass over x);
-        sin negated un-rotates."""
-        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-        c, s = cos.view(shape), sin.view(shape)
-        rope = x[..., -self.rope_dim:].float()
-        even, odd = rope[..., 0::2], rope[..., 1::2]
-        x[..., -self.rope_dim:] = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
-        return x
+        sin negated un-rotates; ``norm``: an RMSNorm over D applied first, in the same pass."""
+        return fused.rope_tail(x, cos, sin, norm=norm, in_place=True)
 
 
 class Compressor(nn.Module):
@@ -75,7 +70,7 @@ class Compressor(nn.Module):
         entries = fused.gated_pool(rows, slots, valid, self.position_bias, dim=self.dim, rate=self.rate,
                                    overlap=self.overlap)
         cos, sin = self.rope.tables(first)
-        return self.rope.apply(self.kv_norm(entries), cos, sin), None
+        return self.rope.apply(entries, cos, sin, norm=self.kv_norm), None
 
 
 class IndexerScorer(nn.Module):

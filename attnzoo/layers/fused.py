@@ -6,6 +6,8 @@
 * ``act_and_mul``: silu(gate) * up or gelu_tanh(gate) * up from one [T, 2I] gate_up projection;
 * ``rope``: rotate-half or interleaved-pair RoPE of q and k in one launch (partial RoPE too);
 * ``norm_rope``: per-head RMSNorms of q, k and v, then RoPE of q and k, in one launch (Gemma 4);
+* ``rope_tail``: DeepSeek-V4's RoPE on the trailing channels, pairs kept in place, after an optional
+  per-head RMSNorm (torch: the norm's pass, then ~8 launches over the rotary slice);
 * ``softcap``: float32 logits tanh(x / cap) * cap from the LM head's output (Gemma's final soft-cap);
 * ``argmax_finite``: greedy tokens from the logits, -1 for a row with a non-finite top value;
 * ``hc_project``: DeepSeek-V4's hyper-connection mixes, the RMS-normed streams times a small float32 matrix,
@@ -123,6 +125,24 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved:
         x1, x2 = x[..., :half].float(), x[..., half:r].float()
     out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
     return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
+
+
+def rope_tail_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: NormParams | None = None,
+                  in_place: bool = False) -> torch.Tensor:
+    """x [T, ..., D] with cos/sin [T, R] (R frequencies): interleaved pairs on the last 2 R channels rotated
+    where they are; ``norm``: x RMS-normed over D first (rounded to x's dtype, as the norm stores it)."""
+    if norm is not None:
+        normed = rms_norm_ref(x, norm)
+        x = x.copy_(normed) if in_place else normed
+    elif not in_place:
+        x = x.clone()
+    r = 2 * cos.shape[-1]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c, s = cos.view(shape), sin.view(shape)
+    rope = x[..., -r:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    x[..., -r:] = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
+    return x
 
 
 def norm_rope_ref(q, k, v, cos, sin, q_norm: NormParams, k_norm: NormParams | None = None,
@@ -256,6 +276,19 @@ def norm_rope(
     return kern.norm_rope(q, k, v, cos, sin, norms, interleaved=interleaved)
 
 
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, norm: NormParams | None = None,
+              in_place: bool = False) -> torch.Tensor:
+    """DeepSeek-V4's RoPE: x [T, H, D] or [T, D] with cos/sin [T, R] float32 (R frequencies): interleaved
+    pairs on the last 2 R channels rotated where they are (the output is un-rotated and mixed by a projection,
+    so channel order matters); ``norm``: x per-head RMS-normed first (one pass, where torch makes two);
+    ``in_place``: x written (without a norm only its rotary channels), else a new tensor."""
+    k = _triton(x)
+    if k is None or x.dim() not in (2, 3) or x.stride(-1) != 1:
+        return rope_tail_ref(x, cos, sin, norm, in_place)
+    out = k.rope_tail(x if x.dim() == 3 else x.unsqueeze(1), cos, sin, norm, in_place=in_place)
+    return out.view(x.shape)
+
+
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """x [..., V] (logits in any float dtype) -> tanh(x / cap) * cap in float32: one pass over the logits
     where torch makes four (the float copy, the divide, tanh, the multiply), each over [tokens, vocab]."""
@@ -273,7 +306,7 @@ def argmax_finite(x: torch.Tensor) -> torch.Tensor:
 
 def hc_project(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     """DeepSeek-V4 mHC: streams [T, n, H] -> float32 [T, M], the streams as [T, n H] RMS-normed together (no
-    scale) in float32, times fn [M, n H] (float32, no TF32)."""
+    scale) in float32, times fn [M, n H] (float32, to float32's accuracy: no plain TF32)."""
     t, n, h = streams.shape
     if fn.dim() != 2 or fn.shape[1] != n * h:
         raise BackendError(f"hc_project got streams {list(streams.shape)} and fn {list(fn.shape)}",

@@ -229,23 +229,29 @@ def rounded(x, ROUND: tl.constexpr):
 def _rope_tile(X, OUT, COS, SIN, W, t, h0, stride_t, stride_h, stride_ct, eps, offset,
                HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                PASS_PAD: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
-               NORM: tl.constexpr, HAS_W: tl.constexpr, ROTATE: tl.constexpr):
+               NORM: tl.constexpr, HAS_W: tl.constexpr, ROTATE: tl.constexpr, TAIL: tl.constexpr,
+               IN_PLACE: tl.constexpr):
     # Heads [h0, h0 + BLOCK_H) of token t: the rotary channels as two halves (x1 rotates with x2), the
-    # channels past them (partial RoPE) passed through; NORM: the head's RMSNorm first, over all D.
+    # other channels (partial RoPE) passed through; NORM: the head's RMSNorm first, over all D. TAIL: the
+    # rotary channels are the last 2 HALF and written back where they were (DeepSeek-V4), else the first,
+    # interleaved pairs written de-interleaved. IN_PLACE: written into X (without NORM only the rotary
+    # channels: the launcher passes PASS_PAD 0), else into a contiguous OUT.
     heads = h0 + tl.arange(0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)
     mask = (heads < HEADS)[:, None] & (i < HALF)[None, :]
     row = X + t * stride_t + heads[:, None] * stride_h
-    if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...; the output is de-interleaved like the reference's
-        i1, i2 = 2 * i, 2 * i + 1
+    r0 = D - 2 * HALF if TAIL else 0
+    if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...
+        i1, i2 = r0 + 2 * i, r0 + 2 * i + 1
     else:
-        i1, i2 = i, HALF + i
+        i1, i2 = r0 + i, r0 + HALF + i
     x1 = tl.load(row + i1[None, :], mask=mask, other=0.0)
     dtype = x1.dtype
     a = x1.to(tl.float32)
     b = tl.load(row + i2[None, :], mask=mask, other=0.0).to(tl.float32)
-    j = 2 * HALF + tl.arange(0, PASS_PAD if PASS_PAD > 0 else 16)  # without PASS_PAD all masked: j >= D
-    pmask = (heads < HEADS)[:, None] & (j < D)[None, :]
+    jj = tl.arange(0, PASS_PAD if PASS_PAD > 0 else 16)  # without PASS_PAD all masked
+    j = (0 if TAIL else 2 * HALF) + jj
+    pmask = (heads < HEADS)[:, None] & (jj < (D - 2 * HALF if PASS_PAD > 0 else 0))[None, :]
     p = tl.load(row + j[None, :], mask=pmask, other=0.0)
     if NORM:  # rounded to the input dtype after the norm, as the norm's own kernel stores it
         pf = p.to(tl.float32)
@@ -254,15 +260,22 @@ def _rope_tile(X, OUT, COS, SIN, W, t, h0, stride_t, stride_h, stride_ct, eps, o
         if HAS_W:
             a = a * (tl.load(W + i1, mask=i < HALF, other=0.0).to(tl.float32)[None, :] + offset)
             b = b * (tl.load(W + i2, mask=i < HALF, other=0.0).to(tl.float32)[None, :] + offset)
-            pf = pf * (tl.load(W + j, mask=j < D, other=0.0).to(tl.float32)[None, :] + offset)
+            pf = pf * (tl.load(W + j, mask=jj < D - 2 * HALF, other=0.0).to(tl.float32)[None, :] + offset)
         a, b, p = a.to(dtype).to(tl.float32), b.to(dtype).to(tl.float32), pf.to(dtype)
-    dst = OUT + (t * HEADS + heads[:, None]) * D
+    if IN_PLACE:
+        dst = row
+    else:
+        dst = OUT + (t * HEADS + heads[:, None]) * D
     if ROTATE:
         c = tl.load(COS + t * stride_ct + i, mask=i < HALF, other=0.0)[None, :]
         s = tl.load(SIN + t * stride_ct + i, mask=i < HALF, other=0.0)[None, :]
         a, b = a * c - b * s, b * c + a * s
-    tl.store(dst + i[None, :], a.to(dtype), mask=mask)
-    tl.store(dst + HALF + i[None, :], b.to(dtype), mask=mask)
+    if INTERLEAVED and not TAIL:
+        o1, o2 = i, HALF + i
+    else:
+        o1, o2 = i1, i2
+    tl.store(dst + o1[None, :], a.to(dtype), mask=mask)
+    tl.store(dst + o2[None, :], b.to(dtype), mask=mask)
     if PASS_PAD > 0:
         tl.store(dst + j[None, :], p, mask=pmask)
 
@@ -274,7 +287,8 @@ def _rope_kernel(Q, K, V, QO, KO, VO, COS, SIN, QW, KW, VW,
                  QH: tl.constexpr, KH: tl.constexpr, VH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                  HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                  INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
-                 HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, HAS_VW: tl.constexpr):
+                 HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, HAS_VW: tl.constexpr,
+                 TAIL: tl.constexpr = False, IN_PLACE: tl.constexpr = False):
     # Programs along axis 1: q's head blocks, then k's, then v's (VH 0 without v; v is normed, not rotated).
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -282,38 +296,47 @@ def _rope_kernel(Q, K, V, QO, KO, VO, COS, SIN, QW, KW, VW,
     k_blocks = tl.cdiv(KH, BLOCK_H)
     if blk < q_blocks:
         _rope_tile(Q, QO, COS, SIN, QW, t, blk * BLOCK_H, stride_qt, stride_qh, stride_ct, q_eps, q_offset,
-                   QH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED, NORM, HAS_QW, True)
+                   QH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED, NORM, HAS_QW, True, TAIL, IN_PLACE)
     elif blk < q_blocks + k_blocks:
         _rope_tile(K, KO, COS, SIN, KW, t, (blk - q_blocks) * BLOCK_H, stride_kt, stride_kh, stride_ct, k_eps,
-                   k_offset, KH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED, NORM, HAS_KW, True)
+                   k_offset, KH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED, NORM, HAS_KW, True, TAIL, IN_PLACE)
     else:  # v keeps its channel order: read as halves in place, never interleaved
         _rope_tile(V, VO, COS, SIN, VW, t, (blk - q_blocks - k_blocks) * BLOCK_H, stride_vt, stride_vh, stride_ct,
-                   v_eps, v_offset, VH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, False, NORM, HAS_VW, False)
+                   v_eps, v_offset, VH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, False, NORM, HAS_VW, False, TAIL,
+                   IN_PLACE)
 
 
 def _rows(x):
     return None if x is None else (x if x.stride(-1) == 1 else x.contiguous())
 
 
-def _rope_launch(q, k, v, cos, sin, norms, interleaved: bool):
-    """q [T, Hq, D], k and v [T, Hk, D] or None, cos/sin [T, R]; norms: None, or the (q, k, v) norms'
-    parameters (``fused.NormParams``) -> new contiguous q, k, v."""
+def _rope_launch(q, k, v, cos, sin, norms, interleaved: bool, *, half: int | None = None, tail: bool = False,
+                 in_place: bool = False):
+    """q [T, Hq, D], k and v [T, Hk, D] or None, cos/sin [T, R] (``half``: R / 2 frequencies read, default
+    R // 2); norms: None, or the (q, k, v) norms' parameters (``fused.NormParams``); ``tail``, ``in_place``:
+    as ``_rope_tile``'s -> q, k, v (new contiguous tensors, or the inputs written in place)."""
     t, qh, d = q.shape
-    q, k, v = _rows(q), _rows(k), _rows(v)
+    if not in_place:
+        q, k, v = _rows(q), _rows(k), _rows(v)
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
-    half = cos.shape[-1] // 2
+    half = cos.shape[-1] // 2 if half is None else half
     kh = 0 if k is None else k.shape[1]
     vh = 0 if v is None else v.shape[1]
-    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ko = None if k is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    vo = None if v is None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if in_place:
+        qo, ko, vo = q, k, v
+    else:
+        qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        ko = None if k is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        vo = None if v is None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
     half_pad = max(16, next_pow2(half))
     block_h = max(1, min(next_pow2(max(qh, kh, vh)), _TILE // 2 // half_pad))
     blocks = triton.cdiv(qh, block_h) + triton.cdiv(kh, block_h) + triton.cdiv(vh, block_h)
     norms = tuple(norms or ()) + (None,) * (3 - len(norms or ()))
     weights = [qo if n is None or n.weight is None else n.weight for n in norms]
     eps_off = [x for n in norms for x in ((0.0, 0.0) if n is None else (float(n.eps), float(n.offset)))]
+    # In place without a norm, the channels RoPE leaves alone are neither read nor written.
+    passed = 2 * half < d and not (in_place and norms[0] is None)
     if t:
         kk, vv = (q if k is None else k), (q if v is None else v)
         _rope_kernel[(t, blocks)](
@@ -321,11 +344,11 @@ def _rope_launch(q, k, v, cos, sin, norms, interleaved: bool):
             q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1), cos.stride(0),
             *eps_off,
             QH=qh, KH=kh, VH=vh, D=d, HALF=half, HALF_PAD=half_pad,
-            PASS_PAD=0 if 2 * half == d else max(16, next_pow2(d - 2 * half)),
+            PASS_PAD=max(16, next_pow2(d - 2 * half)) if passed else 0,
             BLOCK_H=block_h, INTERLEAVED=interleaved, NORM=norms[0] is not None,
             HAS_QW=norms[0] is not None and norms[0].weight is not None,
             HAS_KW=norms[1] is not None and norms[1].weight is not None,
-            HAS_VW=norms[2] is not None and norms[2].weight is not None, num_warps=4,
+            HAS_VW=norms[2] is not None and norms[2].weight is not None, TAIL=tail, IN_PLACE=in_place, num_warps=4,
         )
     return qo, ko, vo
 
@@ -338,3 +361,10 @@ def rope(q, k, cos, sin, *, interleaved: bool):
 def norm_rope(q, k, v, cos, sin, norms, *, interleaved: bool):
     """``fused.norm_rope``: q, k, v per-head normed by ``norms`` (q's, or q's, k's and v's), q and k roped."""
     return _rope_launch(q, k, v, cos, sin, norms, interleaved)
+
+
+def rope_tail(x, cos, sin, norm, *, in_place: bool):
+    """``fused.rope_tail``: x [T, H, D] (optionally normed by ``norm``) with interleaved pairs on its last
+    2 R channels rotated where they are, cos/sin [T, R]."""
+    return _rope_launch(x, None, None, cos, sin, None if norm is None else (norm,), True, half=cos.shape[-1],
+                        tail=True, in_place=in_place)[0]

@@ -17,8 +17,9 @@ from attnzoo.layers.fused_kernels import ROUND_OF, rounded
 def _hc_project_kernel(X, W, OUT, T, K, K_SPLIT, stride_xt, stride_wn, stride_os, stride_ot, eps,
                        N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        FINAL: tl.constexpr):
-    # BLOCK_M rows of x [T, K] over one K_SPLIT-wide slice, read once: their product with W [N, K] (float32 FMAs,
-    # no TF32) and their sum of squares in column N. FINAL (one slice): scaled by rsqrt(mean(x^2) + eps) and
+    # BLOCK_M rows of x [T, K] over one K_SPLIT-wide slice, read once: their product with W [N, K] and their sum
+    # of squares in column N. tf32x3 (three TF32 tensor-core products) keeps float32's accuracy at tensor-core
+    # speed; float32 FMAs made this kernel compute-bound, far from reading x at memory speed. FINAL (one slice): scaled by rsqrt(mean(x^2) + eps) and
     # stored as [T, N]; else the partial [T, N + 1] of this slice, summed by the caller. K_SPLIT is a runtime
     # value: the split follows T, and a constexpr would compile a kernel per prefill size.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -34,7 +35,7 @@ def _hc_project_kernel(X, W, OUT, T, K, K_SPLIT, stride_xt, stride_wn, stride_os
                     other=0.0).to(tl.float32)
         w = tl.load(W + n[None, :] * stride_wn + k[:, None], mask=(n < N)[None, :] & k_ok[:, None], other=0.0)
         ss += tl.sum(x * x, axis=1)
-        acc += tl.dot(x, w, input_precision="ieee")
+        acc += tl.dot(x, w, input_precision="tf32x3")
     if FINAL:
         y = acc * tl.rsqrt(ss / K + eps)[:, None]
         tl.store(OUT + rows[:, None] * stride_ot + n[None, :], y, mask=r_ok[:, None] & (n < N)[None, :])

@@ -95,8 +95,8 @@ class DeepseekV4Attention(nn.Module):
         cos, sin = self.rope.tables(positions)
         q_a, kv = self.q_kv_proj.split(self.q_kv_proj(x))
         q_resid = self.q_a_norm(q_a)
-        q = self.rope.apply(self.q_b_norm(self.q_b_proj(q_resid).view(t, self.heads, self.head_dim)), cos, sin)
-        kv = self.rope.apply(self.kv_norm(kv), cos, sin)
+        q = self.rope.apply(self.q_b_proj(q_resid).view(t, self.heads, self.head_dim), cos, sin, norm=self.q_b_norm)
+        kv = self.rope.apply(kv, cos, sin, norm=self.kv_norm)
         extra = {}
         if self.compressor is not None:
             extra = dict(state=self.compressor.project(x), compress=self.compressor.pool)
