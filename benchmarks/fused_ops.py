@@ -79,7 +79,8 @@ def ops(shape: str, t: int) -> list[dict]:
 
 
 def v4_ops(t: int) -> list[dict]:
-    """DeepSeek-V4-Flash's hyper-connection ops (4 streams of 4096): the torch reference against the kernels."""
+    """DeepSeek-V4-Flash's hyper-connection ops (4 streams of 4096) and its RoPE (q's with the per-head norm, the
+    output's un-rotation in place): the torch reference against the kernels."""
     n, hidden, dev = 4, 4096, "cuda"
     streams = torch.randn(t, n, hidden, dtype=torch.bfloat16, device=dev)
     out = torch.randn(t, hidden, dtype=torch.bfloat16, device=dev)
@@ -88,7 +89,13 @@ def v4_ops(t: int) -> list[dict]:
     mixes = fused.hc_project(streams, fn, 1e-6)
     scale, base = torch.ones(3, device=dev), torch.zeros((2 + n) * n, device=dev)
     pre, post, comb = fused.hc_weights(mixes, scale, base, n=n, iters=20, eps=1e-6)
+    q = torch.randn(t, 64, 512, dtype=torch.bfloat16, device=dev)  # 64 heads of 512, 64 rotary channels
+    f = torch.randn(t, 32, device=dev)
+    cos, sin = f.cos(), f.sin()
+    q_norm = RMSNorm(512, 1e-6, with_scale=False)
     cases = {
+        "rope_tail_norm_q": lambda: fused.rope_tail(q, cos, sin, norm=q_norm),
+        "rope_tail_in_place_o": lambda: fused.rope_tail(q, cos, -sin, in_place=True),
         "hc_project": lambda: fused.hc_project(streams, fn, 1e-6),
         "hc_project_head": lambda: fused.hc_project(streams, head_fn, 1e-6),
         "hc_weights": lambda: fused.hc_weights(mixes, scale, base, n=n, iters=20, eps=1e-6),
@@ -100,7 +107,7 @@ def v4_ops(t: int) -> list[dict]:
         with fused.use("torch"):
             ref = bench(fn_)
         got = bench(fn_)
-        rows.append(dict(shape="deepseek-v4-flash-hc", tokens=t, op=name, torch_us=ref, fused_us=got,
+        rows.append(dict(shape="deepseek-v4-flash", tokens=t, op=name, torch_us=ref, fused_us=got,
                          speedup=ref / got))
     return rows
 

@@ -408,6 +408,24 @@ def test_gpu_hc_project_v4_flash_shape(tokens):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens", [1, 1319])
+def test_gpu_rope_tail_v4_flash_shape(tokens):
+    """V4-Flash's q (64 heads of 512, weightless per-head norm), its key (a [T, 512] column slice of the merged
+    projection, float32 norm weight) and the output's un-rotation in place, 64 rotary channels."""
+    f = randn(tokens, 32, dtype=torch.float32, seed=1) * 100
+    cos, sin = f.cos(), f.sin()
+    q = randn(tokens, 64, 512, dtype=torch.bfloat16, scale=2.0)
+    kv = randn(tokens, 1536, dtype=torch.bfloat16, seed=2)[:, 1024:]
+    q_norm, kv_norm = make_norm(512, torch.bfloat16, scale=False), make_norm(512, torch.float32, seed=3)
+    for x, norm, s, in_place in ((q, q_norm, sin, False), (kv, kv_norm, sin, True), (q, None, -sin, True)):
+        with fused.use("torch"):
+            ref = fused.rope_tail(x.clone(), cos, s, norm=norm, in_place=in_place)
+        got = fused.rope_tail(x.clone(), cos, s, norm=norm, in_place=in_place)
+        assert_bf16_matches(got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("tokens", [1, 1024])
 def test_gpu_hyper_connection_kernels_v4_flash_shape(tokens):
     """DeepSeek-V4-Flash's mHC (4 streams of 4096, 20 Sinkhorn steps): the kernels against the torch

@@ -330,13 +330,16 @@ def _rope_launch(q, k, v, cos, sin, norms, interleaved: bool, *, half: int | Non
         ko = None if k is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
         vo = None if v is None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
     half_pad = max(16, next_pow2(half))
-    block_h = max(1, min(next_pow2(max(qh, kh, vh)), _TILE // 2 // half_pad))
-    blocks = triton.cdiv(qh, block_h) + triton.cdiv(kh, block_h) + triton.cdiv(vh, block_h)
     norms = tuple(norms or ()) + (None,) * (3 - len(norms or ()))
     weights = [qo if n is None or n.weight is None else n.weight for n in norms]
     eps_off = [x for n in norms for x in ((0.0, 0.0) if n is None else (float(n.eps), float(n.offset)))]
     # In place without a norm, the channels RoPE leaves alone are neither read nor written.
     passed = 2 * half < d and not (in_place and norms[0] is None)
+    pass_pad = max(16, next_pow2(d - 2 * half)) if passed else 0
+    # A program's heads hold about _TILE values, the passed-through channels counted (V4 rotates 64 of 512).
+    fit = _TILE // (2 * half_pad + pass_pad)
+    block_h = max(1, min(next_pow2(max(qh, kh, vh)), 1 << (fit.bit_length() - 1) if fit else 1))
+    blocks = triton.cdiv(qh, block_h) + triton.cdiv(kh, block_h) + triton.cdiv(vh, block_h)
     if t:
         kk, vv = (q if k is None else k), (q if v is None else v)
         _rope_kernel[(t, blocks)](
@@ -344,7 +347,7 @@ def _rope_launch(q, k, v, cos, sin, norms, interleaved: bool, *, half: int | Non
             q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1), cos.stride(0),
             *eps_off,
             QH=qh, KH=kh, VH=vh, D=d, HALF=half, HALF_PAD=half_pad,
-            PASS_PAD=max(16, next_pow2(d - 2 * half)) if passed else 0,
+            PASS_PAD=pass_pad,
             BLOCK_H=block_h, INTERLEAVED=interleaved, NORM=norms[0] is not None,
             HAS_QW=norms[0] is not None and norms[0].weight is not None,
             HAS_KW=norms[1] is not None and norms[1].weight is not None,

@@ -46,7 +46,9 @@ def _online(qk, keys, m_i, l_i, acc, ok, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.c
     return m_new, l_i, acc
 
 
-@triton.jit
+# Per-step values (block-table widths, top-k widths) are not specialized on: each new 1 / multiple-of-16 case
+# compiled a variant in the middle of a measured run.
+@triton.jit(do_not_specialize=["stride_wtb", "stride_btb", "stride_it", "num_ids"])
 def _attend_kernel(
     Q, RAW, COMP, SINKS, WT, BT, REQ, POS, IDS, O,
     stride_qt, stride_qh, stride_qd,
@@ -165,7 +167,7 @@ def attend_tiles(heads: int, dim: int, on_cuda: bool) -> dict:
     return cfg
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_btb", "stride_ot", "width"])
 def _scores_kernel(
     Q, W, K, BT, REQ, POS, OUT,
     stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_btb, stride_ot,
