@@ -18,6 +18,7 @@ from attnzoo.attention.kv_cache import KVPool, kv_storage_dtype, wants_window_gr
 from attnzoo.engine.compat import eos_ids as generation_eos_ids
 from attnzoo.engine.compat import read_generation_config
 from attnzoo.engine.engine import Engine, check_cascade
+from attnzoo.engine import memory
 from attnzoo.engine.load_config import LoadConfig
 from attnzoo.engine.progress import say as say_line, stderr_is_terminal
 from attnzoo.engine.scheduler import MAX_RUNNING_CAP
@@ -93,6 +94,34 @@ def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory,
     # full x per_full + fraction x full x per_window = memory
     full = int(kv_cache_memory // (per_full + window_kv_fraction * per_window))
     return max(2, full), max(2, int(window_kv_fraction * full))
+
+
+def _profiled_kv_bytes(model, specs, ps, kv_dt, dt, dev, cfg, decision, context_len, max_batch_tokens, hidden,
+                       say) -> int:
+    """The default KV cache's bytes on a GPU (``engine.memory``): one step run on a pool of just its pages."""
+    tokens = max(1, min(max_batch_tokens, context_len - 1))
+    pages, window_pages = _kv_pages(specs, ps, kv_dt, dev, tokens + ps, None, context_len, cfg.window_kv_fraction,
+                                    1, max_batch_tokens)
+    pool = KVPool(specs, num_pages=pages, page_size=ps, dtype=dt, device=dev, kv_cache_dtype=cfg.kv_cache_dtype,
+                  k_scale=cfg.k_scale, v_scale=cfg.v_scale, num_window_pages=window_pages)
+    engine = Engine(model, pool, HybridBackend.create(decision.prefill_backend, decision.decode_backend, pool),
+                    context_len=context_len, max_batch_tokens=max_batch_tokens, max_running=1, prefix_caching=False,
+                    cascade=False)
+    rows = cfg.max_running or min(MAX_RUNNING_CAP, max_batch_tokens)
+    say(f"measuring a step's memory: a {tokens}-token prefill, then {rows} rows of logits ...")
+    peak = memory.step_peak_bytes(engine, tokens, rows, hidden, dt)
+    del engine, pool
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(dev)
+    kv = memory.default_kv_bytes(free, peak)
+    if kv <= 0:
+        raise ModelLoadError(
+            f"no room for a KV cache: {free / 2**30:.1f} GiB are free after the weights and a step of {tokens} "
+            f"tokens needs {peak / 2**30:.1f} GiB beside them",
+            fix="pass a smaller max_batch_tokens (and max_running), or use more GPUs (tensor_parallel_size)")
+    say(f"a step peaks at {peak / 2**30:.2f} GiB: the KV cache takes {kv / 2**30:.2f} GiB of the "
+        f"{free / 2**30:.2f} GiB free ({memory.DEFAULT_FRACTION:.0%} at most)")
+    return kv
 
 
 def _capture_oom(pool: KVPool, max_running: int, sized_by_default: bool) -> ModelLoadError:
@@ -213,6 +242,10 @@ def build(name_or_path, cfg: LoadConfig, *, tp) -> dict:
     decision.kv_bytes_per_token = KVPool.bytes_per_token(specs, ps, kv_dt)
     max_batch_tokens = cfg.max_batch_tokens if cfg.max_batch_tokens is not None else (8192 if dev.type == "cuda" else 2048)
     max_running = cfg.max_running
+    sized_by_default = kv_cache_memory is None and cfg.kv_cache_tokens is None
+    if sized_by_default and dev.type == "cuda" and tp is None:
+        kv_cache_memory = _profiled_kv_bytes(model, specs, ps, kv_dt, dt, dev, cfg, decision, context_len,
+                                             max_batch_tokens, int(text_config.hidden_size), say)
     num_pages, num_window_pages = _kv_pages(specs, ps, kv_dt, dev, cfg.kv_cache_tokens, kv_cache_memory, context_len,
                                             cfg.window_kv_fraction, max_running, max_batch_tokens)
     if tp is not None:  # rank 0 hands out the same page ids on every rank
@@ -245,8 +278,7 @@ def build(name_or_path, cfg: LoadConfig, *, tp) -> dict:
                                       batch_sizes=None if cfg.cuda_graph_batch_sizes is None else list(cfg.cuda_graph_batch_sizes),
                                       prune=tp is None and cfg.cuda_graph_batch_sizes is None)
         except torch.OutOfMemoryError as e:
-            raise _capture_oom(pool, engine.max_running, sized_by_default=kv_cache_memory is None and
-                               cfg.kv_cache_tokens is None) from e
+            raise _capture_oom(pool, engine.max_running, sized_by_default=sized_by_default) from e
         timings["cuda_graphs_s"] = lap()
     if src is None:
         src = loader.CheckpointSource(f"random-weight {arch}", None)

@@ -457,7 +457,8 @@ def load_model(
     decoding requests' windows plus one prefill chunk, else one group. ``info()["kv_page_groups"]`` reports
     both capacities and the split, ``info()["kv_footprint"]`` the measured bytes per token.
     ``gpu_memory_utilization`` (vLLM's): the fraction of the GPU's memory this process may hold once the
-    KV cache is allocated (weights + KV; None: the KV cache takes 85% of what is free after the weights);
+    KV cache is allocated (weights + KV; None: the KV cache takes 85% of what is free after the weights, less
+    what one measured step of ``max_batch_tokens`` tokens needs beyond the rest: ``engine/memory.py``);
     ignored on CPU, where the KV cache is sized by ``kv_cache_tokens`` / ``kv_cache_memory``.
     ``max_model_len`` (vLLM's): the longest prompt + output, at most the model's ``max_position_embeddings``.
     ``config``: every option above as one ``attnzoo.LoadConfig`` (then pass none of them as keywords).

@@ -42,7 +42,7 @@ class LoadConfig:
     seed: int = 0
 
     # The KV cache: its size (tokens, bytes, or vLLM's gpu_memory_utilization; None: 85% of the free memory
-    # on a GPU), what it stores (kv_cache_dtype with its per-tensor k/v scales) and the sliding-window
+    # on a GPU, less what a measured step needs beyond the rest), what it stores (kv_cache_dtype with its per-tensor k/v scales) and the sliding-window
     # layers' page group (window_kv_fraction "auto", a fraction in (0, 1], or None: one group).
     kv_cache_tokens: int | None = None
     kv_cache_memory: int | None = None

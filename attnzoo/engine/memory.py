@@ -1,0 +1,36 @@
+"""The default KV cache size on a GPU: the cache takes 85% of the memory free after the weights, unless one
+engine step needs more than the other 15%. What a step needs is measured by running one (vLLM's profile
+run): one prompt of ``max_batch_tokens`` tokens on a pool of just its pages, then the LM head and a softmax
+over as many rows as requests may run. A model whose prefill activations outgrow the 15% (DeepSeek-V4-Flash
+on an 80 GB card) got a cache that left too little, and its first large prefill ran out of memory."""
+from __future__ import annotations
+
+import torch
+
+from attnzoo.engine.sampling import SamplingParams
+
+DEFAULT_FRACTION = 0.85
+# Beside a step's own peak: the decode CUDA graphs' private pools, cuBLAS workspaces, allocator slack.
+HEADROOM = 1 << 30
+STEP_MARGIN = 1.25  # a step of many requests' tokens allocates somewhat more metadata than one prompt's
+
+
+def step_peak_bytes(engine, tokens: int, logits_rows: int, hidden: int, dtype: torch.dtype) -> int:
+    """Bytes allocated at the peak of one ``tokens``-token prefill on ``engine`` and of ``logits_rows`` rows of
+    logits with their softmax, above what was allocated before (the pool, the weights)."""
+    dev = engine.device
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    engine.generate([[0] * tokens], [SamplingParams(max_new_tokens=1, ignore_eos=True)])
+    with torch.inference_mode():
+        rows = torch.zeros(logits_rows, hidden, dtype=dtype, device=dev)
+        engine.model.compute_logits(rows).softmax(dim=-1)
+    torch.cuda.synchronize(dev)
+    return torch.cuda.max_memory_allocated(dev) - base
+
+
+def default_kv_bytes(free: int, step_peak: int) -> int:
+    """The KV cache's bytes by default: ``DEFAULT_FRACTION`` of ``free``, less what a step of ``step_peak``
+    bytes (with its margin and the headroom) would not find in the rest."""
+    return min(int(free * DEFAULT_FRACTION), free - int(STEP_MARGIN * step_peak) - HEADROOM)
