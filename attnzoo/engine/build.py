@@ -100,8 +100,10 @@ def _profiled_kv_bytes(model, specs, ps, kv_dt, dt, dev, cfg, decision, context_
                        say) -> int:
     """The default KV cache's bytes on a GPU (``engine.memory``): one step run on a pool of just its pages."""
     tokens = max(1, min(max_batch_tokens, context_len - 1))
-    pages, window_pages = _kv_pages(specs, ps, kv_dt, dev, tokens + ps, None, context_len, cfg.window_kv_fraction,
-                                    1, max_batch_tokens)
+    # A fixed window fraction could leave one request too few window pages: this pool's groups are equal.
+    fraction = cfg.window_kv_fraction if cfg.window_kv_fraction in (None, "auto") else 1.0
+    pages, window_pages = _kv_pages(specs, ps, kv_dt, dev, tokens + ps, None, context_len, fraction, 1,
+                                    max_batch_tokens)
     pool = KVPool(specs, num_pages=pages, page_size=ps, dtype=dt, device=dev, kv_cache_dtype=cfg.kv_cache_dtype,
                   k_scale=cfg.k_scale, v_scale=cfg.v_scale, num_window_pages=window_pages)
     engine = Engine(model, pool, HybridBackend.create(decision.prefill_backend, decision.decode_backend, pool),

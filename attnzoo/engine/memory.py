@@ -16,18 +16,26 @@ STEP_MARGIN = 1.25  # a step of many requests' tokens allocates somewhat more me
 
 
 def step_peak_bytes(engine, tokens: int, logits_rows: int, hidden: int, dtype: torch.dtype) -> int:
-    """Bytes allocated at the peak of one ``tokens``-token prefill on ``engine`` and of ``logits_rows`` rows of
-    logits with their softmax, above what was allocated before (the pool, the weights)."""
+    """Bytes allocated at the peak of one ``tokens``-token prefill on ``engine``, plus those at the peak of
+    ``logits_rows`` rows of logits with their softmax, each above what was allocated before it (the pool, the
+    weights). Summed: with overlap, a step's logits are still held while the next step runs its forward."""
     dev = engine.device
-    torch.cuda.synchronize(dev)
-    base = torch.cuda.memory_allocated(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    engine.generate([[0] * tokens], [SamplingParams(max_new_tokens=1, ignore_eos=True)])
-    with torch.inference_mode():
-        rows = torch.zeros(logits_rows, hidden, dtype=dtype, device=dev)
-        engine.model.compute_logits(rows).softmax(dim=-1)
-    torch.cuda.synchronize(dev)
-    return torch.cuda.max_memory_allocated(dev) - base
+
+    def peak_of(run) -> int:
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        run()
+        torch.cuda.synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev) - base
+
+    def logits():
+        with torch.inference_mode():
+            rows = torch.zeros(logits_rows, hidden, dtype=dtype, device=dev)
+            engine.model.compute_logits(rows).softmax(dim=-1)
+
+    prefill = peak_of(lambda: engine.generate([[0] * tokens], [SamplingParams(max_new_tokens=1, ignore_eos=True)]))
+    return prefill + peak_of(logits)
 
 
 def default_kv_bytes(free: int, step_peak: int) -> int:
