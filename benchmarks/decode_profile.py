@@ -51,6 +51,8 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=18, help="kernels listed per section")
     ap.add_argument("--phase", choices=("decode", "extend"), default="decode")
     ap.add_argument("--load-kwargs", default="{}", help="extra load_model keywords as JSON")
+    ap.add_argument("--by-shape", action="store_true",
+                    help="also list the torch ops (mm, bmm, copies, ...) by input shape, the GPU time under each")
     args = ap.parse_args(argv)
 
     cfg, _ = make_config(args.shape, args.layers)
@@ -76,7 +78,7 @@ def main(argv=None):
         plain_wall = time.perf_counter() - t
         e.step_log = []
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=args.by_shape) as prof:
             t = time.perf_counter()
             llm.generate(passes[2], max_new_tokens=n, ignore_eos=True)
             torch.cuda.synchronize()
@@ -97,6 +99,12 @@ def main(argv=None):
         for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
             print(f"  {kind:28s} {ms:9.1f} ms  {ms / busy:6.1%}")
         print(ka.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=90))
+        if args.by_shape:  # which call sites the anonymous aten ops are: their operand shapes, GPU time under each
+            ops = [k for k in prof.key_averages(group_by_input_shape=True) if k.key.startswith("aten::")]
+            ops.sort(key=lambda k: -k.device_time_total)
+            print(f"\n{'op':24s} {'GPU ms':>9s} {'calls':>6s}  input shapes")
+            for k in ops[: args.rows]:
+                print(f"{k.key:24s} {k.device_time_total / 1e3:9.1f} {k.count:6d}  {str(k.input_shapes)[:140]}")
         del llm, e
         torch.cuda.empty_cache()
 
