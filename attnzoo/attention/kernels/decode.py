@@ -45,6 +45,8 @@ from attnzoo.errors import BackendError
 MAX_KV_SPLITS = 64
 # A split shorter than this spends more on the merge than it saves.
 MIN_TOKENS_PER_SPLIT = 256
+# Stage 2 merges up to this many splits in one compiled variant (masked): a power of two per count compiled mid-run.
+MIN_MERGED_SPLITS = 16
 
 
 @triton.jit
@@ -65,7 +67,10 @@ def _finish(O, LSE, o_rows, lse_rows, row_ok, acc, m_i, l_i, stride_od, v_scale,
         tl.store(LSE + lse_rows, lse, mask=row_ok)
 
 
-@triton.jit
+# Values that change from step to step (the split count follows the batch, the table width the longest request, the
+# cascade's prefix its length) are runtime arguments Triton does not specialize on: as constexprs or specialized
+# ints, each new one compiled a variant in the middle of a run (benchmarks/mid_run_compiles.py).
+@triton.jit(do_not_specialize=["stride_btb", "kv_skip", "num_splits"])
 def _decode_stage1(
     Q, K, V, BT, SEQ_LENS, O, LSE, SINKS,
     stride_qb, stride_qh, stride_qd,
@@ -76,10 +81,9 @@ def _decode_stage1(
     stride_lb, stride_lh, stride_ls,
     sm_scale, softcap, window,
     kv_skip,  # keys before this are left out (cascade: the shared prefix, attended separately)
-    v_scale,
+    v_scale, num_splits,
     GROUP: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     V_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -110,7 +114,7 @@ def _decode_stage1(
     if HAS_WINDOW:
         kv_start = tl.maximum(seq_len - window, kv_start)
     span = seq_len - kv_start
-    split_len = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
     lo = kv_start + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
 
@@ -128,7 +132,7 @@ def _decode_stage1(
             V_DIM, BLOCK_DV, DIRECT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["shared_len", "batch", "num_splits"])
 def _cascade_shared(
     Q, K, V, BT, O, LSE,
     stride_qb, stride_qh, stride_qd,
@@ -136,9 +140,8 @@ def _cascade_shared(
     stride_vp, stride_vh, stride_vt, stride_vd,
     stride_ob, stride_oh, stride_os, stride_od,  # O: the shared splits' slots of the partial [b, h, s, d]
     stride_lb, stride_lh, stride_ls,
-    sm_scale, softcap, shared_len, batch, v_scale,
+    sm_scale, softcap, shared_len, batch, v_scale, num_splits,
     GROUP: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     V_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -161,7 +164,7 @@ def _cascade_shared(
     b = rows // GROUP
     heads = kvh * GROUP + rows % GROUP
 
-    split_len = tl.cdiv(tl.cdiv(shared_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(shared_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, shared_len)
 
@@ -177,13 +180,13 @@ def _cascade_shared(
             V_DIM, BLOCK_DV, False)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_stage2(
     PARTIAL, LSE, O, SINKS,
     stride_pb, stride_ph, stride_ps, stride_pd,
     stride_lb, stride_lh, stride_ls,
     stride_ob, stride_oh, stride_od,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     BLOCK_S: tl.constexpr,
     V_DIM: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -193,7 +196,7 @@ def _decode_stage2(
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_DV)
-    s_ok = offs_s < NUM_SPLITS
+    s_ok = offs_s < num_splits
     # lse is in log2 units; empty splits carry -inf and weigh 0. Split 0 is never empty.
     lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_s * stride_ls, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -327,10 +330,10 @@ def _stage1(q, k_cache, v_cache, block_tables, seq_lens, dest, lse, *, direct, n
             *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
             *d_strides, *l_strides,
             float(scale * k_scale), float(logit_softcap or 0.0), int(sliding_window or 0), int(kv_skip),
-            float(v_scale),
+            float(v_scale), num_kv_splits,
         ),
         dict(
-            GROUP=group, HEAD_BLOCKS=head_blocks, NUM_SPLITS=num_kv_splits,
+            GROUP=group, HEAD_BLOCKS=head_blocks,
             HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=value_tile(v_dim), BLOCK_H=block_h,
             PAGE_SIZE=page_size, HAS_SOFTCAP=bool(logit_softcap), HAS_WINDOW=bool(sliding_window),
             HAS_SINKS=direct and sinks is not None,
@@ -346,8 +349,8 @@ def _stage2(partial, lse, out, sinks=None):
     bdv = value_tile(v_dim)
     _decode_stage2[out.shape[:2]](
         partial, lse, out, out if sinks is None else sinks,
-        *partial.stride(), *lse.stride(), *out.stride(),
-        NUM_SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)), V_DIM=v_dim, BLOCK_DV=bdv, HAS_SINKS=sinks is not None,
+        *partial.stride(), *lse.stride(), *out.stride(), splits,
+        BLOCK_S=max(MIN_MERGED_SPLITS, next_pow2(splits)), V_DIM=v_dim, BLOCK_DV=bdv, HAS_SINKS=sinks is not None,
         num_warps=4 if bdv <= 256 else 8,
     )
 
@@ -453,9 +456,10 @@ def cascade_decode_attention(
             q, k_cache, v_cache, block_tables, shared_out, shared_lse,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *shared_out.stride(), *shared_lse.stride(),
             float(scale * k_scale), float(logit_softcap or 0.0), int(shared_len), batch, float(v_scale),
+            num_shared_splits,
         ),
         dict(
-            GROUP=group, NUM_SPLITS=num_shared_splits, HEAD_DIM=head_dim, V_DIM=v_dim,
+            GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim,
             BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=value_tile(v_dim), PAGE_SIZE=page_size,
             HAS_SOFTCAP=bool(logit_softcap), V_FROM_K=_v_from_k(k_cache, v_cache), **dot_args(k_cache),
         ),
