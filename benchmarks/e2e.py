@@ -186,7 +186,19 @@ def warm_up(llm, prompts, full: bool = True) -> dict:
         raise SystemExit("the first decode step's logits are not all finite: the numbers would be measured on NaNs")
     if full and len(prompts) > 2:
         t0 = time.perf_counter()
-        llm.generate([[WARM_UP_MARKER] + list(p) for p in prompts], max_new_tokens=2, ignore_eos=True)
+        runner = llm.engine.runner
+        saved = runner.cascade_min_saved_tokens, runner.cascade_graph_min_saved_tokens
+        # no cascade here: its graphs are capped, and the marker's prefix would spend slots the measured run needs
+        runner.cascade_min_saved_tokens = runner.cascade_graph_min_saved_tokens = float("inf")
+        try:
+            llm.generate([[WARM_UP_MARKER] + list(p) for p in prompts], max_new_tokens=2, ignore_eos=True)
+        finally:
+            runner.cascade_min_saved_tokens, runner.cascade_graph_min_saved_tokens = saved
+        cache = llm.engine.pages.prefix_cache
+        if cache is not None:  # the measured run starts as before: only the first two prompts' pages cached
+            cache.evict(cache.evictable())
+            cache.evict_window(cache.evictable_window())
+            llm.generate(prompts[:2], max_new_tokens=1, ignore_eos=True)
         if llm.device.type == "cuda":
             torch.cuda.synchronize()
         res["full_warm_up_s"] = round(time.perf_counter() - t0, 2)

@@ -4,8 +4,8 @@ a warm on-disk cache hides the compiles.
 
 The e2e workload (GSM8K 8-shot prompts, random weights): load, ``e2e.warm_up`` (two prompts, then every prompt
 behind a marker token), the measured generate; the Triton cache entries made during it are listed with the
-second they appeared and the integer arguments their signature specializes on (``tt.divisibility`` 16, or a
-constant 1): a per-step value there (a block table's width, a top-k width) compiles a variant whenever it
+second they appeared and the integer arguments their signature assumes divisible by 16 (an argument equal to 1
+becomes a constant and leaves the signature, unlisted): a per-step value there (a block table's width, a top-k width) compiles a variant whenever it
 changes class, and ``@triton.jit(do_not_specialize=[...])`` stops that.
 
     TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/mid_run_compiles.py --shape dsv4-flash --layers 4
@@ -64,7 +64,9 @@ def main(argv=None):
     llm = attnzoo.load_model(config, load_format="random", dtype="bfloat16", device="cuda",
                              **json.loads(args.load_kwargs))
     at_load = entries(d)
+    threshold, llm.engine.cascade_min_saved_tokens = llm.engine.cascade_min_saved_tokens, 1  # as e2e.py's warm-up
     warm_up(llm, prompts)
+    llm.engine.cascade_min_saved_tokens = threshold
     warmed = entries(d)
     _, wall, t0 = timed_generate(llm, prompts, args.new_tokens)
     start = time.time() - (time.perf_counter() - t0)  # the measured run's start on the files' clock

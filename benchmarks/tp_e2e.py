@@ -97,7 +97,7 @@ def run(config, prompts, *, tp: int, new_tokens: int, backend: str | None, max_r
         for key in ("dequantized_at_load", "split_blocks"):  # FP8 runs: every FP8 layer stays FP8 on every rank
             if key in weights:
                 raise SystemExit(f"{key}: {weights[key]}")
-        timings.update(warm_up(llm, prompts))  # kernels compile
+        timings.update(warm_up(llm, prompts, full=False))  # kernels compile (the full pass evicts rank 0's cache)
         if dry_run:
             info = llm.info()
             return {"tensor_parallel_size": tp, "dry_run": True, **timings, "prefill_backend": info["prefill_backend"],

@@ -67,3 +67,23 @@ def test_qwen3_30b_a3b_shape_builds_on_the_meta_device(e2e):
     assert 30.0e9 < total < 31.0e9 and 3.0e9 < active < 3.6e9, (total, active)
     attn = model.attention_layers()
     assert len(attn) == 48 and (attn[0].num_heads, attn[0].num_kv_heads, attn[0].head_dim) == (32, 4, 128)
+
+
+def test_full_warm_up_leaves_only_the_first_two_prompts_cached(e2e, tmp_path):
+    """The pass over every prompt (behind a marker token) compiles the measured run's shapes; then its pages leave
+    the prefix cache, and the measured run starts with what the two-prompt warm-up cached, as before."""
+    from helpers import random_prompts, save_checkpoint
+    from test_llama import tiny_llama
+
+    save_checkpoint(tiny_llama(), tmp_path)
+    llm = attnzoo.load_model(tmp_path, backend="torch", dtype="float32", page_size=4)
+    prefix = random_prompts(160, [22], seed=1)[0]
+    prompts = [prefix + q for q in random_prompts(160, [3, 5, 7, 9, 11], seed=2)]
+    cascade = llm.engine.cascade_min_saved_tokens
+    res = e2e.warm_up(llm, prompts, full=True)
+    assert res["first_decode_logits_finite"] and res["full_warm_up_s"] >= 0
+    assert llm.engine.cascade_min_saved_tokens == cascade
+    cache = llm.engine.pages.prefix_cache
+    # the shared prefix's 5 full pages and the 6th page of each of the first two prompts (25 and 27 tokens):
+    # none of the marker pass's (1 + 22 + ... tokens: 6 more pages a prompt)
+    assert cache.evictable() == 7

@@ -98,29 +98,44 @@ def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory,
 
 def _profiled_kv_bytes(model, specs, ps, kv_dt, dt, dev, cfg, decision, context_len, max_batch_tokens, hidden,
                        say) -> int:
-    """The default KV cache's bytes on a GPU (``engine.memory``): one step run on a pool of just its pages."""
-    tokens = max(1, min(max_batch_tokens, context_len - 1))
-    # A fixed window fraction could leave one request too few window pages: this pool's groups are equal.
+    """The default KV cache's bytes on a GPU (``engine.memory``): one step of ``max_batch_tokens`` prompt tokens
+    (as many prompts as the context needs) run on a pool of just their pages."""
+    longest = max(1, context_len - 1)  # a prompt and its one new token fit the context
+    n = -(-max_batch_tokens // longest)
+    lengths = [max_batch_tokens // n + (i < max_batch_tokens % n) for i in range(n)]
+    # A fixed window fraction could leave a request too few window pages: this pool's groups are equal.
     fraction = cfg.window_kv_fraction if cfg.window_kv_fraction in (None, "auto") else 1.0
-    pages, window_pages = _kv_pages(specs, ps, kv_dt, dev, tokens + ps, None, context_len, fraction, 1,
-                                    max_batch_tokens)
-    pool = KVPool(specs, num_pages=pages, page_size=ps, dtype=dt, device=dev, kv_cache_dtype=cfg.kv_cache_dtype,
-                  k_scale=cfg.k_scale, v_scale=cfg.v_scale, num_window_pages=window_pages)
-    engine = Engine(model, pool, HybridBackend.create(decision.prefill_backend, decision.decode_backend, pool),
-                    context_len=context_len, max_batch_tokens=max_batch_tokens, max_running=1, prefix_caching=False,
-                    cascade=False)
+    pages, window_pages = _kv_pages(specs, ps, kv_dt, dev, max_batch_tokens + n * (ps + 1), None, context_len,
+                                    fraction, n, max_batch_tokens)
     rows = cfg.max_running or min(MAX_RUNNING_CAP, max_batch_tokens)
-    say(f"measuring a step's memory: a {tokens}-token prefill, then {rows} rows of logits ...")
-    peak = memory.step_peak_bytes(engine, tokens, rows, hidden, dt)
-    del engine, pool
-    torch.cuda.empty_cache()
+    say(f"measuring a step's memory: {max_batch_tokens} prompt tokens in {n} prompt(s), then {rows} rows of "
+        f"logits ...")
+    pool = engine = None
+    try:
+        pool = KVPool(specs, num_pages=pages, page_size=ps, dtype=dt, device=dev, kv_cache_dtype=cfg.kv_cache_dtype,
+                      k_scale=cfg.k_scale, v_scale=cfg.v_scale, num_window_pages=window_pages)
+        engine = Engine(model, pool, HybridBackend.create(decision.prefill_backend, decision.decode_backend, pool),
+                        context_len=context_len, max_batch_tokens=max_batch_tokens, max_running=n,
+                        prefix_caching=False, cascade=False)
+        peak = memory.step_peak_bytes(engine, lengths, rows, hidden, dt)
+    except torch.OutOfMemoryError:
+        raise ModelLoadError(
+            f"out of GPU memory running one step of {max_batch_tokens} tokens before sizing the KV cache "
+            f"({torch.cuda.mem_get_info(dev)[0] / 2**30:.1f} GiB free after the weights)",
+            fix="pass a smaller max_batch_tokens (and max_running), or use more GPUs (tensor_parallel_size)") from None
+    finally:
+        del engine, pool
+        torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(dev)
     kv = memory.default_kv_bytes(free, peak)
     if kv <= 0:
+        need = memory.STEP_MARGIN * peak + memory.HEADROOM
         raise ModelLoadError(
-            f"no room for a KV cache: {free / 2**30:.1f} GiB are free after the weights and a step of {tokens} "
-            f"tokens needs {peak / 2**30:.1f} GiB beside them",
-            fix="pass a smaller max_batch_tokens (and max_running), or use more GPUs (tensor_parallel_size)")
+            f"no room for a KV cache: {free / 2**30:.1f} GiB are free after the weights and a step of "
+            f"{max_batch_tokens} tokens needs {need / 2**30:.1f} GiB beside them (its measured peak, a margin "
+            f"and {memory.HEADROOM / 2**30:.0f} GiB for graphs and workspaces)",
+            fix="pass a smaller max_batch_tokens (and max_running), size the cache yourself (kv_cache_tokens or "
+                "kv_cache_memory), or use more GPUs (tensor_parallel_size)")
     say(f"a step peaks at {peak / 2**30:.2f} GiB: the KV cache takes {kv / 2**30:.2f} GiB of the "
         f"{free / 2**30:.2f} GiB free ({memory.DEFAULT_FRACTION:.0%} at most)")
     return kv
@@ -128,7 +143,8 @@ def _profiled_kv_bytes(model, specs, ps, kv_dt, dt, dev, cfg, decision, context_
 
 def _capture_oom(pool: KVPool, max_running: int, sized_by_default: bool) -> ModelLoadError:
     """A decode step's activations at the largest captured batch did not fit beside the KV cache."""
-    how = "85% of the memory free after the weights, the default" if sized_by_default else "as asked"
+    how = ("the default: at most 85% of the memory free after the weights, less a measured step" if sized_by_default
+           else "as asked")
     return ModelLoadError(
         f"out of GPU memory capturing the decode CUDA graphs (batches up to {max_running}): the KV cache took "
         f"{pool.nbytes / 2**30:.2f} GiB ({how}) and left too little for a step's activations",

@@ -1,8 +1,10 @@
 """The default KV cache size on a GPU: the cache takes 85% of the memory free after the weights, unless one
 engine step needs more than the other 15%. What a step needs is measured by running one (vLLM's profile
-run): one prompt of ``max_batch_tokens`` tokens on a pool of just its pages, then the LM head and a softmax
-over as many rows as requests may run. A model whose prefill activations outgrow the 15% (DeepSeek-V4-Flash
-on an 80 GB card) got a cache that left too little, and its first large prefill ran out of memory."""
+run): ``max_batch_tokens`` prompt tokens (one prompt, or several where the context is shorter) on a pool of
+just their pages, then the LM head and a softmax over as many rows as requests may run. A model whose
+prefill activations outgrow the 15% (DeepSeek-V4-Flash on an 80 GB card) got a cache that left too little,
+and its first large prefill ran out of memory. Under tensor parallelism the cache keeps the plain 85%: the
+ranks would have to run the measured step together."""
 from __future__ import annotations
 
 import torch
@@ -15,8 +17,8 @@ HEADROOM = 1 << 30
 STEP_MARGIN = 1.25  # a step of many requests' tokens allocates somewhat more metadata than one prompt's
 
 
-def step_peak_bytes(engine, tokens: int, logits_rows: int, hidden: int, dtype: torch.dtype) -> int:
-    """Bytes allocated at the peak of one ``tokens``-token prefill on ``engine``, plus those at the peak of
+def step_peak_bytes(engine, lengths: list[int], logits_rows: int, hidden: int, dtype: torch.dtype) -> int:
+    """Bytes allocated at the peak of one prefill step of prompts of ``lengths`` on ``engine``, plus those at the peak of
     ``logits_rows`` rows of logits with their softmax, each above what was allocated before it (the pool, the
     weights). Summed: with overlap, a step's logits are still held while the next step runs its forward."""
     dev = engine.device
@@ -34,7 +36,8 @@ def step_peak_bytes(engine, tokens: int, logits_rows: int, hidden: int, dtype: t
             rows = torch.zeros(logits_rows, hidden, dtype=dtype, device=dev)
             engine.model.compute_logits(rows).softmax(dim=-1)
 
-    prefill = peak_of(lambda: engine.generate([[0] * tokens], [SamplingParams(max_new_tokens=1, ignore_eos=True)]))
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    prefill = peak_of(lambda: engine.generate([[0] * n for n in lengths], [params] * len(lengths)))
     return prefill + peak_of(logits)
 
 
