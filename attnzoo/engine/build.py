@@ -143,7 +143,7 @@ def _profiled_kv_bytes(model, specs, ps, kv_dt, dt, dev, cfg, decision, context_
 
 def _capture_oom(pool: KVPool, max_running: int, sized_by_default: bool) -> ModelLoadError:
     """A decode step's activations at the largest captured batch did not fit beside the KV cache."""
-    how = ("the default: at most 85% of the memory free after the weights, less a measured step" if sized_by_default
+    how = ("at most 85% of the memory free after the weights, less a measured step, the default" if sized_by_default
            else "as asked")
     return ModelLoadError(
         f"out of GPU memory capturing the decode CUDA graphs (batches up to {max_running}): the KV cache took "
