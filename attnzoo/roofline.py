@@ -6,6 +6,11 @@ from __future__ import annotations
 import torch
 
 
+# The ceilings are the best of several medians: on an idle GPU the first ones can come in low (clocks still
+# rising), and a low ceiling inflates the roofline fraction of a run no faster than another.
+REPEATS = 5
+
+
 def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
     """Device-to-device copy: bytes read + bytes written per second (GB/s)."""
     from attnzoo.tune import time_ms
@@ -13,7 +18,7 @@ def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
     device = torch.device(device)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), device, warmup=5, iters=30)
+    ms = min(time_ms(lambda: dst.copy_(src), device, warmup=5, iters=30) for _ in range(REPEATS))
     del src, dst
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
@@ -26,7 +31,7 @@ def matmul_tflops(device, n: int = 8192) -> float:
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     flush = torch.empty(1, dtype=torch.uint8, device=device)
-    ms = time_ms(lambda: a @ b, device, warmup=3, iters=10, flush=flush)
+    ms = min(time_ms(lambda: a @ b, device, warmup=3, iters=10, flush=flush) for _ in range(REPEATS))
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
