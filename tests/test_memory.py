@@ -16,7 +16,7 @@ def test_a_step_that_fits_the_rest_keeps_85_percent():
 
 
 def test_a_large_step_shrinks_the_cache_to_leave_it_room():
-    # DeepSeek-V4-Flash on an 80 GB card: ~27 GiB free after the weights, a multi-GiB prefill step
+    # as DeepSeek-V4-Flash on an 80 GB card: a prefill step larger than 15% of what the weights leave free
     free, step = 27 * GIB, 5 * GIB
     kv = memory.default_kv_bytes(free, step)
     assert kv < int(free * memory.DEFAULT_FRACTION)

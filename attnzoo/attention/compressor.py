@@ -27,7 +27,7 @@ class V4Rope(nn.Module):
         params = config.rope_parameters[rope_label]
         rot = RotaryEmbedding(config, rope_type=params.get("rope_type", "default"), layer_type=rope_label,
                               head_dim=rope_dim)
-        self.inv_freq, self.scaling, self.rope_dim = rot.inv_freq, rot.scaling, rope_dim
+        self.inv_freq, self.scaling = rot.inv_freq, rot.scaling
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, rope_dim / 2] float32."""
