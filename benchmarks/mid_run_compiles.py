@@ -4,8 +4,8 @@ a warm on-disk cache hides the compiles.
 
 The e2e workload (GSM8K 8-shot prompts, random weights): load, ``e2e.warm_up`` (two prompts, then every prompt
 behind a marker token), the measured generate; the Triton cache entries made during it are listed with the
-second they appeared and the integer arguments their signature assumes divisible by 16 (an argument equal to 1
-becomes a constant and leaves the signature, unlisted): a per-step value there (a block table's width, a top-k width) compiles a variant whenever it
+second they appeared and the arguments their signature assumes divisible by 16 (integers; pointers 16-byte
+aligned; an integer equal to 1 becomes a constant and leaves the signature, unlisted): a per-step value there (a block table's width, a top-k width) compiles a variant whenever it
 changes class, and ``@triton.jit(do_not_specialize=[...])`` stops that.
 
     TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/mid_run_compiles.py --shape dsv4-flash --layers 4
@@ -46,7 +46,7 @@ def specialized_ints(kernel_dir: str) -> list[str]:
     i = text.find("tt.func")
     end = text.find(") attributes", i)
     sig = text[i:end if end > 0 else i + 8000]
-    return re.findall(r"%(\w+): i(?:32|64) \{tt\.divisibility = 16", sig)
+    return re.findall(r"%(\w+): (?:i32|i64|!tt\.ptr<\w+>) \{tt\.divisibility = 16", sig)
 
 
 def main(argv=None):
@@ -77,7 +77,7 @@ def main(argv=None):
     print(f"{args.shape}: {len(at_load)} kernels compiled by load_model, {len(set(warmed) - set(at_load))} in the "
           f"warm-up, {len(new)} during the measured run ({wall:.2f} s)")
     for r in rows:
-        print(f"  +{r['at_s']:6.2f} s  {r['kernel']:32s} int args assumed divisible by 16: {r['divisible_by_16']}")
+        print(f"  +{r['at_s']:6.2f} s  {r['kernel']:32s} args assumed divisible by 16: {r['divisible_by_16']}")
     if args.out:
         Path(args.out).write_text(json.dumps({"shape": args.shape, "layers": args.layers, "wall_s": wall,
                                               "compiled_at_load": len(at_load), "compiled_in_measured_run": rows},

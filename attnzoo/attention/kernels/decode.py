@@ -69,8 +69,9 @@ def _finish(O, LSE, o_rows, lse_rows, row_ok, acc, m_i, l_i, stride_od, v_scale,
 
 # Values that change from step to step (the split count follows the batch, the table width the longest request, the
 # cascade's prefix its length) are runtime arguments Triton does not specialize on: as constexprs or specialized
-# ints, each new one compiled a variant in the middle of a run (benchmarks/mid_run_compiles.py).
-@triton.jit(do_not_specialize=["stride_btb", "kv_skip", "num_splits"])
+# ints, each new one compiled a variant in the middle of a run (benchmarks/mid_run_compiles.py). The lse scratch's
+# strides follow the split count too, and its divisibility by 16 with them.
+@triton.jit(do_not_specialize=["stride_btb", "stride_lb", "stride_lh", "kv_skip", "num_splits"])
 def _decode_stage1(
     Q, K, V, BT, SEQ_LENS, O, LSE, SINKS,
     stride_qb, stride_qh, stride_qd,
@@ -132,15 +133,15 @@ def _decode_stage1(
             V_DIM, BLOCK_DV, DIRECT)
 
 
-@triton.jit(do_not_specialize=["shared_len", "batch", "num_splits"])
+@triton.jit(do_not_specialize=["stride_lb", "stride_lh", "shared_len", "batch", "split_base", "num_splits"])
 def _cascade_shared(
     Q, K, V, BT, O, LSE,
     stride_qb, stride_qh, stride_qd,
     stride_kp, stride_kh, stride_kt, stride_kd,
     stride_vp, stride_vh, stride_vt, stride_vd,
-    stride_ob, stride_oh, stride_os, stride_od,  # O: the shared splits' slots of the partial [b, h, s, d]
-    stride_lb, stride_lh, stride_ls,
-    sm_scale, softcap, shared_len, batch, v_scale, num_splits,
+    stride_ob, stride_oh, stride_os, stride_od,  # O: the partial [b, h, s, d]; the shared splits' slots
+    stride_lb, stride_lh, stride_ls,  # start at split_base (an offset, not a sliced pointer, whose alignment varies)
+    sm_scale, softcap, shared_len, batch, v_scale, split_base, num_splits,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     V_DIM: tl.constexpr,
@@ -175,12 +176,13 @@ def _cascade_shared(
         HEAD_DIM, V_DIM, BLOCK_D, BLOCK_DR, BLOCK_DV, BLOCK_M, BLOCK_N, PAGE_SIZE, HAS_SOFTCAP, V_FROM_K,
         DOT_DTYPE, DOT_PREC, False, False,
     )
-    _finish(O, LSE, b * stride_ob + heads * stride_oh + split * stride_os,
-            b * stride_lb + heads * stride_lh + split * stride_ls, row_ok, acc, m_i, l_i, stride_od, v_scale,
+    slot = split_base + split
+    _finish(O, LSE, b * stride_ob + heads * stride_oh + slot * stride_os,
+            b * stride_lb + heads * stride_lh + slot * stride_ls, row_ok, acc, m_i, l_i, stride_od, v_scale,
             V_DIM, BLOCK_DV, False)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["stride_lb", "stride_lh", "num_splits"])
 def _decode_stage2(
     PARTIAL, LSE, O, SINKS,
     stride_pb, stride_ph, stride_ps, stride_pd,
@@ -448,15 +450,14 @@ def cascade_decode_attention(
     group = num_heads // num_kv_heads
     bd, bdr = head_dim_tiles(head_dim)
     cfg = dict(launch_config or cascade_launch_config(head_dim, v_dim, batch * group, k_cache.dtype))
-    shared_out, shared_lse = partial[:, :, num_kv_splits:], lse[:, :, num_kv_splits:]
     launch(
         _cascade_shared,
         lambda c: (-(-batch * group // c["BLOCK_M"]), num_kv_heads, num_shared_splits),
         (
-            q, k_cache, v_cache, block_tables, shared_out, shared_lse,
-            *q.stride(), *k_cache.stride(), *v_cache.stride(), *shared_out.stride(), *shared_lse.stride(),
+            q, k_cache, v_cache, block_tables, partial, lse,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *partial.stride(), *lse.stride(),
             float(scale * k_scale), float(logit_softcap or 0.0), int(shared_len), batch, float(v_scale),
-            num_shared_splits,
+            num_kv_splits, num_shared_splits,
         ),
         dict(
             GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim,
