@@ -169,6 +169,43 @@ def test_flashinfer_cascade_graphs_match_eager_cascade_and_cascade_off(tiny_dir,
         assert_greedy_close(runs[name][0], runs["off"][0], 1e-1, f"{name} vs cascade off")
 
 
+@pytest.mark.parametrize("model", ["llama", "gpt_oss"])
+def test_triton_cascade_graphs_match_eager_cascade_and_cascade_off(tiny_dir, tmp_path, model):
+    """Triton's cascade decode steps replayed as CUDA graphs, one per (bucket, shared prefix length): float32
+    tokens and logits follow eager cascade's and cascade off's. gpt-oss: sinks in the merge, and sliding
+    layers (window 8) that read their own window inside the same graph."""
+    if model == "llama":
+        path = tiny_dir
+    else:
+        from test_gpt_oss import tiny_gpt_oss
+
+        path = tmp_path / "gpt_oss"
+        save_checkpoint(tiny_gpt_oss(), path)
+    prefix = random_prompts(160, [150], seed=7)[0]
+    prompts = [prefix + p for p in random_prompts(160, [3, 20, 1, 9, 12, 5], seed=8)]
+    runs = {}
+    for name, kw in (("off", dict(cascade=False)), ("eager", dict(cuda_graph=False, cascade=True)),
+                     ("graph", dict(cuda_graph=True, cascade=True))):
+        llm = attnzoo.load_model(path, backend="triton", dtype="float32", page_size=16, max_running=8, **kw)
+        llm.engine.cascade_min_saved_tokens = llm.engine.cascade_graph_min_saved_tokens = 1
+        if llm.engine.graphs is not None:
+            llm.engine.graphs.capture_after = 1
+        llm.engine.step_log = []
+        runs[name] = (llm.generate(prompts, max_new_tokens=40, ignore_eos=True, return_logits=True),
+                      dict(llm.engine.graph_stats), llm)
+    off, eager, graph = (runs[n][1] for n in ("off", "eager", "graph"))
+    assert off["cascade"] == off["cascade_replayed"] == 0 and off["replayed"] > 0
+    assert eager["cascade"] > 0 and eager["cascade_replayed"] == 0
+    engine = runs["graph"][2].engine
+    shared_decode = [s for s in engine.step_log if s["new_tokens"] == s["num_reqs"] and s["shared_prefix_len"]]
+    assert graph["cascade_replayed"] == len(shared_decode) >= 30 and graph["cascade_over_cap"] == 0
+    assert {key for _, key in engine.graphs.cascade_graphs} == {s["shared_prefix_len"] for s in shared_decode} == {144}
+    for name in ("graph", "eager"):
+        for x, y in zip(runs[name][0], runs["off"][0]):
+            assert x.token_ids == y.token_ids, name
+            assert (x.logits - y.logits).abs().max().item() < 1e-3, name
+
+
 @pytest.mark.parametrize("backend", ["flashinfer", "triton"])
 def test_overlap_equals_serial_steps_with_graphs_and_cascade(tmp_path, backend):
     """Engine.overlap on the GPU: the next step's metadata, plan and graph staging are queued while the

@@ -16,9 +16,9 @@ the graph was sized for (``init_graph_state``), and the scratch lives on the bac
 
 Cascade (``supports_cascade``): when a DECODE step's requests share leading pages
 (``meta.shared_prefix_len``), a layer without a sliding window reads those pages once per KV head for
-the whole batch (``cascade_decode_attention``) and each request's own pages as usual. Cascade steps are
-eager: the engine sets ``shared_prefix_len`` only outside graph replays, and under ``prepare_graph``
-this backend ignores it, so a captured graph always holds the plain path.
+the whole batch (``cascade_decode_attention``) and each request's own pages as usual. Cascade decode steps
+are captured too (``supports_cascade_graph``): the prefix length is a launch argument, so it is the graph's
+key; the split counts then follow from the bucket and the graphs' longest context, as in plain graphs.
 """
 from __future__ import annotations
 
@@ -91,6 +91,7 @@ class TritonBackend(AttentionBackend):
         notes=("tuned for head dims 64..512 (MHA) and 576/512 (MLA); smaller dims run padded",),
     )
     fix = "use backend='torch' on CPU (or set TRITON_INTERPRET=1 before importing attnzoo, for tests)"
+    supports_cascade_graph = True
 
     def __init__(self, pool: KVPool):
         super().__init__(pool)
@@ -118,6 +119,9 @@ class TritonBackend(AttentionBackend):
         plan.graph_max_kv_len = self._graph_max_kv_len
         return plan
 
+    def cascade_graph_key(self, meta: BatchMetadata) -> int:
+        return meta.shared_prefix_len  # baked into the launches (kv_skip, shared_len) and the split counts
+
     # ---- per layer ----
     def extend(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: TritonPlan) -> torch.Tensor:
         self.check_layer("prefill", layer)
@@ -138,7 +142,7 @@ class TritonBackend(AttentionBackend):
         batch, num_heads, head_dim = q.shape
         num_kv_heads, v_dim = k_cache.shape[1], v_cache.shape[-1]
         group = num_heads // num_kv_heads
-        shared = 0 if layer.sliding_window or plan.graph_max_kv_len is not None else meta.shared_prefix_len
+        shared = 0 if layer.sliding_window else meta.shared_prefix_len
         kv_len = plan.graph_max_kv_len or plan.max_seq_len
         if layer.sliding_window:
             kv_len = min(kv_len, layer.sliding_window)
