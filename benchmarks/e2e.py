@@ -295,6 +295,7 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
     tpot = [(o.latency - o.time_to_first_token) / (len(o.token_ids) - 1) for o in outs]
     steps = llm.engine.step_log
     by_kind = step_kinds(steps, t0=t0, prof=prof, limits=limits)
+    graphs = llm.engine.graphs
     res = {
         "engine": "attnzoo",
         "backend": f"attnzoo prefill={info['prefill_backend']} decode={info['decode_backend']}"
@@ -303,12 +304,14 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
         "cascade": info["cascade"], "cascade_steps": llm.engine.graph_stats["cascade"],
         "graph_steps": llm.engine.graph_stats["replayed"],
         "cascade_graph_steps": llm.engine.graph_stats["cascade_replayed"],
-        "cascade_graphs": len(llm.engine.graphs.cascade_graphs) if llm.engine.graphs is not None else 0,
-        # captured while generating (inside wall_s), warm-up steps included
-        "cascade_capture_s": round(llm.engine.graphs.cascade_capture_s, 2) if llm.engine.graphs is not None else 0,
-        "graph_batch_sizes": llm.engine.graphs.buckets if llm.engine.graphs is not None else None,
-        "graph_pruned_buckets": llm.engine.graphs.pruned if llm.engine.graphs is not None else None,
-        "capture_after": llm.engine.graphs.capture_after if llm.engine.graphs is not None else None,
+        # captured while generating (inside wall_s), warm-up steps included: cascade ones, and plain ones of a
+        # batch's exact size (DecodeGraphs.exact_from)
+        "cascade_graphs": sum(c is not None for _, c in graphs.on_demand) if graphs is not None else 0,
+        "exact_graphs": sum(c is None for _, c in graphs.on_demand) if graphs is not None else 0,
+        "on_demand_capture_s": round(graphs.capture_s, 2) if graphs is not None else 0,
+        "graph_batch_sizes": graphs.buckets if graphs is not None else None,
+        "graph_pruned_buckets": graphs.pruned if graphs is not None else None,
+        "capture_after": graphs.capture_after if graphs is not None else None,
         "overlap": llm.engine.overlap, "early_launch": llm.engine.early_launch,
         "overlap_stats": dict(llm.engine.overlap_stats),
         "page_size": info["page_size"], "prompts": len(prompts), "output_tokens": n_out, "wall_s": wall,

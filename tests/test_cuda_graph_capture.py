@@ -153,8 +153,8 @@ def test_cascade_graphs_are_captured_lazily_per_key_up_to_the_cap(monkeypatch):
     pool = SimpleNamespace(device=torch.device("cpu"), page_size=16, has_window_group=False)
     backend = CascadeRecording()
     graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(backend, backend), max_batch=4, max_context=64,
-                                     buckets=(1, 2), max_cascade_graphs=2, capture_after=1)
-    assert len(made) == 3 and not graphs.cascade_graphs  # the plain buckets 4, 2, 1; no cascade graph yet
+                                     buckets=(1, 2), max_on_demand_graphs=2, capture_after=1)
+    assert len(made) == 3 and not graphs.on_demand  # the plain buckets 4, 2, 1; no cascade graph yet
     backend.seen.clear()
 
     def step(seq, shared=32):
@@ -167,7 +167,7 @@ def test_cascade_graphs_are_captured_lazily_per_key_up_to_the_cap(monkeypatch):
     meta = step([40, 50, 35])
     assert graphs.cascade_ready(meta) is True
     assert graphs.replay(torch.tensor([1, 2, 3]), meta).shape == (3, 4)
-    assert len(made) == 4 and list(graphs.cascade_graphs) == [(4, 4)] and made[-1].replays == 1
+    assert len(made) == 4 and list(graphs.on_demand) == [(4, 4)] and made[-1].replays == 1
     (capturing, bs, dev, host, shared, table, positions), = backend.seen
     assert capturing and bs == 4 and shared == 32
     assert dev == host == [40, 50, 35, 33]  # padding row: one token after the 2 shared pages
@@ -176,8 +176,8 @@ def test_cascade_graphs_are_captured_lazily_per_key_up_to_the_cap(monkeypatch):
     graphs.replay(torch.tensor([1, 2, 3]), step([41, 51, 36]))
     assert len(made) == 4 and made[-1].replays == 2 and backend.seen[-1][0] is False
     graphs.replay(torch.tensor([1, 2]), step([60, 45]))
-    assert len(made) == 5 and set(graphs.cascade_graphs) == {(4, 4), (2, 4)}
-    assert graphs.cascade_hidden[(2, 4)] is not graphs.cascade_hidden[(4, 4)]
+    assert len(made) == 5 and set(graphs.on_demand) == {(4, 4), (2, 4)}
+    assert graphs.on_demand_hidden[(2, 4)] is not graphs.on_demand_hidden[(4, 4)]
     assert graphs.cascade_ready(step([64, 45])) is True  # (2, 4): captured
     assert graphs.cascade_ready(step([40, 50, 35, 62])) is True  # (4, 4)
     assert graphs.cascade_ready(step([20, 45], shared=16)) is False  # (2, 3): over the cap
@@ -216,9 +216,51 @@ def test_a_cascade_graph_is_captured_once_its_key_was_asked_for_capture_after_st
     meta = step([42, 52, 37])
     assert graphs.cascade_ready(meta) is True  # second step in a row: captured by this replay
     graphs.replay(torch.tensor([1, 2, 3]), meta)
-    assert list(graphs.cascade_graphs) == [(4, 4)] and graphs.cascade_capture_s >= 0
+    assert list(graphs.on_demand) == [(4, 4)] and graphs.capture_s >= 0
     assert graphs.cascade_ready(step([61, 46])) is False  # (2, 4) first ask in a row
     assert graphs.cascade_ready(step([43, 53, 38])) is True  # captured keys replay at once
+
+
+def test_a_batch_above_exact_from_that_keeps_its_size_gets_a_graph_of_that_size(monkeypatch):
+    """Plain steps: up to ``exact_from`` rows, and at a bucket's size, the bucket's graph; above it, a batch
+    replays its bucket's graph (padded) until it kept its size ``capture_after`` steps, then one of its exact
+    size, captured then (no padding row), under the cap on graphs captured on demand."""
+    _no_cuda_graphs(monkeypatch)
+    made = []
+
+    class Graph(_Graph):
+        def __init__(self):
+            made.append(self)
+            self.replays = 0
+
+        def replay(self):
+            self.replays += 1
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    pool = SimpleNamespace(device=torch.device("cpu"), page_size=16, has_window_group=False)
+    backend = RecordingBackend()
+    graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(backend, backend), max_batch=8, max_context=64,
+                                     buckets=(1, 2, 4), max_on_demand_graphs=1, capture_after=2, exact_from=4)
+    assert graphs.buckets == [1, 2, 4, 8] and len(made) == 4
+    backend.seen.clear()
+
+    def step(n):
+        return build_metadata(prefix_lens=[20 + i for i in range(n)], q_lens=[1] * n,
+                              block_tables=[[10 + 2 * i, 11 + 2 * i] for i in range(n)], page_size=16, device="cpu")
+
+    def replay(n):
+        assert graphs.replay(torch.arange(n), step(n)).shape == (n, 4)
+        capturing, rows, dev, host, _ = backend.seen[-1]
+        return capturing, rows, dev[n:]
+
+    assert replay(6) == (False, 8, [1, 1]) and made[0].replays == 1  # first 6-row step: bucket 8, two padding rows
+    assert replay(6) == (True, 6, []) and len(made) == 5 and made[-1].replays == 1  # second: its own graph
+    assert list(graphs.on_demand) == [(6, None)] and graphs.on_demand_hidden[(6, None)].shape == (6, 4)
+    assert replay(6) == (False, 6, []) and made[-1].replays == 2  # then that graph, refilled
+    assert replay(3) == (False, 4, [1])  # up to exact_from: the bucket
+    assert replay(8) == (False, 8, [])  # a bucket's size: the bucket's own graph, no streak needed
+    assert replay(7) == (False, 8, [1]) and replay(7) == (False, 8, [1])  # past the cap: the bucket, padded
+    assert len(made) == 5 and graphs.at_cap
 
 
 def test_cuda_graph_batch_sizes_default_pads_at_most_an_eighth_from_64():
@@ -273,7 +315,7 @@ def test_engine_replays_cascade_graphs_where_they_pay_and_counts_them(monkeypatc
     e = llm.engine
     e.backends.decode_backend, e.cascade = CascadeGraphTorch(llm.pool), True
     e.graphs = cuda_graph.DecodeGraphs(e.model, e.pool, e.backends, max_batch=4, max_context=64, buckets=(1, 2),
-                                       max_cascade_graphs=1, capture_after=1)
+                                       max_on_demand_graphs=1, capture_after=1)
     e.cascade_graph_min_saved_tokens, e.cascade_min_saved_tokens = 48, 10**9  # 24 shared x 2 others; eager never
     e.step_log = []
     assert [c.token_ids for c in llm.generate(prompts, max_new_tokens=8, ignore_eos=True)] == want
@@ -281,7 +323,7 @@ def test_engine_replays_cascade_graphs_where_they_pay_and_counts_them(monkeypatc
     decode = [s for s in e.step_log if s["new_tokens"] == s["num_reqs"]]
     three = [s for s in decode if s["num_reqs"] == 3]
     assert three and all(s["shared_prefix_len"] == 24 for s in three[:stats["cascade_replayed"]])
-    assert len(e.graphs.cascade_graphs) == 1 and stats["cascade_over_cap"] > 0 and stats["cascade"] == 0
+    assert len(e.graphs.on_demand) == 1 and stats["cascade_over_cap"] > 0 and stats["cascade"] == 0
     assert stats["cascade_replayed"] + stats["cascade_over_cap"] == len(three)  # every 3-request step asked
     assert stats["replayed"] == len(decode) - stats["cascade_replayed"]  # the rest: plain graphs
     # Where the eager threshold says so, the steps past the cap cascade eagerly instead.

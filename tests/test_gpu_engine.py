@@ -152,7 +152,7 @@ def test_flashinfer_cascade_graphs_match_eager_cascade_and_cascade_off(tiny_dir,
     assert graph["cascade_replayed"] == len(shared_decode) >= 30 and graph["cascade_over_cap"] == 0
     engine = runs["graph"][2].engine
     assert runs["graph"][2].info()["cascade"].startswith("on: decode steps whose requests share >= 1 page read it once (as CUDA graphs")
-    keys = {key for _, key in engine.graphs.cascade_graphs}
+    keys = {key for _, key in engine.graphs.on_demand}
     if model == "llama":
         assert keys == {()}  # no sliding layer: one cascade graph per bucket
     else:  # window_left 63 - 32, 63 - 16, then the window past the prefix
@@ -199,7 +199,7 @@ def test_triton_cascade_graphs_match_eager_cascade_and_cascade_off(tiny_dir, tmp
     engine = runs["graph"][2].engine
     shared_decode = [s for s in engine.step_log if s["new_tokens"] == s["num_reqs"] and s["shared_prefix_len"]]
     assert graph["cascade_replayed"] == len(shared_decode) >= 30 and graph["cascade_over_cap"] == 0
-    assert {key for _, key in engine.graphs.cascade_graphs} == {s["shared_prefix_len"] for s in shared_decode} == {144}
+    assert {key for _, key in engine.graphs.on_demand} == {s["shared_prefix_len"] for s in shared_decode} == {144}
     for name in ("graph", "eager"):
         for x, y in zip(runs[name][0], runs["off"][0]):
             assert x.token_ids == y.token_ids, name

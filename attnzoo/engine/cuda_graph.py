@@ -11,11 +11,15 @@ The graphs are sized for contexts up to ``max_context`` tokens and batches up to
 engine's max_running, always a bucket); a decode step with a longer request runs eagerly
 (``DecodeGraphs.fits`` decides, and the engine counts those steps in ``Engine.graph_stats``).
 
-Cascade decode steps (a shared prefix read once per step) replay graphs of their own where the decode
-backend declares ``supports_cascade_graph``: one per (bucket, the backend's ``cascade_graph_key``), captured
-on the ``capture_after``-th step in a row that needs it (warm-up and capture on that step's data, into the
-plain graphs' memory pool, then its replay), at most ``max_cascade_graphs`` of them; a step whose graph is
-not there runs without one (``cascade_ready``). Their padding rows hold one token after the shared
+Graphs captured on demand, while generating: on the ``capture_after``-th step in a row that needs one
+(warm-up and capture on that step's data, into the plain graphs' memory pool, then its replay), at most
+``max_on_demand_graphs`` of them, keyed (rows, the backend's ``cascade_graph_key`` or None):
+- exact sizes: above ``exact_from`` rows the buckets are an eighth of an octave apart, and a step padded to
+  its bucket computes up to 12.5% more rows, which cost GEMM FLOPs where a large batch is compute-bound. A
+  batch that keeps its size gets a graph of that size; until then its step replays the bucket's graph.
+- cascade decode steps (a shared prefix read once per step), where the decode backend declares
+  ``supports_cascade_graph``; a step whose graph is not there runs without one (``cascade_ready``).
+Cascade steps' padding rows hold one token after the shared
 prefix: the prefix's pages, then the token in page 0. So they are requests of the step like the others
 (the shared part serves their queries too, and the split is theirs as well: a padding row's window starts
 no later than a real row's), read only pages that hold data, write only page 0, and are dropped.
@@ -120,16 +124,19 @@ def choose_buckets(cost: dict[int, float], margin: float = PRUNE_MARGIN) -> tupl
     return [b for b in order if b not in dropped], dict(sorted(dropped.items()))
 
 
-# Cascade graphs are captured while generating (each costs a warm-up step and a capture once): the cap
-# bounds that time and the graph pool's growth. A workload with one few-shot prefix needs the buckets its
-# batch passes through times the window_left values of its sliding layers (fi_common.CASCADE_GRAPH_GAP_STEPS).
-DEFAULT_MAX_CASCADE_GRAPHS = 48
+# Graphs captured while generating (each costs a warm-up step and a capture once): the cap bounds that time
+# and the graph pool's growth. A workload with one few-shot prefix needs the sizes its batch passes through
+# times the window_left values of its sliding layers (fi_common.CASCADE_GRAPH_GAP_STEPS).
+DEFAULT_MAX_ON_DEMAND_GRAPHS = 48
+# Above this many rows a batch that keeps its size gets a graph of its exact size (padding to the bucket cost
+# Llama-8B's 1319-request e2e 13% of its tok/s: benchmarks/results/e2e_exact_graphs_nvidia_h100.json).
+EXACT_FROM = 256
 
 
 class DecodeGraphs:
     def __init__(self, model, pool, backends: HybridBackend, *, max_batch: int, max_context: int,
-                 buckets=DEFAULT_BUCKETS, max_cascade_graphs: int = DEFAULT_MAX_CASCADE_GRAPHS,
-                 capture_after: int = 3, prune: bool = True):
+                 buckets=DEFAULT_BUCKETS, max_on_demand_graphs: int = DEFAULT_MAX_ON_DEMAND_GRAPHS,
+                 capture_after: int = 3, prune: bool = True, exact_from: int = EXACT_FROM):
         self.model, self.pool, self.backends = model, pool, backends
         dev, ps = pool.device, pool.page_size
         self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
@@ -161,23 +168,29 @@ class DecodeGraphs:
         self.metas: dict[int, BatchMetadata] = {}  # bucket -> the capture's metadata over the static buffers
         self.plans: dict[int, StepPlan] = {}  # bucket -> the capture's plan (its tensors: the backend's static ones)
         self.cascade = backends.supports_cascade_graph
-        self.max_cascade_graphs = max_cascade_graphs
-        self.cascade_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (bucket, backend key) -> graph
-        self.cascade_hidden: dict[tuple, torch.Tensor] = {}  # (bucket, backend key) -> static output [bucket, hidden]
+        self.max_on_demand_graphs = max_on_demand_graphs
+        self.exact_from = exact_from
+        # (rows, the backend's cascade key or None for a plain step) -> graph, and its static output [rows, hidden]
+        self.on_demand: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.on_demand_hidden: dict[tuple, torch.Tensor] = {}
         self._last_key: tuple[BatchMetadata | None, tuple | None] = (None, None)  # the last step's key, by identity
-        # A new cascade graph is captured on the ``capture_after``-th step in a row that asks for it: a
-        # capture costs a warm-up step and the capture, wasted on a bucket that a shrinking batch (a wave's
+        # An on-demand graph is captured on the ``capture_after``-th step in a row that asks for it: a
+        # capture costs a warm-up step and the capture, wasted on a size that a shrinking batch (a wave's
         # requests finishing) passes through in a step or two; the steps before run as if over the cap
         # (results: e2e_llama8b_ca{1,3}).
         self.capture_after = capture_after
         self._streak: tuple[tuple | None, int] = (None, 0)  # (the last key asked for, how many steps in a row)
-        self.cascade_capture_s = 0.0  # host time spent capturing cascade graphs (warm-up included)
+        self.capture_s = 0.0  # host time spent capturing on-demand graphs (warm-up included)
         self._mempool = None
         backends.init_graph_state(self.max_batch, self.max_pages)
         self._capture_all()
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
+
+    def _rows(self, n: int) -> int:
+        """The rows of the graph that serves an n-row step once captured: n itself above ``exact_from``."""
+        return n if n > self.exact_from else self._bucket(n)
 
     def _meta(self, bs: int, seq_lens_cpu: list[int] | None = None, shared_prefix_len: int = 0) -> BatchMetadata:
         """The bucket's metadata over the static buffers. Host lists: the step's, padded to the bucket
@@ -231,18 +244,25 @@ class DecodeGraphs:
     def fits(self, meta: BatchMetadata) -> bool:
         return meta.is_decode and meta.num_reqs <= self.max_batch and meta.max_seq_len <= self.max_context
 
-    def cascade_key(self, meta: BatchMetadata) -> tuple:
-        """(bucket, the backend's cascade_graph_key) of a cascade decode step. The key is taken over the real
-        rows: padding rows (one token after the prefix) end no later than any real row, so they move no
-        window split (``fi_common.cascade_split``: the shared segment starts after the longest request's
-        window start), and the backend's plan over the padded rows makes the split this key names."""
+    def graph_key(self, meta: BatchMetadata) -> tuple:
+        """(rows, the backend's cascade_graph_key, or None for a plain step) of a decode step. The cascade key
+        is taken over the real rows: padding rows (one token after the prefix) end no later than any real row,
+        so they move no window split (``fi_common.cascade_split``: the shared segment starts after the longest
+        request's window start), and the backend's plan over the padded rows makes the split this key names."""
         if self._last_key[0] is not meta:  # the engine asks before the replay does: compute it once a step
-            self._last_key = (meta, (self._bucket(meta.num_reqs), self.backends.cascade_graph_key(meta)))
+            cascade = self.backends.cascade_graph_key(meta) if meta.shared_prefix_len else None
+            self._last_key = (meta, (self._rows(meta.num_reqs), cascade))
         return self._last_key[1]
 
     @property
     def at_cap(self) -> bool:
-        return len(self.cascade_graphs) >= self.max_cascade_graphs
+        return len(self.on_demand) >= self.max_on_demand_graphs
+
+    def _wanted(self, key: tuple) -> bool:
+        """Whether an on-demand graph serves this step (captured, or captured by its replay); counts the streak."""
+        last, n = self._streak
+        self._streak = (key, n + 1 if key == last else 1)
+        return key in self.on_demand or (not self.at_cap and self._streak[1] >= self.capture_after)
 
     def cascade_ready(self, meta: BatchMetadata) -> bool | None:
         """For a decode step with ``shared_prefix_len`` > 0: True where a cascade graph replays it (captured,
@@ -251,12 +271,7 @@ class DecodeGraphs:
         no cascade steps, or the step does not fit the graphs). Called once per prepared step."""
         if not (self.cascade and meta.shared_prefix_len and self.fits(meta)):
             return None
-        key = self.cascade_key(meta)
-        last, n = self._streak
-        self._streak = (key, n + 1 if key == last else 1)
-        if key in self.cascade_graphs:
-            return True
-        return not self.at_cap and self._streak[1] >= self.capture_after
+        return self._wanted(self.graph_key(meta))
 
     def replay(self, ids: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         """Final hidden states [num_reqs, hidden] for a decode step that ``fits`` (and, with
@@ -268,7 +283,10 @@ class DecodeGraphs:
         backend's plan into its static state. Stream-ordered after the work already queued, so the engine
         may stage step N+1 while step N's graph still runs (``Engine.overlap``)."""
         n, shared = meta.num_reqs, meta.shared_prefix_len
-        bs = self._bucket(n)
+        key = self.graph_key(meta)
+        if not shared and (key[0] in self.graphs or not self._wanted(key)):
+            key = None  # the bucket's plain graph
+        bs = self._bucket(n) if key is None else key[0]
         width = meta.block_tables.shape[1]
         self.positions[:n].copy_(meta.positions)
         self.slots[:n].copy_(meta.slot_mapping)
@@ -294,8 +312,7 @@ class DecodeGraphs:
             if self.window_tables is not None:  # row 0's live window columns; the released ones read page 0
                 self.window_tables[n:bs, :sp].copy_(meta.window_block_tables[:1, :sp].expand(bs - n, sp))
         step = self._meta(bs, meta.seq_lens_cpu, shared)
-        key = self.cascade_key(meta) if shared else None
-        graph = self.cascade_graphs.get(key) if shared else self.graphs[bs]
+        graph = self.graphs[bs] if key is None else self.on_demand.get(key)
         # refill the backend's static state (the graph reads it, not the returned plan); host-planned
         # backends read the step's lengths
         plan = self.backends.prepare_graph(step, capturing=graph is None)
@@ -312,12 +329,12 @@ class DecodeGraphs:
             # The warm-up runs this very step (its KV stores write this step's k/v, which the replay writes
             # again, the same); the capture itself runs nothing.
             t0 = time.perf_counter()
-            staged.graph, self.cascade_hidden[staged.key] = self._capture(staged.meta, staged.plan)
-            self.cascade_graphs[staged.key] = staged.graph
+            staged.graph, self.on_demand_hidden[staged.key] = self._capture(staged.meta, staged.plan)
+            self.on_demand[staged.key] = staged.graph
             torch.cuda.synchronize()
-            self.cascade_capture_s += time.perf_counter() - t0
+            self.capture_s += time.perf_counter() - t0
         staged.graph.replay()
-        return self.cascade_hidden[staged.key][:n]
+        return self.on_demand_hidden[staged.key][:n]
 
 
 @dataclass
@@ -326,7 +343,7 @@ class Staged:
 
     num_reqs: int
     bucket: int
-    key: tuple | None  # the cascade graph's key; None: the bucket's plain graph
-    graph: torch.cuda.CUDAGraph | None  # None: a cascade graph to capture at launch
+    key: tuple | None  # the on-demand graph's key (graph_key); None: the bucket's plain graph
+    graph: torch.cuda.CUDAGraph | None  # None: an on-demand graph to capture at launch
     meta: BatchMetadata  # over the static buffers, padded to the bucket
     plan: StepPlan
