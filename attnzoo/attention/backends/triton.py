@@ -160,7 +160,7 @@ class TritonBackend(AttentionBackend):
                                         partial=partial, lse=lse, **kw)
         # Stage 2 merges the suffix and shared splits together: their sum stays within its limit.
         splits = min(splits, dec.MAX_KV_SPLITS - 1)
-        block_m = dec.cascade_launch_config(head_dim, v_dim, batch * group, k_cache.dtype)["BLOCK_M"]
+        block_m = dec.cascade_launch_config(head_dim, v_dim, k_cache.dtype)["BLOCK_M"]
         shared_splits = dec.choose_num_shared_splits(
             batch=batch, num_kv_heads=num_kv_heads, group=group, shared_len=shared, num_sms=self._num_sms,
             block_m=block_m, max_splits=dec.MAX_KV_SPLITS - splits,

@@ -261,13 +261,12 @@ def choose_num_shared_splits(
     return max(1, min(splits, max_splits))
 
 
-def cascade_launch_config(head_dim: int, v_head_dim: int, rows: int, dtype: torch.dtype) -> dict:
+def cascade_launch_config(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> dict:
     """Tiles of the cascade's shared pass. Its rows are (request, group head) pairs over the same keys,
-    as extend's are (token, group head) pairs: extend's measured tiles, with BLOCK_M no wider than the
-    rows (batch x group) there are. Not tuned for this kernel on a GPU yet."""
-    cfg = dict(extend_launch_config(head_dim, v_head_dim, dtype))
-    cfg["BLOCK_M"] = min(cfg["BLOCK_M"], max(MIN_TILE, next_pow2(rows)))
-    return cfg
+    as extend's are (token, group head) pairs: extend's measured tiles, whatever the batch. A BLOCK_M
+    narrowed to small batches compiled a variant mid-run whenever the batch crossed a class, and measured
+    no faster at 2-16 requests (benchmarks/results/cascade_tiles_nvidia_h100.txt)."""
+    return dict(extend_launch_config(head_dim, v_head_dim, dtype))
 
 
 def _check(name: str, q, k_cache, v_cache, splits: int) -> None:
@@ -449,7 +448,7 @@ def cascade_decode_attention(
 
     group = num_heads // num_kv_heads
     bd, bdr = head_dim_tiles(head_dim)
-    cfg = dict(launch_config or cascade_launch_config(head_dim, v_dim, batch * group, k_cache.dtype))
+    cfg = dict(launch_config or cascade_launch_config(head_dim, v_dim, k_cache.dtype))
     launch(
         _cascade_shared,
         lambda c: (-(-batch * group // c["BLOCK_M"]), num_kv_heads, num_shared_splits),
