@@ -59,6 +59,7 @@ SINK_DECODE = {
     "direct-window": ([3, 20], 4, 2, 4, 8, 1, torch.float32),
     "split3-window": ([30, 9], 4, 2, 4, 8, 3, torch.float32),
     "split2-full-bf16": ([25, 40], 4, 2, 16, None, 2, torch.bfloat16),
+    "split6-full": ([70, 130], 4, 2, 16, None, 6, torch.float32),  # more splits than the merge's few-split tile
 }
 # name -> (prefix_lens, q_lens, heads, kv_heads, page_size, window, dtype)
 SINK_EXTEND = {

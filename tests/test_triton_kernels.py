@@ -89,6 +89,8 @@ DECODE_CASES = {
                                              torch.bfloat16, False),
     "gqa1-d40-v24-ps64": ([3, 65], 4, 2, 40, 24, 64, None, None, 1, torch.bfloat16, False),
     "gqa8-d48-ps1-split8": ([9, 129], 8, 1, 48, 48, 1, None, None, 8, torch.bfloat16, False),
+    # 12 heads: the merge of a few splits takes 16 heads a program, 4 of them past the last
+    "gqa3-d64-ps16-12heads-split3": ([40, 70, 6], 12, 4, 64, 64, 16, None, None, 3, torch.bfloat16, False),
     "mla-576-512-ps64-split2": ([65, 7], 16, 1, 576, 512, 64, None, None, 2, torch.bfloat16, True),
     "fp16-gqa4-d64-ps16": ([23, 47], 8, 2, 64, 64, 16, 16, 50.0, 2, torch.float16, False),
     "fp32-mha-d64-ps16": ([23, 47], 2, 2, 64, 64, 16, None, None, 2, torch.float32, False),

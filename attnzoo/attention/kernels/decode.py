@@ -47,6 +47,11 @@ MAX_KV_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256
 # Stage 2 merges up to this many splits in one compiled variant (masked): a power of two per count compiled mid-run.
 MIN_MERGED_SPLITS = 16
+# Up to FEW_SPLITS splits (large batches, cascade steps) the merge takes a tile of them for several heads, at most
+# MERGE_TILE partial values a program: one head a program spent 121 us merging the 2 splits of a 1319-request
+# Llama-8B cascade step (benchmarks/results/cascade_sweep_nvidia_h100.txt).
+FEW_SPLITS = 4
+MERGE_TILE = 8192
 
 
 @triton.jit
@@ -188,34 +193,41 @@ def _decode_stage2(
     stride_pb, stride_ph, stride_ps, stride_pd,
     stride_lb, stride_lh, stride_ls,
     stride_ob, stride_oh, stride_od,
-    num_splits,
+    num_heads, num_splits,
+    BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr,
     V_DIM: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
+    # One program merges BLOCK_H heads of one request: a [BLOCK_H, BLOCK_S, BLOCK_DV] tile of partials.
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_DV)
-    s_ok = offs_s < num_splits
+    h_ok = offs_h < num_heads
+    s_ok = h_ok[:, None] & (offs_s[None, :] < num_splits)
     # lse is in log2 units; empty splits carry -inf and weigh 0. Split 0 is never empty.
-    lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_s * stride_ls, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
+    lse = tl.load(LSE + b * stride_lb + offs_h[:, None] * stride_lh + offs_s[None, :] * stride_ls, mask=s_ok,
+                  other=float("-inf"))
+    m = tl.max(lse, 1)
     if HAS_SINKS:  # the head's sink logit joins the merged denominator (log2 units, as lse)
-        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(SINKS + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         m = tl.maximum(m, sink)
-    w = tl.exp2(lse - m)
-    denom = tl.sum(w, 0)
+    m = tl.where(h_ok, m, 0.0)  # heads past the last: no -inf - -inf
+    w = tl.exp2(lse - m[:, None])
+    denom = tl.sum(w, 1)
     if HAS_SINKS:
         denom += tl.exp2(sink - m)
     part = tl.load(
-        PARTIAL + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
-        mask=s_ok[:, None] & (offs_d[None, :] < V_DIM),
+        PARTIAL + b * stride_pb + offs_h[:, None, None] * stride_ph + offs_s[None, :, None] * stride_ps
+        + offs_d[None, None, :] * stride_pd,
+        mask=s_ok[:, :, None] & (offs_d[None, None, :] < V_DIM),
         other=0.0,
     )
-    out = tl.sum(part * w[:, None], 0) / denom
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(O.dtype.element_ty), mask=offs_d < V_DIM)
+    out = tl.sum(part * w[:, :, None], 1) / tl.where(h_ok, denom, 1.0)[:, None]
+    tl.store(O + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od,
+             out.to(O.dtype.element_ty), mask=h_ok[:, None] & (offs_d[None, :] < V_DIM))
 
 
 @functools.lru_cache(maxsize=None)  # callers copy the dict before changing it
@@ -346,12 +358,16 @@ def _stage1(q, k_cache, v_cache, block_tables, seq_lens, dest, lse, *, direct, n
 
 
 def _stage2(partial, lse, out, sinks=None):
-    splits, v_dim = partial.shape[2:]
+    batch, heads, splits, v_dim = partial.shape
     bdv = value_tile(v_dim)
-    _decode_stage2[out.shape[:2]](
+    if splits <= FEW_SPLITS:  # large batches: several heads a program, or one program per head does too little
+        block_s, block_h = FEW_SPLITS, min(next_pow2(heads), max(1, MERGE_TILE // (FEW_SPLITS * bdv)))
+    else:
+        block_s, block_h = max(MIN_MERGED_SPLITS, next_pow2(splits)), 1
+    _decode_stage2[(batch, -(-heads // block_h))](
         partial, lse, out, out if sinks is None else sinks,
-        *partial.stride(), *lse.stride(), *out.stride(), splits,
-        BLOCK_S=max(MIN_MERGED_SPLITS, next_pow2(splits)), V_DIM=v_dim, BLOCK_DV=bdv, HAS_SINKS=sinks is not None,
+        *partial.stride(), *lse.stride(), *out.stride(), heads, splits,
+        BLOCK_H=block_h, BLOCK_S=block_s, V_DIM=v_dim, BLOCK_DV=bdv, HAS_SINKS=sinks is not None,
         num_warps=4 if bdv <= 256 else 8,
     )
 
