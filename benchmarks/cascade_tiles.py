@@ -4,8 +4,14 @@ against the fixed extend tile, on a Llama-3.1-8B-shaped layer (32 heads, 8 KV he
 a shared prefix of 1312 tokens plus 100 of each request's own. Times are CUDA-event medians of whole calls
 (three launches each), which are launch-bound at small batches.
 
-    python benchmarks/cascade_tiles.py
+``--sweep``: at 1319 requests (the e2e batch), on the Llama-8B layer and a gpt-oss-20b one (64 heads, 8 KV
+heads, head dim 64), each kernel's time under the profiler, then the shared pass's tiles swept (CUDA-graph
+replays of the whole call; each checked against the default tile's output).
+
+    python benchmarks/cascade_tiles.py [--sweep]
 """
+import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -18,18 +24,66 @@ from attnzoo.attention.kernels import decode as dec  # noqa: E402
 from attnzoo.attention.kernels.extend import extend_launch_config  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE, SHARED, OWN = 32, 8, 128, 16, 1312, 100
+LAYERS = {"llama8b": (32, 8, 128), "gpt-oss-20b": (64, 8, 64)}  # heads, KV heads, head dim
 
 
-def case(batch: int, device="cuda"):
+def case(batch: int, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, device="cuda"):
     """(q, k cache, v cache, block tables, seq lens): every request's table starts with the shared pages."""
     shared = list(range(1, SHARED // PAGE + 1))
     own_pages = -(-(SHARED + OWN + 1) // PAGE) - len(shared)
-    k = torch.randn(1 + len(shared) + batch * own_pages, KV_HEADS, PAGE, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    k = torch.randn(1 + len(shared) + batch * own_pages, kv_heads, PAGE, head_dim, device=device, dtype=torch.bfloat16)
     first = 1 + len(shared)
     tables = [shared + list(range(first + b * own_pages, first + (b + 1) * own_pages)) for b in range(batch)]
-    return (torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16), k, torch.randn_like(k),
+    return (torch.randn(batch, heads, head_dim, device=device, dtype=torch.bfloat16), k, torch.randn_like(k),
             torch.tensor(tables, dtype=torch.int32, device=device),
             torch.full((batch,), SHARED + OWN + 1, dtype=torch.int32, device=device))
+
+
+def graph_of(fn):
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def sweep(batch: int = 1319) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, (heads, kv_heads, d) in LAYERS.items():
+        q, k, v, tables, seq = case(batch, heads, kv_heads, d)
+        partial = torch.empty(batch, heads, 2, d, device="cuda")
+        lse, out = torch.empty(batch, heads, 2, device="cuda"), torch.empty_like(q)
+        run = lambda cfg: lambda: dec.cascade_decode_attention(  # noqa: E731
+            q, k, v, tables, seq, shared_len=SHARED, scale=d ** -0.5, num_kv_splits=1, num_shared_splits=1,
+            launch_config=cfg, partial=partial, lse=lse, out=out)
+        default = dec.cascade_launch_config(d, d, torch.bfloat16)
+        ref = run(default)().float().clone()
+        replay = graph_of(run(default))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                replay()
+            torch.cuda.synchronize()
+        print(f"{name} layer, {batch} requests, default {default}: {time_cuda(replay) * 1000:.1f} us")
+        for e in prof.key_averages():
+            if e.self_device_time_total > 0:
+                print(f"   {e.key[:40]:40s} {e.self_device_time_total / e.count:8.1f} us")
+        plain = graph_of(lambda: dec.decode_attention(q, k, v, tables, seq, scale=d ** -0.5, out=out))
+        print(f"   plain decode (every request reads the prefix): {time_cuda(plain) * 1000:.1f} us")
+        timed = []
+        for bm, bn, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+            try:
+                if (run(cfg)().float() - ref).abs().max().item() > 2e-2:
+                    print(f"   wrong output: {cfg}")
+                    continue
+            except Exception as e:  # noqa: BLE001 (out of shared memory: not a candidate)
+                print(f"   {cfg}: {type(e).__name__}")
+                continue
+            timed.append((time_cuda(graph_of(run(cfg))) * 1000, cfg))
+        for t, cfg in sorted(timed, key=lambda r: r[0])[:5]:
+            print(f"   {t:7.1f} us {cfg}")
 
 
 def main() -> None:
@@ -56,4 +110,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true")
+    sweep() if ap.parse_args().sweep else main()

@@ -275,10 +275,15 @@ def choose_num_shared_splits(
 
 def cascade_launch_config(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> dict:
     """Tiles of the cascade's shared pass. Its rows are (request, group head) pairs over the same keys,
-    as extend's are (token, group head) pairs: extend's measured tiles, whatever the batch. A BLOCK_M
-    narrowed to small batches compiled a variant mid-run whenever the batch crossed a class, and measured
-    no faster at 2-16 requests (benchmarks/results/cascade_tiles_nvidia_h100.txt)."""
-    return dict(extend_launch_config(head_dim, v_head_dim, dtype))
+    as extend's are (token, group head) pairs: extend's tiles, whatever the batch, but for widths up to 128
+    64 rows in 2 stages (the whole cascade call 6-13% faster at 1319 requests: cascade_sweep_nvidia_h100.txt).
+    A BLOCK_M narrowed to small batches compiled a variant mid-run whenever the batch crossed a class, and
+    measured no faster at 2-16 requests (benchmarks/results/cascade_tiles_nvidia_h100.txt)."""
+    cfg = dict(extend_launch_config(head_dim, v_head_dim, dtype))
+    bd, bdr = head_dim_tiles(head_dim)
+    if max(bd + bdr, value_tile(v_head_dim)) <= 128 and dtype != torch.float32:
+        cfg.update(BLOCK_M=64, num_stages=2)
+    return cfg
 
 
 def _check(name: str, q, k_cache, v_cache, splits: int) -> None:
