@@ -37,8 +37,9 @@ def entries(d: str) -> dict[str, float]:
     return {p: os.path.getmtime(p) for p in glob.glob(f"{d}/*/*.json") if "__grp__" not in os.path.basename(p)}
 
 
-def specialized_ints(kernel_dir: str) -> list[str]:
-    """The integer arguments a compiled variant assumed something of, from its Triton IR."""
+def specialized_args(kernel_dir: str) -> list[str]:
+    """The arguments a compiled variant assumed divisible by 16 (integers) or 16-byte aligned (pointers), from its
+    Triton IR."""
     ttir = glob.glob(f"{kernel_dir}/*.ttir")
     if not ttir:
         return []
@@ -73,7 +74,7 @@ def main(argv=None):
     after = entries(d)
     new = sorted(set(after) - set(warmed), key=after.get)
     rows = [{"kernel": Path(p).stem, "at_s": round(after[p] - start, 2),
-             "divisible_by_16": specialized_ints(os.path.dirname(p))} for p in new]
+             "divisible_by_16": specialized_args(os.path.dirname(p))} for p in new]
     print(f"{args.shape}: {len(at_load)} kernels compiled by load_model, {len(set(warmed) - set(at_load))} in the "
           f"warm-up, {len(new)} during the measured run ({wall:.2f} s)")
     for r in rows:

@@ -1,4 +1,5 @@
-"""benchmarks/mid_run_compiles.py reads which integer arguments a compiled Triton kernel specialized on."""
+"""benchmarks/mid_run_compiles.py reads which arguments a compiled Triton kernel specialized on (integers divisible
+by 16, pointers 16-byte aligned)."""
 import importlib.util
 import sys
 from pathlib import Path
@@ -15,14 +16,14 @@ def load():
     return mod
 
 
-def test_specialized_ints_reads_a_multi_line_signature(tmp_path):
+def test_specialized_args_reads_a_multi_line_signature(tmp_path):
     (tmp_path / "_k.ttir").write_text(
         'module {\n  tt.func public @_k(%Q: !tt.ptr<bf16> {tt.divisibility = 16 : i32} loc("Q"(#loc)),\n'
         '      %stride_qt: i32 {tt.divisibility = 16 : i32} loc("stride_qt"(#loc)), %width: i32 loc("width"(#loc)),\n'
         '      %stride_btb: i64 {tt.divisibility = 16 : i32} loc("stride_btb"(#loc))) attributes {noinline = false} {\n'
         '    %c = arith.constant 0 : i32 {tt.divisibility = 16 : i32}\n  }\n}\n')
-    assert load().specialized_ints(str(tmp_path)) == ["stride_qt", "stride_btb"]
+    assert load().specialized_args(str(tmp_path)) == ["Q", "stride_qt", "stride_btb"]
 
 
 def test_no_ir_no_arguments(tmp_path):
-    assert load().specialized_ints(str(tmp_path)) == []
+    assert load().specialized_args(str(tmp_path)) == []
