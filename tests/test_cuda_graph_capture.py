@@ -263,6 +263,24 @@ def test_a_batch_above_exact_from_that_keeps_its_size_gets_a_graph_of_that_size(
     assert len(made) == 5 and graphs.at_cap
 
 
+def test_cascade_asks_leave_the_plain_streak_alone(monkeypatch):
+    """Tensor-parallel ranks stage the same plain steps but only the leader asks ``cascade_ready``: a cascade
+    ask between two plain steps of one size must not decide differently on the leader (no padding there)."""
+    _no_cuda_graphs(monkeypatch)
+    pool = SimpleNamespace(device=torch.device("cpu"), page_size=16, has_window_group=False)
+    backend = CascadeRecording()
+    graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(backend, backend), max_batch=8, max_context=64,
+                                     buckets=(1, 2, 4), capture_after=2, exact_from=4)
+    plain = build_metadata(prefix_lens=[20 + i for i in range(6)], q_lens=[1] * 6,
+                           block_tables=[[10 + 2 * i, 11 + 2 * i] for i in range(6)], page_size=16, device="cpu")
+    shared = build_metadata(prefix_lens=[40, 45, 35], q_lens=[1] * 3, block_tables=[[5, 6, 10], [5, 6, 11], [5, 6, 12]],
+                            page_size=16, device="cpu", detect_shared_prefix=True)
+    graphs.replay(torch.arange(6), plain)  # first plain step of 6 rows: the bucket
+    assert graphs.cascade_ready(shared) is False  # the leader's ask, between the two
+    graphs.replay(torch.arange(6), plain)
+    assert (6, None) in graphs.on_demand and backend.seen[-1][1] == 6  # the second plain step: its own graph
+
+
 def test_cuda_graph_batch_sizes_default_pads_at_most_an_eighth_from_64():
     b = cuda_graph.DEFAULT_BUCKETS
     assert b[:4] == (1, 2, 4, 8) and b[-1] == 4096 and list(b) == sorted(set(b))

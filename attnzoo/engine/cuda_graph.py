@@ -179,7 +179,9 @@ class DecodeGraphs:
         # requests finishing) passes through in a step or two; the steps before run as if over the cap
         # (results: e2e_llama8b_ca{1,3}).
         self.capture_after = capture_after
-        self._streak: tuple[tuple | None, int] = (None, 0)  # (the last key asked for, how many steps in a row)
+        # (the last key asked for, how many steps in a row), for plain and for cascade steps apart: every
+        # tensor-parallel rank stages the same plain steps, but only the leader asks cascade_ready
+        self._streak: dict[bool, tuple[tuple | None, int]] = {True: (None, 0), False: (None, 0)}
         self.capture_s = 0.0  # host time spent capturing on-demand graphs (warm-up included)
         self._mempool = None
         backends.init_graph_state(self.max_batch, self.max_pages)
@@ -260,9 +262,10 @@ class DecodeGraphs:
 
     def _wanted(self, key: tuple) -> bool:
         """Whether an on-demand graph serves this step (captured, or captured by its replay); counts the streak."""
-        last, n = self._streak
-        self._streak = (key, n + 1 if key == last else 1)
-        return key in self.on_demand or (not self.at_cap and self._streak[1] >= self.capture_after)
+        plain = key[1] is None
+        last, n = self._streak[plain]
+        self._streak[plain] = (key, n + 1 if key == last else 1)
+        return key in self.on_demand or (not self.at_cap and self._streak[plain][1] >= self.capture_after)
 
     def cascade_ready(self, meta: BatchMetadata) -> bool | None:
         """For a decode step with ``shared_prefix_len`` > 0: True where a cascade graph replays it (captured,
