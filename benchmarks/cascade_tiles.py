@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import time_cuda  # noqa: E402
+from common import graph_of, time_cuda  # noqa: E402
 
 from attnzoo.attention.kernels import decode as dec  # noqa: E402
 from attnzoo.attention.kernels.extend import extend_launch_config  # noqa: E402
@@ -37,15 +37,6 @@ def case(batch: int, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, device="
     return (torch.randn(batch, heads, head_dim, device=device, dtype=torch.bfloat16), k, torch.randn_like(k),
             torch.tensor(tables, dtype=torch.int32, device=device),
             torch.full((batch,), SHARED + OWN + 1, dtype=torch.int32, device=device))
-
-
-def graph_of(fn):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def sweep(batch: int = 1319) -> None:

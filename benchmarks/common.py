@@ -36,6 +36,16 @@ def time_cuda(fn, *, warmup: int = 5, iters: int = 20, flush: torch.Tensor | Non
     return times if samples else times[len(times) // 2]
 
 
+def graph_of(fn):
+    """``fn`` captured in a CUDA graph (after one eager run): its replay."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def parse_ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 

@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from common import RESULTS, time_cuda, write_result  # noqa: E402
+from common import RESULTS, graph_of, time_cuda, write_result  # noqa: E402
 
 from attnzoo.layers.moe import (  # noqa: E402
     FP8, MXFP4, TILE_TABLES, MoEConfig, gpu_slug, moe_reference, fused_moe, tile_config, tile_key, weight_format,
@@ -124,15 +124,6 @@ def dense_case(n_active, t, k, h, i, dtype: str, device):
     w = torch.randn(n, h, device=device, dtype=torch.bfloat16).to(FP8)
     one = torch.ones((), device=device)
     return (lambda: torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)), m16, n
-
-
-def graph_of(fn):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def rel_err(out, ref) -> float:

@@ -137,7 +137,8 @@ class CascadeRecording(RecordingBackend):
         return -(-max(meta.seq_lens_cpu) // meta.page_size)
 
 
-def test_cascade_graphs_are_captured_lazily_per_key_up_to_the_cap(monkeypatch):
+def _counted_graphs(monkeypatch) -> list:
+    """No CUDA graphs, and the list of the stand-in graphs made, each counting its replays."""
     _no_cuda_graphs(monkeypatch)
     made = []
 
@@ -150,6 +151,11 @@ def test_cascade_graphs_are_captured_lazily_per_key_up_to_the_cap(monkeypatch):
             self.replays += 1
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    return made
+
+
+def test_cascade_graphs_are_captured_lazily_per_key_up_to_the_cap(monkeypatch):
+    made = _counted_graphs(monkeypatch)
     pool = SimpleNamespace(device=torch.device("cpu"), page_size=16, has_window_group=False)
     backend = CascadeRecording()
     graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(backend, backend), max_batch=4, max_context=64,
@@ -225,18 +231,7 @@ def test_a_batch_above_exact_from_that_keeps_its_size_gets_a_graph_of_that_size(
     """Plain steps: up to ``exact_from`` rows, and at a bucket's size, the bucket's graph; above it, a batch
     replays its bucket's graph (padded) until it kept its size ``capture_after`` steps, then one of its exact
     size, captured then (no padding row), under the cap on graphs captured on demand."""
-    _no_cuda_graphs(monkeypatch)
-    made = []
-
-    class Graph(_Graph):
-        def __init__(self):
-            made.append(self)
-            self.replays = 0
-
-        def replay(self):
-            self.replays += 1
-
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    made = _counted_graphs(monkeypatch)
     pool = SimpleNamespace(device=torch.device("cpu"), page_size=16, has_window_group=False)
     backend = RecordingBackend()
     graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(backend, backend), max_batch=8, max_context=64,

@@ -113,6 +113,17 @@ def test_flashinfer_gemma4_graph_and_windowed_cascade_match_eager_plain(tmp_path
             assert (x.logits - y.logits).abs().max().item() < limit, name
 
 
+def _generate_cascading(llm, prompts):
+    """40 greedy tokens each, cascading at any saving, every cascade step a graph from its key's first step on
+    (where graphs are on): (completions with logits, graph stats, llm)."""
+    llm.engine.cascade_min_saved_tokens = llm.engine.cascade_graph_min_saved_tokens = 1
+    if llm.engine.graphs is not None:
+        llm.engine.graphs.capture_after = 1
+    llm.engine.step_log = []
+    return (llm.generate(prompts, max_new_tokens=40, ignore_eos=True, return_logits=True),
+            dict(llm.engine.graph_stats), llm)
+
+
 @pytest.mark.parametrize("model", ["llama", "gemma4"])
 def test_flashinfer_cascade_graphs_match_eager_cascade_and_cascade_off(tiny_dir, tmp_path, model):
     """Cascade decode steps replayed as CUDA graphs (flashinfer), captured on first use per bucket and, for
@@ -133,15 +144,10 @@ def test_flashinfer_cascade_graphs_match_eager_cascade_and_cascade_off(tiny_dir,
     for name, kw in (("off", dict(cascade=False)), ("eager", dict(cuda_graph=False, cascade=True)),
                      ("graph", dict(cuda_graph=True, cascade=True)), ("serial", dict(cuda_graph=True, cascade=True))):
         llm = attnzoo.load_model(path, backend="flashinfer", dtype="bfloat16", page_size=16, max_running=8, **kw)
-        llm.engine.cascade_min_saved_tokens = llm.engine.cascade_graph_min_saved_tokens = 1
         if name == "serial":  # cascade graphs are captured on first use: these ones without the second stream
             for be in (llm.engine.backends.decode_backend, llm.engine.backends.prefill_backend):
                 be.overlap_cascade = False
-        if llm.engine.graphs is not None:  # every cascade step replays a graph, from a key's first step on
-            llm.engine.graphs.capture_after = 1
-        llm.engine.step_log = []
-        runs[name] = (llm.generate(prompts, max_new_tokens=40, ignore_eos=True, return_logits=True),
-                      dict(llm.engine.graph_stats), llm)
+        runs[name] = _generate_cascading(llm, prompts)
     off, eager, graph = (runs[n][1] for n in ("off", "eager", "graph"))
     assert off["cascade"] == off["cascade_replayed"] == 0 and off["replayed"] > 0
     assert eager["cascade"] > 0 and eager["replayed"] == eager["cascade_replayed"] == 0
@@ -187,12 +193,7 @@ def test_triton_cascade_graphs_match_eager_cascade_and_cascade_off(tiny_dir, tmp
     for name, kw in (("off", dict(cascade=False)), ("eager", dict(cuda_graph=False, cascade=True)),
                      ("graph", dict(cuda_graph=True, cascade=True))):
         llm = attnzoo.load_model(path, backend="triton", dtype="float32", page_size=16, max_running=8, **kw)
-        llm.engine.cascade_min_saved_tokens = llm.engine.cascade_graph_min_saved_tokens = 1
-        if llm.engine.graphs is not None:
-            llm.engine.graphs.capture_after = 1
-        llm.engine.step_log = []
-        runs[name] = (llm.generate(prompts, max_new_tokens=40, ignore_eos=True, return_logits=True),
-                      dict(llm.engine.graph_stats), llm)
+        runs[name] = _generate_cascading(llm, prompts)
     off, eager, graph = (runs[n][1] for n in ("off", "eager", "graph"))
     assert off["cascade"] == off["cascade_replayed"] == 0 and off["replayed"] > 0
     assert eager["cascade"] > 0 and eager["cascade_replayed"] == 0
