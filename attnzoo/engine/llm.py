@@ -356,8 +356,9 @@ class LLM:
             "max_running": self.engine.max_running,
             "cuda_graph": None if self.engine.graphs is None else {
                 "batch_buckets": self.engine.graphs.buckets, "max_context": self.engine.graphs.max_context,
-                # dropped sizes -> the size they pad to: a larger size whose GEMMs measured faster
-                "pruned_buckets": dict(self.engine.graphs.pruned)},
+                # dropped sizes -> the faster size they pad to; graphs captured since: (rows, cascade key or None)
+                "pruned_buckets": dict(self.engine.graphs.pruned), "exact_from": self.engine.graphs.exact_from,
+                "captured_while_generating": [list(k) for k in self.engine.graphs.on_demand]},
             "cascade": self._cascade_info(),
             # > 1: kv_bytes_per_token and the KV capacity are per rank (each holds its own heads)
             "tensor_parallel_size": 1 if self.tp is None else self.tp.ctx.world_size,
@@ -425,8 +426,8 @@ def load_model(
     ``cuda_graph_batch_sizes``: the decode batch sizes captured as CUDA graphs (None:
     ``cuda_graph.DEFAULT_BUCKETS``, at most 12.5% padding from 64 on, less the sizes whose GEMMs measured
     slower than the next size's, ``cuda_graph.prune_buckets``; a list given is taken as it is); a step
-    runs at the smallest size that holds it, ``max_running`` always being one
-    (``info()["cuda_graph"]["batch_buckets"]`` and ``["pruned_buckets"]``).
+    runs at the smallest size that holds it (``max_running`` always one), or above 256 rows at its own once
+    it kept it 3 steps (``info()["cuda_graph"]``: "batch_buckets", "pruned_buckets", "captured_while_generating").
     ``cascade``: read a prefix shared by a whole decode batch once per step (None: wherever the decode
     backend supports it and prefix caching is on; ``info()["cascade"]`` says which).
     ``tensor_parallel_size=N``: split the model over N GPUs (N CPU processes on CPU): this process is
