@@ -11,6 +11,7 @@ import torch
 
 from attnzoo.attention.backends.base import StepPlan
 from attnzoo.attention.backends.hybrid import HybridBackend
+from attnzoo.attention.backends.torch_ref import TorchBackend
 from attnzoo.attention.metadata import build_metadata
 from attnzoo.engine import cuda_graph
 
@@ -284,6 +285,30 @@ def test_cuda_graph_batch_sizes_default_pads_at_most_an_eighth_from_64():
     assert 248 in b and 1408 in b  # Gemma's 239-request batch, Llama's 1319-request wave (GSM8K workload)
 
 
+class GraphTorch(TorchBackend):
+    """The torch reference as a graph-capable decode backend: its plan notes the meta it was handed."""
+
+    def init_graph_state(self, max_batch_size, max_pages_per_req):
+        pass
+
+    def prepare_graph(self, meta, capturing):
+        self.step_meta = meta
+        return StepPlan()
+
+
+def _rerun_graphs(monkeypatch) -> None:
+    """Graphs whose replay runs the step again over the static buffers and the (padded) metadata the decode
+    backend (a GraphTorch) was last handed: the engine's choices with the numbers of a real forward."""
+    _no_cuda_graphs(monkeypatch)
+
+    def capture(self, meta, plan):
+        hidden = self._run(meta, plan)
+        backend = self.backends.decode_backend
+        return SimpleNamespace(replay=lambda: hidden.copy_(self._run(backend.step_meta, plan))), hidden
+
+    monkeypatch.setattr(cuda_graph.DecodeGraphs, "_capture", capture)
+
+
 def test_engine_replays_cascade_graphs_where_they_pay_and_counts_them(monkeypatch, tmp_path):
     """The engine's choice on CPU: a decode backend declaring cascade graphs (the torch reference, which
     reads every request's pages whatever the shared prefix: its numbers cannot change with the choice;
@@ -293,32 +318,18 @@ def test_engine_replays_cascade_graphs_where_they_pay_and_counts_them(monkeypatc
     the cap run as plain graphs, or eagerly with cascade where that pays by the eager threshold."""
     import attnzoo
     from attnzoo.attention.backends.fi_common import cascade_graph_key
-    from attnzoo.attention.backends.torch_ref import TorchBackend
     from helpers import random_prompts, save_checkpoint
     from test_llama import tiny_llama
 
-    _no_cuda_graphs(monkeypatch)
+    _rerun_graphs(monkeypatch)
 
-    class CascadeGraphTorch(TorchBackend):
+    class CascadeGraphTorch(GraphTorch):
         supports_cascade_graph = True
-
-        def init_graph_state(self, max_batch_size, max_pages_per_req):
-            pass
-
-        def prepare_graph(self, meta, capturing):
-            self.step_meta = meta
-            return StepPlan()
 
         def cascade_graph_key(self, meta):
             return cascade_graph_key(meta.seq_lens_cpu, meta.q_lens_cpu, meta.shared_prefix_len // meta.page_size,
                                      meta.page_size, [16])
 
-    def capture(self, meta, plan):
-        hidden = self._run(meta, plan)
-        backend = self.backends.decode_backend
-        return SimpleNamespace(replay=lambda: hidden.copy_(self._run(backend.step_meta, plan))), hidden
-
-    monkeypatch.setattr(cuda_graph.DecodeGraphs, "_capture", capture)
     path = save_checkpoint(tiny_llama(kv_heads=2, heads=4), tmp_path / "llama")
     prefix = random_prompts(160, [24], seed=3)[0]  # 6 pages of 4
     prompts = [prefix + p for p in random_prompts(160, [2, 5, 3, 7, 1], seed=4)]
@@ -344,6 +355,27 @@ def test_engine_replays_cascade_graphs_where_they_pay_and_counts_them(monkeypatc
     e.graph_stats = dict.fromkeys(e.graph_stats, 0)
     assert [c.token_ids for c in llm.generate(prompts, max_new_tokens=8, ignore_eos=True)] == want
     assert e.graph_stats["cascade"] == e.graph_stats["cascade_over_cap"] > 0 and e.graph_stats["cascade_replayed"] > 0
+
+
+def test_engine_replays_exact_size_graphs_with_the_tokens_of_no_graphs(monkeypatch, tmp_path):
+    """Above exact_from the engine's plain decode steps replay their bucket's graph, then, once the batch kept
+    its size, a graph of that size (no padding rows): the greedy tokens of a run without graphs."""
+    import attnzoo
+    from helpers import random_prompts, save_checkpoint
+    from test_llama import tiny_llama
+
+    _rerun_graphs(monkeypatch)
+    path = save_checkpoint(tiny_llama(kv_heads=2, heads=4), tmp_path / "llama")
+    prompts = random_prompts(160, [3, 9, 5, 7, 4, 6], seed=5)
+    kw = dict(backend="torch", dtype="float32", page_size=4, max_running=8, cascade=False)
+    want = [c.token_ids for c in attnzoo.load_model(path, **kw).generate(prompts, max_new_tokens=10, ignore_eos=True)]
+    llm = attnzoo.load_model(path, **kw)
+    e = llm.engine
+    e.backends.decode_backend = GraphTorch(llm.pool)
+    e.graphs = cuda_graph.DecodeGraphs(e.model, e.pool, e.backends, max_batch=8, max_context=64, buckets=(1, 2, 4),
+                                       capture_after=2, exact_from=4)
+    assert [c.token_ids for c in llm.generate(prompts, max_new_tokens=10, ignore_eos=True)] == want
+    assert list(e.graphs.on_demand) == [(6, None)] and e.graph_stats["replayed"] >= 9
 
 
 def test_window_group_tables_are_static_buffers_refilled_per_replay(monkeypatch):
