@@ -230,33 +230,36 @@ def test_a_cascade_graph_is_captured_once_its_key_was_asked_for_capture_after_st
 
 def test_a_batch_above_exact_from_that_keeps_its_size_gets_a_graph_of_that_size(monkeypatch):
     """Plain steps: up to ``exact_from`` rows, and at a bucket's size, the bucket's graph; above it, a batch
-    replays its bucket's graph (padded) until it kept its size ``capture_after`` steps, then one of its exact
-    size, captured then (no padding row), under the cap on graphs captured on demand."""
+    replays its bucket's graph (padded) until it kept its size (rounded up to a multiple of 8) ``capture_after``
+    steps, then one of that size, captured then, which nearby sizes share; under the cap on graphs captured on
+    demand; a size prune_buckets dropped takes the bucket it pads to."""
     made = _counted_graphs(monkeypatch)
     pool = SimpleNamespace(device=torch.device("cpu"), page_size=16, has_window_group=False)
     backend = RecordingBackend()
-    graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(backend, backend), max_batch=8, max_context=64,
-                                     buckets=(1, 2, 4), max_on_demand_graphs=1, capture_after=2, exact_from=4)
-    assert graphs.buckets == [1, 2, 4, 8] and len(made) == 4
+    graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(backend, backend), max_batch=32, max_context=64,
+                                     buckets=(1, 2, 4, 8), max_on_demand_graphs=1, capture_after=2, exact_from=4)
+    assert graphs.buckets == [1, 2, 4, 8, 32] and len(made) == 5
     backend.seen.clear()
 
     def step(n):
-        return build_metadata(prefix_lens=[20 + i for i in range(n)], q_lens=[1] * n,
-                              block_tables=[[10 + 2 * i, 11 + 2 * i] for i in range(n)], page_size=16, device="cpu")
+        return build_metadata(prefix_lens=[20 + i % 10 for i in range(n)], q_lens=[1] * n,
+                              block_tables=[[40 + 2 * i, 41 + 2 * i] for i in range(n)], page_size=16, device="cpu")
 
     def replay(n):
         assert graphs.replay(torch.arange(n), step(n)).shape == (n, 4)
         capturing, rows, dev, host, _ = backend.seen[-1]
-        return capturing, rows, dev[n:]
+        return capturing, rows, len(dev) - n
 
-    assert replay(6) == (False, 8, [1, 1]) and made[0].replays == 1  # first 6-row step: bucket 8, two padding rows
-    assert replay(6) == (True, 6, []) and len(made) == 5 and made[-1].replays == 1  # second: its own graph
-    assert list(graphs.on_demand) == [(6, None)] and graphs.on_demand_hidden[(6, None)].shape == (6, 4)
-    assert replay(6) == (False, 6, []) and made[-1].replays == 2  # then that graph, refilled
-    assert replay(3) == (False, 4, [1])  # up to exact_from: the bucket
-    assert replay(8) == (False, 8, [])  # a bucket's size: the bucket's own graph, no streak needed
-    assert replay(7) == (False, 8, [1]) and replay(7) == (False, 8, [1])  # past the cap: the bucket, padded
-    assert len(made) == 5 and graphs.at_cap
+    assert replay(12) == (False, 32, 20) and made[0].replays == 1  # first 12-row step: bucket 32, 20 padding rows
+    assert replay(12) == (True, 16, 4) and len(made) == 6 and made[-1].replays == 1  # second: a graph of 16 rows
+    assert list(graphs.on_demand) == [(16, None)] and graphs.on_demand_hidden[(16, None)].shape == (16, 4)
+    assert replay(14) == (False, 16, 2) and made[-1].replays == 2  # 14 rows: the same graph, refilled
+    assert replay(3) == (False, 4, 1)  # up to exact_from: the bucket
+    assert replay(8) == (False, 8, 0)  # a bucket's size: the bucket's own graph, no streak needed
+    assert replay(20) == (False, 32, 12) and replay(20) == (False, 32, 12)  # past the cap: the bucket, padded
+    assert len(made) == 6 and graphs.at_cap
+    graphs.pruned = {24: 32}  # as if prune_buckets had dropped 24 for 32: that size takes bucket 32's graph
+    assert graphs.graph_key(step(21)) == (32, None)
 
 
 def test_cascade_asks_leave_the_plain_streak_alone(monkeypatch):
@@ -265,16 +268,16 @@ def test_cascade_asks_leave_the_plain_streak_alone(monkeypatch):
     _no_cuda_graphs(monkeypatch)
     pool = SimpleNamespace(device=torch.device("cpu"), page_size=16, has_window_group=False)
     backend = CascadeRecording()
-    graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(backend, backend), max_batch=8, max_context=64,
-                                     buckets=(1, 2, 4), capture_after=2, exact_from=4)
-    plain = build_metadata(prefix_lens=[20 + i for i in range(6)], q_lens=[1] * 6,
-                           block_tables=[[10 + 2 * i, 11 + 2 * i] for i in range(6)], page_size=16, device="cpu")
+    graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(backend, backend), max_batch=32, max_context=64,
+                                     buckets=(1, 2, 4, 8), capture_after=2, exact_from=4)
+    plain = build_metadata(prefix_lens=[20 + i for i in range(12)], q_lens=[1] * 12,
+                           block_tables=[[40 + 2 * i, 41 + 2 * i] for i in range(12)], page_size=16, device="cpu")
     shared = build_metadata(prefix_lens=[40, 45, 35], q_lens=[1] * 3, block_tables=[[5, 6, 10], [5, 6, 11], [5, 6, 12]],
                             page_size=16, device="cpu", detect_shared_prefix=True)
-    graphs.replay(torch.arange(6), plain)  # first plain step of 6 rows: the bucket
+    graphs.replay(torch.arange(12), plain)  # first plain step of 12 rows: the bucket
     assert graphs.cascade_ready(shared) is False  # the leader's ask, between the two
-    graphs.replay(torch.arange(6), plain)
-    assert (6, None) in graphs.on_demand and backend.seen[-1][1] == 6  # the second plain step: its own graph
+    graphs.replay(torch.arange(12), plain)
+    assert (16, None) in graphs.on_demand and backend.seen[-1][1] == 16  # the second plain step: its own graph
 
 
 def test_cuda_graph_batch_sizes_default_pads_at_most_an_eighth_from_64():
@@ -366,16 +369,16 @@ def test_engine_replays_exact_size_graphs_with_the_tokens_of_no_graphs(monkeypat
 
     _rerun_graphs(monkeypatch)
     path = save_checkpoint(tiny_llama(kv_heads=2, heads=4), tmp_path / "llama")
-    prompts = random_prompts(160, [3, 9, 5, 7, 4, 6], seed=5)
-    kw = dict(backend="torch", dtype="float32", page_size=4, max_running=8, cascade=False)
+    prompts = random_prompts(160, [3, 9, 5, 7, 4, 6, 8, 2, 5, 3], seed=5)
+    kw = dict(backend="torch", dtype="float32", page_size=4, max_running=16, cascade=False)
     want = [c.token_ids for c in attnzoo.load_model(path, **kw).generate(prompts, max_new_tokens=10, ignore_eos=True)]
     llm = attnzoo.load_model(path, **kw)
     e = llm.engine
     e.backends.decode_backend = GraphTorch(llm.pool)
-    e.graphs = cuda_graph.DecodeGraphs(e.model, e.pool, e.backends, max_batch=8, max_context=64, buckets=(1, 2, 4),
-                                       capture_after=2, exact_from=4)
+    e.graphs = cuda_graph.DecodeGraphs(e.model, e.pool, e.backends, max_batch=32, max_context=64,
+                                       buckets=(1, 2, 4, 8), capture_after=2, exact_from=4)
     assert [c.token_ids for c in llm.generate(prompts, max_new_tokens=10, ignore_eos=True)] == want
-    assert list(e.graphs.on_demand) == [(6, None)] and e.graph_stats["replayed"] >= 9
+    assert list(e.graphs.on_demand) == [(16, None)] and e.graph_stats["replayed"] >= 9  # 10 rows in a graph of 16
 
 
 def test_window_group_tables_are_static_buffers_refilled_per_replay(monkeypatch):

@@ -16,7 +16,9 @@ Graphs captured on demand, while generating: on the ``capture_after``-th step in
 ``max_on_demand_graphs`` of them, keyed (rows, the backend's ``cascade_graph_key`` or None):
 - exact sizes: above ``exact_from`` rows the buckets are an eighth of an octave apart, and a step padded to
   its bucket computes up to 12.5% more rows, which cost GEMM FLOPs where a large batch is compute-bound. A
-  batch that keeps its size gets a graph of that size; until then its step replays the bucket's graph.
+  batch that keeps its size (rounded up to a multiple of ``EXACT_ROUND``, so that sizes a few requests apart
+  share one graph; a size ``prune_buckets`` dropped pads to the bucket it chose) gets a graph of that size;
+  until then its step replays the bucket's graph.
 - cascade decode steps (a shared prefix read once per step), where the decode backend declares
   ``supports_cascade_graph``; a step whose graph is not there runs without one (``cascade_ready``).
 Cascade steps' padding rows hold one token after the shared
@@ -131,6 +133,7 @@ DEFAULT_MAX_ON_DEMAND_GRAPHS = 48
 # Above this many rows a batch that keeps its size gets a graph of its exact size (padding to the bucket cost
 # Llama-8B's 1319-request e2e 13% of its tok/s: benchmarks/results/e2e_exact_graphs_nvidia_h100.json).
 EXACT_FROM = 256
+EXACT_ROUND = 8
 
 
 class DecodeGraphs:
@@ -191,8 +194,12 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= n)
 
     def _rows(self, n: int) -> int:
-        """The rows of the graph that serves an n-row step once captured: n itself above ``exact_from``."""
-        return n if n > self.exact_from else self._bucket(n)
+        """The rows of the graph that serves an n-row step once captured: above ``exact_from``, n rounded up to a
+        multiple of EXACT_ROUND (at most max_batch), or the bucket ``prune_buckets`` padded that size to."""
+        if n <= self.exact_from:
+            return self._bucket(n)
+        rows = min(-(-n // EXACT_ROUND) * EXACT_ROUND, self.max_batch)
+        return self.pruned.get(rows, rows)
 
     def _meta(self, bs: int, seq_lens_cpu: list[int] | None = None, shared_prefix_len: int = 0) -> BatchMetadata:
         """The bucket's metadata over the static buffers. Host lists: the step's, padded to the bucket

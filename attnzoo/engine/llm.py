@@ -426,8 +426,8 @@ def load_model(
     ``cuda_graph_batch_sizes``: the decode batch sizes captured as CUDA graphs (None:
     ``cuda_graph.DEFAULT_BUCKETS``, at most 12.5% padding from 64 on, less the sizes whose GEMMs measured
     slower than the next size's, ``cuda_graph.prune_buckets``; a list given is taken as it is); a step
-    runs at the smallest size that holds it (``max_running`` always one), or above 256 rows at its own once
-    it kept it 3 steps (``info()["cuda_graph"]``: "batch_buckets", "pruned_buckets", "captured_while_generating").
+    runs at the smallest size that holds it (``max_running`` always one), or above 256 rows at its own (to 8)
+    once it kept it 3 steps (``info()["cuda_graph"]``: "batch_buckets", "pruned_buckets", "captured_while_generating").
     ``cascade``: read a prefix shared by a whole decode batch once per step (None: wherever the decode
     backend supports it and prefix caching is on; ``info()["cascade"]`` says which).
     ``tensor_parallel_size=N``: split the model over N GPUs (N CPU processes on CPU): this process is
