@@ -130,8 +130,8 @@ def choose_buckets(cost: dict[int, float], margin: float = PRUNE_MARGIN) -> tupl
 # and the graph pool's growth. A workload with one few-shot prefix needs the sizes its batch passes through
 # times the window_left values of its sliding layers (fi_common.CASCADE_GRAPH_GAP_STEPS).
 DEFAULT_MAX_ON_DEMAND_GRAPHS = 48
-# Above this many rows a batch that keeps its size gets a graph of its exact size (padding to the bucket cost
-# Llama-8B's 1319-request e2e 13% of its tok/s: benchmarks/results/e2e_exact_graphs_nvidia_h100.json).
+# Above this many rows a batch that keeps its size gets a graph of its own size: padding to the bucket costs GEMM
+# rows where a large batch is compute-bound (benchmarks/results/e2e_exact_graphs_nvidia_h100.json).
 EXACT_FROM = 256
 EXACT_ROUND = 8
 

@@ -48,8 +48,8 @@ MIN_TOKENS_PER_SPLIT = 256
 # Stage 2 merges up to this many splits in one compiled variant (masked): a power of two per count compiled mid-run.
 MIN_MERGED_SPLITS = 16
 # Up to FEW_SPLITS splits (large batches, cascade steps) the merge takes a tile of them for several heads, at most
-# MERGE_TILE partial values a program: one head a program spent 121 us merging the 2 splits of a 1319-request
-# Llama-8B cascade step (benchmarks/results/cascade_sweep_nvidia_h100.txt).
+# MERGE_TILE partial values a program: one head a program left each program too little work at large batches
+# (benchmarks/results/cascade_sweep_nvidia_h100.txt).
 FEW_SPLITS = 4
 MERGE_TILE = 8192
 
@@ -273,10 +273,11 @@ def choose_num_shared_splits(
     return max(1, min(splits, max_splits))
 
 
+@functools.lru_cache(maxsize=None)  # read per layer and step; callers copy the dict before changing it
 def cascade_launch_config(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> dict:
     """Tiles of the cascade's shared pass. Its rows are (request, group head) pairs over the same keys,
     as extend's are (token, group head) pairs: extend's tiles, whatever the batch, but for widths up to 128
-    64 rows in 2 stages (the whole cascade call 6-13% faster at 1319 requests: cascade_sweep_nvidia_h100.txt).
+    64 rows in 2 stages, the sweep's best at large batches (benchmarks/results/cascade_sweep_nvidia_h100.txt).
     A BLOCK_M narrowed to small batches compiled a variant mid-run whenever the batch crossed a class, and
     measured no faster at 2-16 requests (benchmarks/results/cascade_tiles_nvidia_h100.txt)."""
     cfg = dict(extend_launch_config(head_dim, v_head_dim, dtype))
