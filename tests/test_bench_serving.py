@@ -38,3 +38,32 @@ def test_serve_peer_scenarios_draw_disjoint_prompts(bench_script, monkeypatch):
     for i in range(len(sent)):
         for j in range(i):
             assert not sent[i] & sent[j], (seen[i].dataset, seen[j].dataset)
+
+
+def test_online_load_runs_the_closed_loop_and_splits_steps_by_kind(bench_script, monkeypatch, tmp_path):
+    """online_load.py on a tiny Llama (CPU): every request finishes with its tokens, and the step log splits
+    into decode-only steps and steps with prompt chunks that hold every prompt token once."""
+    import json
+
+    import transformers
+
+    online_load, e2e = bench_script("online_load"), bench_script("e2e")
+
+    def tiny(shape, layers):
+        config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+        config.architectures = ["LlamaForCausalLM"]
+        return config, {}
+
+    monkeypatch.setattr(e2e, "make_config", tiny)
+    path = tmp_path / "load.json"
+    assert online_load.main(["--input-len", "40", "--output-len", "6", "--num-prompts", "10", "--max-concurrency", "3",
+                             "--vocab-size", "500", "--load-kwargs", '{"dtype": "float32"}', "--out", str(path)]) == 0
+    res = json.loads(path.read_text())["result"]
+    assert res["errors"] == [] and res["output_tok_per_s"] > 0
+    steps = res["steps"]
+    new_tokens = sum(k["steps"] * k["new_tokens_per_step"] for k in steps.values())
+    assert abs(new_tokens - 10 * (40 + 5)) < 1e-6  # each prompt once with its first token, then 5 decode tokens
+    assert steps["decode"]["new_tokens_per_step"] == steps["decode"]["rows_per_step"]
+    assert steps["mixed"]["steps"] >= 4  # the 3 first prompts, then one per finished request at least
+    assert sum(k["s"] for k in steps.values()) <= res["wall_s"] + 1e-3
