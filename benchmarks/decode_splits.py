@@ -43,13 +43,19 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="64,96,128")
     ap.add_argument("--contexts", default="512,1024,2048")
     ap.add_argument("--splits", default="1,2,3,4,6,8")
+    ap.add_argument("--tiles", default=None,
+                    help="BLOCK_N/stages/warps triples to try, e.g. '64/1/4,32/2/4' (default: a grid of 16)")
     ap.add_argument("--out", default=None, help="JSON path")
     args = ap.parse_args(argv)
     props = torch.cuda.get_device_properties(0)
     copy = copy_gbps()
     base = dec.decode_launch_config(HEAD_DIM, HEAD_DIM, HEADS // KV_HEADS, torch.bfloat16)
-    tiles = [dict(base, BLOCK_N=n, num_stages=s, num_warps=w)
-             for n, s, w in itertools.product((32, 64, 128), (1, 2, 3), (4, 8)) if not (n == 128 and s == 3)]
+    grid = [(n, s, w) for n, s, w in itertools.product((32, 64, 128), (1, 2, 3), (4, 8)) if not (n == 128 and s == 3)]
+    if args.tiles:
+        grid = [tuple(parse_ints(t.replace("/", ","))) for t in args.tiles.split(",") if t]
+    if (base["BLOCK_N"], base["num_stages"], base["num_warps"]) not in grid:
+        grid.append((base["BLOCK_N"], base["num_stages"], base["num_warps"]))  # the default is the reference
+    tiles = [dict(base, BLOCK_N=n, num_stages=s, num_warps=w) for n, s, w in grid]
     rows = []
     print(f"{props.name}, copy {copy:.0f} GB/s; default tile {base}")
     for batch, ctx in itertools.product(parse_ints(args.batches), parse_ints(args.contexts)):
@@ -79,12 +85,18 @@ def main(argv=None) -> int:
             us = time_cuda(graph_of(run)) * 1e3
             results.append({"splits": splits, **{k_: cfg[k_] for k_ in ("BLOCK_N", "num_stages", "num_warps")},
                             "us": round(us, 1), "frac_of_copy": round(nbytes / (us * 1e-6) / 1e9 / copy, 3)})
+        partial = torch.empty(batch, HEADS, picked, HEAD_DIM, device="cuda")
+        lse, out = torch.empty(batch, HEADS, picked, device="cuda"), torch.empty_like(q)
+        auto_us = time_cuda(graph_of(lambda: dec.decode_attention(  # noqa: E731 - the backend's own choice
+            q, k, v, tables, seq, scale=HEAD_DIM ** -0.5, num_kv_splits=picked, partial=partial, lse=lse,
+            out=out))) * 1e3
+        auto = {"splits": picked, "us": round(auto_us, 1), "frac_of_copy": round(nbytes / (auto_us * 1e-6) / 1e9 / copy, 3)}
         default = next(r for r in results if r["splits"] == picked and r["BLOCK_N"] == base["BLOCK_N"]
                        and r["num_stages"] == base["num_stages"] and r["num_warps"] == base["num_warps"])
         best = min(results, key=lambda r: r["us"])
         print(f"batch {batch:4d} ctx {ctx:5d}: default (splits {picked}) {default['us']:7.1f} us "
-              f"({default['frac_of_copy']:.2f} of copy)  best {best['us']:7.1f} us ({best['frac_of_copy']:.2f}) {best}")
-        rows.append({"batch": batch, "ctx": ctx, "picked_splits": picked, "default": default, "best": best,
+              f"({default['frac_of_copy']:.2f} of copy)  auto {auto['us']:7.1f} us ({auto['frac_of_copy']:.2f})  best {best['us']:7.1f} us ({best['frac_of_copy']:.2f}) {best}")
+        rows.append({"batch": batch, "ctx": ctx, "picked_splits": picked, "default": default, "auto": auto, "best": best,
                      "all": results})
     if args.out:
         write_result(args.out, {"copy_GBps": round(copy), "default_tile": base, "rows": rows})

@@ -170,6 +170,40 @@ def test_split_count_fills_the_gpu_and_respects_limits():
     assert choose_num_kv_splits(batch=1, num_kv_heads=1, group=4, max_kv_len=300, num_sms=132) == 1
 
 
+def test_wave_fill_counts_the_last_waves_empty_slots():
+    from attnzoo.attention.kernels.decode import wave_fill
+
+    assert wave_fill(512, 528) == 512 / 528  # one wave, nearly full
+    assert wave_fill(576, 528) == 576 / 1056  # 48 programs in a second wave of 528 slots
+    assert wave_fill(576, 660) == 576 / 660
+    assert wave_fill(1056, 528) == 1.0
+
+
+@gpu
+@needs_cuda
+def test_decode_takes_the_narrow_tile_only_where_the_default_spills_a_wave():
+    """Llama-8B layer, 64 and 96 requests: the pick is made from the compiled kernels' occupancy. At 64 (512
+    programs) the default fills one wave on any GPU of at least 128 SMs; at 96 the pick fills its waves at
+    least as well as the default, and the output is the torch reference's either way (test above)."""
+    from attnzoo.attention.kernels import decode as dec
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for batch in (64, 96):
+        q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch * 64 + 1, 8, 16, 128, device="cuda", dtype=torch.bfloat16)
+        tables = torch.arange(1, batch * 64 + 1, device="cuda", dtype=torch.int32).view(batch, 64)
+        seq = torch.full((batch,), 1024, dtype=torch.int32, device="cuda")
+        dec._WAVE_PICKS.clear()
+        dec.decode_attention(q, k, torch.randn_like(k), tables, seq, scale=0.088)
+        (pick,) = dec._WAVE_PICKS.values()
+        default = dec.decode_launch_config(128, 128, 4, torch.bfloat16)
+        tile = lambda c: (c["BLOCK_N"], c["num_stages"], c["num_warps"])  # noqa: E731 - BLOCK_H is not picked
+        if batch == 64 and sms >= 128:
+            assert tile(pick) == tile(default)
+        if batch == 96 and sms == 132:  # H100 SXM / H200: 768 programs spill the default's 528 slots
+            assert pick["BLOCK_N"] == dec.WAVE_TILE_N, pick
+
+
 def test_kernels_reject_mismatched_shapes():
     k = torch.randn(3, 2, 16, 64)
     with pytest.raises(BackendError, match="disagree"):
@@ -363,6 +397,8 @@ def test_tiny_llama_greedy_equals_torch_backend(tmp_path):
     # Llama-3.1-8B: 32 q heads, 8 kv heads, d128; natural split choice at batch 16 and long context
     ("llama-b16", [4096, 17, 1000, 3001] * 4, 32, 8, 128, 128, 16, None, None, None, torch.bfloat16, False),
     ("llama-b1-16k", [16384], 32, 8, 128, 128, 64, None, None, None, torch.bfloat16, False),
+    # 96 requests: 768 programs, past one wave of the default tile on an H100/H200 (the narrower tile's case)
+    ("llama-b96", [1024, 700, 1300] * 32, 32, 8, 128, 128, 16, None, None, None, torch.bfloat16, False),
     # Gemma-4-31B global layers (d512, 4 kv heads) and sliding layers (d256, 16 kv heads, window 1024)
     ("gemma-global", [2048, 5000, 1], 32, 4, 512, 512, 16, None, None, None, torch.bfloat16, False),
     ("gemma-sliding", [3000, 700], 32, 16, 256, 256, 32, 1024, None, None, torch.bfloat16, False),

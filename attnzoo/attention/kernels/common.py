@@ -29,7 +29,7 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def head_dim_tiles(head_dim: int) -> tuple[int, int]:
     """-> (main tile width, remainder tile width or 0) covering ``head_dim`` channels."""
     if not 1 <= head_dim <= MAX_HEAD_DIM:
@@ -47,7 +47,7 @@ def head_dim_tiles(head_dim: int) -> tuple[int, int]:
     return full, 0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def value_tile(v_head_dim: int) -> int:
     head_dim_tiles(v_head_dim)  # range check
     return max(MIN_TILE, next_pow2(v_head_dim))
@@ -192,6 +192,26 @@ def attend(
         acc = acc * alpha[None, :] + pv  # [BLOCK_DV, BLOCK_R]
         m_i = m_new
     return acc, m_i, l_i
+
+
+@functools.cache
+def _sm_limits(device_index: int) -> tuple[int, int, int]:
+    p = torch.cuda.get_device_properties(device_index)
+    return (getattr(p, "regs_per_multiprocessor", 65536), getattr(p, "shared_memory_per_multiprocessor", 233472),
+            getattr(p, "max_threads_per_multi_processor", 2048))
+
+
+def resident_ctas(kernel, grid, args: tuple, constexprs: dict, cfg: dict) -> int:
+    """How many programs of ``kernel`` under ``cfg`` one SM runs at once: its registers, shared memory and
+    threads against the SM's (compiled here if not yet, not launched)."""
+    compiled = kernel.warmup(*args, grid=grid(cfg), **constexprs, **cfg)
+    compiled.run  # noqa: B018 - loading the binary is what fills n_regs
+    regs, smem, threads = _sm_limits(args[0].device.index or 0)
+    warps = compiled.metadata.num_warps
+    warp_regs = -(-compiled.n_regs * 32 // 256) * 256  # registers go to warps in units of 256
+    by_regs = regs // max(1, warp_regs * warps)
+    by_smem = smem // (compiled.metadata.shared + 1024)  # the driver keeps 1 KB per resident block
+    return max(1, min(by_regs, by_smem, threads // (32 * warps)))
 
 
 # (kernel, device, constexprs, requested config) -> the config that fit, so a shrink happens once.

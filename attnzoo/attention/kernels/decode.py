@@ -30,6 +30,7 @@ import triton.language as tl
 
 from attnzoo.attention.kernels.common import (
     MIN_TILE,
+    OutOfResources,
     add_sinks,
     attend,
     check_kernel_dtypes,
@@ -37,6 +38,7 @@ from attnzoo.attention.kernels.common import (
     head_dim_tiles,
     launch,
     next_pow2,
+    resident_ctas,
     value_tile,
 )
 from attnzoo.attention.kernels.extend import extend_launch_config
@@ -52,6 +54,11 @@ MIN_MERGED_SPLITS = 16
 # (benchmarks/results/cascade_sweep_nvidia_h100.txt).
 FEW_SPLITS = 4
 MERGE_TILE = 8192
+# Stage-1 tiles tried beside the default (``_fill_waves``): 32 keys a step take fewer registers than 64, so
+# more programs share an SM; the default keeps a batch whose programs fill their waves.
+WAVE_TILE_N = 32
+WAVE_TILES = ({"BLOCK_N": WAVE_TILE_N, "num_stages": 2}, {"BLOCK_N": WAVE_TILE_N, "num_stages": 3})
+WAVE_GAIN = 1.1
 
 
 @triton.jit
@@ -230,7 +237,7 @@ def _decode_stage2(
              out.to(O.dtype.element_ty), mask=h_ok[:, None] & (offs_d[None, :] < V_DIM))
 
 
-@functools.lru_cache(maxsize=None)  # callers copy the dict before changing it
+@functools.cache  # callers copy the dict before changing it
 def decode_launch_config(head_dim: int, v_head_dim: int, group: int, dtype: torch.dtype) -> dict:
     """Tile sizes for stage 1, tuned on an H100 for KV bandwidth, which bounds the kernel
     (benchmarks/attention_triton.py). Smaller GPUs shrink them at launch (``common.launch``)."""
@@ -273,7 +280,7 @@ def choose_num_shared_splits(
     return max(1, min(splits, max_splits))
 
 
-@functools.lru_cache(maxsize=None)  # read per layer and step; callers copy the dict before changing it
+@functools.cache  # read per layer and step; callers copy the dict before changing it
 def cascade_launch_config(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> dict:
     """Tiles of the cascade's shared pass. Its rows are (request, group head) pairs over the same keys,
     as extend's are (token, group head) pairs: extend's tiles, whatever the batch, but for widths up to 128
@@ -341,26 +348,55 @@ def _stage1(q, k_cache, v_cache, block_tables, seq_lens, dest, lse, *, direct, n
         d_strides, l_strides = (dest.stride(0), dest.stride(1), 0, dest.stride(2)), (0, 0, 0)
     else:
         d_strides, l_strides = dest.stride(), lse.stride()
-    launch(
-        _decode_stage1,
-        lambda c: (batch, num_kv_heads * head_blocks, num_kv_splits),
-        (
-            q, k_cache, v_cache, block_tables, seq_lens, dest, lse, dest if sinks is None else sinks,
-            *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
-            *d_strides, *l_strides,
-            float(scale * k_scale), float(logit_softcap or 0.0), int(sliding_window or 0), int(kv_skip),
-            float(v_scale), num_kv_splits,
-        ),
-        dict(
-            GROUP=group, HEAD_BLOCKS=head_blocks,
-            HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=value_tile(v_dim), BLOCK_H=block_h,
-            PAGE_SIZE=page_size, HAS_SOFTCAP=bool(logit_softcap), HAS_WINDOW=bool(sliding_window),
-            HAS_SINKS=direct and sinks is not None,
-            V_FROM_K=_v_from_k(k_cache, v_cache), DIRECT=direct, **dot_args(k_cache),
-        ),
-        cfg,
-        tile_keys=("BLOCK_N",),
+    grid = lambda c: (batch, num_kv_heads * head_blocks, num_kv_splits)
+    args = (
+        q, k_cache, v_cache, block_tables, seq_lens, dest, lse, dest if sinks is None else sinks,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
+        *d_strides, *l_strides,
+        float(scale * k_scale), float(logit_softcap or 0.0), int(sliding_window or 0), int(kv_skip),
+        float(v_scale), num_kv_splits,
     )
+    constexprs = dict(
+        GROUP=group, HEAD_BLOCKS=head_blocks,
+        HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=value_tile(v_dim), BLOCK_H=block_h,
+        PAGE_SIZE=page_size, HAS_SOFTCAP=bool(logit_softcap), HAS_WINDOW=bool(sliding_window),
+        HAS_SINKS=direct and sinks is not None,
+        V_FROM_K=_v_from_k(k_cache, v_cache), DIRECT=direct, **dot_args(k_cache),
+    )
+    if launch_config is None and q.is_cuda and cfg["BLOCK_N"] > WAVE_TILE_N:
+        cfg = _fill_waves(grid, args, constexprs, cfg, batch * num_kv_heads * head_blocks * num_kv_splits)
+    launch(_decode_stage1, grid, args, constexprs, cfg, tile_keys=("BLOCK_N",))
+
+
+def wave_fill(programs: int, slots: int) -> float:
+    """The share of the launched waves' program slots that ``programs`` fill (the last wave may be part-empty)."""
+    return programs / (-(-programs // slots) * slots)
+
+
+# (device, constexprs, default config, programs) -> the stage-1 config launched
+_WAVE_PICKS: dict[tuple, dict] = {}
+
+
+def _fill_waves(grid, args, constexprs: dict, cfg: dict, programs: int) -> dict:
+    """The default tile, or a narrower one where the default's programs spill into a mostly empty last wave
+    that the narrower tile's (more of them fit an SM) avoid: stage 1 is bound by KV bandwidth only while every
+    SM streams (benchmarks/results/decode_splits_nvidia_h100.json). Decided once per shape and program count."""
+    key = (args[0].device.index, tuple(constexprs.values()), tuple(cfg.items()), programs)
+    if key not in _WAVE_PICKS:
+        sms = torch.cuda.get_device_properties(args[0].device).multi_processor_count
+        best = cfg
+        try:
+            best_fill = wave_fill(programs, sms * resident_ctas(_decode_stage1, grid, args, constexprs, cfg))
+            if best_fill < 1 / WAVE_GAIN and programs > sms:
+                for alt in WAVE_TILES:
+                    c = dict(cfg, **alt)
+                    fill = wave_fill(programs, sms * resident_ctas(_decode_stage1, grid, args, constexprs, c))
+                    if fill > best_fill * WAVE_GAIN:
+                        best, best_fill = c, fill
+        except OutOfResources:  # a GPU with less shared memory: launch() shrinks the default as before
+            best = cfg
+        _WAVE_PICKS[key] = best
+    return _WAVE_PICKS[key]
 
 
 def _stage2(partial, lse, out, sinks=None):
