@@ -262,6 +262,30 @@ def test_a_batch_above_exact_from_that_keeps_its_size_gets_a_graph_of_that_size(
     assert graphs.graph_key(step(21)) == (32, None)
 
 
+def test_graphs_captured_while_generating_stay_within_their_bytes(monkeypatch):
+    """The outputs of on-demand graphs ([rows, hidden] each) are capped in bytes as well as in number: a size whose
+    output would pass the budget replays its bucket, while a smaller one still fits and gets its graph."""
+    made = _counted_graphs(monkeypatch)
+    pool = SimpleNamespace(device=torch.device("cpu"), page_size=16, has_window_group=False)
+    backend = RecordingBackend()
+    row = 4 * torch.empty(0).element_size()  # TinyModel's hidden of 4, float32
+    graphs = cuda_graph.DecodeGraphs(TinyModel(), pool, HybridBackend(backend, backend), max_batch=64, max_context=64,
+                                     buckets=(1, 2, 4, 8), capture_after=1, exact_from=4, max_on_demand_bytes=30 * row)
+    assert graphs.row_bytes == row
+
+    def step(n):
+        return build_metadata(prefix_lens=[20] * n, q_lens=[1] * n,
+                              block_tables=[[40 + 2 * i, 41 + 2 * i] for i in range(n)], page_size=16, device="cpu")
+
+    graphs.replay(torch.arange(12), step(12))  # a 16-row graph: 16 rows of the 30 budgeted
+    assert list(graphs.on_demand) == [(16, None)] and graphs.on_demand_bytes == 16 * row
+    n_made = len(made)
+    graphs.replay(torch.arange(20), step(20))  # 24 rows would pass 30: bucket 64, nothing captured
+    assert len(made) == n_made and list(graphs.on_demand) == [(16, None)] and graphs.at_cap
+    graphs.replay(torch.arange(6), step(6))  # up to exact_from: the bucket, never on demand
+    graphs.replay(torch.arange(9), step(9))  # 9 -> 16: already captured, replayed
+    assert len(made) == n_made and graphs.room_for(14) and not graphs.room_for(15)
+
 def test_cascade_asks_leave_the_plain_streak_alone(monkeypatch):
     """Tensor-parallel ranks stage the same plain steps but only the leader asks ``cascade_ready``: a cascade
     ask between two plain steps of one size must not decide differently on the leader (no padding there)."""

@@ -130,6 +130,9 @@ def choose_buckets(cost: dict[int, float], margin: float = PRUNE_MARGIN) -> tupl
 # and the graph pool's growth. A workload with one few-shot prefix needs the sizes its batch passes through
 # times the window_left values of its sliding layers (fi_common.CASCADE_GRAPH_GAP_STEPS).
 DEFAULT_MAX_ON_DEMAND_GRAPHS = 48
+# Their outputs ([rows, hidden] each) stay in the graph pool: bounded here, inside the memory the KV cache
+# sizing leaves beside a step (engine.memory.HEADROOM), or 48 exact-size graphs of thousands of rows would not be.
+DEFAULT_MAX_ON_DEMAND_BYTES = 256 << 20
 # Above this many rows a batch that keeps its size gets a graph of its own size: padding to the bucket costs GEMM
 # rows where a large batch is compute-bound (benchmarks/results/e2e_exact_graphs_nvidia_h100.json).
 EXACT_FROM = 256
@@ -139,7 +142,8 @@ EXACT_ROUND = 8
 class DecodeGraphs:
     def __init__(self, model, pool, backends: HybridBackend, *, max_batch: int, max_context: int,
                  buckets=DEFAULT_BUCKETS, max_on_demand_graphs: int = DEFAULT_MAX_ON_DEMAND_GRAPHS,
-                 capture_after: int = 3, prune: bool = True, exact_from: int = EXACT_FROM):
+                 capture_after: int = 3, prune: bool = True, exact_from: int = EXACT_FROM,
+                 max_on_demand_bytes: int = DEFAULT_MAX_ON_DEMAND_BYTES):
         self.model, self.pool, self.backends = model, pool, backends
         dev, ps = pool.device, pool.page_size
         self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
@@ -172,6 +176,8 @@ class DecodeGraphs:
         self.plans: dict[int, StepPlan] = {}  # bucket -> the capture's plan (its tensors: the backend's static ones)
         self.cascade = backends.supports_cascade_graph
         self.max_on_demand_graphs = max_on_demand_graphs
+        self.max_on_demand_bytes = max_on_demand_bytes
+        self.on_demand_bytes = 0  # their outputs' bytes
         self.exact_from = exact_from
         # (rows, the backend's cascade key or None for a plain step) -> graph, and its static output [rows, hidden]
         self.on_demand: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -249,6 +255,8 @@ class DecodeGraphs:
             plan = self.plans[bs] = self.backends.prepare_graph(meta, capturing=True)
             self.graphs[bs], self.hidden[bs] = self._capture(meta, plan)
         torch.cuda.synchronize()
+        out = self.hidden[self.buckets[0]]
+        self.row_bytes = out.shape[-1] * out.element_size()  # an output row's, on-demand graphs' too
 
     def fits(self, meta: BatchMetadata) -> bool:
         return meta.is_decode and meta.num_reqs <= self.max_batch and meta.max_seq_len <= self.max_context
@@ -263,16 +271,24 @@ class DecodeGraphs:
             self._last_key = (meta, (self._rows(meta.num_reqs), cascade))
         return self._last_key[1]
 
+    def room_for(self, rows: int) -> bool:
+        """Whether one more on-demand graph of ``rows`` rows is within the caps: their number and their outputs'
+        bytes. Both are the same on every tensor-parallel rank, so the ranks capture the same graphs."""
+        return (len(self.on_demand) < self.max_on_demand_graphs
+                and self.on_demand_bytes + rows * self.row_bytes <= self.max_on_demand_bytes)
+
     @property
     def at_cap(self) -> bool:
-        return len(self.on_demand) >= self.max_on_demand_graphs
+        """No on-demand graph of the last step's size fits the caps any more."""
+        key = self._last_key[1]
+        return not self.room_for(key[0] if key is not None else 0)
 
     def _wanted(self, key: tuple) -> bool:
         """Whether an on-demand graph serves this step (captured, or captured by its replay); counts the streak."""
         plain = key[1] is None
         last, n = self._streak[plain]
         self._streak[plain] = (key, n + 1 if key == last else 1)
-        return key in self.on_demand or (not self.at_cap and self._streak[plain][1] >= self.capture_after)
+        return key in self.on_demand or (self.room_for(key[0]) and self._streak[plain][1] >= self.capture_after)
 
     def cascade_ready(self, meta: BatchMetadata) -> bool | None:
         """For a decode step with ``shared_prefix_len`` > 0: True where a cascade graph replays it (captured,
@@ -339,8 +355,9 @@ class DecodeGraphs:
             # The warm-up runs this very step (its KV stores write this step's k/v, which the replay writes
             # again, the same); the capture itself runs nothing.
             t0 = time.perf_counter()
-            staged.graph, self.on_demand_hidden[staged.key] = self._capture(staged.meta, staged.plan)
-            self.on_demand[staged.key] = staged.graph
+            staged.graph, out = self._capture(staged.meta, staged.plan)
+            self.on_demand[staged.key], self.on_demand_hidden[staged.key] = staged.graph, out
+            self.on_demand_bytes += out.numel() * out.element_size()
             torch.cuda.synchronize()
             self.capture_s += time.perf_counter() - t0
         staged.graph.replay()

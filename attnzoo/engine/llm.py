@@ -354,11 +354,11 @@ class LLM:
             "kv_element_bytes": elt,
             "context_len": self.engine.context_len,
             "max_running": self.engine.max_running,
-            "cuda_graph": None if self.engine.graphs is None else {
-                "batch_buckets": self.engine.graphs.buckets, "max_context": self.engine.graphs.max_context,
+            "cuda_graph": None if (g := self.engine.graphs) is None else {
                 # dropped sizes -> the faster size they pad to; graphs captured since: (rows, cascade key or None)
-                "pruned_buckets": dict(self.engine.graphs.pruned), "exact_from": self.engine.graphs.exact_from,
-                "captured_while_generating": [list(k) for k in self.engine.graphs.on_demand]},
+                "batch_buckets": g.buckets, "max_context": g.max_context, "pruned_buckets": dict(g.pruned), "exact_from": g.exact_from,
+                "captured_while_generating": [list(k) for k in g.on_demand],
+                "captured_while_generating_bytes": [g.on_demand_bytes, g.max_on_demand_bytes]},  # [held, cap]
             "cascade": self._cascade_info(),
             # > 1: kv_bytes_per_token and the KV capacity are per rank (each holds its own heads)
             "tensor_parallel_size": 1 if self.tp is None else self.tp.ctx.world_size,
@@ -427,7 +427,7 @@ def load_model(
     ``cuda_graph.DEFAULT_BUCKETS``, at most 12.5% padding from 64 on, less the sizes whose GEMMs measured
     slower than the next size's, ``cuda_graph.prune_buckets``; a list given is taken as it is); a step
     runs at the smallest size that holds it (``max_running`` always one), or above 256 rows at its own (to 8)
-    once it kept it 3 steps (``info()["cuda_graph"]``: "batch_buckets", "pruned_buckets", "captured_while_generating").
+    once it kept it 3 steps, within a cap on those graphs' count and bytes (``info()["cuda_graph"]``).
     ``cascade``: read a prefix shared by a whole decode batch once per step (None: wherever the decode
     backend supports it and prefix caching is on; ``info()["cascade"]`` says which).
     ``tensor_parallel_size=N``: split the model over N GPUs (N CPU processes on CPU): this process is

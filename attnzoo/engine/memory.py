@@ -12,7 +12,8 @@ import torch
 from attnzoo.engine.sampling import SamplingParams
 
 DEFAULT_FRACTION = 0.85
-# Beside a step's own peak: the decode CUDA graphs' private pools, cuBLAS workspaces, allocator slack.
+# Beside a step's own peak: the decode CUDA graphs' private pools (with the outputs of those captured while
+# generating, cuda_graph.DEFAULT_MAX_ON_DEMAND_BYTES at most), cuBLAS workspaces, allocator slack.
 HEADROOM = 1 << 30
 STEP_MARGIN = 1.25  # a step of many requests' tokens allocates somewhat more metadata than one prompt's
 
