@@ -256,7 +256,7 @@ class DecodeGraphs:
             self.graphs[bs], self.hidden[bs] = self._capture(meta, plan)
         torch.cuda.synchronize()
         out = self.hidden[self.buckets[0]]
-        self.row_bytes = out.shape[-1] * out.element_size()  # an output row's, on-demand graphs' too
+        self.row_bytes = out[0].numel() * out.element_size()  # an output row's, on-demand graphs' too
 
     def fits(self, meta: BatchMetadata) -> bool:
         return meta.is_decode and meta.num_reqs <= self.max_batch and meta.max_seq_len <= self.max_context
