@@ -3,7 +3,8 @@ closed loop of ``--max-concurrency`` requests, with the engine's per-step log br
 
 Set beside ``serve_peer.py`` on one machine, the difference is what the HTTP server and its client cost;
 the step breakdown says where the engine's own time goes (decode-only steps against steps that also carry
-prompt chunks, and how many prompt tokens those carry).
+prompt chunks, and how many prompt tokens those carry), and on a GPU e2e.py's roofline of the same steps
+(``attnzoo.roofline``) says how far each kind is from what it must read and compute.
 
     python benchmarks/online_load.py --shape llama8b --dataset random --max-concurrency 100 --num-prompts 250
 """
@@ -25,6 +26,7 @@ from common import run_meta  # noqa: E402
 import attnzoo  # noqa: E402
 from attnzoo.engine.online import OnlineEngine  # noqa: E402
 from attnzoo.engine.sampling import SamplingParams  # noqa: E402
+from attnzoo.roofline import device_limits, model_profile, roofline_seconds, step_kinds  # noqa: E402
 
 
 def drive(online: OnlineEngine, prompts, concurrency: int) -> tuple[list[dict], float]:
@@ -105,6 +107,12 @@ def main(argv=None) -> int:
     stats, wall = drive(online, prompts, args.max_concurrency or len(prompts))
     log, llm.engine.step_log = llm.engine.step_log, None
     online.shutdown()
+    roofline = {}
+    if llm.device.type == "cuda":  # e2e.py's roofline over this run's steps: what a step of each kind must read and compute
+        prof, limits = model_profile(llm), device_limits()
+        roofline = {"roofline_s": round(roofline_seconds(log, prof, limits), 3),
+                    **{k: round(v, 3) for k, v in step_kinds(log, t0=t_start, prof=prof, limits=limits).items()}}
+        roofline["roofline_fraction"] = round(roofline["roofline_s"] / wall, 3)
     errors = [s["error"] for s in stats if s.get("error")]
     tokens = sum(s.get("tokens", 0) for s in stats)
     tpots = [(s["latency"] - s["ttft"]) / (s["tokens"] - 1) for s in stats if s.get("tokens", 0) > 1]
@@ -113,7 +121,7 @@ def main(argv=None) -> int:
            "output_tok_per_s": round(tokens / wall, 1),
            "ttft_ms_mean": round(1e3 * statistics.fmean(s["ttft"] for s in stats if "ttft" in s), 1),
            "tpot_ms_mean": round(1e3 * statistics.fmean(tpots), 2) if tpots else None,
-           "steps": step_breakdown(log, t_start), "backends": {k: llm.info()[k] for k in ("prefill_backend", "decode_backend")}}
+           "steps": step_breakdown(log, t_start), "roofline": roofline, "backends": {k: llm.info()[k] for k in ("prefill_backend", "decode_backend")}}
     print(json.dumps(res, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": run_meta(argv=sys.argv[1:]), "result": res}, indent=1))
