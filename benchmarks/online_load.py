@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serving  # noqa: E402
 from common import run_meta  # noqa: E402
@@ -27,6 +29,9 @@ import attnzoo  # noqa: E402
 from attnzoo.engine.online import OnlineEngine  # noqa: E402
 from attnzoo.engine.sampling import SamplingParams  # noqa: E402
 from attnzoo.roofline import device_limits, model_profile, roofline_seconds, step_kinds  # noqa: E402
+
+
+DRIVE_TIMEOUT_S = 600  # the longest wait for the next request to finish
 
 
 def drive(online: OnlineEngine, prompts, concurrency: int) -> tuple[list[dict], float]:
@@ -55,7 +60,7 @@ def drive(online: OnlineEngine, prompts, concurrency: int) -> tuple[list[dict], 
     for i in range(nxt):
         submit(i)
     for _ in range(len(prompts)):
-        done.get()
+        done.get(timeout=DRIVE_TIMEOUT_S)  # a lost event fails the run instead of hanging it
         if nxt < len(prompts):
             submit(nxt)
             nxt += 1
@@ -94,12 +99,16 @@ def main(argv=None) -> int:
     from e2e import make_config  # after the path insert: e2e imports the benchmarks' helpers
 
     config, _ = make_config(args.shape, args.layers)
+    # measured before the weights and the KV cache take the GPU's memory, as e2e.py does
+    load_kwargs = json.loads(args.load_kwargs)
+    on_gpu = torch.cuda.is_available() and str(load_kwargs.get("device", "cuda")).startswith("cuda")
+    limits = device_limits() if on_gpu else None
     with tempfile.TemporaryDirectory() as folder:
         config.save_pretrained(folder)
-        llm = attnzoo.load_model(folder, load_format="random", **json.loads(args.load_kwargs))
+        llm = attnzoo.load_model(folder, load_format="random", **load_kwargs)
     llm.warm_up()
-    online = OnlineEngine(llm)
     prompts = bench_serving.make_prompts(args)
+    online = OnlineEngine(llm, max_queue=len(prompts))  # the whole closed loop may wait at once
     warm, prompts = prompts[: args.warmup], prompts[args.warmup:]
     drive(online, [(p, 4) for p, _ in warm], len(warm) or 1)
     llm.engine.step_log = []
@@ -108,23 +117,24 @@ def main(argv=None) -> int:
     log, llm.engine.step_log = llm.engine.step_log, None
     online.shutdown()
     roofline = {}
-    if llm.device.type == "cuda":  # e2e.py's roofline over this run's steps: what a step of each kind must read and compute
-        prof, limits = model_profile(llm), device_limits()
+    if limits is not None:  # e2e.py's roofline over this run's steps: what a step of each kind must read and compute
+        prof = model_profile(llm)
         roofline = {"roofline_s": round(roofline_seconds(log, prof, limits), 3),
                     **{k: round(v, 3) for k, v in step_kinds(log, t0=t_start, prof=prof, limits=limits).items()}}
         roofline["roofline_fraction"] = round(roofline["roofline_s"] / wall, 3)
     errors = [s["error"] for s in stats if s.get("error")]
     tokens = sum(s.get("tokens", 0) for s in stats)
+    ttfts = [s["ttft"] for s in stats if "ttft" in s]
     tpots = [(s["latency"] - s["ttft"]) / (s["tokens"] - 1) for s in stats if s.get("tokens", 0) > 1]
     res = {"shape": args.shape, "layers": args.layers, "dataset": args.dataset, "num_prompts": len(prompts),
            "max_concurrency": args.max_concurrency, "wall_s": round(wall, 3), "errors": errors[:5],
            "output_tok_per_s": round(tokens / wall, 1),
-           "ttft_ms_mean": round(1e3 * statistics.fmean(s["ttft"] for s in stats if "ttft" in s), 1),
+           "ttft_ms_mean": round(1e3 * statistics.fmean(ttfts), 1) if ttfts else None,
            "tpot_ms_mean": round(1e3 * statistics.fmean(tpots), 2) if tpots else None,
            "steps": step_breakdown(log, t_start), "roofline": roofline, "backends": {k: llm.info()[k] for k in ("prefill_backend", "decode_backend")}}
     print(json.dumps(res, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps({"meta": run_meta(argv=sys.argv[1:]), "result": res}, indent=1))
+        Path(args.out).write_text(json.dumps({"meta": run_meta(argv=sys.argv[1:] if argv is None else list(argv)), "result": res}, indent=1))
     return 1 if errors else 0
 
 

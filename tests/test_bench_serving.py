@@ -64,6 +64,6 @@ def test_online_load_runs_the_closed_loop_and_splits_steps_by_kind(bench_script,
     steps = res["steps"]
     new_tokens = sum(k["steps"] * k["new_tokens_per_step"] for k in steps.values())
     assert abs(new_tokens - 10 * (40 + 5)) < 1e-6  # each prompt once with its first token, then 5 decode tokens
-    assert steps["decode"]["new_tokens_per_step"] == steps["decode"]["rows_per_step"]
+    assert steps["decode"]["rows_per_step"] <= 3  # the closed loop holds 3 requests at most
     assert steps["mixed"]["steps"] >= 4  # the 3 first prompts, then one per finished request at least
     assert sum(k["s"] for k in steps.values()) <= res["wall_s"] + 1e-3

@@ -282,7 +282,7 @@ def test_graphs_captured_while_generating_stay_within_their_bytes(monkeypatch):
     n_made = len(made)
     graphs.replay(torch.arange(20), step(20))  # 24 rows would pass 30: bucket 64, nothing captured
     assert len(made) == n_made and list(graphs.on_demand) == [(16, None)] and graphs.at_cap
-    graphs.replay(torch.arange(6), step(6))  # up to exact_from: the bucket, never on demand
+    graphs.replay(torch.arange(6), step(6))  # rounds to 8, a bucket's size: the bucket's own graph
     graphs.replay(torch.arange(9), step(9))  # 9 -> 16: already captured, replayed
     assert len(made) == n_made and graphs.room_for(14) and not graphs.room_for(15)
 

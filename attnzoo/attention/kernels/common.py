@@ -206,6 +206,8 @@ def resident_ctas(kernel, grid, args: tuple, constexprs: dict, cfg: dict) -> int
     threads against the SM's (compiled here if not yet, not launched)."""
     compiled = kernel.warmup(*args, grid=grid(cfg), **constexprs, **cfg)
     compiled.run  # noqa: B018 - loading the binary is what fills n_regs
+    if getattr(compiled, "n_regs", None) is None:  # its load failed once already (Triton keeps the kernel)
+        raise OutOfResources(0, 0, "the kernel did not load")
     regs, smem, threads = _sm_limits(args[0].device.index or 0)
     warps = compiled.metadata.num_warps
     warp_regs = -(-compiled.n_regs * 32 // 256) * 256  # registers go to warps in units of 256

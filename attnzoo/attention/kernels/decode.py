@@ -373,30 +373,43 @@ def wave_fill(programs: int, slots: int) -> float:
     return programs / (-(-programs // slots) * slots)
 
 
-# (device, constexprs, default config, programs) -> the stage-1 config launched
+# (device, cache dtypes, constexprs, default config, programs) -> the stage-1 config launched; and
+# (device, cache dtypes, constexprs, config) -> programs an SM holds (None: the config does not fit the GPU)
 _WAVE_PICKS: dict[tuple, dict] = {}
+_RESIDENT: dict[tuple, int | None] = {}
 
 
 def _fill_waves(grid, args, constexprs: dict, cfg: dict, programs: int) -> dict:
     """The default tile, or a narrower one where the default's programs spill into a mostly empty last wave
     that the narrower tile's (more of them fit an SM) avoid: stage 1 is bound by KV bandwidth only while every
-    SM streams (benchmarks/results/decode_splits_nvidia_h100.json). Decided once per shape and program count."""
-    key = (args[0].device.index, tuple(constexprs.values()), tuple(cfg.items()), programs)
-    if key not in _WAVE_PICKS:
-        sms = torch.cuda.get_device_properties(args[0].device).multi_processor_count
-        best = cfg
-        try:
-            best_fill = wave_fill(programs, sms * resident_ctas(_decode_stage1, grid, args, constexprs, cfg))
-            if best_fill < 1 / WAVE_GAIN and programs > sms:
-                for alt in WAVE_TILES:
-                    c = dict(cfg, **alt)
-                    fill = wave_fill(programs, sms * resident_ctas(_decode_stage1, grid, args, constexprs, c))
-                    if fill > best_fill * WAVE_GAIN:
-                        best, best_fill = c, fill
-        except OutOfResources:  # a GPU with less shared memory: launch() shrinks the default as before
-            best = cfg
-        _WAVE_PICKS[key] = best
-    return _WAVE_PICKS[key]
+    SM streams (benchmarks/results/decode_splits_nvidia_h100.json). Decided once per shape and program count;
+    each tile's occupancy is read once per shape (the first graph capture of a spilling batch compiles them)."""
+    q, k_cache = args[0], args[1]
+    shape = (q.device.index, q.dtype, k_cache.dtype, tuple(constexprs.values()))
+    key = (*shape, tuple(cfg.items()), programs)
+    if key in _WAVE_PICKS:
+        return _WAVE_PICKS[key]
+
+    def slots(c: dict) -> int | None:
+        rkey = (*shape, tuple(c.items()))
+        if rkey not in _RESIDENT:
+            try:
+                _RESIDENT[rkey] = resident_ctas(_decode_stage1, grid, args, constexprs, c)
+            except OutOfResources:  # a GPU with less shared memory: launch() shrinks the default as before
+                _RESIDENT[rkey] = None
+        n = _RESIDENT[rkey]
+        return None if n is None else n * torch.cuda.get_device_properties(q.device).multi_processor_count
+
+    best, base = cfg, slots(cfg)
+    if base is not None and programs > base:
+        best_fill = wave_fill(programs, base)
+        for alt in WAVE_TILES if best_fill < 1 / WAVE_GAIN else ():
+            c = dict(cfg, **alt)
+            n = slots(c)
+            if n is not None and wave_fill(programs, n) > best_fill * WAVE_GAIN:
+                best, best_fill = c, wave_fill(programs, n)
+    _WAVE_PICKS[key] = best
+    return best
 
 
 def _stage2(partial, lse, out, sinks=None):
