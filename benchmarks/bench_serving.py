@@ -223,9 +223,11 @@ def plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
-def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", required=True, help="the model name the server expects")
-    ap.add_argument("--api-key", default=None)
+def add_args(ap: argparse.ArgumentParser, *, server: bool = True) -> None:
+    """The workload's flags; ``server=False`` (an in-process driver): the server's model name is not needed."""
+    if server:
+        ap.add_argument("--model", required=True, help="the model name the server expects")
+        ap.add_argument("--api-key", default=None)
     ap.add_argument("--dataset", choices=("random", "gsm8k"), default="random")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)

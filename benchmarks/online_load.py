@@ -93,9 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--load-kwargs", default="{}", help="JSON: more load_model keywords")
     ap.add_argument("--out", default=None, help="JSON path")
-    bench_serving.add_args(ap)
-    # the model name only names a server's model: any will do in-process
-    args = ap.parse_args(["--model", "in-process", *(sys.argv[1:] if argv is None else argv)])
+    bench_serving.add_args(ap, server=False)
+    args = ap.parse_args(argv)
     from e2e import make_config  # after the path insert: e2e imports the benchmarks' helpers
 
     config, _ = make_config(args.shape, args.layers)
