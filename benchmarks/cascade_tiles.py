@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import graph_of, time_cuda  # noqa: E402
 
 from attnzoo.attention.kernels import decode as dec  # noqa: E402
+from attnzoo.attention.kernels import decode_launch as how  # noqa: E402
 from attnzoo.attention.kernels.extend import extend_launch_config  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE, SHARED, OWN = 32, 8, 128, 16, 1312, 100
@@ -49,7 +50,7 @@ def sweep(batch: int = 1319) -> None:
         run = lambda cfg: lambda: dec.cascade_decode_attention(  # noqa: E731
             q, k, v, tables, seq, shared_len=SHARED, scale=d ** -0.5, num_kv_splits=1, num_shared_splits=1,
             launch_config=cfg, partial=partial, lse=lse, out=out)
-        default = dec.cascade_launch_config(d, d, torch.bfloat16)
+        default = how.cascade_launch_config(d, d, torch.bfloat16)
         ref = run(default)().float().clone()
         replay = graph_of(run(default))
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -85,13 +86,13 @@ def main() -> None:
         q, k, v, tables, seq = case(batch)
         fixed = extend_launch_config(HEAD_DIM, HEAD_DIM, torch.bfloat16)
         narrowed = dict(fixed, BLOCK_M=min(fixed["BLOCK_M"], max(dec.MIN_TILE, dec.next_pow2(batch * group))))
-        splits = min(dec.choose_num_kv_splits(batch=batch, num_kv_heads=KV_HEADS, group=group, max_kv_len=OWN + 1,
-                                              num_sms=sms), dec.MAX_KV_SPLITS - 1)
+        splits = min(how.choose_num_kv_splits(batch=batch, num_kv_heads=KV_HEADS, group=group, max_kv_len=OWN + 1,
+                                              num_sms=sms), how.MAX_KV_SPLITS - 1)
         row, outs = [], []
         for name, cfg in (("narrowed", narrowed), ("fixed", fixed)):
-            shared_splits = dec.choose_num_shared_splits(batch=batch, num_kv_heads=KV_HEADS, group=group,
+            shared_splits = how.choose_num_shared_splits(batch=batch, num_kv_heads=KV_HEADS, group=group,
                                                          shared_len=SHARED, num_sms=sms, block_m=cfg["BLOCK_M"],
-                                                         max_splits=dec.MAX_KV_SPLITS - splits)
+                                                         max_splits=how.MAX_KV_SPLITS - splits)
             fn = lambda: dec.cascade_decode_attention(  # noqa: E731
                 q, k, v, tables, seq, shared_len=SHARED, scale=HEAD_DIM ** -0.5, num_kv_splits=splits,
                 num_shared_splits=shared_splits, launch_config=cfg)

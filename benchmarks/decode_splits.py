@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import graph_of, parse_ints, time_cuda, write_result  # noqa: E402
 
 from attnzoo.attention.kernels import decode as dec  # noqa: E402
+from attnzoo.attention.kernels import decode_launch as how  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     props = torch.cuda.get_device_properties(0)
     copy = copy_gbps()
-    base = dec.decode_launch_config(HEAD_DIM, HEAD_DIM, HEADS // KV_HEADS, torch.bfloat16)
+    base = how.decode_launch_config(HEAD_DIM, HEAD_DIM, HEADS // KV_HEADS, torch.bfloat16)
     grid = [(n, s, w) for n, s, w in itertools.product((32, 64, 128), (1, 2, 3), (4, 8)) if not (n == 128 and s == 3)]
     if args.tiles:
         grid = [tuple(parse_ints(t.replace("/", ","))) for t in args.tiles.split(",") if t]
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
     for batch, ctx in itertools.product(parse_ints(args.batches), parse_ints(args.contexts)):
         q, k, v, tables, seq = case(batch, ctx)
         nbytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
-        picked = dec.choose_num_kv_splits(batch=batch, num_kv_heads=KV_HEADS, group=HEADS // KV_HEADS,
+        picked = how.choose_num_kv_splits(batch=batch, num_kv_heads=KV_HEADS, group=HEADS // KV_HEADS,
                                           max_kv_len=ctx, num_sms=props.multi_processor_count)
         ref = None
         results = []

@@ -12,7 +12,8 @@ import torch
 
 from attnzoo.attention.backends.torch_ref import TorchBackend, attention_reference
 from attnzoo.attention.kernels import decode as dec
-from attnzoo.attention.kernels.decode import cascade_decode_attention, choose_num_shared_splits, decode_attention
+from attnzoo.attention.kernels.decode import cascade_decode_attention, decode_attention
+from attnzoo.attention.kernels.decode_launch import choose_num_shared_splits
 from attnzoo.attention.kv_cache import KVPool, PageAllocator
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.attention.metadata import build_metadata

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from attnzoo.attention.backends.torch_ref import TorchBackend, attention_reference
-from attnzoo.attention.kernels.decode import choose_num_kv_splits, decode_attention
+from attnzoo.attention.kernels.decode import decode_attention
+from attnzoo.attention.kernels.decode_launch import choose_num_kv_splits
 from attnzoo.attention.kernels.extend import extend_attention
 from attnzoo.attention.kernels.page_table import (
     create_block_table,
@@ -171,7 +172,7 @@ def test_split_count_fills_the_gpu_and_respects_limits():
 
 
 def test_wave_fill_counts_the_last_waves_empty_slots():
-    from attnzoo.attention.kernels.decode import wave_fill
+    from attnzoo.attention.kernels.decode_launch import wave_fill
 
     assert wave_fill(512, 528) == 512 / 528  # one wave, nearly full
     assert wave_fill(576, 528) == 576 / 1056  # 48 programs in a second wave of 528 slots
@@ -185,30 +186,30 @@ def test_decode_takes_the_narrow_tile_only_where_the_default_spills_a_wave():
     """Llama-8B layer, 64 and 96 requests: the pick follows the compiled kernels' occupancy. Where the default's
     programs fit one wave it stays; where they spill, the pick fills its waves at least 10% better than the
     default would, or is the default. The outputs are the torch reference's (the realistic cases above)."""
-    from attnzoo.attention.kernels import decode as dec
+    from attnzoo.attention.kernels import decode_launch as how
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tile = lambda c: (c["BLOCK_N"], c["num_stages"], c["num_warps"])  # noqa: E731 - BLOCK_H is not picked
-    default = tile(dec.decode_launch_config(128, 128, 4, torch.bfloat16))
+    default = tile(how.decode_launch_config(128, 128, 4, torch.bfloat16))
     picked = {}
     for batch in (64, 96):
         q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(batch * 64 + 1, 8, 16, 128, device="cuda", dtype=torch.bfloat16)
         tables = torch.arange(1, batch * 64 + 1, device="cuda", dtype=torch.int32).view(batch, 64)
         seq = torch.full((batch,), 1024, dtype=torch.int32, device="cuda")
-        dec._WAVE_PICKS.clear()
-        dec._RESIDENT.clear()
-        dec.decode_attention(q, k, torch.randn_like(k), tables, seq, scale=0.088)
-        (pick,) = dec._WAVE_PICKS.values()
-        slots = {tile(dict(key[-1])): n * sms for key, n in dec._RESIDENT.items() if n is not None}
+        how._WAVE_PICKS.clear()
+        how._RESIDENT.clear()
+        decode_attention(q, k, torch.randn_like(k), tables, seq, scale=0.088)
+        (pick,) = how._WAVE_PICKS.values()
+        slots = {tile(dict(key[-1])): n * sms for key, n in how._RESIDENT.items() if n is not None}
         programs = batch * 8
         if programs <= slots[default]:
             assert tile(pick) == default and len(slots) == 1  # no narrow tile even compiled
         elif tile(pick) != default:
-            assert dec.wave_fill(programs, slots[tile(pick)]) > dec.WAVE_GAIN * dec.wave_fill(programs, slots[default])
+            assert how.wave_fill(programs, slots[tile(pick)]) > how.WAVE_GAIN * how.wave_fill(programs, slots[default])
         picked[batch] = (tile(pick), slots)
     if sms == 132 and picked[96][1][default] == 528:  # H100 SXM / H200 with 4 default programs an SM (measured)
-        assert picked[96][0][0] == dec.WAVE_TILE_N and picked[64][0] == default
+        assert picked[96][0][0] == how.WAVE_TILE_N and picked[64][0] == default
 
 
 def test_kernels_reject_mismatched_shapes():

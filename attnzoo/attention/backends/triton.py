@@ -36,13 +36,13 @@ from attnzoo.errors import BackendError
 
 def _import_kernels():
     try:
-        from attnzoo.attention.kernels import decode, extend
+        from attnzoo.attention.kernels import decode, decode_launch, extend
     except ImportError as e:  # triton missing or broken
         raise BackendError(
             f"the triton backend cannot import triton ({e})",
             fix="pip install 'attnzoo[triton]', or choose backend='torch'",
         ) from e
-    return decode, extend
+    return decode, decode_launch, extend
 
 
 @dataclass
@@ -96,7 +96,7 @@ class TritonBackend(AttentionBackend):
     def __init__(self, pool: KVPool):
         super().__init__(pool)
         self.require_pool()
-        self._decode_mod, self._extend_mod = _import_kernels()
+        self._decode_mod, self._launch_mod, self._extend_mod = _import_kernels()
         if pool.device.type == "cuda":
             self._num_sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
         else:
@@ -136,7 +136,7 @@ class TritonBackend(AttentionBackend):
 
     def decode(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: TritonPlan) -> torch.Tensor:
         self.check_layer("decode", layer)
-        dec = self._decode_mod
+        dec, how = self._decode_mod, self._launch_mod
         lid = layer.layer_id
         k_cache, v_cache = self.pool.k(lid), self.pool.v(lid)
         batch, num_heads, head_dim = q.shape
@@ -146,8 +146,8 @@ class TritonBackend(AttentionBackend):
         kv_len = plan.graph_max_kv_len or plan.max_seq_len
         if layer.sliding_window:
             kv_len = min(kv_len, layer.sliding_window)
-        block_h = dec.decode_launch_config(head_dim, v_dim, group, k_cache.dtype)["BLOCK_H"]
-        splits = dec.choose_num_kv_splits(batch=batch, num_kv_heads=num_kv_heads, group=group,
+        block_h = how.decode_launch_config(head_dim, v_dim, group, k_cache.dtype)["BLOCK_H"]
+        splits = how.choose_num_kv_splits(batch=batch, num_kv_heads=num_kv_heads, group=group,
                                           max_kv_len=kv_len - shared, num_sms=self._num_sms, block_h=block_h)
         kw = dict(scale=layer.scale, logit_softcap=layer.logit_softcap, sinks=layer.sinks, k_scale=self.pool.k_scale,
                   v_scale=self.pool.v_scale)
@@ -159,11 +159,11 @@ class TritonBackend(AttentionBackend):
                                         sliding_window=layer.sliding_window, num_kv_splits=splits,
                                         partial=partial, lse=lse, **kw)
         # Stage 2 merges the suffix and shared splits together: their sum stays within its limit.
-        splits = min(splits, dec.MAX_KV_SPLITS - 1)
-        block_m = dec.cascade_launch_config(head_dim, v_dim, k_cache.dtype)["BLOCK_M"]
-        shared_splits = dec.choose_num_shared_splits(
+        splits = min(splits, how.MAX_KV_SPLITS - 1)
+        block_m = how.cascade_launch_config(head_dim, v_dim, k_cache.dtype)["BLOCK_M"]
+        shared_splits = how.choose_num_shared_splits(
             batch=batch, num_kv_heads=num_kv_heads, group=group, shared_len=shared, num_sms=self._num_sms,
-            block_m=block_m, max_splits=dec.MAX_KV_SPLITS - splits,
+            block_m=block_m, max_splits=how.MAX_KV_SPLITS - splits,
         )
         partial, lse = self._scratch(plan, batch, num_heads, splits + shared_splits, v_dim, q.device)
         return dec.cascade_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,

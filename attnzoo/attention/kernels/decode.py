@@ -22,15 +22,11 @@ channels of the stored key), and q may be a view of a fused projection.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from attnzoo.attention.kernels.common import (
-    MIN_TILE,
-    OutOfResources,
     add_sinks,
     attend,
     check_kernel_dtypes,
@@ -38,15 +34,17 @@ from attnzoo.attention.kernels.common import (
     head_dim_tiles,
     launch,
     next_pow2,
-    resident_ctas,
     value_tile,
 )
-from attnzoo.attention.kernels.extend import extend_launch_config
+from attnzoo.attention.kernels.decode_launch import (
+    MAX_KV_SPLITS,
+    WAVE_TILE_N,
+    cascade_launch_config,
+    decode_launch_config,
+    fill_waves,
+)
 from attnzoo.errors import BackendError
 
-MAX_KV_SPLITS = 64
-# A split shorter than this spends more on the merge than it saves.
-MIN_TOKENS_PER_SPLIT = 256
 # Stage 2 merges up to this many splits in one compiled variant (masked): a power of two per count compiled mid-run.
 MIN_MERGED_SPLITS = 16
 # Up to FEW_SPLITS splits (large batches, cascade steps) the merge takes a tile of them for several heads, at most
@@ -54,11 +52,6 @@ MIN_MERGED_SPLITS = 16
 # (benchmarks/results/cascade_sweep_nvidia_h100.txt).
 FEW_SPLITS = 4
 MERGE_TILE = 8192
-# Stage-1 tiles tried beside the default (``_fill_waves``): 32 keys a step take fewer registers than 64, so
-# more programs share an SM; the default keeps a batch whose programs fill their waves.
-WAVE_TILE_N = 32
-WAVE_TILES = ({"BLOCK_N": WAVE_TILE_N, "num_stages": 2}, {"BLOCK_N": WAVE_TILE_N, "num_stages": 3})
-WAVE_GAIN = 1.1
 
 
 @triton.jit
@@ -237,63 +230,6 @@ def _decode_stage2(
              out.to(O.dtype.element_ty), mask=h_ok[:, None] & (offs_d[None, :] < V_DIM))
 
 
-@functools.cache  # callers copy the dict before changing it
-def decode_launch_config(head_dim: int, v_head_dim: int, group: int, dtype: torch.dtype) -> dict:
-    """Tile sizes for stage 1, tuned on an H100 for KV bandwidth, which bounds the kernel
-    (benchmarks/attention_triton.py). Smaller GPUs shrink them at launch (``common.launch``)."""
-    bd, bdr = head_dim_tiles(head_dim)
-    width = bd + bdr + value_tile(v_head_dim)
-    block_h = MIN_TILE if group <= MIN_TILE else min(64, 1 << (group - 1).bit_length())
-    if width <= 256:
-        block_n, warps, stages = 64, 4, 1
-    elif width <= 512:
-        block_n, warps, stages = 32, 4, 2
-    else:
-        block_n, warps, stages = 32, 4, 3
-    if block_h > MIN_TILE:  # MLA-like groups: 64 heads x 512 channels of accumulator
-        warps, stages = 8, 2
-    if dtype == torch.float32:
-        block_n = max(MIN_TILE, block_n // 2)
-    return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
-
-
-def choose_num_kv_splits(
-    *, batch: int, num_kv_heads: int, group: int, max_kv_len: int, num_sms: int, block_h: int = MIN_TILE
-) -> int:
-    """How many KV splits make ``batch`` decode programs fill ``num_sms`` multiprocessors (host ints only)."""
-    head_blocks = -(-group // block_h)
-    programs = batch * num_kv_heads * head_blocks
-    want = -(-2 * num_sms // programs)
-    longest = max(1, max_kv_len // MIN_TOKENS_PER_SPLIT)
-    return max(1, min(want, longest, MAX_KV_SPLITS))
-
-
-def choose_num_shared_splits(
-    *, batch: int, num_kv_heads: int, group: int, shared_len: int, num_sms: int, block_m: int,
-    max_splits: int = MAX_KV_SPLITS,
-) -> int:
-    """How many splits of the shared prefix make the cascade's shared pass fill ``num_sms``
-    multiprocessors: it runs ceil(batch * group / block_m) row blocks per KV head (host ints only)."""
-    row_blocks = -(-batch * group // block_m)
-    splits = choose_num_kv_splits(batch=row_blocks, num_kv_heads=num_kv_heads, group=1, block_h=1,
-                                  max_kv_len=shared_len, num_sms=num_sms)
-    return max(1, min(splits, max_splits))
-
-
-@functools.cache  # read per layer and step; callers copy the dict before changing it
-def cascade_launch_config(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> dict:
-    """Tiles of the cascade's shared pass. Its rows are (request, group head) pairs over the same keys,
-    as extend's are (token, group head) pairs: extend's tiles, whatever the batch, but for widths up to 128
-    64 rows in 2 stages, the sweep's best at large batches (benchmarks/results/cascade_sweep_nvidia_h100.txt).
-    A BLOCK_M narrowed to small batches compiled a variant mid-run whenever the batch crossed a class, and
-    measured no faster at 2-16 requests (benchmarks/results/cascade_tiles_nvidia_h100.txt)."""
-    cfg = dict(extend_launch_config(head_dim, v_head_dim, dtype))
-    bd, bdr = head_dim_tiles(head_dim)
-    if max(bd + bdr, value_tile(v_head_dim)) <= 128 and dtype != torch.float32:
-        cfg.update(BLOCK_M=64, num_stages=2)
-    return cfg
-
-
 def _check(name: str, q, k_cache, v_cache, splits: int) -> None:
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, k_dim = k_cache.shape[1], k_cache.shape[3]
@@ -364,52 +300,8 @@ def _stage1(q, k_cache, v_cache, block_tables, seq_lens, dest, lse, *, direct, n
         V_FROM_K=_v_from_k(k_cache, v_cache), DIRECT=direct, **dot_args(k_cache),
     )
     if launch_config is None and q.is_cuda and cfg["BLOCK_N"] > WAVE_TILE_N:
-        cfg = _fill_waves(grid, args, constexprs, cfg, batch * num_kv_heads * head_blocks * num_kv_splits)
+        cfg = fill_waves(_decode_stage1, grid, args, constexprs, cfg, batch * num_kv_heads * head_blocks * num_kv_splits)
     launch(_decode_stage1, grid, args, constexprs, cfg, tile_keys=("BLOCK_N",))
-
-
-def wave_fill(programs: int, slots: int) -> float:
-    """The share of the launched waves' program slots that ``programs`` fill (the last wave may be part-empty)."""
-    return programs / (-(-programs // slots) * slots)
-
-
-# (device, cache dtypes, constexprs, default config, programs) -> the stage-1 config launched; and
-# (device, cache dtypes, constexprs, config) -> programs an SM holds (None: the config does not fit the GPU)
-_WAVE_PICKS: dict[tuple, dict] = {}
-_RESIDENT: dict[tuple, int | None] = {}
-
-
-def _fill_waves(grid, args, constexprs: dict, cfg: dict, programs: int) -> dict:
-    """The default tile, or a narrower one where the default's programs spill into a mostly empty last wave
-    that the narrower tile's (more of them fit an SM) avoid: stage 1 is bound by KV bandwidth only while every
-    SM streams (benchmarks/results/decode_splits_nvidia_h100.json). Decided once per shape and program count;
-    each tile's occupancy is read once per shape (the first graph capture of a spilling batch compiles them)."""
-    q, k_cache = args[0], args[1]
-    shape = (q.device.index, q.dtype, k_cache.dtype, tuple(constexprs.values()))
-    key = (*shape, tuple(cfg.items()), programs)
-    if key in _WAVE_PICKS:
-        return _WAVE_PICKS[key]
-
-    def slots(c: dict) -> int | None:
-        rkey = (*shape, tuple(c.items()))
-        if rkey not in _RESIDENT:
-            try:
-                _RESIDENT[rkey] = resident_ctas(_decode_stage1, grid, args, constexprs, c)
-            except OutOfResources:  # a GPU with less shared memory: launch() shrinks the default as before
-                _RESIDENT[rkey] = None
-        n = _RESIDENT[rkey]
-        return None if n is None else n * torch.cuda.get_device_properties(q.device).multi_processor_count
-
-    best, base = cfg, slots(cfg)
-    if base is not None and programs > base:
-        best_fill = wave_fill(programs, base)
-        for alt in WAVE_TILES if best_fill < 1 / WAVE_GAIN else ():
-            c = dict(cfg, **alt)
-            n = slots(c)
-            if n is not None and wave_fill(programs, n) > best_fill * WAVE_GAIN:
-                best, best_fill = c, wave_fill(programs, n)
-    _WAVE_PICKS[key] = best
-    return best
 
 
 def _stage2(partial, lse, out, sinks=None):
