@@ -82,8 +82,8 @@ def wave_fill(programs: int, slots: int) -> float:
     return programs / (-(-programs // slots) * slots)
 
 
-# (device, cache dtypes, constexprs, default config, programs) -> the stage-1 config launched; and
-# (device, cache dtypes, constexprs, config) -> programs an SM holds (None: the config does not fit the GPU)
+# (kernel, device, dtypes, constexprs, default config, programs) -> the config launched; and
+# (kernel, device, dtypes, constexprs, config) -> programs an SM holds (None: the config does not fit the GPU)
 _WAVE_PICKS: dict[tuple, dict] = {}
 _RESIDENT: dict[tuple, int | None] = {}
 
@@ -94,7 +94,7 @@ def fill_waves(kernel, grid, args, constexprs: dict, cfg: dict, programs: int) -
     SM streams (benchmarks/results/decode_splits_nvidia_h100.json). Decided once per shape and program count;
     each tile's occupancy is read once per shape (the first graph capture of a spilling batch compiles them)."""
     q, k_cache = args[0], args[1]
-    shape = (q.device.index, q.dtype, k_cache.dtype, tuple(constexprs.values()))
+    shape = (id(kernel), q.device.index, q.dtype, k_cache.dtype, tuple(constexprs.values()))
     key = (*shape, tuple(cfg.items()), programs)
     if key in _WAVE_PICKS:
         return _WAVE_PICKS[key]
