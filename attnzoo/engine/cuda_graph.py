@@ -177,7 +177,6 @@ class DecodeGraphs:
         self.cascade = backends.supports_cascade_graph
         self.max_on_demand_graphs = max_on_demand_graphs
         self.max_on_demand_bytes = max_on_demand_bytes
-        self.on_demand_bytes = 0  # their outputs' bytes
         self.exact_from = exact_from
         # (rows, the backend's cascade key or None for a plain step) -> graph, and its static output [rows, hidden]
         self.on_demand: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -271,6 +270,11 @@ class DecodeGraphs:
             self._last_key = (meta, (self._rows(meta.num_reqs), cascade))
         return self._last_key[1]
 
+    @property
+    def on_demand_bytes(self) -> int:
+        """The bytes of the on-demand graphs' outputs."""
+        return sum(t.numel() * t.element_size() for t in self.on_demand_hidden.values())
+
     def room_for(self, rows: int) -> bool:
         """Whether one more on-demand graph of ``rows`` rows is within the caps: their number and their outputs'
         bytes. Both are the same on every tensor-parallel rank, so the ranks capture the same graphs."""
@@ -357,7 +361,6 @@ class DecodeGraphs:
             t0 = time.perf_counter()
             staged.graph, out = self._capture(staged.meta, staged.plan)
             self.on_demand[staged.key], self.on_demand_hidden[staged.key] = staged.graph, out
-            self.on_demand_bytes += out.numel() * out.element_size()
             torch.cuda.synchronize()
             self.capture_s += time.perf_counter() - t0
         staged.graph.replay()

@@ -356,8 +356,8 @@ class LLM:
             "max_running": self.engine.max_running,
             "cuda_graph": None if (g := self.engine.graphs) is None else {
                 # dropped sizes -> the faster size they pad to; graphs captured since: (rows, cascade key or None)
-                "batch_buckets": g.buckets, "max_context": g.max_context, "pruned_buckets": dict(g.pruned), "exact_from": g.exact_from,
-                "captured_while_generating": [list(k) for k in g.on_demand],
+                "batch_buckets": g.buckets, "max_context": g.max_context, "pruned_buckets": dict(g.pruned),
+                "exact_from": g.exact_from, "captured_while_generating": [list(k) for k in g.on_demand],
                 "captured_while_generating_bytes": [g.on_demand_bytes, g.max_on_demand_bytes]},  # [held, cap]
             "cascade": self._cascade_info(),
             # > 1: kv_bytes_per_token and the KV capacity are per rank (each holds its own heads)
