@@ -92,7 +92,7 @@ def fill_waves(kernel, grid, args, constexprs: dict, cfg: dict, programs: int) -
     """The default tile, or a narrower one where the default's programs spill into a mostly empty last wave
     that the narrower tile's (more of them fit an SM) avoid: stage 1 is bound by KV bandwidth only while every
     SM streams (benchmarks/results/decode_splits_nvidia_h100.json). Decided once per shape and program count;
-    each tile's occupancy is read once per shape (the first graph capture of a spilling batch compiles them)."""
+    each tile's occupancy is read once per shape, at its first launch."""
     q, k_cache = args[0], args[1]
     shape = (id(kernel), q.device.index, q.dtype, k_cache.dtype, tuple(constexprs.values()))
     key = (*shape, tuple(cfg.items()), programs)
@@ -110,11 +110,12 @@ def fill_waves(kernel, grid, args, constexprs: dict, cfg: dict, programs: int) -
         return None if n is None else n * torch.cuda.get_device_properties(q.device).multi_processor_count
 
     best, base = cfg, slots(cfg)
+    # Every candidate is compiled at the shape's first launch (load's graph captures, the warm-up), not when a
+    # batch first spills a wave in the middle of a run, where a compile stalls every request for its seconds.
+    alts = [(c, slots(c)) for c in (dict(cfg, **alt) for alt in WAVE_TILES)] if base is not None else []
     if base is not None and programs > base:
         best_fill = wave_fill(programs, base)
-        for alt in WAVE_TILES if best_fill < 1 / WAVE_GAIN else ():
-            c = dict(cfg, **alt)
-            n = slots(c)
+        for c, n in alts if best_fill < 1 / WAVE_GAIN else ():
             if n is not None and wave_fill(programs, n) > best_fill * WAVE_GAIN:
                 best, best_fill = c, wave_fill(programs, n)
     _WAVE_PICKS[key] = best
