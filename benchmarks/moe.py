@@ -33,7 +33,6 @@ rows) goes to ``--output`` (default ``benchmarks/results/moe_<gpu>.json``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 from dataclasses import asdict
@@ -45,7 +44,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from common import RESULTS, graph_of, time_cuda, write_result  # noqa: E402
 
-from attnzoo.layers import skinny  # noqa: E402
 from attnzoo.layers.moe import (  # noqa: E402
     FP8, MXFP4, TILE_TABLES, MoEConfig, gpu_slug, moe_reference, fused_moe, tile_config, tile_key, weight_format,
     write_tile_table,
@@ -189,14 +187,7 @@ def main(argv=None) -> int:
                     help="also time candidate tiles per case; write the best to the table")
     ap.add_argument("--tables", default=str(TILE_TABLES), help="where --sweep writes this GPU's tile table")
     ap.add_argument("--output", default=None)
-    ap.add_argument("--no-skinny", action="store_true",
-                    help="one token through the grouped GEMMs too, not the skinny experts (an A/B)")
     args = ap.parse_args(argv)
-    with skinny.use(False) if args.no_skinny else contextlib.nullcontext():
-        return _run(args)
-
-
-def _run(args) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/moe.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -231,7 +222,6 @@ def _run(args) -> int:
         "sm": f"{props.major}{props.minor}",
         "shapes": {s: dict(zip(("experts", "top_k", "hidden", "intermediate"), SHAPES[s])) for s in args.shapes.split(",")},
         "elapsed_s": time.perf_counter() - t0, "rows": rows,
-        "one_token": "grouped GEMMs" if args.no_skinny else "skinny experts (bf16)",
     }
     if tuned:
         table = Path(args.tables) / f"{slug}.json"

@@ -43,50 +43,21 @@ def _kernels():
 
 def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether ``linear(x, weight, bias)`` takes the skinny kernel (shapes, dtypes, device, autograd, ``use``)."""
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or x.stride(-1) != 1 or not weight.is_contiguous():
+    if _forced is False or weight.dim() != 2 or x.shape[-1] != weight.shape[1] or x.stride(-1) != 1:
+        return False
+    # float32 only when asked for (the CPU tests): its cuBLAS path is not bandwidth-starved the same way
+    dtypes = (*DTYPES, torch.float32) if _forced else DTYPES
+    if x.dtype != weight.dtype or weight.dtype not in dtypes or not weight.is_contiguous():
         return False
     if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
         return False
     if x.numel() // max(x.shape[-1], 1) > MAX_ROWS or x.numel() == 0 or weight.shape[1] > MAX_K:
-        return False
-    return _runs_here(x, weight)
-
-
-def _runs_here(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The checks beside the shapes: dtypes, device, autograd, ``use``, triton."""
-    if _forced is False:
-        return False
-    # float32 only when asked for (the CPU tests): its cuBLAS path is not bandwidth-starved the same way
-    dtypes = (*DTYPES, torch.float32) if _forced else DTYPES
-    if x.dtype != weight.dtype or weight.dtype not in dtypes:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False  # the kernel has no backward
     if not x.is_cuda and not (_forced is True and os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     return _kernels() is not None
-
-
-def fits_experts(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether ``experts`` takes the kernel for one token ``x`` [1, K] through ``weights`` (each [E, N, K'],
-    the first one's K' = K: a gated projection, then the one after it)."""
-    if x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1 or x.shape[1] != weights[0].shape[-1]:
-        return False
-    return all(w.dim() == 3 and w.is_contiguous() and w.shape[2] <= MAX_K and _runs_here(x, w) for w in weights)
-
-
-def experts(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, act: str | None = None,
-            scale: torch.Tensor | None = None) -> torch.Tensor:
-    """One token's expert projections, slot e through expert ``ids[e]``: x [1, K] (every slot) or [S, K] (row e)
-    @ weight[ids[e]]^T -> [S, N]; with ``act`` (weight [E, 2I, K]) act(gate) * up [S, I]; ``scale`` float32 [S]
-    (routing weights) multiplies each row. A token's top-k experts are distinct, so each expert's weight is
-    read once, at the bandwidth of a dense projection of its size (``fits_experts`` says where it runs)."""
-    n, k = weight.shape[1:]
-    c = config_for(n, k)
-    if act is not None:
-        fused.check_gated_act(act)
-        c = c._replace(block_n=c.block_n // 2)  # each program reads block_n rows of gate and of up
-    return _kernels().experts(x, weight, ids.reshape(-1), config=c, act=act, scale=scale)
 
 
 def config_for(n: int, k: int):

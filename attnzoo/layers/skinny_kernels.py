@@ -27,20 +27,12 @@ class Config(NamedTuple):
 
 
 @triton.jit
-def _skinny_kernel(X, W, B, Y, IDS, SCALE, M, N, K, stride_xm, stride_wn, stride_ym, stride_xe, stride_we, stride_ye,
+def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr,
-                   GATED: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr,
-                   EXPERTS: tl.constexpr = False, MUL_SCALE: tl.constexpr = False):
-    # GATED: W [2N, K] is gate rows then up rows, and the output act(gate) * up, rounded as the two-kernel path.
-    # EXPERTS: program axis 1 is a slot e, which multiplies X + e * stride_xe by expert IDS[e]'s W [N, K] of
-    # W [E, N, K] into Y + e * stride_ye (times SCALE[e] under MUL_SCALE).
+                   GATED: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr):
+    # GATED: W [2N, K] is gate rows then up rows, and the output act(gate) * up, rounded as the two-kernel path
     pid = tl.program_id(0)
-    if EXPERTS:
-        e = tl.program_id(1)
-        X += e * stride_xe
-        Y += e * stride_ye
-        W += tl.load(IDS + e).to(tl.int64) * stride_we
     rn = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # int64: a vocabulary-sized W passes 2**31 elements
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -82,8 +74,6 @@ def _skinny_kernel(X, W, B, Y, IDS, SCALE, M, N, K, stride_xm, stride_wn, stride
         else:
             a = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
         acc = rounded(a, ROUND) * rounded(acc_up, ROUND)
-    if MUL_SCALE:  # a routing weight, before the one rounding (the grouped GEMM's epilogue)
-        acc = acc * tl.load(SCALE + e)
     acc = rounded(acc, ROUND)  # to nearest, also under the interpreter, whose casts truncate
     tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -101,29 +91,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     c = config
     even = n % c.block_n == 0 and k % c.block_k == 0
-    _skinny_kernel[(triton.cdiv(n, c.block_n), 1)](
-        x, weight, bias if bias is not None else weight, y, y, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        0, 0, 0,
+    _skinny_kernel[(triton.cdiv(n, c.block_n),)](
+        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=c.block_n, BLOCK_K=c.block_k, HAS_BIAS=bias is not None, EVEN=even,
         F32_DOT=not x.is_cuda, GATED=act is not None, ACT=ACTIVATIONS.get(act, 0), ROUND=ROUND_OF.get(x.dtype, ""),
         num_warps=c.warps, num_stages=c.stages)
-    return y
-
-
-def experts(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, config: Config, act: str | None = None,
-            scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Slot e of ``ids`` [S] (expert ids) -> x[e] (or x's one row for every slot) @ weight[ids[e]]^T: x [1 or S, K]
-    unit stride along K, weight [E, N, K] contiguous -> [S, N] in x's dtype. ``act`` as in ``linear`` (weight
-    [E, 2I, K]); ``scale`` float32 [S] multiplies slot e's row before it is rounded."""
-    s, (_, n, k) = ids.numel(), weight.shape
-    n = n if act is None else n // 2
-    y = torch.empty((s, n), dtype=x.dtype, device=x.device)
-    c = config
-    even = n % c.block_n == 0 and k % c.block_k == 0
-    _skinny_kernel[(triton.cdiv(n, c.block_n), s)](
-        x, weight, y, y, ids, y if scale is None else scale, 1, n, k, x.stride(0), weight.stride(1), y.stride(0),
-        x.stride(0) if x.shape[0] > 1 else 0, weight.stride(0), y.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=c.block_n, BLOCK_K=c.block_k, HAS_BIAS=False, EVEN=even,
-        F32_DOT=not x.is_cuda, GATED=act is not None, ACT=ACTIVATIONS.get(act, 0), ROUND=ROUND_OF.get(x.dtype, ""),
-        EXPERTS=True, MUL_SCALE=scale is not None, num_warps=c.warps, num_stages=c.stages)
     return y

@@ -27,9 +27,7 @@ Every buffer and grid is sized for the worst case of the shape (T, k, E_local), 
 blocks past the padded total exit at once. A captured CUDA graph therefore replays any routing, and
 only the experts actually chosen are read, instead of every expert running on every token. The tiles
 come from ``tile_config``: a table tuned per GPU (``moe_configs/``, written by ``benchmarks/moe.py
---sweep``), else ``default_config``. One token with bf16/fp16 experts (a decode step of one request) skips the
-sort and the grouped tiles: its k experts are distinct, so ``skinny.experts`` streams each one's weights as a
-dense GEMV does (gate_up ending in its activation), then the same sum kernel.
+--sweep``), else ``default_config``.
 
 With ``quant="fp8"`` the weights are float8_e4m3fn with float32 ``w13_scale_inv`` / ``w2_scale_inv``,
 one multiplier per [128, 128] block (DeepSeek-V3's ``weight_block_size``), and the GEMMs are w8a8 as in

@@ -7,14 +7,12 @@ import functools
 import torch
 
 from attnzoo.errors import ModelLoadError
-from attnzoo.layers import skinny
 from attnzoo.layers.fp8 import GROUP as QUANT_GROUP
 from attnzoo.layers.fp8 import GROUPS_PER_PROGRAM, MIN_AMAX, act_quant
 from attnzoo.layers.moe.reference import ACTIVATIONS, FP8, MXFP4, SWIGLU_ALPHA, SWIGLU_LIMIT, _cdiv
 from attnzoo.layers.moe.tiles import MoEConfig, tile_config
 from attnzoo.layers.mxfp4 import BLOCK as MXFP4_BLOCK
 
-GATED_ACTS = ("silu", "gelu_tanh")  # the skinny kernel's gated activations
 # Bounds the transient [T*k, 2I] / [T*k, H] buffers of a long prefill; shapes still depend on T only.
 MAX_CHUNK_TOKENS = 4096
 
@@ -169,9 +167,6 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
                       config=config, w13_bias=w13_bias, w2_bias=w2_bias, swiglu_limit=swiglu_limit)
             for i in range(0, t, MAX_CHUNK_TOKENS)
         ])
-    if (t == 1 and holds_all_experts and config is None and w13_bias is None and w2_bias is None and not swiglu_limit
-            and act in GATED_ACTS and skinny.fits_experts(x, w13, w2)):
-        return _one_token(x, w13, w2, topk_weights, topk_ids, act, add)
     mxfp4 = w13.dtype == MXFP4
     num_local, inter = w2.shape[0], w2.shape[2] * (2 if mxfp4 else 1)
     fp8 = w13.dtype == FP8
@@ -197,23 +192,8 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
     down = (torch.empty if holds_all_experts else torch.zeros)(t * k, x.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(h, h_scale, w2, w2_scale_inv, down, flat_weights, align, cfg, num_valid=t * k, rows_per_a=1,
                   split_n=w2.shape[1], mul_weight=True, block=block, bias=w2_bias)
-    return _weighted_sum(down, x, k, add)
-
-
-def _weighted_sum(down: torch.Tensor, x: torch.Tensor, k: int, add: torch.Tensor | None) -> torch.Tensor:
-    """Each token's k (already weighted) rows of ``down`` [T*k, H] summed, plus ``add`` [T, H] if given."""
     out = torch.empty_like(x)
     add = None if add is None else add.contiguous()
-    _kernels().sum_kernel[(x.shape[0], _cdiv(x.shape[1], 1024))](down, out if add is None else add, out, x.shape[1],
-                                                                TOP_K=k, ADD=add is not None, BLOCK=1024)
+    _kernels().sum_kernel[(t, _cdiv(x.shape[1], 1024))](down, out if add is None else add, out, x.shape[1], TOP_K=k,
+                                                       ADD=add is not None, BLOCK=1024)
     return out
-
-
-def _one_token(x, w13, w2, topk_weights, topk_ids, act: str, add):
-    """A decode step of one request: its k experts are distinct, so no sort and no padded row blocks; each
-    projection is the skinny kernel over the k experts' weights (gate_up ending in its activation), which
-    streams them like a dense GEMV (benchmarks/moe.py). Rounded where the grouped path rounds, but for
-    act(gate), rounded before it multiplies up (as ``skinny.gated``)."""
-    h = skinny.experts(x, w13, topk_ids, act=act)
-    down = skinny.experts(h, w2, topk_ids, scale=topk_weights.reshape(-1).float().contiguous())
-    return _weighted_sum(down, x, topk_ids.shape[1], add)
