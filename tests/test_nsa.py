@@ -320,6 +320,27 @@ def test_bad_backends_and_configs_are_clear_errors(v32_dir, tmp_path):
         DeepseekV32ForCausalLM_ours(cfg)
 
 
+def test_kv_sizing_leaves_the_fp8_copy_its_share():
+    """nsa_triton_fp8 keeps an fp8 copy of the MLA cache beside the pool: a memory budget holds both (on a
+    GPU the pool alone took the budget and the copy then ran out of memory); other backends keep none."""
+    from attnzoo.attention.backends.hybrid import HybridBackend
+    from attnzoo.engine.build import _kv_pages
+
+    core = NSAAttention(0, 4, kv_lora_rank=FP8_BLOCK, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        scale=0.2, index_head_dim=16, index_n_heads=4, index_topk=4)
+    specs = [core.attn.kv_cache_spec()] * 2
+    cpu = torch.device("cpu")
+    row = KVLayout.FP8_NOPE_SCALED_BF16_ROPE.row_bytes(FP8_BLOCK, 8, torch.float32)
+    assert HybridBackend.copy_bytes_per_token("nsa_triton_fp8", "nsa_triton_fp8", specs, torch.float32, cpu) == 2 * row
+    assert HybridBackend.copy_bytes_per_token("nsa_triton", "torch", specs, torch.float32, cpu) == 0
+    budget, ps = 1 << 20, 4
+    pages, _ = _kv_pages(specs, ps, torch.float32, cpu, None, budget, 512, copy_per_token=2 * row)
+    pool = KVPool(specs, num_pages=pages, page_size=ps, dtype=torch.float32, device=cpu)
+    copy = LayoutCache(pool, KVLayout.FP8_NOPE_SCALED_BF16_ROPE)
+    assert budget - (pool.nbytes // pages + copy.nbytes // pages) < pool.nbytes + copy.nbytes <= budget
+    assert _kv_pages(specs, ps, torch.float32, cpu, None, budget, 512)[0] > pages  # the pool alone: more pages
+
+
 # ------------------------------------------------------------------------------ CUDA graphs
 
 

@@ -67,6 +67,18 @@ def unpack(rows: torch.Tensor, layout: KVLayout, *, rank: int, rope: int, dtype:
     return torch.cat([latent.reshape(n, rank), rope_part], dim=-1).to(dtype)
 
 
+def _copied(specs) -> list[tuple[int, object]]:
+    """(layer id, spec) of the MLA layers a ``LayoutCache`` copies: those whose entries the pool holds itself."""
+    return [(lid, s) for lid, s in enumerate(specs) if s is not None and s.v_from_k and s.shared_from is None]
+
+
+def copy_bytes_per_token(specs, layout: KVLayout, dtype: torch.dtype) -> int:
+    """Bytes per token of the pool that a ``LayoutCache`` in ``layout`` adds (0 for BF16: no copy)."""
+    if layout is KVLayout.BF16:
+        return 0
+    return sum(layout.row_bytes(s.v_head_dim, s.head_dim - s.v_head_dim, dtype) for _, s in _copied(specs))
+
+
 class LayoutCache:
     """A backend's copy, in its own layout, of every MLA layer's cache in ``pool``.
 
@@ -83,9 +95,7 @@ class LayoutCache:
         self.pool, self.layout = pool, layout
         self.rank: dict[int, int] = {}
         self._rows: dict[int, torch.Tensor] = {}
-        for lid, spec in enumerate(pool.specs):
-            if spec is None or not spec.v_from_k or not pool.owns_memory(lid):
-                continue
+        for lid, spec in _copied(pool.specs):
             rope = spec.head_dim - spec.v_head_dim
             self.rank[lid] = spec.v_head_dim
             nbytes = layout.row_bytes(spec.v_head_dim, rope, pool.dtype)

@@ -70,8 +70,10 @@ def _window_split(specs, context_len: int, window_kv_fraction) -> bool:
 
 
 def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory, context_len,
-              window_kv_fraction=None, max_running=None, max_batch_tokens=2048) -> tuple[int, int | None]:
-    """(full-group pages, window-group pages or None for one group), page 0 of each included."""
+              window_kv_fraction=None, max_running=None, max_batch_tokens=2048,
+              copy_per_token: int = 0) -> tuple[int, int | None]:
+    """(full-group pages, window-group pages or None for one group), page 0 of each included.
+    ``copy_per_token``: bytes the backends keep per pool token beside it, out of a memory budget too."""
     per_page = KVPool.bytes_per_page(specs, page_size, dtype)
     split = _window_split(specs, context_len, window_kv_fraction)
     if kv_cache_tokens is not None and (not split or window_kv_fraction != "auto"):
@@ -84,6 +86,8 @@ def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory,
         else:
             # CPU: enough for several full-length sequences without eating the machine's memory.
             kv_cache_memory = min(1 << 30, per_page * (-(-8 * context_len // page_size)))
+    if copy_per_token and kv_cache_memory is not None:
+        kv_cache_memory = int(kv_cache_memory * per_page / (per_page + copy_per_token * page_size))
     if not split:
         return max(2, kv_cache_memory // per_page), None
     per_full = KVPool.bytes_per_page(specs, page_size, dtype, group="full")
@@ -264,8 +268,9 @@ def build(name_or_path, cfg: LoadConfig, *, tp) -> dict:
     if sized_by_default and dev.type == "cuda" and tp is None:
         kv_cache_memory = _profiled_kv_bytes(model, specs, ps, kv_dt, dt, dev, cfg, decision, context_len,
                                              max_batch_tokens, int(text_config.hidden_size), say)
+    copy = HybridBackend.copy_bytes_per_token(decision.prefill_backend, decision.decode_backend, specs, dt, dev)
     num_pages, num_window_pages = _kv_pages(specs, ps, kv_dt, dev, cfg.kv_cache_tokens, kv_cache_memory, context_len,
-                                            cfg.window_kv_fraction, max_running, max_batch_tokens)
+                                            cfg.window_kv_fraction, max_running, max_batch_tokens, copy)
     if tp is not None:  # rank 0 hands out the same page ids on every rank
         num_pages = tp.min_int(num_pages)
         if num_window_pages is not None:
@@ -277,8 +282,9 @@ def build(name_or_path, cfg: LoadConfig, *, tp) -> dict:
     pool = KVPool(specs, num_pages=num_pages, page_size=ps, dtype=dt, device=dev, kv_cache_dtype=cfg.kv_cache_dtype,
                   k_scale=cfg.k_scale, v_scale=cfg.v_scale, num_window_pages=num_window_pages)
     window_note = "" if num_window_pages is None else f" + {num_window_pages} pages of the sliding-window layers"
+    copy_note = "" if not copy else f" + {copy * num_pages * ps / 2**30:.2f} GiB of the backend's own copy"
     say(f"allocating the KV cache: {num_pages} pages of {ps} tokens{window_note} "
-        f"({pool.nbytes / 2**30:.2f} GiB, {cfg.kv_cache_dtype}) ...")
+        f"({pool.nbytes / 2**30:.2f} GiB, {cfg.kv_cache_dtype}){copy_note} ...")
     backends = HybridBackend.create(decision.prefill_backend, decision.decode_backend, pool)
     generation_config = read_generation_config(src.directory if src else None, config)
     eos = _eos_ids(config, tokenizer) | generation_eos_ids(generation_config)

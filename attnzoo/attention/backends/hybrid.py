@@ -15,7 +15,8 @@ import torch
 
 from attnzoo.attention.backends import get_backend_class
 from attnzoo.attention.backends.base import AttentionBackend, AttentionLayer, StepPlan, device_gpu
-from attnzoo.attention.kv_cache import KVPool
+from attnzoo.attention.kv_cache import KVLayout, KVPool
+from attnzoo.attention.kv_layout import copy_bytes_per_token
 from attnzoo.attention.metadata import BatchMetadata
 
 
@@ -24,15 +25,27 @@ class HybridBackend:
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
 
+    @staticmethod
+    def _prefill_class(prefill: str, device: torch.device) -> str:
+        kernel = get_backend_class(prefill).capabilities.kernel_on("prefill", device_gpu(device))
+        return (kernel.runs_as if kernel else None) or prefill
+
     @classmethod
     def create(cls, prefill: str, decode: str, pool: KVPool, **kwargs) -> "HybridBackend":
         """The registered backends ``prefill`` and ``decode`` over ``pool`` (``kwargs``: their constructors'),
         one instance where both phases run the same backend."""
-        kernel = get_backend_class(prefill).capabilities.kernel_on("prefill", device_gpu(pool.device))
-        prefill = (kernel.runs_as if kernel else None) or prefill
+        prefill = cls._prefill_class(prefill, pool.device)
         pre = get_backend_class(prefill)(pool, **kwargs)
         dec = pre if decode == prefill else get_backend_class(decode)(pool, **kwargs)
         return cls(pre, dec)
+
+    @classmethod
+    def copy_bytes_per_token(cls, prefill: str, decode: str, specs, dtype: torch.dtype, device: torch.device) -> int:
+        """Bytes per pool token that ``create``'s backends keep beside the pool (an NSA backend's copy of the MLA
+        cache in its own layout): KV sizing gives the pool only its share of the memory."""
+        names = {cls._prefill_class(prefill, device), decode}
+        return sum(copy_bytes_per_token(specs, KVLayout(get_backend_class(n).capabilities.mla_kv_layout), dtype)
+                   for n in names)
 
     def for_step(self, meta: BatchMetadata) -> AttentionBackend:
         return self.decode_backend if meta.is_decode else self.prefill_backend

@@ -128,8 +128,9 @@ class NSATritonFP8Backend(NSATritonBackend):
         mla_kv_layout="fp8_nope_scaled_bf16_rope",
         notes=(
             "sparse (NSA) layers only: DeepSeek-V3.2, GLM-5 (its layers without an indexer reuse a selection)",
-            "keeps an fp8 copy of the MLA cache beside the pool's model-dtype entries (memory on top of the "
-            "KV budget); attention reads fp8 values: expect fp8-level differences from the bf16 backends",
+            "keeps an fp8 copy of the MLA cache beside the pool's model-dtype entries (a memory-sized KV cache "
+            "leaves it its share; kv_cache_tokens sizes the pool alone); attention reads fp8 values: expect "
+            "fp8-level differences from the bf16 backends",
         ),
     )
 
