@@ -73,8 +73,13 @@ def model_profile(llm) -> dict:
     return {**size, "num_experts": num_experts if size["expert_params"] else 0, "top_k": top_k, "layers": layers}
 
 
-def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: bool = True) -> float:
+def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: bool = True,
+                     serial: bool = False) -> float:
     """Per step: max(bytes moved / copy bandwidth, FLOPs / matmul rate), summed.
+
+    ``serial``: per step, the weights' part (their bytes against the projections' FLOPs) and the attention's
+    part (KV bytes against attention FLOPs) each at its own bound, added: the best that kernels running one
+    after the other can reach, where a step whose GEMMs are compute-bound cannot hide its KV reads under them.
 
     Bytes: dense weights, the experts the step's tokens can touch (expected distinct experts of
     ``tokens x top_k`` uniform picks), and the KV each layer reads (sliding layers: at most the window per
@@ -127,8 +132,12 @@ def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: b
             if layer.get("topk") and mean_ctx > layer["topk"]:
                 kv_bytes += layer["index_bytes"] * s["kv_tokens"]
                 attn_flops += layer["index_flops_per_pair"] * s["attn_pairs"]
-        flops = 2 * active_params * n + attn_flops
-        total += max((weight_bytes + kv_bytes) / limits["copy_bytes_per_s"], flops / limits["matmul_flops_per_s"])
+        bw, rate = limits["copy_bytes_per_s"], limits["matmul_flops_per_s"]
+        gemm_flops = 2 * active_params * n
+        if serial:
+            total += max(weight_bytes / bw, gemm_flops / rate) + max(kv_bytes / bw, attn_flops / rate)
+        else:
+            total += max((weight_bytes + kv_bytes) / bw, (gemm_flops + attn_flops) / rate)
     return total
 
 

@@ -291,6 +291,7 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
     prof = model_profile(llm)
     roof = roofline_seconds(llm.engine.step_log, prof, limits)
     roof_plain = roofline_seconds(llm.engine.step_log, prof, limits, shared_once=False)
+    roof_serial = roofline_seconds(llm.engine.step_log, prof, limits, serial=True)
     ttft = [o.time_to_first_token for o in outs]
     tpot = [(o.latency - o.time_to_first_token) / (len(o.token_ids) - 1) for o in outs]
     steps = llm.engine.step_log
@@ -320,7 +321,8 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
         "steps": len(steps), "decode_steps": sum(1 for st in steps if st["new_tokens"] == st["num_reqs"]),
         "max_running": llm.engine.max_running, "max_batch_seen": max(st["num_reqs"] for st in steps),
         "kv_cache_tokens": info["kv_cache_tokens"], "kv_bytes_per_token": info["kv_bytes_per_token"],
-        "roofline_s": roof, "roofline_fraction": roof / wall, "roofline_plain_s": roof_plain, **by_kind,
+        "roofline_s": roof, "roofline_fraction": roof / wall, "roofline_plain_s": roof_plain,
+        "roofline_serial_s": roof_serial, "roofline_serial_fraction": roof_serial / wall, **by_kind,
         "weights_gib": (prof["dense_bytes"] + prof["expert_bytes"]) / 2**30,
         "prefix_cache_pages": len(llm.engine.prefix_cache) if llm.engine.prefix_cache is not None else 0,
         **timings,

@@ -38,6 +38,18 @@ def test_nsa_roofline_reads_the_selected_tokens_and_the_indexer_keys():
     assert roofline_seconds([step(2, 50)], one, bytes_only) == 80 * 2 * 6 + 32 * 2 * 50
 
 
+def test_serial_roofline_adds_the_attention_to_compute_bound_gemms():
+    """A large decode batch: its GEMMs are compute-bound, its attention reads KV. The roofline takes the larger
+    of all bytes and all FLOPs; the serial one adds each part at its own bound."""
+    prof = {"num_experts": 0, "top_k": 0, "expert_bytes": 0, "expert_params": 0, "dense_bytes": 1.0,
+            "dense_params": 10.0, "layers": [{"window": None, "kv_bytes": 2.0, "flops_per_pair": 0.0}]}
+    limits = {"copy_bytes_per_s": 1.0, "matmul_flops_per_s": 1.0}
+    step = {"num_reqs": 4, "new_tokens": 4, "kv_tokens": 4 * 3, "shared_prefix_len": 0, "attn_pairs": 4 * 3}
+    # weights: 1 byte, 2 x 10 x 4 = 80 FLOPs; KV: 2 x 12 = 24 bytes, no attention FLOPs
+    assert roofline_seconds([step], prof, limits) == max(1 + 24, 80)
+    assert roofline_seconds([step], prof, limits, serial=True) == max(1, 80) + 24
+
+
 def test_step_kinds_split_wall_and_roofline_by_decode_and_extend():
     """A step's wall runs from the previous step's tokens reaching the host (the first: from the start);
     decode steps (one new token per request) and extend steps are summed apart, each with its roofline."""
