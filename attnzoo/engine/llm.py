@@ -10,9 +10,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from attnzoo.attention.kv_cache import KVPool, kv_bytes_by_kind, kv_footprint
-from attnzoo.engine import build
+from attnzoo.engine import build, load_config
 from attnzoo.engine.engine import Completion
-from attnzoo.engine import load_config
 from attnzoo.engine.load_config import WINDOW_KV_FRACTION, LoadConfig
 from attnzoo.engine.progress import GenerationProgress
 from attnzoo.engine.prompts import chat_message, valid_text
