@@ -17,6 +17,9 @@ of the shared few-shot prefix, and cascade, the prefix read once per step (by sl
 part of it inside every request's window). Each run's roofline
 counts the KV bytes its own path must read (``roofline_fraction``); ``roofline_plain_s`` is the plain
 path's estimate for the same schedule, so cascade runs can be set against what plain reading allows.
+``roofline_serial_fraction`` sets the run against a second bound: per step, the weights (bytes or GEMM FLOPs)
+and the attention (KV bytes or its FLOPs) each at its own limit, added, as kernels that run one after the
+other can at best do (a large batch's compute-bound GEMMs do not hide its KV reads).
 
     python benchmarks/e2e.py --out benchmarks/results/e2e_h100 [--shape llama8b] [--backends default,triton] [--quick]
 
