@@ -184,9 +184,8 @@ def test_wave_fill_counts_the_last_waves_empty_slots():
 @needs_cuda
 def test_decode_takes_the_narrow_tile_only_where_the_default_spills_a_wave():
     """Llama-8B layer, 64 and 96 requests: the pick follows the compiled kernels' occupancy. Where the default's
-    programs fit one wave it stays (the narrow tiles compiled all the same); where they spill, the pick fills
-    its waves at least 10% better than the default would, or is the default. The outputs are the torch
-    reference's (the realistic cases above)."""
+    programs fit one wave it stays; where they spill, the pick fills its waves at least 10% better than the
+    default would, or is the default. The outputs are the torch reference's (the realistic cases above)."""
     from attnzoo.attention.kernels import decode_launch as how
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -208,8 +207,7 @@ def test_decode_takes_the_narrow_tile_only_where_the_default_spills_a_wave():
             assert tile(pick) == default
         elif tile(pick) != default:
             assert how.wave_fill(programs, slots[tile(pick)]) > how.WAVE_GAIN * how.wave_fill(programs, slots[default])
-        # every candidate compiled at the shape's first launch, so that no batch compiles one mid-run
-        assert len(how._RESIDENT) == 1 + len(how.WAVE_TILES)
+        assert len(how._RESIDENT) == 1 + len(how.WAVE_TILES)  # all compiled at first launch: none mid-run
         picked[batch] = (tile(pick), slots)
     if sms == 132 and picked[96][1][default] == 528:  # H100 SXM / H200 with 4 default programs an SM (measured)
         assert picked[96][0][0] == how.WAVE_TILE_N and picked[64][0] == default

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 # The layouts themselves (KVLayout, FP8_BLOCK) live with the pool, below the Triton kernels that read them.
-from attnzoo.attention.kv_cache import FP8_BLOCK, KVLayout, KVPool
+from attnzoo.attention.kv_cache import FP8_BLOCK, KVCacheSpec, KVLayout, KVPool
 from attnzoo.attention.kv_cache import FP8_E4M3_MAX as FP8_MAX
 from attnzoo.errors import BackendError
 
@@ -67,7 +67,7 @@ def unpack(rows: torch.Tensor, layout: KVLayout, *, rank: int, rope: int, dtype:
     return torch.cat([latent.reshape(n, rank), rope_part], dim=-1).to(dtype)
 
 
-def _copied(specs) -> list[tuple[int, object]]:
+def _copied(specs: list[KVCacheSpec | None]) -> list[tuple[int, KVCacheSpec]]:
     """(layer id, spec) of the MLA layers a ``LayoutCache`` copies: those whose entries the pool holds itself."""
     return [(lid, s) for lid, s in enumerate(specs) if s is not None and s.v_from_k and s.shared_from is None]
 

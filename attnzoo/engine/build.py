@@ -73,8 +73,9 @@ def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory,
               window_kv_fraction=None, max_running=None, max_batch_tokens=2048,
               copy_per_token: int = 0) -> tuple[int, int | None]:
     """(full-group pages, window-group pages or None for one group), page 0 of each included.
-    ``copy_per_token``: bytes the backends keep per pool token beside it, out of a memory budget too."""
-    per_page = KVPool.bytes_per_page(specs, page_size, dtype)
+    ``copy_per_token``: bytes the backends keep beside each token of the full group, charged to its pages."""
+    copy_page = copy_per_token * page_size
+    per_page = KVPool.bytes_per_page(specs, page_size, dtype) + copy_page
     split = _window_split(specs, context_len, window_kv_fraction)
     if kv_cache_tokens is not None and (not split or window_kv_fraction != "auto"):
         full = -(-kv_cache_tokens // page_size) + 1
@@ -86,11 +87,9 @@ def _kv_pages(specs, page_size, dtype, device, kv_cache_tokens, kv_cache_memory,
         else:
             # CPU: enough for several full-length sequences without eating the machine's memory.
             kv_cache_memory = min(1 << 30, per_page * (-(-8 * context_len // page_size)))
-    if copy_per_token and kv_cache_memory is not None:
-        kv_cache_memory = int(kv_cache_memory * per_page / (per_page + copy_per_token * page_size))
     if not split:
         return max(2, kv_cache_memory // per_page), None
-    per_full = KVPool.bytes_per_page(specs, page_size, dtype, group="full")
+    per_full = KVPool.bytes_per_page(specs, page_size, dtype, group="full") + copy_page
     per_window = KVPool.bytes_per_page(specs, page_size, dtype, group="window")
     if window_kv_fraction == "auto":
         return _auto_window_pages(specs, page_size, per_full, per_window, kv_cache_tokens, kv_cache_memory,

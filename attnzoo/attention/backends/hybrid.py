@@ -16,7 +16,7 @@ import torch
 from attnzoo.attention.backends import get_backend_class
 from attnzoo.attention.backends.base import AttentionBackend, AttentionLayer, StepPlan, device_gpu
 from attnzoo.attention.kv_cache import KVLayout, KVPool
-from attnzoo.attention.kv_layout import copy_bytes_per_token
+from attnzoo.attention import kv_layout
 from attnzoo.attention.metadata import BatchMetadata
 
 
@@ -42,10 +42,11 @@ class HybridBackend:
     @classmethod
     def copy_bytes_per_token(cls, prefill: str, decode: str, specs, dtype: torch.dtype, device: torch.device) -> int:
         """Bytes per pool token that ``create``'s backends keep beside the pool (an NSA backend's copy of the MLA
-        cache in its own layout): KV sizing gives the pool only its share of the memory."""
+        cache in its own layout): KV sizing charges them to the pool's pages. Read from each backend's declared
+        layout; ``nsa.py`` refuses a backend whose copy does not match its declaration."""
         names = {cls._prefill_class(prefill, device), decode}
-        return sum(copy_bytes_per_token(specs, KVLayout(get_backend_class(n).capabilities.mla_kv_layout), dtype)
-                   for n in names)
+        layouts = (KVLayout(get_backend_class(n).capabilities.mla_kv_layout) for n in names)
+        return sum(kv_layout.copy_bytes_per_token(specs, layout, dtype) for layout in layouts)
 
     def for_step(self, meta: BatchMetadata) -> AttentionBackend:
         return self.decode_backend if meta.is_decode else self.prefill_backend
