@@ -57,10 +57,16 @@ def vllm_env(args) -> dict:
 
 
 def missing_modules(modules, env: dict) -> list[str]:
-    code = ("import importlib.util, sys; print(' '.join(m for m in sys.argv[1:] "
-            "if importlib.util.find_spec(m) is None))")
+    """The modules that do not import under ``env``, each with what stopped it: a module can be present and
+    still fail on one it imports itself (fastapi 0.165 on opentelemetry)."""
+    code = ("import importlib, sys\n"
+            "for m in sys.argv[1:]:\n"
+            "    try:\n"
+            "        importlib.import_module(m)\n"
+            "    except Exception as e:\n"
+            "        print(f'{m} ({type(e).__name__}: {e})'.replace(chr(10), ' '))\n")
     out = subprocess.run([sys.executable, "-c", code, *modules], env=env, capture_output=True, text=True)
-    return out.stdout.split()
+    return out.stdout.splitlines()
 
 
 def missing_vllm_modules(args) -> list[str]:
@@ -146,8 +152,8 @@ def main(argv=None) -> int:
     if args.check_vllm:
         missing = missing_vllm_modules(args)
         ours = missing_modules(ATTNZOO_SERVE_MODULES, dict(os.environ))
-        print("vllm serve would need:", " ".join(missing) or "nothing more")
-        print("attnzoo serve would need:", " ".join(ours) or "nothing more")
+        print("vllm serve would need:", "; ".join(missing) or "nothing more")
+        print("attnzoo serve would need:", "; ".join(ours) or "nothing more")
         return 1 if missing or ours else 0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -165,7 +171,8 @@ def main(argv=None) -> int:
     rows = []
     for server in args.servers.split(","):
         if server == "vllm" and (missing := missing_vllm_modules(args)):
-            print(f"skipping vllm: its PYTHONPATH lacks {' '.join(missing)} (see --check-vllm)", flush=True)
+            print(f"skipping vllm: on its PYTHONPATH these do not import: {'; '.join(missing)} (see --check-vllm)",
+                  flush=True)
             continue
         cmd, env = commands[server]
         proc = start(server, cmd, env, Path(f"{out}_{server}.log"), args.port, args.startup_timeout)

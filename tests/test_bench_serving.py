@@ -67,3 +67,16 @@ def test_online_load_runs_the_closed_loop_and_splits_steps_by_kind(bench_script,
     assert steps["decode"]["rows_per_step"] <= 3  # the closed loop holds 3 requests at most
     assert steps["mixed"]["steps"] >= 4  # the 3 first prompts, then one per finished request at least
     assert sum(k["s"] for k in steps.values()) <= res["wall_s"] + 1e-3
+
+
+def test_serve_peer_names_modules_that_are_present_but_do_not_import(bench_script, tmp_path):
+    """A serving package can be on the path and still fail on one it imports (fastapi 0.165 without
+    opentelemetry): the check imports each module, and says what stopped it."""
+    import os
+
+    peer = bench_script("serve_peer")
+    (tmp_path / "needs_more.py").write_text("import no_such_dependency_xyz\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    missing = peer.missing_modules(["json", "needs_more", "no_such_module_xyz"], env)
+    assert [m.split()[0] for m in missing] == ["needs_more", "no_such_module_xyz"]
+    assert "no_such_dependency_xyz" in missing[0] and "ModuleNotFoundError" in missing[1]
