@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from attnzoo.attention import kv_layout
 from attnzoo.attention.backends import get_backend_class
 from attnzoo.attention.backends.base import AttentionBackend, AttentionLayer, StepPlan, device_gpu
 from attnzoo.attention.kv_cache import KVLayout, KVPool
-from attnzoo.attention import kv_layout
 from attnzoo.attention.metadata import BatchMetadata
 
 
