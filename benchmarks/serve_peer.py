@@ -35,6 +35,7 @@ import urllib.request
 from pathlib import Path
 
 import bench_serving  # this directory is sys.path[0] when the script runs
+from common import run_meta
 
 HERE = Path(__file__).resolve().parent
 # What `vllm serve` imports beyond the offline overlay (vllm/entrypoints, 0.26.0).
@@ -188,7 +189,8 @@ def main(argv=None) -> int:
             ratios[f"{dataset}_c{conc}"] = {
                 "output_tok_per_s_vs_vllm": a["output_tokens_per_s"] / v["output_tokens_per_s"],
                 "itl_p50_vs_vllm": (a["itl_ms"]["p50"] or math.nan) / (v["itl_ms"]["p50"] or math.nan)}
-    meta = {"shape": args.shape, "layers": args.layers, "commands": {k: " ".join(c) for k, (c, _) in commands.items()}}
+    # After the servers stopped: the device query opens a CUDA context, which must not take a server's memory.
+    meta = run_meta(shape=args.shape, layers=args.layers, commands={k: " ".join(c) for k, (c, _) in commands.items()})
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": rows, "ratios": ratios}, indent=1))
     text = bench_serving.table(rows)
     out.with_suffix(".md").write_text(text + "\n\n" + json.dumps(ratios, indent=1) + "\n")
