@@ -324,7 +324,7 @@ def test_kv_sizing_leaves_the_fp8_copy_its_share():
     """nsa_triton_fp8 keeps an fp8 copy of the MLA cache beside the pool: a memory budget holds both (on a
     GPU the pool alone took the budget and the copy then ran out of memory); other backends keep none."""
     from attnzoo.attention.backends.hybrid import HybridBackend
-    from attnzoo.engine.build import _kv_pages
+    from attnzoo.engine.build import _capture_oom, _kv_pages
 
     core = NSAAttention(0, 4, kv_lora_rank=FP8_BLOCK, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                         scale=0.2, index_head_dim=16, index_n_heads=4, index_topk=4)
@@ -339,6 +339,7 @@ def test_kv_sizing_leaves_the_fp8_copy_its_share():
     copy = LayoutCache(pool, KVLayout.FP8_NOPE_SCALED_BF16_ROPE)
     assert budget - (pool.nbytes // pages + copy.nbytes // pages) < pool.nbytes + copy.nbytes <= budget
     assert _kv_pages(specs, ps, torch.float32, cpu, None, budget, 512)[0] > pages  # the pool alone: more pages
+    assert "+ 0.50 GiB of the backend's own copy" in str(_capture_oom(pool, 8, True, copy_bytes=1 << 29))
 
 
 # ------------------------------------------------------------------------------ CUDA graphs

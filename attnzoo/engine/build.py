@@ -144,13 +144,15 @@ def _profiled_kv_bytes(model, specs, ps, kv_dt, dt, dev, cfg, decision, context_
     return kv
 
 
-def _capture_oom(pool: KVPool, max_running: int, sized_by_default: bool) -> ModelLoadError:
-    """A decode step's activations at the largest captured batch did not fit beside the KV cache."""
+def _capture_oom(pool: KVPool, max_running: int, sized_by_default: bool, copy_bytes: int = 0) -> ModelLoadError:
+    """A decode step's activations at the largest captured batch did not fit beside the KV cache (and
+    ``copy_bytes`` of the backends' own copy of it)."""
     how = ("at most 85% of the memory free after the weights, less a measured step, the default" if sized_by_default
            else "as asked")
+    copy = f" (+ {copy_bytes / 2**30:.2f} GiB of the backend's own copy)" if copy_bytes else ""
     return ModelLoadError(
         f"out of GPU memory capturing the decode CUDA graphs (batches up to {max_running}): the KV cache took "
-        f"{pool.nbytes / 2**30:.2f} GiB ({how}) and left too little for a step's activations",
+        f"{pool.nbytes / 2**30:.2f} GiB{copy} ({how}) and left too little for a step's activations",
         fix="leave more room beside the KV cache (gpu_memory_utilization=0.8, or a smaller kv_cache_memory or "
             "kv_cache_tokens), capture smaller batches (max_running=N), or pass cuda_graph=False")
 
@@ -301,7 +303,8 @@ def build(name_or_path, cfg: LoadConfig, *, tp) -> dict:
                                       batch_sizes=None if cfg.cuda_graph_batch_sizes is None else list(cfg.cuda_graph_batch_sizes),
                                       prune=tp is None and cfg.cuda_graph_batch_sizes is None)
         except torch.OutOfMemoryError as e:
-            raise _capture_oom(pool, engine.max_running, sized_by_default=sized_by_default) from e
+            raise _capture_oom(pool, engine.max_running, sized_by_default=sized_by_default,
+                               copy_bytes=copy * pool.num_pages * ps) from e
         timings["cuda_graphs_s"] = lap()
     if src is None:
         src = loader.CheckpointSource(f"random-weight {arch}", None)
