@@ -97,6 +97,7 @@ def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: b
     E, k = prof["num_experts"], prof["top_k"]
     per_expert = prof["expert_bytes"] / max(E, 1)
     active_params = prof["dense_params"] + (prof["expert_params"] / E * k if E else 0)
+    bw, rate = limits["copy_bytes_per_s"], limits["matmul_flops_per_s"]
     total = 0.0
     for s in steps:
         n = s["new_tokens"]
@@ -132,7 +133,6 @@ def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: b
             if layer.get("topk") and mean_ctx > layer["topk"]:
                 kv_bytes += layer["index_bytes"] * s["kv_tokens"]
                 attn_flops += layer["index_flops_per_pair"] * s["attn_pairs"]
-        bw, rate = limits["copy_bytes_per_s"], limits["matmul_flops_per_s"]
         gemm_flops = 2 * active_params * n
         if serial:
             total += max(weight_bytes / bw, gemm_flops / rate) + max(kv_bytes / bw, attn_flops / rate)

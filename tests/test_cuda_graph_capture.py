@@ -286,6 +286,7 @@ def test_graphs_captured_while_generating_stay_within_their_bytes(monkeypatch):
     graphs.replay(torch.arange(9), step(9))  # 9 -> 16: already captured, replayed
     assert len(made) == n_made and graphs.room_for(14) and not graphs.room_for(15)
 
+
 def test_cascade_asks_leave_the_plain_streak_alone(monkeypatch):
     """Tensor-parallel ranks stage the same plain steps but only the leader asks ``cascade_ready``: a cascade
     ask between two plain steps of one size must not decide differently on the leader (no padding there)."""

@@ -283,7 +283,8 @@ def build(name_or_path, cfg: LoadConfig, *, tp) -> dict:
     pool = KVPool(specs, num_pages=num_pages, page_size=ps, dtype=dt, device=dev, kv_cache_dtype=cfg.kv_cache_dtype,
                   k_scale=cfg.k_scale, v_scale=cfg.v_scale, num_window_pages=num_window_pages)
     window_note = "" if num_window_pages is None else f" + {num_window_pages} pages of the sliding-window layers"
-    copy_note = "" if not copy else f" + {copy * num_pages * ps / 2**30:.2f} GiB of the backend's own copy"
+    copy_bytes = copy * num_pages * ps
+    copy_note = "" if not copy else f" + {copy_bytes / 2**30:.2f} GiB of the backend's own copy"
     say(f"allocating the KV cache: {num_pages} pages of {ps} tokens{window_note} "
         f"({pool.nbytes / 2**30:.2f} GiB, {cfg.kv_cache_dtype}){copy_note} ...")
     backends = HybridBackend.create(decision.prefill_backend, decision.decode_backend, pool)
@@ -304,7 +305,7 @@ def build(name_or_path, cfg: LoadConfig, *, tp) -> dict:
                                       prune=tp is None and cfg.cuda_graph_batch_sizes is None)
         except torch.OutOfMemoryError as e:
             raise _capture_oom(pool, engine.max_running, sized_by_default=sized_by_default,
-                               copy_bytes=copy * pool.num_pages * ps) from e
+                               copy_bytes=copy_bytes) from e
         timings["cuda_graphs_s"] = lap()
     if src is None:
         src = loader.CheckpointSource(f"random-weight {arch}", None)
