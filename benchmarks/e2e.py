@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from common import git_sha, source_hash, versions  # noqa: E402
 from gemma4 import GEMMA4_31B  # noqa: E402  (google/gemma-4-31B-it's text model)
 
+from attnzoo import pdl  # noqa: E402
 from attnzoo.layers import fused, skinny  # noqa: E402
 from attnzoo.roofline import device_limits, model_profile, roofline_seconds, step_kinds  # noqa: E402
 
@@ -389,6 +390,8 @@ def main(argv=None):
                     help="the fused ops' torch references instead of their Triton kernels (attnzoo.layers.fused)")
     ap.add_argument("--no-skinny", action="store_true",
                     help="every dense projection by cuBLAS, also at decode's few rows (attnzoo.layers.skinny off)")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch the Triton kernels without programmatic dependent launch (attnzoo.pdl off)")
     ap.add_argument("--dry-run", action="store_true",
                     help="load and warm up only: print each load phase's time, the first generate's (JIT) and the "
                          "logits check, no workload, no transformers baseline")
@@ -436,12 +439,15 @@ def main(argv=None):
             modes = {"both": [False, None], "on": [None], "off": [False]}[args.cascade]
         for cascade in modes:
             with (skinny.use(False) if args.no_skinny else contextlib.nullcontext(),
+                  pdl.use(False) if args.no_pdl else contextlib.nullcontext(),
                   fused.use("torch") if args.unfused else contextlib.nullcontext()):
                 r = run_attnzoo(config, prompts, args.new_tokens, b, args.max_running, limits, cascade, extra,
                                 args.dry_run, overlap=not args.no_overlap, capture_after=args.capture_after,
                                 early_launch=not args.no_early_launch, full_warm_up=not args.short_warm_up)
             if args.no_skinny:
                 r["backend"] += " cuBLAS-only"
+            if args.no_pdl:
+                r["backend"] += " no-PDL"
             if args.unfused:
                 r["backend"] += " unfused"
             if hf is not None and not args.dry_run:

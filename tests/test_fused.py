@@ -174,6 +174,37 @@ def test_rope(dtype, interleaved):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate-half", "interleaved"])
+@pytest.mark.parametrize("heads", [2, 33])
+def test_mla_entry(dtype, interleaved, heads):
+    # kv as a slice of a wider projection output (strided rows), a 40-wide latent (a padded tile); 33 heads of
+    # 16-wide q_pe spread over two programs after the entry's
+    t, rank, rope = 5, 40, 16
+    proj = randn(t, heads * 24 + rank + rope, dtype=dtype, seed=1)
+    q_pe = proj[:, :heads * 24].view(t, heads, 24)[..., 8:]
+    kv = proj[:, heads * 24:]
+    _, _, cos, sin = rope_inputs(dtype, d=rope, seed=2)
+    norm = make_norm(rank, dtype, seed=3)
+    check(lambda: fused.mla_entry(q_pe, kv, norm, cos[:t], sin[:t], interleaved=interleaved), dtype)
+    q_ref, entry = fused.mla_entry_ref(q_pe, kv, norm, cos[:t], sin[:t], interleaved)
+    torch.testing.assert_close(q_ref, fused.rope_ref(q_pe, cos[:t], sin[:t], interleaved))
+    torch.testing.assert_close(entry[:, :rank], fused.rms_norm_ref(kv[:, :rank], norm))
+
+
+def test_mla_cache_entry_reads_the_fused_entry_in_place():
+    from attnzoo.attention.mla import cache_entry
+
+    entry = randn(3, 40 + 16, dtype=torch.float32)
+    latent, k_pe = entry.split([40, 16], dim=-1)
+    view = cache_entry(latent, k_pe)
+    assert view.shape == (3, 1, 56) and view.data_ptr() == entry.data_ptr() and torch.equal(view[:, 0], entry)
+    apart = cache_entry(latent.clone(), k_pe.clone())  # two buffers: concatenated
+    assert apart.data_ptr() != entry.data_ptr() and torch.equal(apart[:, 0], entry)
+    swapped = cache_entry(k_pe, latent[:, :16])  # adjacent the other way round: not the entry
+    assert torch.equal(swapped[:, 0], torch.cat([k_pe, latent[:, :16]], dim=-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_add_rms_norm_with_scale(dtype):
     """Gemma 4's layer end: (x + post_norm(h)) * layer_scalar, then the next layer's input norm."""
     h, x = randn(6, 72, dtype=dtype, scale=3.0), randn(6, 72, dtype=dtype, scale=4.0, seed=1)

@@ -33,6 +33,17 @@ def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
 
+def cache_entry(latent: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """latent [T, rank], k_pe [T, rope] -> the cache entry [T, 1, rank + rope]: a view where k_pe already follows
+    latent in one buffer (``fused.mla_entry`` writes them so), else their concatenation."""
+    t, rank = latent.shape
+    if (latent.dtype == k_pe.dtype and latent.untyped_storage().data_ptr() == k_pe.untyped_storage().data_ptr()
+            and latent.stride() == k_pe.stride() and latent.stride(1) == 1
+            and k_pe.storage_offset() == latent.storage_offset() + rank):
+        return latent.as_strided((t, 1, rank + k_pe.shape[1]), (latent.stride(0), latent.stride(0), 1))
+    return torch.cat([latent, k_pe], dim=-1)[:, None, :]
+
+
 def latent_to_values(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """Latent attention output [T, H, rank] x W_UV [H, v, rank] -> [T, H, v]."""
     return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
@@ -87,7 +98,7 @@ class MLAAttention(nn.Module):
     ) -> torch.Tensor:  # [T, H * v_head_dim]
         t = q_nope.shape[0]
         w_uk, w_uv = split_kv_b(kv_b_weight, self.num_heads, self.qk_nope_head_dim)
-        entry = None if latent is None else torch.cat([latent, k_pe], dim=-1)[:, None, :]  # [T, 1, rank + rope]
+        entry = None if latent is None else cache_entry(latent, k_pe)  # [T, 1, rank + rope]
         q = torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)  # [T, H, rank + rope]
         o = self.attn(q, entry, None, ctx).view(t, self.num_heads, self.kv_lora_rank)
         return latent_to_values(o, w_uv).reshape(t, self.num_heads * self.v_head_dim)

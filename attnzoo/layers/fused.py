@@ -153,6 +153,13 @@ def norm_rope_ref(q, k, v, cos, sin, q_norm: NormParams, k_norm: NormParams | No
     return q, rope_ref(rms_norm_ref(k, k_norm), cos, sin, interleaved), None if v is None else rms_norm_ref(v, v_norm)
 
 
+def mla_entry_ref(q_pe, kv, norm: NormParams, cos, sin, interleaved: bool = False):
+    p = q_pe.shape[-1]
+    latent, k_pe = kv.split([kv.shape[-1] - p, p], dim=-1)
+    k_pe = rope_ref(k_pe[:, None, :], cos, sin, interleaved)[:, 0]
+    return rope_ref(q_pe, cos, sin, interleaved), torch.cat([rms_norm_ref(latent, norm), k_pe], dim=-1)
+
+
 def softcap_ref(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x.float() / cap) * cap
 
@@ -287,6 +294,17 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, norm: No
         return rope_tail_ref(x, cos, sin, norm, in_place)
     out = k.rope_tail(x if x.dim() == 3 else x.unsqueeze(1), cos, sin, norm, in_place=in_place)
     return out.view(x.shape)
+
+
+def mla_entry(q_pe: torch.Tensor, kv: torch.Tensor, norm: NormParams, cos: torch.Tensor, sin: torch.Tensor, *,
+              interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's work between its projections and attention: q_pe [T, H, P] roped, and the cache entry
+    [T, R + P] = [RMSNorm(latent), RoPE(k_pe)] of kv = [latent, k_pe] [T, R + P], cos/sin [T, P]. One kernel on
+    a GPU where the RoPE, the norm and the concatenation were three."""
+    k = _triton(q_pe)
+    if k is None or cos.shape[-1] != q_pe.shape[-1] or q_pe.stride(-1) != 1 or kv.stride(-1) != 1:
+        return mla_entry_ref(q_pe, kv, norm, cos, sin, interleaved)
+    return k.mla_entry(q_pe, kv, norm, cos, sin, interleaved=interleaved)
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:

@@ -11,8 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from attnzoo import pdl
 from attnzoo.attention.kernels.codec import bf16_bits
-from attnzoo.attention.kernels.common import next_pow2
+from attnzoo.attention.kernels.common import next_pow2, prior_done
 
 # Elements one program keeps in registers: rows of a norm or heads of a RoPE tile are packed up to it.
 _TILE = 2048
@@ -45,8 +46,9 @@ def _rms_norm_kernel(
     eps, offset, x_eps, x_offset,
     N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
     HAS_W: tl.constexpr, HAS_RES: tl.constexpr, X_NORM: tl.constexpr, HAS_XW: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, PDL: tl.constexpr,
 ):
+    prior_done(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = (rows < num_rows)[:, None] & (cols < N)[None, :]
@@ -105,6 +107,7 @@ def rms_norm(x, weight, eps, offset, *, residual=None, x_weight=None, x_eps=0.0,
         float(eps), float(offset), float(x_eps), float(x_offset),
         N=n, BLOCK=block, ROWS=rows, HAS_W=weight is not None, HAS_RES=residual is not None,
         X_NORM=x_norm, HAS_XW=x_weight is not None, HAS_SCALE=scale is not None, num_warps=_warps(block * rows),
+        **pdl.launch_args(x),
     )
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(residual.shape))
@@ -120,7 +123,8 @@ def tanh(y):
 
 @triton.jit
 def _act_and_mul_kernel(X, OUT, stride_x, stride_o, I: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
-                        ROUND: tl.constexpr):
+                        ROUND: tl.constexpr, PDL: tl.constexpr):
+    prior_done(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -148,7 +152,7 @@ def act_and_mul(x, act: str):
     if x2.shape[0]:
         _act_and_mul_kernel[(x2.shape[0], triton.cdiv(i, block))](
             x2, out, x2.stride(0), out.stride(0), I=i, BLOCK=block, ACT=ACTIVATIONS[act], ROUND=ROUND_OF.get(x.dtype, ""),
-            num_warps=4,
+            num_warps=4, **pdl.launch_args(x),
         )
     return out.view(*x.shape[:-1], i)
 
@@ -172,7 +176,9 @@ def softcap(x, cap: float):
 
 
 @triton.jit
-def _argmax_chunks_kernel(X, VAL, IDX, BAD, V, stride_x, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+def _argmax_chunks_kernel(X, VAL, IDX, BAD, V, stride_x, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
+    prior_done(PDL)
     # One chunk of one row: its largest finite value, that value's first index, and whether it holds NaN/+inf.
     r, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = c * BLOCK + tl.arange(0, BLOCK)
@@ -186,7 +192,8 @@ def _argmax_chunks_kernel(X, VAL, IDX, BAD, V, stride_x, CHUNKS: tl.constexpr, B
 
 
 @triton.jit
-def _argmax_rows_kernel(VAL, IDX, BAD, OUT, CHUNKS: tl.constexpr, CP: tl.constexpr):
+def _argmax_rows_kernel(VAL, IDX, BAD, OUT, CHUNKS: tl.constexpr, CP: tl.constexpr, PDL: tl.constexpr):
+    prior_done(PDL)
     r = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CP)
     ok = c < CHUNKS
@@ -209,8 +216,10 @@ def argmax_finite(x):
     bad = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows:
-        _argmax_chunks_kernel[(rows, chunks)](x, val, idx, bad, v, x.stride(0), CHUNKS=chunks, BLOCK=block, num_warps=8)
-        _argmax_rows_kernel[(rows,)](val, idx, bad, out, CHUNKS=chunks, CP=max(2, next_pow2(chunks)), num_warps=1)
+        _argmax_chunks_kernel[(rows, chunks)](x, val, idx, bad, v, x.stride(0), CHUNKS=chunks, BLOCK=block,
+                                              num_warps=8, **pdl.launch_args(x))
+        _argmax_rows_kernel[(rows,)](val, idx, bad, out, CHUNKS=chunks, CP=max(2, next_pow2(chunks)), num_warps=1,
+                                     **pdl.launch_args(x))
     return out
 
 
@@ -288,8 +297,9 @@ def _rope_kernel(Q, K, V, QO, KO, VO, COS, SIN, QW, KW, VW,
                  HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                  INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
                  HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, HAS_VW: tl.constexpr,
-                 TAIL: tl.constexpr = False, IN_PLACE: tl.constexpr = False):
+                 TAIL: tl.constexpr = False, IN_PLACE: tl.constexpr = False, PDL: tl.constexpr = False):
     # Programs along axis 1: q's head blocks, then k's, then v's (VH 0 without v; v is normed, not rotated).
+    prior_done(PDL)
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     q_blocks = tl.cdiv(QH, BLOCK_H)
@@ -352,6 +362,7 @@ def _rope_launch(q, k, v, cos, sin, norms, interleaved: bool, *, half: int | Non
             HAS_QW=norms[0] is not None and norms[0].weight is not None,
             HAS_KW=norms[1] is not None and norms[1].weight is not None,
             HAS_VW=norms[2] is not None and norms[2].weight is not None, TAIL=tail, IN_PLACE=in_place, num_warps=4,
+            **pdl.launch_args(q),
         )
     return qo, ko, vo
 
@@ -371,3 +382,62 @@ def rope_tail(x, cos, sin, norm, *, in_place: bool):
     2 R channels rotated where they are, cos/sin [T, R]."""
     return _rope_launch(x, None, None, cos, sin, None if norm is None else (norm,), True, half=cos.shape[-1],
                         tail=True, in_place=in_place)[0]
+
+
+@triton.jit
+def _mla_entry_kernel(Q, KV, QO, ENTRY, COS, SIN, W, stride_qt, stride_qh, stride_kvt, stride_ct, eps, offset,
+                      H: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr,
+                      HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+                      HAS_W: tl.constexpr, PDL: tl.constexpr):
+    # Program 0 of token t: the entry (the latent normed, the shared key roped); the others: q's head blocks.
+    prior_done(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    if blk > 0:
+        _rope_tile(Q, QO, COS, SIN, QO, t, (blk - 1) * BLOCK_H, stride_qt, stride_qh, stride_ct, 0.0, 0.0,
+                   H, 2 * HALF, HALF, HALF_PAD, 0, BLOCK_H, INTERLEAVED, False, False, True, False, False)
+    else:
+        cols = tl.arange(0, BLOCK_R)
+        x = tl.load(KV + t * stride_kvt + cols, mask=cols < R, other=0.0)
+        dtype = x.dtype
+        w = tl.zeros([BLOCK_R], tl.float32)
+        if HAS_W:
+            w = tl.load(W + cols, mask=cols < R, other=0.0).to(tl.float32)
+        y = _rms(x.to(tl.float32)[None, :], w, eps, offset, R, HAS_W)
+        row = ENTRY + t * (R + 2 * HALF)
+        tl.store(row + cols[None, :], y.to(dtype), mask=(cols < R)[None, :])
+        i = tl.arange(0, HALF_PAD)
+        ok = i < HALF
+        if INTERLEAVED:  # pairs written de-interleaved, as q's are
+            i1, i2 = 2 * i, 2 * i + 1
+        else:
+            i1, i2 = i, HALF + i
+        a = tl.load(KV + t * stride_kvt + R + i1, mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(KV + t * stride_kvt + R + i2, mask=ok, other=0.0).to(tl.float32)
+        c = tl.load(COS + t * stride_ct + i, mask=ok, other=0.0)
+        s = tl.load(SIN + t * stride_ct + i, mask=ok, other=0.0)
+        tl.store(row + R + i, (a * c - b * s).to(dtype), mask=ok)
+        tl.store(row + R + HALF + i, (b * c + a * s).to(dtype), mask=ok)
+
+
+def mla_entry(q_pe, kv, norm, cos, sin, *, interleaved: bool):
+    """``fused.mla_entry``: q_pe [T, H, P] (rows of stride-1 channels), kv [T, R + P], cos/sin [T, P] -> roped
+    q_pe [T, H, P] and the entry [T, R + P], new contiguous tensors."""
+    t, h, p = q_pe.shape
+    r = kv.shape[1] - p
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    q_out = torch.empty((t, h, p), dtype=q_pe.dtype, device=q_pe.device)
+    entry = torch.empty((t, r + p), dtype=kv.dtype, device=kv.device)
+    half = p // 2
+    half_pad = max(16, next_pow2(half))
+    fit = _TILE // (2 * half_pad)
+    block_h = max(1, min(next_pow2(h), 1 << (fit.bit_length() - 1)))
+    if t:
+        _mla_entry_kernel[(t, 1 + triton.cdiv(h, block_h))](
+            q_pe, kv, q_out, entry, cos, sin, entry if norm.weight is None else norm.weight,
+            q_pe.stride(0), q_pe.stride(1), kv.stride(0), cos.stride(0), float(norm.eps), float(norm.offset),
+            H=h, R=r, BLOCK_R=max(16, next_pow2(r)), HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h,
+            INTERLEAVED=interleaved, HAS_W=norm.weight is not None, num_warps=4, **pdl.launch_args(kv),
+        )
+    return q_out, entry

@@ -13,6 +13,7 @@ that importing a model file never imports triton; on CPU the interpreter must be
 import triton
 import triton.language as tl
 
+from attnzoo.attention.kernels.common import prior_done
 from attnzoo.layers.fp8_kernels import quant_groups
 
 
@@ -20,11 +21,12 @@ from attnzoo.layers.fp8_kernels import quant_groups
 # kernel per tile config serves every batch and both projections (and the tile sweep compiles less).
 @triton.jit(do_not_specialize=["n"])
 def align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, n, expert_start, num_local,
-                 BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     # One program per local expert. Each counts every expert's assignments itself (a histogram of the
     # ids: no separate count launch, no zeroed buffer); its padded run starts after the padded runs of
     # experts < e; its assignments are written there in flat order (deterministic), then sentinel rows
     # (n) pad it. Ids of other ranks' experts fall in bin BINS - 1 (>= num_local), which is ignored.
+    prior_done(PDL)
     e = tl.program_id(0)
     cnt = tl.zeros([BINS], dtype=tl.int32)
     for c in range(0, n, CHUNK):
@@ -85,12 +87,13 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, bias
                 F32_OPERANDS: tl.constexpr,
                 GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                B_MXFP4: tl.constexpr = False):
+                B_MXFP4: tl.constexpr = False, PDL: tl.constexpr = False):
     # C[row] = A[row // rows_per_a] @ B[expert(block)]^T for the rows of one padded M block; rows are
     # flat (token, slot) indices, A is x (rows_per_a = k) or the intermediate (rows_per_a = 1; a
     # runtime value so that one compiled kernel serves every top-k).
     # IEEE: float32 models get no TF32 rounding. F32_OPERANDS (off the GPU): Triton's interpreter
     # multiplies the raw bits of bfloat16 tl.dot operands (see attention/kernels/common.py dot_args).
+    prior_done(PDL)
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * num_pid_n
@@ -181,11 +184,12 @@ def _clamp(x, lo, hi):
 def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
                ACT: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, MIN_AMAX: tl.constexpr,
                BLOCK: tl.constexpr, GROUPS: tl.constexpr, ALPHA: tl.constexpr = 1.702, LIMIT: tl.constexpr = 7.0,
-               CLAMP: tl.constexpr = 0.0):
+               CLAMP: tl.constexpr = 0.0, PDL: tl.constexpr = False):
     # y = act(x[:, :width]) * x[:, width:] (ACT 1 silu, 2 gelu-tanh; 3 gpt-oss's clamped SwiGLU,
     # (clamp(up, -LIMIT, LIMIT) + 1) * g * sigmoid(ALPHA * g), g = min(gate, LIMIT)), in float32, for GROUPS x BLOCK channels
     # of one row; with QUANT, FP8 with one scale per BLOCK (= the quantization group) channels. CLAMP > 0
     # clamps gate above and up on both sides first (DeepSeek-V4's SwiGLU).
+    prior_done(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     offs = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
@@ -213,8 +217,10 @@ def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
 
 
 @triton.jit
-def sum_kernel(x_ptr, add_ptr, out_ptr, width, TOP_K: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
+def sum_kernel(x_ptr, add_ptr, out_ptr, width, TOP_K: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr,
+               PDL: tl.constexpr = False):
     # out[t] = add[t] + sum_j x[t * TOP_K + j] over the k (already weighted) rows of token t, in float32.
+    prior_done(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < width
@@ -230,9 +236,10 @@ def sum_kernel(x_ptr, add_ptr, out_ptr, width, TOP_K: tl.constexpr, ADD: tl.cons
 def route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, group_size, num_groups, topk_group,
                  scale, stride_l,
                  SIGMOID: tl.constexpr, GROUP_SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                 TOP_K: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr):
+                 TOP_K: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr = False):
     # One token per program, all in registers; the torch ops of moe.select_experts_reference in order.
     # GROUP_SCORE: 0 no groups, 1 a group's best expert, 2 the sum of its two best.
+    prior_done(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_POW2)
     ok = offs < num_experts

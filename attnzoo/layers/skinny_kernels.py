@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attnzoo import pdl
+from attnzoo.attention.kernels.common import prior_done
 from attnzoo.layers.fused_kernels import ACTIVATIONS, ROUND_OF, rounded, tanh
 
 BLOCK_M = 16  # rows of x one program multiplies, padded (tensor-core tiles are 16 deep)
@@ -30,8 +32,9 @@ class Config(NamedTuple):
 def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr,
-                   GATED: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr):
+                   GATED: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
     # GATED: W [2N, K] is gate rows then up rows, and the output act(gate) * up, rounded as the two-kernel path
+    prior_done(PDL)
     pid = tl.program_id(0)
     rn = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # int64: a vocabulary-sized W passes 2**31 elements
     rm = tl.arange(0, BLOCK_M)
@@ -53,7 +56,7 @@ def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
             x = tl.load(x_ptr, mask=(rm[:, None] < M) & ((k0 + rk) < K)[None, :], other=0.0)
             if GATED:
                 wu = tl.load(up_ptr, mask=w_ok, other=0.0)
-        if F32_DOT:  # the interpreter's dot reads bfloat16 as raw integers
+        if F32_DOT:  # float32 weights (routers); the interpreter, whose dot reads bfloat16 as raw integers
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         if GATED:
@@ -81,19 +84,22 @@ def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: Config,
            act: str | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 16, unit stride along K), weight [N, K] contiguous, bias [N] or None -> [M, N] in x's dtype.
+    """x [M, K] (M <= 16, unit stride along K), weight [N, K] contiguous, bias [N] or None -> [M, N] in x's dtype,
+    or float32 for a float32 weight (x widened as it is read; the product in float32).
     ``act`` ("silu", "gelu_tanh"): weight is [2I, K] (gate rows, then up rows) and the result act(gate) * up
     [M, I], ``config.block_n`` rows of each per program."""
     m, k = x.shape
     if m > BLOCK_M:
         raise ValueError(f"the skinny kernel multiplies at most {BLOCK_M} rows, got {m}")
     n = weight.shape[0] if act is None else weight.shape[0] // 2
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    wide = weight.dtype == torch.float32
+    y = torch.empty((m, n), dtype=weight.dtype if wide else x.dtype, device=x.device)
     c = config
     even = n % c.block_n == 0 and k % c.block_k == 0
     _skinny_kernel[(triton.cdiv(n, c.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=c.block_n, BLOCK_K=c.block_k, HAS_BIAS=bias is not None, EVEN=even,
-        F32_DOT=not x.is_cuda, GATED=act is not None, ACT=ACTIVATIONS.get(act, 0), ROUND=ROUND_OF.get(x.dtype, ""),
-        num_warps=c.warps, num_stages=c.stages)
+        F32_DOT=wide or not x.is_cuda, GATED=act is not None, ACT=ACTIVATIONS.get(act, 0),
+        ROUND=ROUND_OF.get(y.dtype, ""),
+        num_warps=c.warps, num_stages=c.stages, **pdl.launch_args(x))
     return y

@@ -18,16 +18,16 @@ import logging
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.mla import MLAAttention
 from attnzoo.errors import ModelLoadError, WeightError
-from attnzoo.layers.moe import FusedMoE, select_experts
+from attnzoo.layers import fused
+from attnzoo.layers.moe import FusedMoE, router_logits, select_experts
 from attnzoo.layers.parallel import SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext
 from attnzoo.models.common import (
-    DecoderLayer, DecoderLM, DecoderModel, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope_qk,
+    DecoderLayer, DecoderLM, DecoderModel, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding,
 )
 from attnzoo.models import validate
 
@@ -113,10 +113,11 @@ class DeepseekAttention(nn.Module):
             q = self.q_b_proj(q_resid)
         q_nope, q_pe = q.view(x.shape[0], self.num_heads, self.qk_head_dim).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        latent, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         # Interleaved: pairs (x0, x1), (x2, x3), ... rotated, written de-interleaved (the same for q and k).
-        q_pe, k_pe = apply_rope_qk(q_pe, k_pe[:, None, :], cos, sin, interleaved=self.interleaved_rope)
-        return q_nope, q_pe, q_resid, self.kv_a_layernorm(latent), k_pe[:, 0]
+        # The entry holds the normed latent, then the roped key: the cache entry as it is stored.
+        q_pe, entry = fused.mla_entry(q_pe, kv, self.kv_a_layernorm, cos, sin, interleaved=self.interleaved_rope)
+        latent, k_pe = entry.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        return q_nope, q_pe, q_resid, latent, k_pe
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         q_nope, q_pe, _, latent, k_pe = self.project(x, cos, sin)
@@ -171,7 +172,7 @@ class DeepseekRouter(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight)  # [T, E]
+        logits = router_logits(x, self.weight)  # [T, E] float32
         if self.scoring == "softmax":
             # V2: softmax scores; group-limited greedy ranks groups by their best expert.
             grouped = self.topk_method == "group_limited_greedy"

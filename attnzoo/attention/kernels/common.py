@@ -12,6 +12,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from attnzoo.errors import BackendError
 
@@ -27,6 +28,14 @@ MAX_HEAD_DIM = 1024
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+@triton.jit
+def prior_done(PDL: tl.constexpr):
+    # attnzoo.pdl: let the next kernel launch now (it waits in turn), then wait for the previous one's writes.
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 @functools.cache

@@ -34,6 +34,7 @@ from attnzoo.attention.kernels.common import (
     head_dim_tiles,
     launch,
     next_pow2,
+    prior_done,
     value_tile,
 )
 from attnzoo.attention.kernels.decode_launch import (
@@ -43,6 +44,7 @@ from attnzoo.attention.kernels.decode_launch import (
     decode_launch_config,
     fill_waves,
 )
+from attnzoo import pdl
 from attnzoo.errors import BackendError
 
 # Stage 2 merges up to this many splits in one compiled variant (masked): a power of two per count compiled mid-run.
@@ -105,7 +107,9 @@ def _decode_stage1(
     DIRECT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    prior_done(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
     hblk = tl.program_id(1) % HEAD_BLOCKS
@@ -160,7 +164,9 @@ def _cascade_shared(
     V_FROM_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    prior_done(PDL)
     # Rows are (request, query head of this KV head's group) pairs, request-major: every row sees the
     # same keys [0, shared_len) through request 0's pages, so one K/V tile serves BLOCK_M rows.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -199,7 +205,9 @@ def _decode_stage2(
     V_DIM: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    prior_done(PDL)
     # One program merges BLOCK_H heads of one request: a [BLOCK_H, BLOCK_S, BLOCK_DV] tile of partials.
     b = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -297,7 +305,7 @@ def _stage1(q, k_cache, v_cache, block_tables, seq_lens, dest, lse, *, direct, n
         HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=value_tile(v_dim), BLOCK_H=block_h,
         PAGE_SIZE=page_size, HAS_SOFTCAP=bool(logit_softcap), HAS_WINDOW=bool(sliding_window),
         HAS_SINKS=direct and sinks is not None,
-        V_FROM_K=_v_from_k(k_cache, v_cache), DIRECT=direct, **dot_args(k_cache),
+        V_FROM_K=_v_from_k(k_cache, v_cache), DIRECT=direct, **dot_args(k_cache), **pdl.launch_args(q),
     )
     if launch_config is None and q.is_cuda and cfg["BLOCK_N"] > WAVE_TILE_N:
         cfg = fill_waves(_decode_stage1, grid, args, constexprs, cfg, batch * num_kv_heads * head_blocks * num_kv_splits)
@@ -315,7 +323,7 @@ def _stage2(partial, lse, out, sinks=None):
         partial, lse, out, out if sinks is None else sinks,
         *partial.stride(), *lse.stride(), *out.stride(), heads, splits,
         BLOCK_H=block_h, BLOCK_S=block_s, V_DIM=v_dim, BLOCK_DV=bdv, HAS_SINKS=sinks is not None,
-        num_warps=4 if bdv <= 256 else 8,
+        num_warps=4 if bdv <= 256 else 8, **pdl.launch_args(partial),
     )
 
 
@@ -425,6 +433,7 @@ def cascade_decode_attention(
             GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim,
             BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=value_tile(v_dim), PAGE_SIZE=page_size,
             HAS_SOFTCAP=bool(logit_softcap), V_FROM_K=_v_from_k(k_cache, v_cache), **dot_args(k_cache),
+            **pdl.launch_args(q),
         ),
         cfg,
         tile_keys=("BLOCK_M", "BLOCK_N"),

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attnzoo.attention.kernels.common import next_pow2
+from attnzoo import pdl
+from attnzoo.attention.kernels.common import next_pow2, prior_done
 from attnzoo.attention.kernels.codec import fp8_bytes
 from attnzoo.errors import BackendError
 
@@ -34,7 +35,9 @@ def _store_kernel(
     BLOCK_V: tl.constexpr,
     HAS_V: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    prior_done(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(SLOTS + t).to(tl.int64)
@@ -97,7 +100,7 @@ def store_kv(
         PAGE_SIZE=k_cache.shape[2], K_DIM=k_dim, V_DIM=v_arg.shape[2],
         BLOCK_K=next_pow2(k_dim), BLOCK_V=next_pow2(v_arg.shape[2]), HAS_V=has_v,
         FP8=fp8,
-        num_warps=1 if max(k_dim, v_arg.shape[2]) <= 256 else 2,
+        num_warps=1 if max(k_dim, v_arg.shape[2]) <= 256 else 2, **pdl.launch_args(k),
     )
 
 

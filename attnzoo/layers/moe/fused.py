@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from attnzoo import pdl
 from attnzoo.errors import ModelLoadError
 from attnzoo.layers.fp8 import GROUP as QUANT_GROUP
 from attnzoo.layers.fp8 import GROUPS_PER_PROGRAM, MIN_AMAX, act_quant
@@ -51,7 +52,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_local: int, e
     total = torch.empty(1, dtype=torch.int32, device=dev)
     bins = 1 << num_local.bit_length()  # > num_local: the last bin collects other ranks' experts
     k.align_kernel[(num_local,)](ids, sorted_ids, expert_ids, total, n, expert_start, num_local,
-                                 BLOCK_M=block_m, BINS=bins, CHUNK=256)
+                                 BLOCK_M=block_m, BINS=bins, CHUNK=256, **pdl.launch_args(ids))
     return sorted_ids, expert_ids, total
 
 
@@ -100,7 +101,7 @@ def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *
         F32_OPERANDS=a.device.type != "cuda",
         GROUP_N=block[0], GROUP_K=block[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, B_MXFP4=mxfp4,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, B_MXFP4=mxfp4, **pdl.launch_args(a),
     )
 
 
@@ -114,7 +115,7 @@ def _act_and_mul(gate_up: torch.Tensor, act: str, quant: bool, dtype, ue8m0: boo
     _kernels().act_kernel[(m, _cdiv(inter, block * groups))](
         gate_up, y.view(torch.uint8) if quant else y, s, inter, gate_up.stride(0), y.stride(0), s.stride(0),
         ACT=ACTIVATIONS.index(act) + 1, ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT, CLAMP=float(clamp), QUANT=quant, UE8M0=ue8m0,
-        MIN_AMAX=MIN_AMAX, BLOCK=block, GROUPS=groups,
+        MIN_AMAX=MIN_AMAX, BLOCK=block, GROUPS=groups, **pdl.launch_args(gate_up),
     )
     return y, (s if quant else None)
 
@@ -195,5 +196,5 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
     out = torch.empty_like(x)
     add = None if add is None else add.contiguous()
     _kernels().sum_kernel[(t, _cdiv(x.shape[1], 1024))](down, out if add is None else add, out, x.shape[1], TOP_K=k,
-                                                       ADD=add is not None, BLOCK=1024)
+                                                       ADD=add is not None, BLOCK=1024, **pdl.launch_args(x))
     return out

@@ -1,14 +1,22 @@
-"""MoE routing: router logits -> (weights, expert ids), DeepSeek's softmax or sigmoid scores, group-limited
-choice, top-k, renormalisation and scaling; one Triton launch per layer on a GPU."""
+"""MoE routing: float32 router logits, then (weights, expert ids) from DeepSeek's softmax or sigmoid scores,
+group-limited choice, top-k, renormalisation and scaling; one Triton launch each per layer on a GPU."""
 from __future__ import annotations
 
 import torch
 
+from attnzoo import pdl
 from attnzoo.errors import ModelLoadError
+from attnzoo.layers import skinny
 from attnzoo.layers.moe.fused import _kernels
 
 
 GROUP_SCORES = (None, "max", "top2")
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, hidden] in the model dtype, a float32 router weight [E, hidden] -> float32 logits [T, E]: the
+    reference's F.linear(x.float(), weight), at decode's few rows in one launch (``skinny.float_linear``)."""
+    return skinny.float_linear(x, weight)
 
 
 def select_experts_reference(logits, *, top_k: int, sigmoid: bool, group_score: str | None = None, n_group: int = 1,
@@ -62,6 +70,7 @@ def select_experts(logits: torch.Tensor, *, top_k: int, sigmoid: bool, group_sco
             n_group, topk_group, float(scale), logits.stride(0),
             SIGMOID=sigmoid, GROUP_SCORE=GROUP_SCORES.index(group_score), HAS_BIAS=correction_bias is not None,
             RENORM=renormalize, TOP_K=top_k, K_POW2=1 << (top_k - 1).bit_length(), E_POW2=1 << (e - 1).bit_length(),
+            **pdl.launch_args(logits),
         )
     return weights, ids
 

@@ -1,0 +1,48 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels of a step, on Hopper (SM90) and later GPUs.
+
+A decode step at small batch is hundreds of short kernels, and between two of them the GPU drains one and
+ramps up the next. Launched with PDL, a kernel is scheduled while its predecessor still runs and waits
+(``griddepcontrol.wait``) before its first read, so its launch overlaps the other's tail; inside a CUDA
+graph the launch attribute becomes a programmatic edge (benchmarks/pdl_chain.py; results/README.md).
+
+The contract of a kernel that takes it: a ``PDL: tl.constexpr`` argument and
+``attention.kernels.common.prior_done(PDL)`` before it touches memory, so it reads nothing its predecessor has not finished writing and writes nothing the
+predecessor may still read; its launch passes ``**launch_args(x)``. Kernels that skip it (torch's, cuBLAS's)
+keep the ordinary stream order. Off on CPUs (the interpreter), on GPUs before SM90, and within ``use(False)``.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterator
+
+import torch
+
+_forced_off = False
+
+
+@contextlib.contextmanager
+def use(on: bool) -> Iterator[None]:
+    """Within the block, launch with PDL where the GPU has it (True, the default) or never (False)."""
+    global _forced_off
+    previous, _forced_off = _forced_off, not on
+    try:
+        yield
+    finally:
+        _forced_off = previous
+
+
+@functools.cache
+def _supported(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether a kernel reading ``x`` (on its device) launches with PDL."""
+    return x.is_cuda and not _forced_off and _supported(x.device.index or 0)
+
+
+def launch_args(x: torch.Tensor) -> dict:
+    """The kernel argument and the launch option of a PDL kernel whose inputs live where ``x`` does."""
+    on = enabled(x)
+    return {"PDL": on, "launch_pdl": on}

@@ -1,0 +1,79 @@
+"""Programmatic dependent launch (attnzoo.pdl): every kernel that takes it waits before touching memory, it is
+off where it cannot run, and on a GPU a decode with it gives the bits of a decode without it."""
+import ast
+import inspect
+import textwrap
+
+import pytest
+import torch
+
+from attnzoo import pdl
+
+GPU = torch.cuda.is_available()
+
+
+def _pdl_kernels():
+    from attnzoo.attention.kernels import decode, store
+    from attnzoo.layers import fused_kernels, moe_kernels, skinny_kernels
+
+    kernels = [decode._decode_stage1, decode._cascade_shared, decode._decode_stage2, store._store_kernel,
+               skinny_kernels._skinny_kernel, fused_kernels._rms_norm_kernel, fused_kernels._act_and_mul_kernel,
+               fused_kernels._rope_kernel, fused_kernels._argmax_chunks_kernel, fused_kernels._argmax_rows_kernel,
+               moe_kernels.align_kernel, moe_kernels.gemm_kernel, moe_kernels.act_kernel, moe_kernels.sum_kernel,
+               moe_kernels.route_kernel]
+    return {k.fn.__name__: k for k in kernels}
+
+
+@pytest.mark.parametrize("name", sorted(_pdl_kernels()))
+def test_a_pdl_kernel_waits_for_its_predecessor_before_any_memory_access(name):
+    # A read before the wait could see the previous kernel's output half-written; a write could race its reads.
+    kernel = _pdl_kernels()[name]
+    assert "PDL" in kernel.arg_names
+    body = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0].body
+    calls = [ast.unparse(s) for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    assert calls[0] == "prior_done(PDL)", f"{name} starts with {calls[0]!r}, not prior_done(PDL)"
+
+
+def test_pdl_is_off_on_a_cpu_and_within_use_false():
+    x = torch.zeros(4)
+    assert pdl.launch_args(x) == {"PDL": False, "launch_pdl": False}
+    with pdl.use(False):
+        assert not pdl.enabled(x)
+        with pdl.use(True):
+            assert not pdl.enabled(x)  # still a CPU tensor
+    if GPU:
+        y = x.cuda()
+        on = torch.cuda.get_device_capability() >= (9, 0)
+        assert pdl.enabled(y) is on
+        with pdl.use(False):
+            assert pdl.launch_args(y) == {"PDL": False, "launch_pdl": False}
+        assert pdl.enabled(y) is on
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability() < (9, 0), reason="PDL needs an SM90+ GPU")
+@pytest.mark.parametrize("model", ["llama", "deepseek_v2"])
+def test_graph_decode_with_pdl_gives_the_bits_of_decode_without_it(tmp_path, model):
+    """bfloat16 at batches 1 and 3, so the skinny projections, fused norms and RoPE, the KV store, both decode
+    stages and (DeepSeek) the MoE's route, sort, GEMMs and sum all launch with PDL inside the CUDA graphs."""
+    import attnzoo
+    from helpers import random_prompts, save_checkpoint
+    from test_deepseek import MODELS
+    from test_llama import tiny_llama
+
+    save_checkpoint(tiny_llama(heads=8, kv_heads=2, head_dim=64, layers=3) if model == "llama"
+                    else MODELS["v2-noqlora-grouped"][0](), tmp_path)
+    outs = {}
+    for on in (False, True):
+        with pdl.use(on):
+            llm = attnzoo.load_model(tmp_path, backend="triton", dtype="bfloat16", page_size=16, cuda_graph=True,
+                                     max_running=4)
+            for n in (1, 3):
+                prompts = random_prompts(160, [7 + 11 * i for i in range(n)], seed=n)
+                outs[on, n] = llm.generate(prompts, max_new_tokens=32, ignore_eos=True, return_logits=True)
+            assert llm.engine.graph_stats["replayed"] > 0
+        del llm
+    for n in (1, 3):
+        for a, b in zip(outs[False, n], outs[True, n]):
+            assert a.token_ids == b.token_ids
+            assert torch.equal(a.logits, b.logits)
