@@ -32,10 +32,12 @@ def next_pow2(n: int) -> int:
 
 @triton.jit
 def prior_done(PDL: tl.constexpr):
-    # attnzoo.pdl: let the next kernel launch now (it waits in turn), then wait for the previous one's writes.
+    # attnzoo.pdl: wait for the previous kernel's writes, then let the next kernel launch (it waits in turn).
+    # In this order only one kernel waits ahead: launched before its wait, each would let the next launch too,
+    # a chain of waiting programs taking the SMs' slots (measured slower, results/README.md).
     if PDL:
-        gdc_launch_dependents()
         gdc_wait()
+        gdc_launch_dependents()
 
 
 @functools.cache
