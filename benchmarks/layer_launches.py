@@ -5,7 +5,8 @@
 A small model of the shape's structure (V2-Lite: no q low-rank path, softmax greedy routing over 64
 experts, top-6, 2 shared; V3: q low-rank, sigmoid grouped routing over 256 experts in 8 groups, top-8;
 tiny widths, bfloat16 as on a GPU) runs one decode step with every fused op on its GPU path
-(``fused.use("triton")``: the Triton kernels under the interpreter, the fused MoE included). Counted in
+(``fused.use("triton")``: the Triton kernels under the interpreter, the fused MoE included), and the
+projections on the skinny kernel as at decode's few rows on a GPU. Counted in
 the last layer, per module: Triton launches, plus torch ops that would launch a GPU kernel (views,
 allocations and metadata ops are not launches). The attention core (the MLA backend's kernels) is left
 out: it is the backend's, not the layer's.
@@ -29,7 +30,7 @@ import triton.runtime.interpreter as interp  # noqa: E402
 from transformers import DeepseekV2Config, DeepseekV3Config  # noqa: E402
 
 import attnzoo  # noqa: E402
-from attnzoo.layers import fused  # noqa: E402
+from attnzoo.layers import fused, skinny  # noqa: E402
 
 # aten ops that launch no kernel: views, allocations, metadata.
 NO_LAUNCH = {
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
             counter.quiet -= 1
 
     interp.InterpretedFunction.run = counted_run
-    with fused.use("triton"):
+    with fused.use("triton"), skinny.use(True):  # decode's few rows take the skinny projections on a GPU
         llm = attnzoo.load_model(config, load_format="random", backend="torch", device="cpu", dtype="bfloat16")
         layer = llm.model.model.layers[-1]
         step = {"n": 0}
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
             def pre(m, a):
                 if label == "layer":
                     step["n"] += 1
-                if step["n"] == 2:  # the first decode step (the prompt's prefill is step 1)
+                if step["n"] == 3:  # the second decode step: the first builds the cached one-token MoE blocks
                     counter.where.append(label)
             return pre
 
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
         core.register_forward_pre_hook(lambda m, a: setattr(counter, "quiet", counter.quiet + 1))
         core.register_forward_hook(lambda m, a, o: setattr(counter, "quiet", counter.quiet - 1))
         with counter:
-            llm.generate([[5, 6, 7, 8]] * args.tokens, max_new_tokens=2, ignore_eos=True)
+            llm.generate([[5, 6, 7, 8]] * args.tokens, max_new_tokens=3, ignore_eos=True)
     interp.InterpretedFunction.run = run
     total = sum(counter.ops.values())
     print(f"{args.shape}: kernel launches in one MoE decoder layer, decode step of {args.tokens} token(s), "
