@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import importlib
 
+from attnzoo.errors import BackendError
+
 
 def import_object(spec: str):
     """``"package.module:Name"`` -> that object, importing its module now (registries call this on use)."""
@@ -28,9 +30,16 @@ def lazy_module(name: str) -> _LazyModule:
 
 @functools.lru_cache(maxsize=None)
 def optional_module(name: str):
-    """Module ``name``, or None where importing it fails for a missing dependency (kernels that need Triton:
-    their torch references still run)."""
+    """Module ``name``, or None where a package it needs is not installed (kernels that need Triton: their torch
+    references still run). A package installed in a version that lacks what the module imports is an error,
+    not a quiet switch to the references."""
     try:
         return importlib.import_module(name)
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] == "attnzoo":
+            raise
         return None
+    except ImportError as e:
+        raise BackendError(f"importing {name} failed: {e}",
+                           fix="install the versions pyproject.toml asks for (triton>=3.4 for the Triton kernels), "
+                               "or uninstall the package to run the torch references") from e

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from typing import Iterator
 
 import torch
@@ -34,12 +35,15 @@ def use(on: bool) -> Iterator[None]:
 
 @functools.cache
 def _supported(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+    # NVIDIA's griddepcontrol only: a ROCm GPU's "capability" (9, 4) is not Hopper's.
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def enabled(x: torch.Tensor) -> bool:
-    """Whether a kernel reading ``x`` (on its device) launches with PDL."""
-    return x.is_cuda and not _forced_off and _supported(x.device.index or 0)
+    """Whether a kernel reading ``x`` (on its device) launches with PDL; never under Triton's interpreter, which
+    runs kernels on GPU tensors too but has no grid dependency control."""
+    return (x.is_cuda and not _forced_off and os.environ.get("TRITON_INTERPRET") != "1"
+            and _supported(x.device.index or 0))
 
 
 def launch_args(x: torch.Tensor) -> dict:

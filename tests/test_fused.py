@@ -175,19 +175,26 @@ def test_rope(dtype, interleaved):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["rotate-half", "interleaved"])
-@pytest.mark.parametrize("heads", [2, 33])
-def test_mla_entry(dtype, interleaved, heads):
+@pytest.mark.parametrize("heads,rope,norm", [(2, 16, "weight"), (33, 64, "weight"), (3, 16, "offset"),
+                                             (3, 16, "none")])
+def test_mla_entry(dtype, interleaved, heads, rope, norm, monkeypatch):
     # kv as a slice of a wider projection output (strided rows), a 40-wide latent (a padded tile); 33 heads of
-    # 16-wide q_pe spread over two programs after the entry's
-    t, rank, rope = 5, 40, 16
-    proj = randn(t, heads * 24 + rank + rope, dtype=dtype, seed=1)
-    q_pe = proj[:, :heads * 24].view(t, heads, 24)[..., 8:]
-    kv = proj[:, heads * 24:]
+    # 64-wide q_pe: two programs of q heads after the entry's
+    from attnzoo.layers import fused_kernels
+
+    t, rank = 5, 40
+    proj = randn(t, heads * (rope + 8) + rank + rope, dtype=dtype, seed=1)
+    q_pe = proj[:, :heads * (rope + 8)].view(t, heads, rope + 8)[..., 8:]
+    kv = proj[:, heads * (rope + 8):]
     _, _, cos, sin = rope_inputs(dtype, d=rope, seed=2)
-    norm = make_norm(rank, dtype, seed=3)
-    check(lambda: fused.mla_entry(q_pe, kv, norm, cos[:t], sin[:t], interleaved=interleaved), dtype)
-    q_ref, entry = fused.mla_entry_ref(q_pe, kv, norm, cos[:t], sin[:t], interleaved)
-    torch.testing.assert_close(q_ref, fused.rope_ref(q_pe, cos[:t], sin[:t], interleaved))
+    cos, sin = cos[:t], sin[:t]
+    norm = make_norm(rank, dtype, seed=3, offset=1.0 if norm == "offset" else 0.0, scale=norm != "none")
+    kernel, launches = fused_kernels.mla_entry, []
+    monkeypatch.setattr(fused_kernels, "mla_entry", lambda *a, **k: launches.append(1) or kernel(*a, **k))
+    check(lambda: fused.mla_entry(q_pe, kv, norm, cos, sin, interleaved=interleaved), dtype)
+    assert launches == [1]  # the kernel ran under "triton", not the reference
+    q_ref, entry = fused.mla_entry_ref(q_pe, kv, norm, cos, sin, interleaved)
+    torch.testing.assert_close(q_ref, fused.rope_ref(q_pe, cos, sin, interleaved))
     torch.testing.assert_close(entry[:, :rank], fused.rms_norm_ref(kv[:, :rank], norm))
 
 

@@ -20,7 +20,7 @@ def _pdl_kernels():
                skinny_kernels._skinny_kernel, fused_kernels._rms_norm_kernel, fused_kernels._act_and_mul_kernel,
                fused_kernels._rope_kernel, fused_kernels._argmax_chunks_kernel, fused_kernels._argmax_rows_kernel,
                moe_kernels.align_kernel, moe_kernels.gemm_kernel, moe_kernels.act_kernel, moe_kernels.sum_kernel,
-               moe_kernels.route_kernel]
+               moe_kernels.route_kernel, fused_kernels._mla_entry_kernel]
     return {k.fn.__name__: k for k in kernels}
 
 
@@ -48,6 +48,27 @@ def test_pdl_is_off_on_a_cpu_and_within_use_false():
         with pdl.use(False):
             assert pdl.launch_args(y) == {"PDL": False, "launch_pdl": False}
         assert pdl.enabled(y) is on
+
+
+@pytest.mark.skipif(not GPU, reason="the interpreter on GPU tensors needs a GPU")
+def test_pdl_is_off_under_the_interpreter_on_gpu_tensors_too(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # it runs kernels on GPU tensors but has no grid dependency control
+    assert pdl.launch_args(torch.zeros(1, device="cuda")) == {"PDL": False, "launch_pdl": False}
+
+
+def test_an_optional_kernel_module_is_none_without_its_package_and_an_error_with_a_wrong_version(tmp_path, monkeypatch):
+    from attnzoo.errors import BackendError
+    from attnzoo.lazy import optional_module
+
+    (tmp_path / "pdl_missing_pkg.py").write_text("import no_such_package_for_attnzoo_tests\n")
+    (tmp_path / "pdl_old_version.py").write_text("from json import no_such_name\n")  # an installed package lacking it
+    (tmp_path / "pdl_own_bug.py").write_text("import attnzoo.no_such_module\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert optional_module("pdl_missing_pkg") is None
+    with pytest.raises(BackendError, match="pdl_old_version.*Fix: install the versions"):
+        optional_module("pdl_old_version")
+    with pytest.raises(ModuleNotFoundError):
+        optional_module("pdl_own_bug")
 
 
 @pytest.mark.gpu

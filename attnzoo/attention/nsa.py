@@ -33,7 +33,7 @@ import torch
 from attnzoo.attention.backends.base import NSABackend, NSAPlan
 from attnzoo.attention.kv_layout import KVLayout
 from attnzoo.attention.layer import ForwardContext
-from attnzoo.attention.mla import MLAAttention, absorb_query, latent_to_values, split_kv_b
+from attnzoo.attention.mla import MLAAttention, absorb_query, cache_entry, latent_to_values, split_kv_b
 from attnzoo.attention.reference import (  # noqa: F401  (the NSA backends' helpers, read as nsa.<name>)
     entries_of,
     indexer_scores_reference,
@@ -111,7 +111,7 @@ class NSAAttention(MLAAttention):
             if index_k is not None:
                 ctx.pool.store(layer.layer_id, meta.slot_mapping, None, None, index_k=index_k)
         else:
-            entry = torch.cat([latent, k_pe], dim=-1)  # [T, rank + rope]
+            entry = cache_entry(latent, k_pe)[:, 0]  # [T, rank + rope]
             ctx.pool.store(layer.layer_id, meta.slot_mapping, entry[:, None, :], None, index_k=index_k)
             # Both backends of the engine, not just this step's: a token stored by prefill is read by decode
             # later, in the decode backend's layout. Converting now reads it once, from values in hand.

@@ -432,7 +432,7 @@ def mla_entry(q_pe, kv, norm, cos, sin, *, interleaved: bool):
     half = p // 2
     half_pad = max(16, next_pow2(half))
     fit = _TILE // (2 * half_pad)
-    block_h = max(1, min(next_pow2(h), 1 << (fit.bit_length() - 1)))
+    block_h = max(1, min(next_pow2(h), 1 << (fit.bit_length() - 1) if fit else 1))
     if t:
         _mla_entry_kernel[(t, 1 + triton.cdiv(h, block_h))](
             q_pe, kv, q_out, entry, cos, sin, entry if norm.weight is None else norm.weight,
