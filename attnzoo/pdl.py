@@ -1,14 +1,15 @@
 """Programmatic dependent launch (PDL) for the Triton kernels of a step, on Hopper (SM90) and later GPUs.
 
 A decode step at small batch is hundreds of short kernels, and between two of them the GPU drains one and
-ramps up the next. Launched with PDL, a kernel is scheduled while its predecessor still runs and waits
-(``griddepcontrol.wait``) before its first read, so its launch overlaps the other's tail; inside a CUDA
-graph the launch attribute becomes a programmatic edge (benchmarks/pdl_chain.py; results/README.md).
+ramps up the next. Launched with PDL, a kernel is scheduled while its predecessor still runs: it waits
+(``griddepcontrol.wait``) before it touches memory, then lets its own successor launch, so each launch
+overlaps the previous kernel's tail. Inside a CUDA graph the launch attribute becomes a programmatic edge
+(benchmarks/pdl_chain.py; results/pdl_batch1_nvidia_h100.txt).
 
-The contract of a kernel that takes it: a ``PDL: tl.constexpr`` argument and
-``attention.kernels.common.prior_done(PDL)`` before it touches memory, so it reads nothing its predecessor has not finished writing and writes nothing the
-predecessor may still read; its launch passes ``**launch_args(x)``. Kernels that skip it (torch's, cuBLAS's)
-keep the ordinary stream order. Off on CPUs (the interpreter), on GPUs before SM90, and within ``use(False)``.
+The contract of a kernel that takes it: a ``PDL: tl.constexpr`` argument and, as its first statement,
+``attention.kernels.common.prior_done(PDL)``; its launch passes ``**launch_args(x)``. Kernels that skip it
+(torch's, cuBLAS's) keep the ordinary stream order. Off on CPUs and under Triton's interpreter, on GPUs
+before SM90 and on ROCm, and within ``use(False)``.
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ def next_pow2(n: int) -> int:
 def prior_done(PDL: tl.constexpr):
     # attnzoo.pdl: wait for the previous kernel's writes, then let the next kernel launch (it waits in turn).
     # In this order only one kernel waits ahead: launched before its wait, each would let the next launch too,
-    # a chain of waiting programs taking the SMs' slots (measured slower, results/README.md).
+    # a chain of waiting programs taking the SMs' slots (measured slower: results/pdl_batch1_nvidia_h100.txt).
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
