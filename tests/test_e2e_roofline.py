@@ -99,3 +99,20 @@ def test_full_warm_up_leaves_only_the_first_two_prompts_cached(e2e, tmp_path):
     # the shared prefix's 5 full pages and the 6th page of each of the first two prompts (25 and 27 tokens):
     # none of the marker pass's (1 + 22 + ... tokens: 6 more pages a prompt)
     assert cache.evictable() == 7
+
+
+def test_a_one_prompt_warm_up_also_runs_the_cached_prefix_extend_the_measured_run_takes(e2e, tmp_path):
+    """With one prompt, the measured run extends only the prompt's tail past its cached pages: warm-up runs that
+    extend too, so its shapes compile before the measured first token."""
+    from helpers import random_prompts, save_checkpoint
+    from test_llama import tiny_llama
+
+    save_checkpoint(tiny_llama(), tmp_path)
+    llm = attnzoo.load_model(tmp_path, backend="torch", dtype="float32", page_size=4)
+    prompts = random_prompts(160, [22], seed=1)
+    cache, calls = llm.engine.pages.prefix_cache, []
+    generate = llm.generate
+    llm.generate = lambda p, **kw: calls.append((p, cache.evictable())) or generate(p, **kw)
+    e2e.warm_up(llm, prompts, full=True)
+    assert [p for p, _ in calls] == [prompts, prompts]
+    assert calls[0][1] == 0 and calls[1][1] == 5  # the second finds the prompt's 5 full pages cached
