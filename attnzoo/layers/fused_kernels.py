@@ -316,6 +316,12 @@ def _rope_kernel(Q, K, V, QO, KO, VO, COS, SIN, QW, KW, VW,
                    IN_PLACE)
 
 
+def _heads_per_program(heads: int, width: int) -> int:
+    """Heads of ``width`` values each that a RoPE program holds: about _TILE values, a power of two."""
+    fit = _TILE // width
+    return max(1, min(next_pow2(heads), 1 << (fit.bit_length() - 1) if fit else 1))
+
+
 def _rows(x):
     return None if x is None else (x if x.stride(-1) == 1 else x.contiguous())
 
@@ -346,9 +352,8 @@ def _rope_launch(q, k, v, cos, sin, norms, interleaved: bool, *, half: int | Non
     # In place without a norm, the channels RoPE leaves alone are neither read nor written.
     passed = 2 * half < d and not (in_place and norms[0] is None)
     pass_pad = max(16, next_pow2(d - 2 * half)) if passed else 0
-    # A program's heads hold about _TILE values, the passed-through channels counted (V4 rotates 64 of 512).
-    fit = _TILE // (2 * half_pad + pass_pad)
-    block_h = max(1, min(next_pow2(max(qh, kh, vh)), 1 << (fit.bit_length() - 1) if fit else 1))
+    # The passed-through channels count towards a program's values (V4 rotates 64 of 512).
+    block_h = _heads_per_program(max(qh, kh, vh), 2 * half_pad + pass_pad)
     blocks = triton.cdiv(qh, block_h) + triton.cdiv(kh, block_h) + triton.cdiv(vh, block_h)
     if t:
         kk, vv = (q if k is None else k), (q if v is None else v)
@@ -431,8 +436,7 @@ def mla_entry(q_pe, kv, norm, cos, sin, *, interleaved: bool):
     entry = torch.empty((t, r + p), dtype=kv.dtype, device=kv.device)
     half = p // 2
     half_pad = max(16, next_pow2(half))
-    fit = _TILE // (2 * half_pad)
-    block_h = max(1, min(next_pow2(h), 1 << (fit.bit_length() - 1) if fit else 1))
+    block_h = _heads_per_program(h, 2 * half_pad)
     if t:
         _mla_entry_kernel[(t, 1 + triton.cdiv(h, block_h))](
             q_pe, kv, q_out, entry, cos, sin, entry if norm.weight is None else norm.weight,
