@@ -4,11 +4,12 @@ against the fixed extend tile, on a Llama-3.1-8B-shaped layer (32 heads, 8 KV he
 a shared prefix of 1312 tokens plus 100 of each request's own. Times are CUDA-event medians of whole calls
 (three launches each), which are launch-bound at small batches.
 
-``--sweep``: at 1319 requests (the e2e batch), on the Llama-8B layer and a gpt-oss-20b one (64 heads, 8 KV
-heads, head dim 64), each kernel's time under the profiler, then the shared pass's tiles swept (CUDA-graph
+``--sweep``: at 1319 requests (the e2e batch), on the Llama-8B layer, a gpt-oss-20b one (64 heads, 8 KV
+heads, head dim 64) and DeepSeek-V2-Lite's absorbed MLA (16 heads on one latent KV head of 576 channels, the
+values its first 512), each kernel's time under the profiler, then the shared pass's tiles swept (CUDA-graph
 replays of the whole call; each checked against the default tile's output).
 
-    python benchmarks/cascade_tiles.py [--sweep]
+    python benchmarks/cascade_tiles.py [--sweep [--layers dsv2lite-mla,...]]
 """
 import argparse
 import itertools
@@ -25,32 +26,39 @@ from attnzoo.attention.kernels import decode_launch as how  # noqa: E402
 from attnzoo.attention.kernels.extend import extend_launch_config  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE, SHARED, OWN = 32, 8, 128, 16, 1312, 100
-LAYERS = {"llama8b": (32, 8, 128), "gpt-oss-20b": (64, 8, 64)}  # heads, KV heads, head dim
+# heads, KV heads, head dim, value dim (MLA: the values are the key's first channels, a view of the cache)
+LAYERS = {"llama8b": (32, 8, 128, None), "gpt-oss-20b": (64, 8, 64, None), "dsv2lite-mla": (16, 1, 576, 512)}
+# MLA's [512, rows] float32 accumulator takes narrower row blocks and fewer stages than the 64-128 wide heads;
+# 64 keys a step faulted on an H100 (an illegal address at 16 and 32 rows; the interpreter computes them right)
+TILES = {"mla": ((32, 64), (32, 128), (4, 8), (1, 2)), "mha": ((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))}
 
 
-def case(batch: int, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, device="cuda"):
+def case(batch: int, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, v_dim=None, device="cuda"):
     """(q, k cache, v cache, block tables, seq lens): every request's table starts with the shared pages."""
     shared = list(range(1, SHARED // PAGE + 1))
     own_pages = -(-(SHARED + OWN + 1) // PAGE) - len(shared)
     k = torch.randn(1 + len(shared) + batch * own_pages, kv_heads, PAGE, head_dim, device=device, dtype=torch.bfloat16)
     first = 1 + len(shared)
     tables = [shared + list(range(first + b * own_pages, first + (b + 1) * own_pages)) for b in range(batch)]
-    return (torch.randn(batch, heads, head_dim, device=device, dtype=torch.bfloat16), k, torch.randn_like(k),
+    v = torch.randn_like(k) if v_dim is None else k[..., :v_dim]
+    return (torch.randn(batch, heads, head_dim, device=device, dtype=torch.bfloat16), k, v,
             torch.tensor(tables, dtype=torch.int32, device=device),
             torch.full((batch,), SHARED + OWN + 1, dtype=torch.int32, device=device))
 
 
-def sweep(batch: int = 1319) -> None:
+def sweep(layers, batch: int = 1319) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    for name, (heads, kv_heads, d) in LAYERS.items():
-        q, k, v, tables, seq = case(batch, heads, kv_heads, d)
-        partial = torch.empty(batch, heads, 2, d, device="cuda")
-        lse, out = torch.empty(batch, heads, 2, device="cuda"), torch.empty_like(q)
+    for name in layers:
+        heads, kv_heads, d, dv = LAYERS[name]
+        q, k, v, tables, seq = case(batch, heads, kv_heads, d, dv)
+        dv = dv or d
+        partial = torch.empty(batch, heads, 2, dv, device="cuda")
+        lse, out = torch.empty(batch, heads, 2, device="cuda"), q.new_empty(batch, heads, dv)
         run = lambda cfg: lambda: dec.cascade_decode_attention(  # noqa: E731
             q, k, v, tables, seq, shared_len=SHARED, scale=d ** -0.5, num_kv_splits=1, num_shared_splits=1,
             launch_config=cfg, partial=partial, lse=lse, out=out)
-        default = how.cascade_launch_config(d, d, torch.bfloat16)
+        default = how.cascade_launch_config(d, dv, torch.bfloat16)
         ref = run(default)().float().clone()
         replay = graph_of(run(default))
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -64,7 +72,7 @@ def sweep(batch: int = 1319) -> None:
         plain = graph_of(lambda: dec.decode_attention(q, k, v, tables, seq, scale=d ** -0.5, out=out))
         print(f"   plain decode (every request reads the prefix): {time_cuda(plain) * 1000:.1f} us")
         timed = []
-        for bm, bn, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+        for bm, bn, warps, stages in itertools.product(*TILES["mla" if d > 256 else "mha"]):
             cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
             try:
                 if (run(cfg)().float() - ref).abs().max().item() > 2e-2:
@@ -72,6 +80,9 @@ def sweep(batch: int = 1319) -> None:
                     continue
             except Exception as e:  # noqa: BLE001 (out of shared memory: not a candidate)
                 print(f"   {cfg}: {type(e).__name__}")
+                if type(e).__name__ == "AcceleratorError":  # a fault: the CUDA context is gone for what follows
+                    print("   the GPU faulted: the tiles after this one were not tried")
+                    break
                 continue
             timed.append((time_cuda(graph_of(run(cfg))) * 1000, cfg))
         for t, cfg in sorted(timed, key=lambda r: r[0])[:5]:
@@ -104,4 +115,6 @@ def main() -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true")
-    sweep() if ap.parse_args().sweep else main()
+    ap.add_argument("--layers", default=",".join(LAYERS), help=f"the sweep's layers, of {', '.join(LAYERS)}")
+    args = ap.parse_args()
+    sweep(args.layers.split(",")) if args.sweep else main()

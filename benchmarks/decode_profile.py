@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e import SHAPE_NAMES, make_config  # noqa: E402
 
 import attnzoo  # noqa: E402
+from attnzoo import pdl  # noqa: E402
 
 # Kernel name fragments -> kind, first match wins (cuBLAS's Hopper GEMMs are "nvjet_*"; Triton's are ours).
-KINDS = (("attention", ("flashinfer", "Prefill", "Decode", "attention", "cascade", "merge_state", "xqa")),
+KINDS = (("attention", ("flashinfer", "Prefill", "Decode", "_extend", "attention", "cascade", "merge_state", "xqa")),
          ("gemm", ("nvjet", "gemm", "sm90_xmma", "cutlass", "matmul", "_moe", "_skinny")),
          ("norm/rope/act (fused)", ("rms", "norm", "rope", "act_and_mul", "silu", "gelu")),
          ("sampling/logits", ("softmax", "argmax", "topk", "sort", "tanh")))
@@ -50,11 +51,21 @@ def main(argv=None):
     ap.add_argument("--cascade", choices=("both", "on", "off"), default="both")
     ap.add_argument("--rows", type=int, default=18, help="kernels listed per section")
     ap.add_argument("--phase", choices=("decode", "extend"), default="decode")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch without programmatic dependent launch: with it a kernel's time includes its wait "
+                         "on the previous one, so per-kernel times overstate")
     ap.add_argument("--load-kwargs", default="{}", help="extra load_model keywords as JSON")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="also profile the same pass with one output token (its extend steps only) and list each "
+                         "kernel's time less that pass's: the decode steps alone, per step")
     ap.add_argument("--by-shape", action="store_true",
                     help="also list the torch ops (mm, bmm, copies, ...) by input shape, the GPU time under each")
     args = ap.parse_args(argv)
+    with pdl.use(not args.no_pdl):
+        profile_shape(args)
 
+
+def profile_shape(args) -> None:
     cfg, _ = make_config(args.shape, args.layers)
     data = json.loads((Path(__file__).parent / "data" / "gsm8k_8shot_tokens.json").read_text())
     prompts = [data["prefix"] + q for q in data["questions"]][: args.prompts]
@@ -105,8 +116,40 @@ def main(argv=None):
             print(f"\n{'op':24s} {'GPU ms':>9s} {'calls':>6s}  input shapes")
             for k in ops[: args.rows]:
                 print(f"{k.key:24s} {k.device_time_total / 1e3:9.1f} {k.count:6d}  {str(k.input_shapes)[:140]}")
+        if args.decode_only and args.phase == "decode":
+            t = time.perf_counter()
+            llm.generate(passes[1], max_new_tokens=1, ignore_eos=True)
+            torch.cuda.synchronize()
+            extend_wall = time.perf_counter() - t
+            with profile(activities=[ProfilerActivity.CUDA]) as prof1:
+                llm.generate(passes[2], max_new_tokens=1, ignore_eos=True)
+                torch.cuda.synchronize()
+            print(f"\ndecode steps alone, without the profiler: {(plain_wall - extend_wall) / args.steps * 1e3:.2f} ms "
+                  f"a step ({plain_wall * 1e3:.0f} ms with {args.steps} decode steps, {extend_wall * 1e3:.0f} without)")
+            print_decode_only(kernel_times(prof), kernel_times(prof1), args.steps, args.rows)
         del llm, e
         torch.cuda.empty_cache()
+
+
+def kernel_times(prof) -> dict[str, tuple[float, int]]:
+    """GPU ms and launches by kernel name."""
+    return {k.key: (k.self_device_time_total / 1e3, k.count) for k in prof.key_averages()
+            if k.device_type == torch.autograd.DeviceType.CUDA}
+
+
+def print_decode_only(full: dict, extend: dict, steps: int, rows: int) -> None:
+    diff = {name: (ms - extend.get(name, (0.0, 0))[0], n - extend.get(name, (0.0, 0))[1])
+            for name, (ms, n) in full.items()}
+    total = sum(ms for ms, _ in diff.values())
+    by_kind: dict[str, float] = {}
+    for name, (ms, _) in diff.items():
+        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + ms
+    print(f"\n--- decode steps alone (the pass less its extend-only twin): {total / steps:.2f} ms of GPU time a step")
+    for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:28s} {ms / steps:8.3f} ms a step  {ms / total:6.1%}")
+    print(f"{'kernel':90s} {'ms/step':>8s} {'launches/step':>14s} {'us/launch':>10s}")
+    for name, (ms, n) in sorted(diff.items(), key=lambda kv: -kv[1][0])[:rows]:
+        print(f"{name[:90]:90s} {ms / steps:8.3f} {n / steps:14.1f} {ms * 1e3 / max(n, 1):10.1f}")
 
 
 if __name__ == "__main__":

@@ -193,9 +193,35 @@ def test_mla_entry(dtype, interleaved, heads, rope, norm, monkeypatch):
     monkeypatch.setattr(fused_kernels, "mla_entry", lambda *a, **k: launches.append(1) or kernel(*a, **k))
     check(lambda: fused.mla_entry(q_pe, kv, norm, cos, sin, interleaved=interleaved), dtype)
     assert launches == [1]  # the kernel ran under "triton", not the reference
+    buf = torch.full((t, heads, 24 + rope), 7.0, dtype=dtype)  # roped q_pe into the last channels of a buffer
+    q_out, _ = fused.mla_entry(q_pe, kv, norm, cos, sin, interleaved=interleaved, q_out=buf[..., 24:])
+    assert q_out.data_ptr() == buf[..., 24:].data_ptr() and bool((buf[..., :24] == 7.0).all())
+    with fused.use("torch"):
+        torch.testing.assert_close(q_out, fused.mla_entry(q_pe, kv, norm, cos, sin, interleaved=interleaved)[0])
     q_ref, entry = fused.mla_entry_ref(q_pe, kv, norm, cos, sin, interleaved)
     torch.testing.assert_close(q_ref, fused.rope_ref(q_pe, cos, sin, interleaved))
     torch.testing.assert_close(entry[:, :rank], fused.rms_norm_ref(kv[:, :rank], norm))
+
+
+def test_mla_absorbed_query_fills_the_rope_slot_buffer():
+    from attnzoo.attention.mla import MLAAttention, absorb_query, absorbed_query
+
+    t, h, nope, rank, rope = 3, 4, 8, 16, 8
+    mla = MLAAttention(0, h, kv_lora_rank=rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=8,
+                       scale=1.0)
+    q_nope, w_uk = randn(t, h, nope, dtype=torch.float32), randn(h, nope, rank, dtype=torch.float32, seed=1)
+    slot = mla.rope_slot(t, q_nope)
+    slot.copy_(randn(t, h, rope, dtype=torch.float32, seed=2))
+    want = torch.cat([absorb_query(q_nope, w_uk), slot], dim=-1)
+    q = absorbed_query(q_nope, slot, w_uk)
+    assert q.data_ptr() == slot.data_ptr() - rank * 4 and torch.allclose(q, want)  # the slot's own buffer, filled
+    # q_pe as a slice of the projection that also holds q_nope (nope == rank): concatenated, q_nope untouched
+    proj = randn(t, h, rank + rope, dtype=torch.float32, seed=3)
+    q_nope, q_pe = proj.split([rank, rope], dim=-1)
+    w_sq = randn(h, rank, rank, dtype=torch.float32, seed=4)
+    before = proj.clone()
+    q = absorbed_query(q_nope, q_pe, w_sq)
+    assert torch.equal(proj, before) and torch.allclose(q, torch.cat([absorb_query(q_nope, w_sq), q_pe], dim=-1))
 
 
 def test_mla_cache_entry_reads_the_fused_entry_in_place():

@@ -33,6 +33,23 @@ def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
 
+def absorbed_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q_nope [T, H, nope], roped q_pe [T, H, rope], W_UK [H, nope, rank] -> the absorbed query [T, H, rank + rope].
+    Where q_pe sits in the last channels of a query buffer of its own (``MLAAttention.rope_slot``), the absorption
+    is written into that buffer's first channels; otherwise the two are concatenated."""
+    t, h, p = q_pe.shape
+    r = w_uk.shape[-1]
+    w = r + p
+    own = (q_pe.stride() == (h * w, w, 1) and q_pe.storage_offset() == r and q_pe.dtype == q_nope.dtype
+           and q_pe.untyped_storage().nbytes() == t * h * w * q_pe.element_size()
+           and q_pe.untyped_storage().data_ptr() != q_nope.untyped_storage().data_ptr())
+    if not own:
+        return torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)
+    q = q_pe.as_strided((t, h, w), (h * w, w, 1), 0)
+    torch.bmm(q_nope.transpose(0, 1), w_uk, out=q[..., :r].transpose(0, 1))
+    return q
+
+
 def cache_entry(latent: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     """latent [T, rank], k_pe [T, rope] -> the cache entry [T, 1, rank + rope]: a view where k_pe already follows
     latent in one buffer (``fused.mla_entry`` writes them so), else their concatenation."""
@@ -87,6 +104,12 @@ class MLAAttention(nn.Module):
     def scale(self) -> float:
         return self.attn.scale
 
+    def rope_slot(self, t: int, like: torch.Tensor) -> torch.Tensor:
+        """Where the roped q_pe [T, H, rope] goes: the last channels of a new absorbed-query buffer
+        [T, H, rank + rope], whose first channels ``forward`` fills with the absorption (no concatenation)."""
+        buf = like.new_empty(t, self.num_heads, self.kv_lora_rank + self.qk_rope_head_dim)
+        return buf[..., self.kv_lora_rank:]
+
     def forward(
         self,
         q_nope: torch.Tensor,  # [T, H, qk_nope]
@@ -99,6 +122,6 @@ class MLAAttention(nn.Module):
         t = q_nope.shape[0]
         w_uk, w_uv = split_kv_b(kv_b_weight, self.num_heads, self.qk_nope_head_dim)
         entry = None if latent is None else cache_entry(latent, k_pe)  # [T, 1, rank + rope]
-        q = torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)  # [T, H, rank + rope]
+        q = absorbed_query(q_nope, q_pe, w_uk)  # [T, H, rank + rope]
         o = self.attn(q, entry, None, ctx).view(t, self.num_heads, self.kv_lora_rank)
         return latent_to_values(o, w_uv).reshape(t, self.num_heads * self.v_head_dim)

@@ -33,7 +33,7 @@ import torch
 from attnzoo.attention.backends.base import NSABackend, NSAPlan
 from attnzoo.attention.kv_layout import KVLayout
 from attnzoo.attention.layer import ForwardContext
-from attnzoo.attention.mla import MLAAttention, absorb_query, cache_entry, latent_to_values, split_kv_b
+from attnzoo.attention.mla import MLAAttention, absorbed_query, cache_entry, latent_to_values, split_kv_b
 from attnzoo.attention.reference import (  # noqa: F401  (the NSA backends' helpers, read as nsa.<name>)
     entries_of,
     indexer_scores_reference,
@@ -132,7 +132,7 @@ class NSAAttention(MLAAttention):
                                          scale=self.index_scale)
         ctx.nsa_positions = positions
         w_uk, w_uv = split_kv_b(kv_b_weight, self.num_heads, self.qk_nope_head_dim)
-        q = torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)  # [T, H, rank + rope]
+        q = absorbed_query(q_nope, q_pe, w_uk)  # [T, H, rank + rope]
         o = backend.nsa_sparse_mla(layer, q, positions, meta, plan).to(q_nope.dtype)  # [T, H, rank]
         return latent_to_values(o, w_uv).reshape(t, self.num_heads * self.v_head_dim)
 

@@ -297,14 +297,17 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, norm: No
 
 
 def mla_entry(q_pe: torch.Tensor, kv: torch.Tensor, norm: NormParams, cos: torch.Tensor, sin: torch.Tensor, *,
-              interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLA's work between its projections and attention: q_pe [T, H, P] roped, and the cache entry
-    [T, R + P] = [RMSNorm(latent), RoPE(k_pe)] of kv = [latent, k_pe] [T, R + P], cos/sin [T, P]. One kernel on
-    a GPU where the RoPE, the norm and the concatenation were three."""
+              interleaved: bool = False, q_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's work between its projections and attention: q_pe [T, H, P] roped (written into ``q_out`` [T, H, P]
+    where given: ``MLAAttention.rope_slot``), and the cache entry [T, R + P] = [RMSNorm(latent), RoPE(k_pe)] of
+    kv = [latent, k_pe] [T, R + P], cos/sin [T, P]. One kernel on a GPU where the RoPE, the norm and the
+    concatenation were three."""
     k = _triton(q_pe)
-    if k is None or cos.shape[-1] != q_pe.shape[-1] or q_pe.stride(-1) != 1 or kv.stride(-1) != 1:
-        return mla_entry_ref(q_pe, kv, norm, cos, sin, interleaved)
-    return k.mla_entry(q_pe, kv, norm, cos, sin, interleaved=interleaved)
+    if (k is None or cos.shape[-1] != q_pe.shape[-1] or q_pe.stride(-1) != 1 or kv.stride(-1) != 1
+            or (q_out is not None and q_out.stride(-1) != 1)):
+        q, entry = mla_entry_ref(q_pe, kv, norm, cos, sin, interleaved)
+        return (q, entry) if q_out is None else (q_out.copy_(q), entry)
+    return k.mla_entry(q_pe, kv, norm, cos, sin, interleaved=interleaved, q_out=q_out)
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:

@@ -235,7 +235,7 @@ def rounded(x, ROUND: tl.constexpr):
 
 
 @triton.jit
-def _rope_tile(X, OUT, COS, SIN, W, t, h0, stride_t, stride_h, stride_ct, eps, offset,
+def _rope_tile(X, OUT, COS, SIN, W, t, h0, stride_t, stride_h, stride_ot, stride_oh, stride_ct, eps, offset,
                HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                PASS_PAD: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
                NORM: tl.constexpr, HAS_W: tl.constexpr, ROTATE: tl.constexpr, TAIL: tl.constexpr,
@@ -244,7 +244,7 @@ def _rope_tile(X, OUT, COS, SIN, W, t, h0, stride_t, stride_h, stride_ct, eps, o
     # other channels (partial RoPE) passed through; NORM: the head's RMSNorm first, over all D. TAIL: the
     # rotary channels are the last 2 HALF and written back where they were (DeepSeek-V4), else the first,
     # interleaved pairs written de-interleaved. IN_PLACE: written into X (without NORM only the rotary
-    # channels: the launcher passes PASS_PAD 0), else into a contiguous OUT.
+    # channels: the launcher passes PASS_PAD 0), else into OUT (token and head strides stride_ot, stride_oh).
     heads = h0 + tl.arange(0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)
     mask = (heads < HEADS)[:, None] & (i < HALF)[None, :]
@@ -274,7 +274,7 @@ def _rope_tile(X, OUT, COS, SIN, W, t, h0, stride_t, stride_h, stride_ct, eps, o
     if IN_PLACE:
         dst = row
     else:
-        dst = OUT + (t * HEADS + heads[:, None]) * D
+        dst = OUT + t * stride_ot + heads[:, None] * stride_oh
     if ROTATE:
         c = tl.load(COS + t * stride_ct + i, mask=i < HALF, other=0.0)[None, :]
         s = tl.load(SIN + t * stride_ct + i, mask=i < HALF, other=0.0)[None, :]
@@ -305,15 +305,16 @@ def _rope_kernel(Q, K, V, QO, KO, VO, COS, SIN, QW, KW, VW,
     q_blocks = tl.cdiv(QH, BLOCK_H)
     k_blocks = tl.cdiv(KH, BLOCK_H)
     if blk < q_blocks:
-        _rope_tile(Q, QO, COS, SIN, QW, t, blk * BLOCK_H, stride_qt, stride_qh, stride_ct, q_eps, q_offset,
+        _rope_tile(Q, QO, COS, SIN, QW, t, blk * BLOCK_H, stride_qt, stride_qh, QH * D, D, stride_ct, q_eps, q_offset,
                    QH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED, NORM, HAS_QW, True, TAIL, IN_PLACE)
     elif blk < q_blocks + k_blocks:
-        _rope_tile(K, KO, COS, SIN, KW, t, (blk - q_blocks) * BLOCK_H, stride_kt, stride_kh, stride_ct, k_eps,
-                   k_offset, KH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED, NORM, HAS_KW, True, TAIL, IN_PLACE)
-    else:  # v keeps its channel order: read as halves in place, never interleaved
-        _rope_tile(V, VO, COS, SIN, VW, t, (blk - q_blocks - k_blocks) * BLOCK_H, stride_vt, stride_vh, stride_ct,
-                   v_eps, v_offset, VH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, False, NORM, HAS_VW, False, TAIL,
+        _rope_tile(K, KO, COS, SIN, KW, t, (blk - q_blocks) * BLOCK_H, stride_kt, stride_kh, KH * D, D, stride_ct,
+                   k_eps, k_offset, KH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED, NORM, HAS_KW, True, TAIL,
                    IN_PLACE)
+    else:  # v keeps its channel order: read as halves in place, never interleaved
+        _rope_tile(V, VO, COS, SIN, VW, t, (blk - q_blocks - k_blocks) * BLOCK_H, stride_vt, stride_vh, VH * D, D,
+                   stride_ct, v_eps, v_offset, VH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, False, NORM, HAS_VW, False,
+                   TAIL, IN_PLACE)
 
 
 def _heads_per_program(heads: int, width: int) -> int:
@@ -390,8 +391,8 @@ def rope_tail(x, cos, sin, norm, *, in_place: bool):
 
 
 @triton.jit
-def _mla_entry_kernel(Q, KV, QO, ENTRY, COS, SIN, W, stride_qt, stride_qh, stride_kvt, stride_ct, eps, offset,
-                      H: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr,
+def _mla_entry_kernel(Q, KV, QO, ENTRY, COS, SIN, W, stride_qt, stride_qh, stride_ot, stride_oh, stride_kvt, stride_ct,
+                      eps, offset, H: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr,
                       HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
                       HAS_W: tl.constexpr, PDL: tl.constexpr):
     # Program 0 of token t: the entry (the latent normed, the shared key roped); the others: q's head blocks.
@@ -399,40 +400,31 @@ def _mla_entry_kernel(Q, KV, QO, ENTRY, COS, SIN, W, stride_qt, stride_qh, strid
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     if blk > 0:
-        _rope_tile(Q, QO, COS, SIN, QO, t, (blk - 1) * BLOCK_H, stride_qt, stride_qh, stride_ct, 0.0, 0.0,
-                   H, 2 * HALF, HALF, HALF_PAD, 0, BLOCK_H, INTERLEAVED, False, False, True, False, False)
+        _rope_tile(Q, QO, COS, SIN, QO, t, (blk - 1) * BLOCK_H, stride_qt, stride_qh, stride_ot, stride_oh, stride_ct,
+                   0.0, 0.0, H, 2 * HALF, HALF, HALF_PAD, 0, BLOCK_H, INTERLEAVED, False, False, True, False, False)
     else:
         cols = tl.arange(0, BLOCK_R)
         x = tl.load(KV + t * stride_kvt + cols, mask=cols < R, other=0.0)
-        dtype = x.dtype
         w = tl.zeros([BLOCK_R], tl.float32)
         if HAS_W:
             w = tl.load(W + cols, mask=cols < R, other=0.0).to(tl.float32)
         y = _rms(x.to(tl.float32)[None, :], w, eps, offset, R, HAS_W)
-        row = ENTRY + t * (R + 2 * HALF)
-        tl.store(row + cols[None, :], y.to(dtype), mask=(cols < R)[None, :])
-        i = tl.arange(0, HALF_PAD)
-        ok = i < HALF
-        if INTERLEAVED:  # pairs written de-interleaved, as q's are
-            i1, i2 = 2 * i, 2 * i + 1
-        else:
-            i1, i2 = i, HALF + i
-        a = tl.load(KV + t * stride_kvt + R + i1, mask=ok, other=0.0).to(tl.float32)
-        b = tl.load(KV + t * stride_kvt + R + i2, mask=ok, other=0.0).to(tl.float32)
-        c = tl.load(COS + t * stride_ct + i, mask=ok, other=0.0)
-        s = tl.load(SIN + t * stride_ct + i, mask=ok, other=0.0)
-        tl.store(row + R + i, (a * c - b * s).to(dtype), mask=ok)
-        tl.store(row + R + HALF + i, (b * c + a * s).to(dtype), mask=ok)
+        tl.store(ENTRY + t * (R + 2 * HALF) + cols[None, :], y.to(x.dtype), mask=(cols < R)[None, :])
+        # the shared key: one head of 2 HALF rotary channels after the latent, in and out
+        _rope_tile(KV + R, ENTRY + R, COS, SIN, ENTRY, t, 0, stride_kvt, 0, R + 2 * HALF, 0, stride_ct, 0.0, 0.0,
+                   1, 2 * HALF, HALF, HALF_PAD, 0, 1, INTERLEAVED, False, False, True, False, False)
 
 
-def mla_entry(q_pe, kv, norm, cos, sin, *, interleaved: bool):
+def mla_entry(q_pe, kv, norm, cos, sin, *, interleaved: bool, q_out=None):
     """``fused.mla_entry``: q_pe [T, H, P] (rows of stride-1 channels), kv [T, R + P], cos/sin [T, P] -> roped
-    q_pe [T, H, P] and the entry [T, R + P], new contiguous tensors."""
+    q_pe [T, H, P] (into ``q_out`` where given, its channels of stride 1) and the entry [T, R + P], new and
+    contiguous."""
     t, h, p = q_pe.shape
     r = kv.shape[1] - p
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
-    q_out = torch.empty((t, h, p), dtype=q_pe.dtype, device=q_pe.device)
+    if q_out is None:
+        q_out = torch.empty((t, h, p), dtype=q_pe.dtype, device=q_pe.device)
     entry = torch.empty((t, r + p), dtype=kv.dtype, device=kv.device)
     half = p // 2
     half_pad = max(16, next_pow2(half))
@@ -440,7 +432,8 @@ def mla_entry(q_pe, kv, norm, cos, sin, *, interleaved: bool):
     if t:
         _mla_entry_kernel[(t, 1 + triton.cdiv(h, block_h))](
             q_pe, kv, q_out, entry, cos, sin, entry if norm.weight is None else norm.weight,
-            q_pe.stride(0), q_pe.stride(1), kv.stride(0), cos.stride(0), float(norm.eps), float(norm.offset),
+            q_pe.stride(0), q_pe.stride(1), q_out.stride(0), q_out.stride(1), kv.stride(0), cos.stride(0),
+            float(norm.eps), float(norm.offset),
             H=h, R=r, BLOCK_R=max(16, next_pow2(r)), HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h,
             INTERLEAVED=interleaved, HAS_W=norm.weight is not None, num_warps=4, **pdl.launch_args(kv),
         )

@@ -115,7 +115,8 @@ class DeepseekAttention(nn.Module):
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         # Interleaved: pairs (x0, x1), (x2, x3), ... rotated, written de-interleaved (the same for q and k).
         # The entry holds the normed latent, then the roped key: the cache entry as it is stored.
-        q_pe, entry = fused.mla_entry(q_pe, kv, self.kv_a_layernorm, cos, sin, interleaved=self.interleaved_rope)
+        q_pe, entry = fused.mla_entry(q_pe, kv, self.kv_a_layernorm, cos, sin, interleaved=self.interleaved_rope,
+                                      q_out=self.mla.rope_slot(x.shape[0], x))
         latent, k_pe = entry.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         return q_nope, q_pe, q_resid, latent, k_pe
 
