@@ -193,9 +193,11 @@ def test_mla_entry(dtype, interleaved, heads, rope, norm, monkeypatch):
     monkeypatch.setattr(fused_kernels, "mla_entry", lambda *a, **k: launches.append(1) or kernel(*a, **k))
     check(lambda: fused.mla_entry(q_pe, kv, norm, cos, sin, interleaved=interleaved), dtype)
     assert launches == [1]  # the kernel ran under "triton", not the reference
-    buf = torch.full((t, heads, 24 + rope), 7.0, dtype=dtype)  # roped q_pe into the last channels of a buffer
-    q_out, _ = fused.mla_entry(q_pe, kv, norm, cos, sin, interleaved=interleaved, q_out=buf[..., 24:])
+    buf = torch.full((t, heads, 24 + rope), 7.0, dtype=dtype, device=DEV)  # q_pe into a buffer's last channels
+    with fused.use("triton"):
+        q_out, _ = fused.mla_entry(q_pe, kv, norm, cos, sin, interleaved=interleaved, q_out=buf[..., 24:])
     assert q_out.data_ptr() == buf[..., 24:].data_ptr() and bool((buf[..., :24] == 7.0).all())
+    check(lambda: fused.mla_entry(q_pe, kv, norm, cos, sin, interleaved=interleaved, q_out=buf[..., 24:].clone()), dtype)
     with fused.use("torch"):
         torch.testing.assert_close(q_out, fused.mla_entry(q_pe, kv, norm, cos, sin, interleaved=interleaved)[0])
     q_ref, entry = fused.mla_entry_ref(q_pe, kv, norm, cos, sin, interleaved)
