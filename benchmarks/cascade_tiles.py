@@ -29,8 +29,9 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE, SHARED, OWN = 32, 8, 128, 16, 1312, 100
 # heads, KV heads, head dim, value dim (MLA: the values are the key's first channels, a view of the cache)
 LAYERS = {"llama8b": (32, 8, 128, None), "gpt-oss-20b": (64, 8, 64, None), "dsv2lite-mla": (16, 1, 576, 512)}
 # MLA's [512, rows] float32 accumulator takes narrower row blocks and fewer stages than the 64-128 wide heads;
-# 64 keys a step faulted on an H100 (an illegal address at 16 and 32 rows; the interpreter computes them right)
-TILES = {"mla": ((32, 64), (32, 128), (4, 8), (1, 2)), "mha": ((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))}
+# on an H100, 64 keys a step faulted at every width tried and 128 with 4 warps (illegal address; the
+# interpreter computes those tiles right)
+TILES = {"mla": ((32, 64), (32, 128), (8,), (1, 2)), "mha": ((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))}
 
 
 def case(batch: int, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, v_dim=None, device="cuda"):
@@ -71,6 +72,17 @@ def sweep(layers, batch: int = 1319) -> None:
                 print(f"   {e.key[:40]:40s} {e.self_device_time_total / e.count:8.1f} us")
         plain = graph_of(lambda: dec.decode_attention(q, k, v, tables, seq, scale=d ** -0.5, out=out))
         print(f"   plain decode (every request reads the prefix): {time_cuda(plain) * 1000:.1f} us")
+        if dec.gemm_shared_pass(q, k, v, SHARED, None):  # MLA: the shared pass as two GEMMs (cascade_gemm)
+            err = (run(None)().float() - ref).abs().max().item()
+            gemm = graph_of(run(None))
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    gemm()
+                torch.cuda.synchronize()
+            print(f"   shared pass as GEMMs: {time_cuda(gemm) * 1000:.1f} us, max diff {err:.1e}")
+            for e in prof.key_averages():
+                if e.self_device_time_total > 0:
+                    print(f"      {e.key[:40]:40s} {e.self_device_time_total / e.count:8.1f} us x {e.count // 10}")
         timed = []
         for bm, bn, warps, stages in itertools.product(*TILES["mla" if d > 256 else "mha"]):
             cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}

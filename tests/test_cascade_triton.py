@@ -103,6 +103,91 @@ def test_cascade_matches_plain_decode_and_reference(case):
         assert err <= TOL[dtype], f"request {i} (len {s}): relative error {err:.2e} (seed {seed})"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mla_shared_pass_as_gemms_matches_plain_decode(dtype, monkeypatch):
+    # The GEMM shared pass (forced: it is chosen on GPUs at thousands of rows), its scores in chunks of one
+    # request (three chunks), against plain decode and the reference.
+    from attnzoo.attention.kernels import cascade_gemm
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    shared_len, suffix, heads, d, dv = 32, [2, 10, 1], 16, 80, 64
+    kv = SharedPagedKV(shared_len, suffix, kv_heads=1, head_dim=d, v_dim=dv, page_size=16, dtype=dtype, mla=True,
+                       gen=gen)
+    q = torch.randn(len(suffix), heads, d, generator=gen).to(dtype).to(DEVICE)
+    ran = []
+    monkeypatch.setattr(dec, "gemm_shared_pass", lambda *a: True)
+    monkeypatch.setattr(cascade_gemm, "CHUNK_SCORE_BYTES", 4 * shared_len * heads)
+    monkeypatch.setattr(cascade_gemm, "_row_softmax", _Counted(cascade_gemm._row_softmax, ran))
+    out = cascade_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, shared_len=shared_len,
+                                   scale=0.1, num_kv_splits=2)
+    assert len(ran) == len(suffix), f"the GEMM pass ran in {len(ran)} chunks"
+    plain = decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale=0.1, num_kv_splits=2)
+    assert not out.isnan().any() and rel_err(out, plain) <= TOL[dtype], f"{rel_err(out, plain):.2e} (seed {seed})"
+    for i, n in enumerate(suffix):
+        ref = attention_reference(q[i : i + 1], kv.k[i], kv.v[i], torch.tensor([shared_len + n - 1]), scale=0.1)
+        assert rel_err(out[i : i + 1], ref) <= TOL[dtype], f"request {i} (seed {seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mla_gemm_shared_pass_on_the_gpu_at_its_batch():
+    # DeepSeek's MLA widths at 260 requests x 16 heads (past MIN_ROWS): chosen without being forced, and equal
+    # to the Triton shared pass and to plain decode
+    from attnzoo.attention.kernels import cascade_gemm
+    from attnzoo.attention.kernels.decode_launch import cascade_launch_config
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    suffix = torch.randint(1, 40, (260,), generator=gen).tolist()
+    kv = SharedPagedKV(128, suffix, kv_heads=1, head_dim=576, v_dim=512, page_size=64, dtype=torch.bfloat16,
+                       mla=True, gen=gen)
+    q = torch.randn(len(suffix), 16, 576, generator=gen).to(torch.bfloat16).to(DEVICE)
+    assert dec.gemm_shared_pass(q, kv.k_cache, kv.v_cache, 128, None)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
+    ran = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cascade_gemm, "_row_softmax", _Counted(cascade_gemm._row_softmax, ran))
+        out = cascade_decode_attention(*args, shared_len=128, scale=0.04, num_kv_splits=1)
+    assert ran, "the GEMM pass did not run"
+    tiled = cascade_decode_attention(*args, shared_len=128, scale=0.04, num_kv_splits=1,
+                                     launch_config=cascade_launch_config(576, 512, torch.bfloat16))
+    plain = decode_attention(*args, scale=0.04, num_kv_splits=2)
+    for name, other in (("triton shared pass", tiled), ("plain decode", plain)):
+        assert rel_err(out, other) <= 1e-2, f"vs {name}: {rel_err(out, other):.2e} (seed {seed})"
+
+
+class _Counted:
+    """A Triton kernel whose launches (``kernel[grid](...)``) are recorded."""
+
+    def __init__(self, kernel, log):
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid):
+        self.log.append(grid)
+        return self.kernel[grid]
+
+
+def test_the_gemm_shared_pass_is_chosen_for_mla_at_a_large_batch_only():
+    from attnzoo.attention.kernels import cascade_gemm
+
+    cache = torch.empty(4, 1, 16, 576, dtype=torch.bfloat16, device="meta")
+    values = cache[..., :512]
+    rows = cascade_gemm.MIN_ROWS // 16
+    big, small = (torch.empty(n, 16, 576, dtype=torch.bfloat16, device="meta") for n in (rows, rows - 1))
+    is_cuda = lambda x: True  # noqa: E731 (the decision's other conditions, off a GPU)
+    for q in (big, small):
+        assert not dec.gemm_shared_pass(q, cache, values, 1312, None)  # not on a GPU
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "is_cuda", property(is_cuda))
+        assert dec.gemm_shared_pass(big, cache, values, 1312, None)
+        assert not dec.gemm_shared_pass(small, cache, values, 1312, None)  # too few rows
+        assert not dec.gemm_shared_pass(big, cache, values, 1312, 30.0)  # softcapped
+        assert not dec.gemm_shared_pass(big, cache, values, cascade_gemm.MAX_SHARED_LEN + 16, None)
+        assert not dec.gemm_shared_pass(big.float(), cache.float(), cache.float()[..., :512], 1312, None)
+        assert not dec.gemm_shared_pass(big, cache, torch.empty_like(values), 1312, None)  # values apart
+
+
 def test_cascade_rejects_what_it_cannot_run():
     gen = torch.Generator().manual_seed(0)
     kv = SharedPagedKV(32, [1, 2], kv_heads=2, head_dim=64, v_dim=64, page_size=16, dtype=torch.float32,

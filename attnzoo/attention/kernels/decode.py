@@ -37,6 +37,7 @@ from attnzoo.attention.kernels.common import (
     prior_done,
     value_tile,
 )
+from attnzoo.attention.kernels import cascade_gemm
 from attnzoo.attention.kernels.decode_launch import (
     MAX_KV_SPLITS,
     WAVE_TILE_N,
@@ -266,6 +267,12 @@ def _v_from_k(k_cache, v_cache) -> bool:
     )
 
 
+def gemm_shared_pass(q, k_cache, v_cache, shared_len: int, logit_softcap: float | None) -> bool:
+    """Whether ``cascade_decode_attention`` with one shared split and no ``launch_config`` runs its shared pass
+    as GEMMs (``cascade_gemm``: MLA at a large batch) rather than ``_cascade_shared``."""
+    return cascade_gemm.applies(q, k_cache, _v_from_k(k_cache, v_cache), shared_len, logit_softcap)
+
+
 def _split_scratch(q, v_dim, splits, partial, lse):
     batch, num_heads = q.shape[:2]
     if partial is None:
@@ -417,6 +424,12 @@ def cascade_decode_attention(
             scale=scale, sliding_window=None, logit_softcap=logit_softcap, kv_skip=shared_len, launch_config=None,
             k_scale=k_scale, v_scale=v_scale)
 
+    if launch_config is None and num_shared_splits == 1 and gemm_shared_pass(q, k_cache, v_cache, shared_len,
+                                                                             logit_softcap):
+        cascade_gemm.shared_pass(q, k_cache, block_tables, partial, lse, slot=num_kv_splits, shared_len=shared_len,
+                                 scale=scale, v_dim=v_dim)
+        _stage2(partial, lse, out, sinks)
+        return out
     group = num_heads // num_kv_heads
     bd, bdr = head_dim_tiles(head_dim)
     cfg = dict(launch_config or cascade_launch_config(head_dim, v_dim, k_cache.dtype))

@@ -1,0 +1,91 @@
+"""The cascade's shared pass for MLA as two GEMMs around a row softmax.
+
+At a large decode batch, MLA's shared pass is a dense attention of every (request, head) row against the
+same prefix keys: [rows, 576] x [576, prefix] scores, then [rows, prefix] x [prefix, 512] values. The
+flash-style Triton pass holds a [512, rows] float32 accumulator per program, which leaves it 32 rows and one
+pipeline stage on an H100 (wider tiles fault or run out of registers: benchmarks/cascade_tiles.py); cuBLAS
+runs both products near the tensor cores' rate instead, at the cost of writing the scores out once (in
+float32, chunks of rows at a time) and reading them back in the softmax. The output and log-sum-exp go into
+the same split slots the Triton pass writes, so stage 2 merges them unchanged.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnzoo.attention.kernels.common import next_pow2
+
+# Scores of one chunk of rows, float32: the pass's transient memory (inside a CUDA graph, in its pool).
+CHUNK_SCORE_BYTES = 64 << 20
+# Keys a row's softmax holds in registers at once: longer prefixes stay with the Triton pass.
+MAX_SHARED_LEN = 8192
+# (request, head) rows from which the GEMMs beat the Triton pass (it took 410 us against ... at 1319 x 16
+# rows of DeepSeek-V2-Lite on an H100: benchmarks/results/cascade_mla_gemm_nvidia_h100.txt)
+MIN_ROWS = 4096
+
+
+@triton.jit
+def _row_softmax(S, P, LSE, n, heads, first_row, stride_s, stride_p, stride_lb, stride_lh, qk_scale,
+                 BLOCK: tl.constexpr):
+    # One row of scores: P = softmax(S * scale), normalised; LSE in log2 units, as the split slots keep it.
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n
+    x = tl.load(S + r * stride_s + cols, mask=ok, other=float("-inf")) * qk_scale
+    m = tl.max(x, 0)
+    e = tl.exp2(x - m)
+    total = tl.sum(e, 0)
+    tl.store(P + r * stride_p + cols, (e / total).to(P.dtype.element_ty), mask=ok)
+    row = first_row + r
+    tl.store(LSE + (row // heads) * stride_lb + (row % heads) * stride_lh, m + tl.log2(total))
+
+
+def applies(q: torch.Tensor, k_cache: torch.Tensor, v_from_k: bool, shared_len: int, softcap: float | None) -> bool:
+    """Whether the shared pass of this cascade step runs as GEMMs: an MLA layer (one latent KV head whose
+    values are its first channels) on a GPU in 16-bit floats, enough rows, a prefix short enough for one
+    softmax tile (fp8 caches, float32 models and softcapping stay with the Triton pass)."""
+    batch, heads, head_dim = q.shape
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype and v_from_k
+            and k_cache.shape[1] == 1 and head_dim > 256 and not softcap and batch * heads >= MIN_ROWS
+            and shared_len <= MAX_SHARED_LEN)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # bf16 products summed in float32, the scores kept in float32 (cuBLAS's out_dtype; the CPU has no such op)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def shared_pass(
+    q: torch.Tensor,  # [batch, heads, head_dim]
+    k_cache: torch.Tensor,  # [num_pages, 1, page_size, head_dim]: the values are its first v_dim channels
+    block_tables: torch.Tensor,  # [batch, max_pages] int32: the shared pages are row 0's first
+    partial: torch.Tensor,  # [batch, heads, splits, v_dim] float32
+    lse: torch.Tensor,  # [batch, heads, splits] float32
+    *,
+    slot: int,  # the split slot the prefix's output goes to
+    shared_len: int,  # whole pages
+    scale: float,
+    v_dim: int,
+) -> None:
+    """Attend every (request, head) row to the shared prefix: its normalised output into ``partial[:, :, slot]``
+    and its log2-LSE into ``lse[:, :, slot]``."""
+    batch, heads, head_dim = q.shape
+    page = k_cache.shape[2]
+    pages = block_tables[0, : shared_len // page]
+    keys = k_cache.index_select(0, pages).reshape(shared_len, head_dim)  # the prefix, contiguous
+    rows = q.reshape(batch * heads, head_dim)
+    lse_slot = lse[:, :, slot]
+    per_chunk = max(1, CHUNK_SCORE_BYTES // (4 * shared_len * heads))  # whole requests
+    for b0 in range(0, batch, per_chunk):
+        b1 = min(batch, b0 + per_chunk)
+        scores = _mm_f32(rows[b0 * heads : b1 * heads], keys.t())  # [n, shared_len]
+        probs = torch.empty(scores.shape, dtype=q.dtype, device=q.device)
+        _row_softmax[(scores.shape[0],)](
+            scores, probs, lse_slot, shared_len, heads, b0 * heads, scores.stride(0), probs.stride(0),
+            lse_slot.stride(0), lse_slot.stride(1), float(scale * 1.4426950408889634),
+            BLOCK=next_pow2(shared_len), num_warps=8,
+        )
+        partial[b0:b1, :, slot] = _mm_f32(probs, keys[:, :v_dim]).view(b1 - b0, heads, v_dim)
