@@ -20,8 +20,8 @@ from attnzoo.attention.kernels.common import next_pow2
 CHUNK_SCORE_BYTES = 64 << 20
 # Keys a row's softmax holds in registers at once: longer prefixes stay with the Triton pass.
 MAX_SHARED_LEN = 8192
-# (request, head) rows from which the GEMMs beat the Triton pass (it took 410 us against ... at 1319 x 16
-# rows of DeepSeek-V2-Lite on an H100: benchmarks/results/cascade_mla_gemm_nvidia_h100.txt)
+# (request, head) rows from which the GEMMs run the pass: measured faster at 1319 x 16 rows only
+# (benchmarks/results/cascade_mla_gemm_nvidia_h100.txt); below, the Triton pass, whose rows fill fewer waves
 MIN_ROWS = 4096
 
 
