@@ -47,9 +47,20 @@ def case(batch: int, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, v_dim=No
             torch.full((batch,), SHARED + OWN + 1, dtype=torch.int32, device=device))
 
 
-def sweep(layers, batch: int = 1319) -> None:
+def print_kernels(replay, times: int = 10) -> None:
+    """Each kernel's GPU time in a call and its launches a call, under the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(times):
+            replay()
+        torch.cuda.synchronize()
+    for e in prof.key_averages():
+        if e.self_device_time_total > 0:
+            print(f"      {e.key[:40]:40s} {e.self_device_time_total / e.count:8.1f} us x {e.count // times}")
+
+
+def sweep(layers, batch: int = 1319) -> None:
     for name in layers:
         heads, kv_heads, d, dv = LAYERS[name]
         q, k, v, tables, seq = case(batch, heads, kv_heads, d, dv)
@@ -62,27 +73,15 @@ def sweep(layers, batch: int = 1319) -> None:
         default = how.cascade_launch_config(d, dv, torch.bfloat16)
         ref = run(default)().float().clone()
         replay = graph_of(run(default))
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                replay()
-            torch.cuda.synchronize()
         print(f"{name} layer, {batch} requests, default {default}: {time_cuda(replay) * 1000:.1f} us")
-        for e in prof.key_averages():
-            if e.self_device_time_total > 0:
-                print(f"   {e.key[:40]:40s} {e.self_device_time_total / e.count:8.1f} us")
+        print_kernels(replay)
         plain = graph_of(lambda: dec.decode_attention(q, k, v, tables, seq, scale=d ** -0.5, out=out))
         print(f"   plain decode (every request reads the prefix): {time_cuda(plain) * 1000:.1f} us")
         if dec.gemm_shared_pass(q, k, v, SHARED, None):  # MLA: the shared pass as two GEMMs (cascade_gemm)
             err = (run(None)().float() - ref).abs().max().item()
             gemm = graph_of(run(None))
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(10):
-                    gemm()
-                torch.cuda.synchronize()
             print(f"   shared pass as GEMMs: {time_cuda(gemm) * 1000:.1f} us, max diff {err:.1e}")
-            for e in prof.key_averages():
-                if e.self_device_time_total > 0:
-                    print(f"      {e.key[:40]:40s} {e.self_device_time_total / e.count:8.1f} us x {e.count // 10}")
+            print_kernels(gemm)
         timed = []
         for bm, bn, warps, stages in itertools.product(*TILES["mla" if d > 256 else "mha"]):
             cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
