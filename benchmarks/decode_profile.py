@@ -61,6 +61,8 @@ def main(argv=None):
     ap.add_argument("--by-shape", action="store_true",
                     help="also list the torch ops (mm, bmm, copies, ...) by input shape, the GPU time under each")
     args = ap.parse_args(argv)
+    if args.decode_only and args.phase != "decode":
+        ap.error("--decode-only subtracts the extend steps from a decode profile: use it with --phase decode")
     with pdl.use(not args.no_pdl):
         profile_shape(args)
 

@@ -183,6 +183,7 @@ def test_the_gemm_shared_pass_is_chosen_for_mla_at_a_large_batch_only():
         assert dec.gemm_shared_pass(big, cache, values, 1312, None)
         assert not dec.gemm_shared_pass(small, cache, values, 1312, None)  # too few rows
         assert not dec.gemm_shared_pass(big, cache, values, 1312, 30.0)  # softcapped
+        assert not dec.gemm_shared_pass(big, cache, values, 1312, None, 0.5, 1.0)  # a scaled cache
         assert not dec.gemm_shared_pass(big, cache, values, cascade_gemm.MAX_SHARED_LEN + 16, None)
         assert not dec.gemm_shared_pass(big.float(), cache.float(), cache.float()[..., :512], 1312, None)
         assert not dec.gemm_shared_pass(big, cache, torch.empty_like(values), 1312, None)  # values apart

@@ -215,15 +215,19 @@ def test_mla_absorbed_query_fills_the_rope_slot_buffer():
     slot = mla.rope_slot(t, q_nope)
     slot.copy_(randn(t, h, rope, dtype=torch.float32, seed=2))
     want = torch.cat([absorb_query(q_nope, w_uk), slot], dim=-1)
-    q = absorbed_query(q_nope, slot, w_uk)
+    q = absorbed_query(q_nope, slot, w_uk, in_slot=True)
     assert q.data_ptr() == slot.data_ptr() - rank * 4 and torch.allclose(q, want)  # the slot's own buffer, filled
-    # q_pe as a slice of the projection that also holds q_nope (nope == rank): concatenated, q_nope untouched
-    proj = randn(t, h, rank + rope, dtype=torch.float32, seed=3)
-    q_nope, q_pe = proj.split([rank, rope], dim=-1)
-    w_sq = randn(h, rank, rank, dtype=torch.float32, seed=4)
-    before = proj.clone()
-    q = absorbed_query(q_nope, q_pe, w_sq)
-    assert torch.equal(proj, before) and torch.allclose(q, torch.cat([absorb_query(q_nope, w_sq), q_pe], dim=-1))
+    # not said to be in its slot: concatenated, whatever its layout (here a caller's [T, H, rank + rope] tensor)
+    keep = randn(t, h, rank + rope, dtype=torch.float32, seed=3)
+    before = keep.clone()
+    q = absorbed_query(q_nope, keep[..., rank:], w_uk)
+    assert torch.equal(keep, before) and torch.allclose(q, torch.cat([absorb_query(q_nope, w_uk), keep[..., rank:]], -1))
+    with pytest.raises(ValueError, match="rope_slot"):
+        absorbed_query(q_nope, slot.contiguous(), w_uk, in_slot=True)
+    # autograd records: out= cannot be differentiated, so the concatenation, and the gradient reaches W_UK
+    w_grad = w_uk.clone().requires_grad_()
+    absorbed_query(q_nope, mla.rope_slot(t, q_nope).copy_(slot), w_grad, in_slot=True).sum().backward()
+    assert w_grad.grad is not None
 
 
 def test_mla_cache_entry_reads_the_fused_entry_in_place():

@@ -33,19 +33,22 @@ def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
 
-def absorbed_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+def absorbed_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, *, in_slot: bool = False
+                   ) -> torch.Tensor:
     """q_nope [T, H, nope], roped q_pe [T, H, rope], W_UK [H, nope, rank] -> the absorbed query [T, H, rank + rope].
-    Where q_pe sits in the last channels of a query buffer of its own (``MLAAttention.rope_slot``), the absorption
-    is written into that buffer's first channels; otherwise the two are concatenated."""
+    ``in_slot``: q_pe is a view ``MLAAttention.rope_slot`` returned, and the absorption is written into its
+    buffer's first channels; otherwise (and where autograd records, which ``out=`` does not support) the two
+    are concatenated."""
+    grad = torch.is_grad_enabled() and (q_nope.requires_grad or q_pe.requires_grad or w_uk.requires_grad)
+    if not in_slot or grad:
+        return torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)
     t, h, p = q_pe.shape
     r = w_uk.shape[-1]
     w = r + p
-    own = (q_pe.stride() == (h * w, w, 1) and q_pe.storage_offset() == r and q_pe.dtype == q_nope.dtype
-           and q_pe.untyped_storage().nbytes() == t * h * w * q_pe.element_size()
-           and q_pe.untyped_storage().data_ptr() != q_nope.untyped_storage().data_ptr())
-    if not own:
-        return torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)
-    q = q_pe.as_strided((t, h, w), (h * w, w, 1), 0)
+    if q_pe.stride() != (h * w, w, 1) or q_pe.storage_offset() < r:
+        raise ValueError(f"absorbed_query: q_pe of strides {q_pe.stride()} is not a rope_slot view of a "
+                         f"[{t}, {h}, {w}] buffer")
+    q = q_pe.as_strided((t, h, w), (h * w, w, 1), q_pe.storage_offset() - r)
     torch.bmm(q_nope.transpose(0, 1), w_uk, out=q[..., :r].transpose(0, 1))
     return q
 
@@ -118,10 +121,12 @@ class MLAAttention(nn.Module):
         k_pe: torch.Tensor | None,  # [T, qk_rope], roped; None on KV-sharing layers
         kv_b_weight: torch.Tensor,  # [H * (qk_nope + v_head_dim), kv_lora_rank]
         ctx: ForwardContext,
+        *,
+        q_pe_in_slot: bool = False,  # q_pe is this layer's rope_slot(): the absorption fills the rest of its buffer
     ) -> torch.Tensor:  # [T, H * v_head_dim]
         t = q_nope.shape[0]
         w_uk, w_uv = split_kv_b(kv_b_weight, self.num_heads, self.qk_nope_head_dim)
         entry = None if latent is None else cache_entry(latent, k_pe)  # [T, 1, rank + rope]
-        q = absorbed_query(q_nope, q_pe, w_uk)  # [T, H, rank + rope]
+        q = absorbed_query(q_nope, q_pe, w_uk, in_slot=q_pe_in_slot)  # [T, H, rank + rope]
         o = self.attn(q, entry, None, ctx).view(t, self.num_heads, self.kv_lora_rank)
         return latent_to_values(o, w_uv).reshape(t, self.num_heads * self.v_head_dim)

@@ -96,6 +96,7 @@ class NSAAttention(MLAAttention):
         index_q: torch.Tensor | None,  # [T, Hi, D], roped; None: reuse the step's last selection
         index_k: torch.Tensor | None,  # [T, D], normed and roped
         index_weights: torch.Tensor | None,  # [T, Hi], the indexer's per-head weights
+        q_pe_in_slot: bool = False,  # as MLAAttention's
     ) -> torch.Tensor:  # [T, H * v_head_dim]
         """With index_q None (a layer without its own indexer: GLM-5's "shared" layers) the layer attends
         over the positions the step's previous indexer layer selected (``ctx.nsa_positions``). A KV-sharing
@@ -132,7 +133,7 @@ class NSAAttention(MLAAttention):
                                          scale=self.index_scale)
         ctx.nsa_positions = positions
         w_uk, w_uv = split_kv_b(kv_b_weight, self.num_heads, self.qk_nope_head_dim)
-        q = absorbed_query(q_nope, q_pe, w_uk)  # [T, H, rank + rope]
+        q = absorbed_query(q_nope, q_pe, w_uk, in_slot=q_pe_in_slot)  # [T, H, rank + rope]
         o = backend.nsa_sparse_mla(layer, q, positions, meta, plan).to(q_nope.dtype)  # [T, H, rank]
         return latent_to_values(o, w_uv).reshape(t, self.num_heads * self.v_head_dim)
 

@@ -302,6 +302,9 @@ def mla_entry(q_pe: torch.Tensor, kv: torch.Tensor, norm: NormParams, cos: torch
     where given: ``MLAAttention.rope_slot``), and the cache entry [T, R + P] = [RMSNorm(latent), RoPE(k_pe)] of
     kv = [latent, k_pe] [T, R + P], cos/sin [T, P]. One kernel on a GPU where the RoPE, the norm and the
     concatenation were three."""
+    if q_out is not None and (q_out.shape != q_pe.shape or q_out.dtype != q_pe.dtype):
+        raise ValueError(f"mla_entry: q_out {tuple(q_out.shape)} {q_out.dtype} is not q_pe's {tuple(q_pe.shape)} "
+                         f"{q_pe.dtype}")
     k = _triton(q_pe)
     if (k is None or cos.shape[-1] != q_pe.shape[-1] or q_pe.stride(-1) != 1 or kv.stride(-1) != 1
             or (q_out is not None and q_out.stride(-1) != 1)):

@@ -116,13 +116,13 @@ class DeepseekAttention(nn.Module):
         # Interleaved: pairs (x0, x1), (x2, x3), ... rotated, written de-interleaved (the same for q and k).
         # The entry holds the normed latent, then the roped key: the cache entry as it is stored.
         q_pe, entry = fused.mla_entry(q_pe, kv, self.kv_a_layernorm, cos, sin, interleaved=self.interleaved_rope,
-                                      q_out=self.mla.rope_slot(x.shape[0], x))
+                                      q_out=self.mla.rope_slot(x.shape[0], q_pe))
         latent, k_pe = entry.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         return q_nope, q_pe, q_resid, latent, k_pe
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         q_nope, q_pe, _, latent, k_pe = self.project(x, cos, sin)
-        return self.o_proj(self.mla(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight, ctx))
+        return self.o_proj(self.mla(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight, ctx, q_pe_in_slot=True))
 
 
 class DeepseekRouter(nn.Module):

@@ -90,7 +90,7 @@ class DeepseekV32Attention(DeepseekAttention):
         if self.indexer is not None:
             index_q, index_k, index_weights = self.indexer(x, q_resid, cos, sin)
         out = self.mla(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight, ctx,
-                       index_q=index_q, index_k=index_k, index_weights=index_weights)
+                       index_q=index_q, index_k=index_k, index_weights=index_weights, q_pe_in_slot=True)
         return self.o_proj(out)
 
 

@@ -49,8 +49,9 @@ class Mistral4Attention(DeepseekAttention):
         if self.beta:
             pos = ctx.meta.positions.float()
             s = (1 + self.beta * torch.log(1 + torch.floor(pos / self.original_max)))[:, None, None].to(q_nope.dtype)
-            q_nope, q_pe = q_nope * s, q_pe * s  # the whole query, as the reference scales it
-        return self.o_proj(self.mla(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight, ctx))
+            q_nope = q_nope * s  # the whole query, as the reference scales it; q_pe where it sits (its rope_slot)
+            q_pe.mul_(s)
+        return self.o_proj(self.mla(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight, ctx, q_pe_in_slot=True))
 
 
 class Mistral4ForCausalLM(DeepseekV3ForCausalLM):

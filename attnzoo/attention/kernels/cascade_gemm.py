@@ -10,6 +10,8 @@ the same split slots the Triton pass writes, so stage 2 merges them unchanged.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -25,7 +27,9 @@ MAX_SHARED_LEN = 8192
 MIN_ROWS = 4096
 
 
-@triton.jit
+# the prefix length, the chunk's first row and the split count change from step to step: not specialized on,
+# or each new value compiled a variant mid-run (as decode.py's kernels)
+@triton.jit(do_not_specialize=["n", "first_row", "stride_s", "stride_p", "stride_lb", "stride_lh"])
 def _row_softmax(S, P, LSE, n, heads, first_row, stride_s, stride_p, stride_lb, stride_lh, qk_scale,
                  BLOCK: tl.constexpr):
     # One row of scores: P = softmax(S * scale), normalised; LSE in log2 units, as the split slots keep it.
@@ -41,14 +45,21 @@ def _row_softmax(S, P, LSE, n, heads, first_row, stride_s, stride_p, stride_lb, 
     tl.store(LSE + (row // heads) * stride_lb + (row % heads) * stride_lh, m + tl.log2(total))
 
 
-def applies(q: torch.Tensor, k_cache: torch.Tensor, v_from_k: bool, shared_len: int, softcap: float | None) -> bool:
+def applies(q: torch.Tensor, k_cache: torch.Tensor, v_from_k: bool, shared_len: int, softcap: float | None,
+            k_scale: float = 1.0, v_scale: float = 1.0) -> bool:
     """Whether the shared pass of this cascade step runs as GEMMs: an MLA layer (one latent KV head whose
     values are its first channels) on a GPU in 16-bit floats, enough rows, a prefix short enough for one
-    softmax tile (fp8 caches, float32 models and softcapping stay with the Triton pass)."""
+    softmax tile (fp8 caches, scaled caches, float32 models and softcapping stay with the Triton pass), and a
+    torch whose matmul keeps 16-bit products in float32 (``mm``'s ``out_dtype``)."""
     batch, heads, head_dim = q.shape
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype and v_from_k
-            and k_cache.shape[1] == 1 and head_dim > 256 and not softcap and batch * heads >= MIN_ROWS
-            and shared_len <= MAX_SHARED_LEN)
+            and k_cache.shape[1] == 1 and head_dim > 256 and not softcap and k_scale == v_scale == 1.0
+            and batch * heads >= MIN_ROWS and shared_len <= MAX_SHARED_LEN and _has_mm_out_dtype())
+
+
+@functools.cache
+def _has_mm_out_dtype() -> bool:
+    return "dtype_out" in torch.ops.aten.mm.overloads()
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

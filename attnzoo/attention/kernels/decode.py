@@ -267,10 +267,12 @@ def _v_from_k(k_cache, v_cache) -> bool:
     )
 
 
-def gemm_shared_pass(q, k_cache, v_cache, shared_len: int, logit_softcap: float | None) -> bool:
+def gemm_shared_pass(q, k_cache, v_cache, shared_len: int, logit_softcap: float | None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> bool:
     """Whether ``cascade_decode_attention`` with one shared split and no ``launch_config`` runs its shared pass
     as GEMMs (``cascade_gemm``: MLA at a large batch) rather than ``_cascade_shared``."""
-    return cascade_gemm.applies(q, k_cache, _v_from_k(k_cache, v_cache), shared_len, logit_softcap)
+    return cascade_gemm.applies(q, k_cache, _v_from_k(k_cache, v_cache), shared_len, logit_softcap, k_scale,
+                                v_scale)
 
 
 def _split_scratch(q, v_dim, splits, partial, lse):
@@ -425,7 +427,7 @@ def cascade_decode_attention(
             k_scale=k_scale, v_scale=v_scale)
 
     if launch_config is None and num_shared_splits == 1 and gemm_shared_pass(q, k_cache, v_cache, shared_len,
-                                                                             logit_softcap):
+                                                                             logit_softcap, k_scale, v_scale):
         cascade_gemm.shared_pass(q, k_cache, block_tables, partial, lse, slot=num_kv_splits, shared_len=shared_len,
                                  scale=scale, v_dim=v_dim)
         _stage2(partial, lse, out, sinks)
