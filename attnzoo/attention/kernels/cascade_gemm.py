@@ -62,12 +62,11 @@ def _has_mm_out_dtype() -> bool:
     return "dtype_out" in torch.ops.aten.mm.overloads()
 
 
-def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    # bf16 products summed in float32, kept in float32 (cuBLAS's out_dtype; the CPU has no such op). ``out`` may
-    # be a strided view (rows apart, channels adjacent): cuBLAS writes it in place.
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # bf16 products summed in float32, kept in float32 (cuBLAS's out_dtype; the CPU has no such op)
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32, out=out)
-    return torch.mm(a.float(), b.float(), out=out)
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
 
 
 def shared_pass(
@@ -100,4 +99,4 @@ def shared_pass(
             lse_slot.stride(0), lse_slot.stride(1), float(scale * 1.4426950408889634),
             BLOCK=next_pow2(shared_len), num_warps=8,
         )
-        _mm_f32(probs, keys[:, :v_dim], out=partial[b0:b1, :, slot].view(-1, v_dim))
+        partial[b0:b1, :, slot] = _mm_f32(probs, keys[:, :v_dim]).view(b1 - b0, heads, v_dim)
