@@ -59,7 +59,7 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, v_from_k: bool, shared_len: 
 
 @functools.cache
 def _has_mm_out_dtype() -> bool:
-    return "dtype_out" in torch.ops.aten.mm.overloads()
+    return "dtype" in torch.ops.aten.mm.overloads()
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
