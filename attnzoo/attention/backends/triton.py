@@ -160,11 +160,14 @@ class TritonBackend(AttentionBackend):
                                         partial=partial, lse=lse, **kw)
         # Stage 2 merges the suffix and shared splits together: their sum stays within its limit.
         splits = min(splits, how.MAX_KV_SPLITS - 1)
-        block_m = how.cascade_launch_config(head_dim, v_dim, k_cache.dtype)["BLOCK_M"]
-        gemm = dec.gemm_shared_pass(q, k_cache, v_cache, shared, layer.logit_softcap, kw["k_scale"], kw["v_scale"])
-        shared_splits = 1 if gemm else (
-            how.choose_num_shared_splits(batch=batch, num_kv_heads=num_kv_heads, group=group, shared_len=shared,
-                                         num_sms=self._num_sms, block_m=block_m, max_splits=how.MAX_KV_SPLITS - splits))
+        if dec.gemm_shared_pass(q, k_cache, v_cache, shared, layer.logit_softcap, kw["k_scale"], kw["v_scale"]):
+            shared_splits = 1  # the GEMM pass writes the whole prefix's attention into one slot
+        else:
+            block_m = how.cascade_launch_config(head_dim, v_dim, k_cache.dtype)["BLOCK_M"]
+            shared_splits = how.choose_num_shared_splits(
+                batch=batch, num_kv_heads=num_kv_heads, group=group, shared_len=shared, num_sms=self._num_sms,
+                block_m=block_m, max_splits=how.MAX_KV_SPLITS - splits,
+            )
         partial, lse = self._scratch(plan, batch, num_heads, splits + shared_splits, v_dim, q.device)
         return dec.cascade_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                             shared_len=shared, num_kv_splits=splits,
