@@ -9,7 +9,12 @@ heads, head dim 64) and DeepSeek-V2-Lite's absorbed MLA (16 heads on one latent 
 values its first 512), each kernel's time under the profiler, then the shared pass's tiles swept (CUDA-graph
 replays of the whole call; each checked against the default tile's output).
 
-    python benchmarks/cascade_tiles.py [--sweep [--layers dsv2lite-mla,...]]
+``--extend``: the MLA extend step after a shared cached prefix (DeepSeek-V2-Lite's layer, the e2e run's 1280
+shared tokens in pages of 64), requests of 100 new tokens after 0-63 own cached ones, 128 to 8192 new tokens in
+all: the plain extend kernel against ``cascade_extend_attention`` (the prefix as GEMMs, then the kernel over each
+request's own keys), each checked against the other, and the cascade's kernels under the profiler.
+
+    python benchmarks/cascade_tiles.py [--sweep [--layers dsv2lite-mla,...] | --extend]
 """
 import argparse
 import itertools
@@ -100,6 +105,44 @@ def sweep(layers, batch: int = 1319) -> None:
             print(f"   {t:7.1f} us {cfg}")
 
 
+def extend_case(tokens: int, shared: int = 1280, page: int = 64, new: int = 100, device="cuda"):
+    """(q, k cache, v cache, block tables, q_indptr, prefix lens, max_q_len) of an MLA extend step: requests of up
+    to ``new`` tokens (the last one shorter) after ``shared`` tokens in the same pages and 0-63 of their own."""
+    lens = [new] * (tokens // new) + ([tokens % new] if tokens % new else [])
+    own = [(37 * i) % 64 for i in range(len(lens))]
+    n_shared = shared // page
+    pages = [-(-(o + n) // page) for o, n in zip(own, lens)]
+    k = torch.randn(1 + n_shared + sum(pages), 1, page, 576, device=device, dtype=torch.bfloat16) * 0.5
+    first, tables = 1 + n_shared, []
+    for n in pages:
+        tables.append(list(range(1, 1 + n_shared)) + list(range(first, first + n)))
+        first += n
+    width = max(map(len, tables))
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    indptr = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=device)
+    prefix = torch.tensor([shared + o for o in own], dtype=torch.int32, device=device)
+    q = torch.randn(tokens, 16, 576, device=device, dtype=torch.bfloat16)
+    return q, k, k[..., :512], tables, indptr, prefix, max(lens)
+
+
+def extend_sweep() -> None:
+    from attnzoo.attention.kernels import extend as ext
+
+    print(f"{torch.cuda.get_device_name()}: MLA extend (16 heads, 576/512), 1280 shared tokens, us per call")
+    for tokens in (128, 256, 512, 1024, 2048, 4096, 8192):
+        q, k, v, tables, indptr, prefix, max_q = extend_case(tokens)
+        args = (q, k, v, tables, indptr, prefix)
+        plain = lambda: ext.extend_attention(*args, max_q_len=max_q, scale=0.04)  # noqa: E731
+        cascade = lambda: ext.cascade_extend_attention(*args, shared_len=1280, max_q_len=max_q, scale=0.04)  # noqa: E731
+        err = (plain().float() - cascade().float()).abs().max().item()
+        chosen = ext.gemm_cascade(q, k, v, 1280, None)
+        t_plain, t_casc = (time_cuda(graph_of(f)) * 1000 for f in (plain, cascade))
+        print(f"tokens {tokens:5d}  plain {t_plain:8.1f}  cascade {t_casc:8.1f}  ratio {t_casc / t_plain:5.2f}  "
+              f"chosen {chosen!s:5}  max diff {err:.1e}")
+        if tokens == 8192:
+            print_kernels(graph_of(cascade))
+
+
 def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     group = HEADS // KV_HEADS
@@ -126,6 +169,10 @@ def main() -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--extend", action="store_true", help="the MLA extend cascade against the plain kernel")
     ap.add_argument("--layers", default=",".join(LAYERS), help=f"the sweep's layers, of {', '.join(LAYERS)}")
     args = ap.parse_args()
-    sweep(args.layers.split(",")) if args.sweep else main()
+    if args.extend:
+        extend_sweep()
+    else:
+        sweep(args.layers.split(",")) if args.sweep else main()

@@ -157,6 +157,139 @@ def test_mla_gemm_shared_pass_on_the_gpu_at_its_batch():
         assert rel_err(out, other) <= 1e-2, f"vs {name}: {rel_err(out, other):.2e} (seed {seed})"
 
 
+# (own cached tokens after the shared prefix, new tokens) per request: none cached, a part page, past a page
+EXTEND_REQS = [(0, 5), (7, 1), (19, 12)]
+
+
+@pytest.mark.parametrize("dtype,sinks", [(torch.bfloat16, False), (torch.float32, False), (torch.float32, True)])
+def test_mla_cascade_extend_matches_plain_extend(dtype, sinks, monkeypatch):
+    # An extend step after a shared cached prefix: the prefix as GEMMs for every token (forced: chosen on GPUs at
+    # thousands of rows), in chunks of four tokens, then the extend kernel over each request's own keys and the
+    # merge; against the plain extend kernel and the reference.
+    from attnzoo.attention.kernels import cascade_gemm
+    from attnzoo.attention.kernels import extend as ext
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    shared_len, heads, d, dv = 32, 16, 80, 64
+    kv = SharedPagedKV(shared_len, [c + n for c, n in EXTEND_REQS], kv_heads=1, head_dim=d, v_dim=dv, page_size=16,
+                       dtype=dtype, mla=True, gen=gen)
+    new = [n for _, n in EXTEND_REQS]
+    q = torch.randn(sum(new), heads, d, generator=gen).to(dtype).to(DEVICE)
+    indptr = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    prefix = torch.tensor([shared_len + c for c, _ in EXTEND_REQS], dtype=torch.int32, device=DEVICE)
+    sink = torch.randn(heads, generator=gen).to(DEVICE) if sinks else None
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, indptr, prefix)
+    ran = []
+    monkeypatch.setattr(cascade_gemm, "CHUNK_SCORE_BYTES", 4 * 4 * shared_len * heads)
+    monkeypatch.setattr(cascade_gemm, "_row_softmax", _Counted(cascade_gemm._row_softmax, ran))
+    out = torch.full((sum(new), heads, dv), float("nan"), dtype=dtype, device=DEVICE)
+    ext.cascade_extend_attention(*args, shared_len=shared_len, max_q_len=max(new), scale=0.1, sinks=sink, out=out)
+    assert len(ran) == -(-sum(new) // 4), f"the GEMM pass ran in {len(ran)} chunks"
+    plain = ext.extend_attention(*args, max_q_len=max(new), scale=0.1, sinks=sink)
+    assert not out.isnan().any(), f"NaN (seed {seed})"
+    assert rel_err(out, plain) <= TOL[dtype], f"cascade vs plain: {rel_err(out, plain):.2e} (seed {seed})"
+    row = 0
+    for i, (c, n) in enumerate(EXTEND_REQS):
+        pos = torch.arange(shared_len + c, shared_len + c + n)
+        ref = attention_reference(q[row : row + n], kv.k[i], kv.v[i], pos, scale=0.1, sinks=sink)
+        err = rel_err(out[row : row + n], ref)
+        assert err <= TOL[dtype], f"request {i}: relative error {err:.2e} (seed {seed})"
+        row += n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mla_cascade_extend_on_the_gpu_at_its_size():
+    # DeepSeek's MLA widths, 40 requests of 1-20 new tokens after 1-70 own cached ones, 16 heads: chosen without
+    # being forced at >= MIN_ROWS rows, and equal to the plain extend kernel
+    from attnzoo.attention.kernels import cascade_gemm
+    from attnzoo.attention.kernels import extend as ext
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    own = torch.randint(1, 70, (40,), generator=gen).tolist()
+    new = torch.randint(1, 20, (40,), generator=gen).tolist()
+    new[0] = cascade_gemm.MIN_ROWS // 16  # enough rows on its own
+    kv = SharedPagedKV(128, [c + n for c, n in zip(own, new)], kv_heads=1, head_dim=576, v_dim=512, page_size=64,
+                       dtype=torch.bfloat16, mla=True, gen=gen)
+    q = torch.randn(sum(new), 16, 576, generator=gen).to(torch.bfloat16).to(DEVICE)
+    indptr = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    prefix = torch.tensor([128 + c for c in own], dtype=torch.int32, device=DEVICE)
+    assert ext.gemm_cascade(q, kv.k_cache, kv.v_cache, 128, None)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, indptr, prefix)
+    out = ext.cascade_extend_attention(*args, shared_len=128, max_q_len=max(new), scale=0.04)
+    plain = ext.extend_attention(*args, max_q_len=max(new), scale=0.04)
+    assert not out.isnan().any() and rel_err(out, plain) <= 1e-2, f"{rel_err(out, plain):.2e} (seed {seed})"
+
+
+def test_backend_extend_step_cascades_mla_layers(monkeypatch):
+    # An extend step whose requests share 32 cached tokens, through the attention layers: the MLA layer takes
+    # the cascade (its choice forced off a GPU), the others the plain kernel; all equal the torch backend.
+    from attnzoo.attention.backends.triton import TritonBackend
+    from attnzoo.attention.kernels import extend as ext
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16
+    layers = [Attention(0, 16, 1, 48, v_head_dim=32, kind="mla"), Attention(1, 8, 2, 64),
+              Attention(2, 16, 1, 48, v_head_dim=32, kind="mla", sliding_window=20)]
+    pools = [KVPool([layer.kv_cache_spec() for layer in layers], num_pages=16, page_size=16, dtype=dtype,
+                    device=DEVICE) for _ in range(2)]
+    pools[0].buffer.view(dtype).copy_(torch.randn(pools[0].buffer.view(dtype).shape, generator=gen))
+    pools[1].buffer.copy_(pools[0].buffer)
+    backends = [TorchBackend(pools[0]), TritonBackend(pools[1])]
+    assert backends[1].supports_cascade_extend == (DEVICE.type == "cuda")  # MLA layers, on a GPU
+    assert not TritonBackend(KVPool([layers[1].kv_cache_spec()], num_pages=4, page_size=16, dtype=dtype,
+                                    device=DEVICE)).supports_cascade_extend  # no MLA layer: nothing would cascade
+    alloc = PageAllocator(pools[0].num_pages)
+    shared = alloc.alloc(2)
+    tables = [shared + alloc.alloc(2), shared + alloc.alloc(1), shared + alloc.alloc(2)]
+    prefix_lens, q_lens = [32, 40, 45], [6, 3, 2]
+    metas = [build_metadata(prefix_lens=prefix_lens, q_lens=q_lens, block_tables=tables, page_size=16,
+                            device=DEVICE, detect_shared_prefix=True) for _ in backends]
+    assert metas[1].shared_prefix_len == 32 and not metas[1].is_decode
+    calls = []
+    real = ext.cascade_extend_attention
+    monkeypatch.setattr(ext, "gemm_cascade", lambda q, k_cache, *a: k_cache.shape[1] == 1)  # the size rule off
+    monkeypatch.setattr(ext, "cascade_extend_attention",
+                        lambda *a, **kw: calls.append(kw["shared_len"]) or real(*a, **kw))
+    for layer in layers:
+        n = sum(q_lens)
+        q = torch.randn(n, layer.num_heads, layer.head_dim, generator=gen).to(dtype).to(DEVICE)
+        k = torch.randn(n, layer.num_kv_heads, layer.head_dim, generator=gen).to(dtype).to(DEVICE)
+        v = None if layer.kind == "mla" else torch.randn(
+            n, layer.num_kv_heads, layer.v_head_dim, generator=gen).to(dtype).to(DEVICE)
+        ref, out = (layer(q, k, v, ForwardContext(meta, pool, be, be))
+                    for be, meta, pool in zip(backends, metas, pools))
+        err = rel_err(out, ref)
+        assert not out.isnan().any() and err <= 1e-2, f"layer {layer.layer_id}: rel err {err:.2e} (seed {seed})"
+    assert calls == [32], "the MLA layer cascades; the MHA layer and the windowed MLA layer do not"
+
+
+def test_cascade_extend_is_chosen_for_mla_only_and_rejects_what_it_cannot_run():
+    from attnzoo.attention.kernels import extend as ext
+
+    cache = torch.empty(4, 1, 16, 576, dtype=torch.bfloat16, device="meta")
+    big = torch.empty(4096 // 16, 16, 576, dtype=torch.bfloat16, device="meta")
+    with pytest.MonkeyPatch.context() as mp:  # the decision's other conditions, off a GPU
+        mp.setattr(torch.Tensor, "is_cuda", property(lambda x: True))
+        assert ext.gemm_cascade(big, cache, cache[..., :512], 64, None)
+        assert not ext.gemm_cascade(big[:-1], cache, cache[..., :512], 64, None)  # too few rows
+        assert not ext.gemm_cascade(big, cache, torch.empty_like(cache[..., :512]), 64, None)  # values apart
+    gen = torch.Generator().manual_seed(0)
+    kv = SharedPagedKV(32, [3, 2], kv_heads=2, head_dim=64, v_dim=64, page_size=16, dtype=torch.float32,
+                       mla=False, gen=gen)
+    q = torch.randn(2, 4, 64, device=DEVICE)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
+            torch.tensor([34, 33], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(BackendError, match="MLA layers only"):
+        ext.cascade_extend_attention(*args, shared_len=32, max_q_len=1, scale=1.0)
+    for bad in (0, 8, 16 * 99):
+        with pytest.raises(BackendError, match="whole pages"):
+            ext.cascade_extend_attention(*args, shared_len=bad, max_q_len=1, scale=1.0)
+
+
 class _Counted:
     """A Triton kernel whose launches (``kernel[grid](...)``) are recorded."""
 

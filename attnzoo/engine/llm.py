@@ -281,18 +281,19 @@ class LLM:
 
     def _cascade_info(self) -> str:
         e = self.engine
+        scope = f" ({e.prefill_backend.cascade_extend_scope})" if e.prefill_backend.cascade_extend_scope else ""
         if e.cascade:
             graphs = e.graphs is not None and e.graphs.cascade
             when = (f"as CUDA graphs when shared tokens x (requests - 1) >= {e.cascade_graph_min_saved_tokens}, "
                     f"eagerly when >= {e.cascade_min_saved_tokens} and no graph serves the step" if graphs else
                     f"when shared tokens x (requests - 1) >= {e.cascade_min_saved_tokens}; such steps run eagerly")
             return (f"on: decode steps whose requests share >= 1 page read it once ({when})"
-                    + ("; extend steps too" if e.cascade_extend else ""))
+                    + (f"; extend steps too{scope}" if e.cascade_extend else ""))
         if e.prefix_cache is None:
             return "off: prefix caching is off"
         if not e.decode_backend.supports_cascade:
             # trtllm_mha off Blackwell: its prefill is the flashinfer backend, which cascades extend steps
-            extend = (f"; extend steps: on (prefill backend {e.prefill_backend.name!r})" if e.cascade_extend else "")
+            extend = f"; extend steps: on (prefill backend {e.prefill_backend.name!r}){scope}" if e.cascade_extend else ""
             return f"off: decode backend {e.decode_backend.name!r} has no cascade path" + extend
         return "off: turned off (cascade=False)"
 

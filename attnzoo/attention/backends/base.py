@@ -30,7 +30,8 @@ token in page 0). Such a graph is captured on the first step of its key, with th
 Cascade attention: a backend that reads a prefix shared by every request of a DECODE step once for the
 whole batch (``meta.shared_prefix_len``) declares ``cascade=True``; others ignore the field and
 read every request's pages as usual, which gives the same result. ``supports_cascade_extend``: the
-same for EXTEND steps (every new token of the step comes after the shared pages).
+same for EXTEND steps (every new token of the step comes after the shared pages), set per instance where it
+depends on the pool's layers; ``cascade_extend_scope`` says which layers and steps, where not all.
 
 Overlap: the engine may prepare step N+1 while step N still runs on the GPU. A backend whose plan
 stages data in host buffers it reuses, copied to the GPU asynchronously (FlashInfer's wrappers and
@@ -126,6 +127,7 @@ class AttentionBackend(ABC):
     supports_cuda_graph: ClassVar[bool] = False
     supports_cascade: ClassVar[bool] = False
     supports_cascade_extend: ClassVar[bool] = False
+    cascade_extend_scope: ClassVar[str] = ""  # e.g. "MLA layers": shown in load_model's explanation
     supports_cascade_graph: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):

@@ -19,6 +19,8 @@ Cascade (``supports_cascade``): when a DECODE step's requests share leading page
 the whole batch (``cascade_decode_attention``) and each request's own pages as usual. Cascade decode steps
 are captured too (``supports_cascade_graph``): the prefix length is a launch argument, so it is the graph's
 key; the split counts then follow from the bucket and the graphs' longest context, as in plain graphs.
+EXTEND steps cascade in MLA layers at enough token x head rows (``extend.gemm_cascade``): the shared prefix as
+two GEMMs for every new token, then the extend kernel over each request's own keys, merged as it writes.
 """
 from __future__ import annotations
 
@@ -92,6 +94,7 @@ class TritonBackend(AttentionBackend):
     )
     fix = "use backend='torch' on CPU (or set TRITON_INTERPRET=1 before importing attnzoo, for tests)"
     supports_cascade_graph = True
+    cascade_extend_scope = "MLA layers: their shared prefix as GEMMs, from cascade_gemm.MIN_ROWS (token, head) rows"
 
     def __init__(self, pool: KVPool):
         super().__init__(pool)
@@ -102,6 +105,10 @@ class TritonBackend(AttentionBackend):
         else:
             self._num_sms = 4  # the interpreter: small grids, but still exercise the split-K path
         self._graph_max_kv_len: int | None = None
+        # Extend steps cascade in MLA layers only (their shared prefix as GEMMs, gemm_cascade): claimed where the
+        # pool has such a layer on a GPU, so that the engine marks no extend step that nothing would cascade.
+        self.supports_cascade_extend = pool.device.type == "cuda" and any(
+            s is not None and s.v_from_k and s.num_kv_heads == 1 and not s.sliding_window for s in pool.specs)
         self._graph_scratch: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ---- per step ----
@@ -125,9 +132,16 @@ class TritonBackend(AttentionBackend):
     # ---- per layer ----
     def extend(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: TritonPlan) -> torch.Tensor:
         self.check_layer("prefill", layer)
-        lid = layer.layer_id
-        return self._extend_mod.extend_attention(
-            q, self.pool.k(lid), self.pool.v(lid), meta.block_tables_for(layer.sliding_window), meta.q_indptr,
+        ext, lid = self._extend_mod, layer.layer_id
+        k_cache, v_cache = self.pool.k(lid), self.pool.v(lid)
+        shared = 0 if layer.sliding_window else meta.shared_prefix_len
+        if shared and ext.gemm_cascade(q, k_cache, v_cache, shared, layer.logit_softcap, self.pool.k_scale,
+                                       self.pool.v_scale):
+            return ext.cascade_extend_attention(q, k_cache, v_cache, meta.block_tables, meta.q_indptr,
+                                                meta.prefix_lens, shared_len=shared, max_q_len=plan.max_q_len,
+                                                scale=layer.scale, sinks=layer.sinks)
+        return ext.extend_attention(
+            q, k_cache, v_cache, meta.block_tables_for(layer.sliding_window), meta.q_indptr,
             meta.prefix_lens,
             max_q_len=plan.max_q_len, scale=layer.scale,
             sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap, sinks=layer.sinks,

@@ -7,6 +7,10 @@ pipeline stage on an H100 (the other tiles faulted or ran no faster: benchmarks/
 runs both products at about three times its rate, at the cost of writing the scores out once (in float32,
 chunks of rows at a time) and reading them back in the softmax. The output and log-sum-exp go into
 the same split slots the Triton pass writes, so stage 2 merges them unchanged.
+
+Extend steps after a shared cached prefix (``extend.cascade_extend_attention``) run the same two GEMMs for
+every (new token, head) row: the output straight into the step's output, which the extend kernel then
+merges with each token's attention to its own request's keys.
 """
 from __future__ import annotations
 
@@ -69,6 +73,38 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
+def _prefix_gemms(q, keys, o, lse, *, scale: float, v_dim: int) -> None:
+    """Every (row, head) of ``q`` [n, heads, head_dim] attends to all of ``keys`` [prefix, head_dim] (values its
+    first v_dim channels): the normalised output into ``o`` [n, heads, v_dim] (any float dtype and strides),
+    the log2-LSE into ``lse`` [n, heads] (float32, any strides); in chunks of whole rows of q."""
+    n, heads, head_dim = q.shape
+    shared_len = keys.shape[0]
+    rows = q.reshape(n * heads, head_dim)
+    values = keys[:, :v_dim]
+    per_chunk = max(1, CHUNK_SCORE_BYTES // (4 * shared_len * heads))
+    # a contiguous output of q's dtype takes the values' product directly; a float32 split slot through a copy
+    direct = o.dtype == q.dtype and o.is_contiguous()
+    for b0 in range(0, n, per_chunk):
+        b1 = min(n, b0 + per_chunk)
+        scores = _mm_f32(rows[b0 * heads : b1 * heads], keys.t())  # [chunk rows, shared_len]
+        probs = torch.empty(scores.shape, dtype=q.dtype, device=q.device)
+        _row_softmax[(scores.shape[0],)](
+            scores, probs, lse, shared_len, heads, b0 * heads, scores.stride(0), probs.stride(0),
+            lse.stride(0), lse.stride(1), float(scale * 1.4426950408889634),
+            BLOCK=next_pow2(shared_len), num_warps=8,
+        )
+        if direct:
+            torch.mm(probs, values, out=o[b0:b1].view(-1, v_dim))
+        else:
+            o[b0:b1] = _mm_f32(probs, values).view(b1 - b0, heads, v_dim)
+
+
+def _prefix_keys(k_cache: torch.Tensor, block_tables: torch.Tensor, shared_len: int) -> torch.Tensor:
+    # the shared pages (row 0's first) gathered into one contiguous [shared_len, head_dim]
+    pages = block_tables[0, : shared_len // k_cache.shape[2]]
+    return k_cache.index_select(0, pages).reshape(shared_len, k_cache.shape[-1])
+
+
 def shared_pass(
     q: torch.Tensor,  # [batch, heads, head_dim]
     k_cache: torch.Tensor,  # [num_pages, 1, page_size, head_dim]: the values are its first v_dim channels
@@ -81,22 +117,22 @@ def shared_pass(
     scale: float,
     v_dim: int,
 ) -> None:
-    """Attend every (request, head) row to the shared prefix: its normalised output into ``partial[:, :, slot]``
-    and its log2-LSE into ``lse[:, :, slot]``."""
-    batch, heads, head_dim = q.shape
-    page = k_cache.shape[2]
-    pages = block_tables[0, : shared_len // page]
-    keys = k_cache.index_select(0, pages).reshape(shared_len, head_dim)  # the prefix, contiguous
-    rows = q.reshape(batch * heads, head_dim)
-    lse_slot = lse[:, :, slot]
-    per_chunk = max(1, CHUNK_SCORE_BYTES // (4 * shared_len * heads))  # whole requests
-    for b0 in range(0, batch, per_chunk):
-        b1 = min(batch, b0 + per_chunk)
-        scores = _mm_f32(rows[b0 * heads : b1 * heads], keys.t())  # [n, shared_len]
-        probs = torch.empty(scores.shape, dtype=q.dtype, device=q.device)
-        _row_softmax[(scores.shape[0],)](
-            scores, probs, lse_slot, shared_len, heads, b0 * heads, scores.stride(0), probs.stride(0),
-            lse_slot.stride(0), lse_slot.stride(1), float(scale * 1.4426950408889634),
-            BLOCK=next_pow2(shared_len), num_warps=8,
-        )
-        partial[b0:b1, :, slot] = _mm_f32(probs, keys[:, :v_dim]).view(b1 - b0, heads, v_dim)
+    """Decode: attend every (request, head) row to the shared prefix: its normalised output into
+    ``partial[:, :, slot]`` and its log2-LSE into ``lse[:, :, slot]``."""
+    _prefix_gemms(q, _prefix_keys(k_cache, block_tables, shared_len), partial[:, :, slot], lse[:, :, slot],
+                  scale=scale, v_dim=v_dim)
+
+
+def extend_shared_pass(
+    q: torch.Tensor,  # [num_tokens, heads, head_dim]: every new token of the step
+    k_cache: torch.Tensor,  # [num_pages, 1, page_size, head_dim]: the values are its first v_dim channels
+    block_tables: torch.Tensor,  # [num_reqs, max_pages] int32: the shared pages are row 0's first
+    out: torch.Tensor,  # [num_tokens, heads, v_dim], q's dtype, contiguous
+    lse: torch.Tensor,  # [num_tokens, heads] float32
+    *,
+    shared_len: int,  # whole pages, all of them before every new token
+    scale: float,
+) -> None:
+    """Extend: attend every (token, head) row to the shared prefix (no causal mask: each token comes after
+    it): the normalised output into ``out``, the log2-LSE into ``lse``, for ``extend``'s merge."""
+    _prefix_gemms(q, _prefix_keys(k_cache, block_tables, shared_len), out, lse, scale=scale, v_dim=out.shape[-1])

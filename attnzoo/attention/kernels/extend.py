@@ -8,6 +8,10 @@ for short extends over long prefixes and for MLA's 128 heads on one latent KV he
 
 A program only visits the keys some row of its block can see: up to its last row's position (causal),
 and from its first row's position minus the window (sliding window).
+
+Cascade (``cascade_extend_attention``, MLA): where every request of the step starts with the same cached
+pages, the tokens attend to them all at once as GEMMs (``cascade_gemm``), and the kernel then covers only
+each request's keys after them, merging the two parts by log-sum-exp before it writes.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnzoo.attention.kernels import cascade_gemm
 from attnzoo.attention.kernels.common import (
     add_sinks,
     attend,
@@ -29,15 +34,17 @@ from attnzoo.attention.kernels.common import (
 from attnzoo.errors import BackendError
 
 
-@triton.jit
+# the shared prefix's length changes from step to step: not specialized on (each value would compile a variant)
+@triton.jit(do_not_specialize=["kv_skip"])
 def _extend_kernel(
-    Q, K, V, BT, Q_INDPTR, PREFIX_LENS, O, SINKS,
+    Q, K, V, BT, Q_INDPTR, PREFIX_LENS, O, SINKS, PRIOR_LSE,
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_kh, stride_kt, stride_kd,
     stride_vp, stride_vh, stride_vt, stride_vd,
     stride_btb,
     stride_ot, stride_oh, stride_od,
-    sm_scale, softcap, window, v_scale,
+    stride_lt, stride_lh,
+    sm_scale, softcap, window, v_scale, kv_skip,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     V_DIM: tl.constexpr,
@@ -50,6 +57,7 @@ def _extend_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_PRIOR: tl.constexpr,
     V_FROM_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -77,7 +85,7 @@ def _extend_kernel(
     first_pos = prefix + (mblk * BLOCK_M) // GROUP
     last_pos = prefix + (tl.minimum(mblk * BLOCK_M + BLOCK_M, num_rows) - 1) // GROUP
     hi = last_pos + 1
-    lo = 0
+    lo = kv_skip  # cascade: the keys before it were attended by the shared pass (HAS_PRIOR)
     seen = 0  # the first key any row of the block sees
     if HAS_WINDOW:
         seen = tl.maximum(first_pos - window + 1, 0)
@@ -92,11 +100,22 @@ def _extend_kernel(
         DOT_DTYPE, DOT_PREC, True, HAS_WINDOW,
     )
 
+    o_ptrs = O + (q_start + tok).to(tl.int64)[None, :] * stride_ot + heads[None, :] * stride_oh + offs_dv[:, None] * stride_od
+    o_mask = row_ok[None, :] & (offs_dv[:, None] < V_DIM)
+    if HAS_PRIOR:  # O holds the rows' normalised attention to the keys before kv_skip, PRIOR_LSE its log2-LSE
+        lse_p = tl.load(PRIOR_LSE + (q_start + tok).to(tl.int64) * stride_lt + heads * stride_lh, mask=row_ok,
+                        other=0.0)
+        o_p = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+        m_new = tl.maximum(m_i, lse_p)
+        alpha = tl.exp2(m_i - m_new)
+        beta = tl.exp2(lse_p - m_new)
+        acc = acc * alpha[None, :] + o_p * beta[None, :]
+        l_i = l_i * alpha + beta
+        m_i = m_new
     if HAS_SINKS:  # each head's sink logit joins the denominator: a key of value zero
         acc, l_i = add_sinks(SINKS, heads, row_ok, acc, m_i, l_i)
     out = acc * (v_scale / l_i)[None, :]
-    o_ptrs = O + (q_start + tok).to(tl.int64)[None, :] * stride_ot + heads[None, :] * stride_oh + offs_dv[:, None] * stride_od
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[None, :] & (offs_dv[:, None] < V_DIM))
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
 
 
 @functools.lru_cache(maxsize=None)  # callers copy the dict before changing it
@@ -136,10 +155,67 @@ def extend_attention(
     k_scale: float = 1.0,  # fp8 caches: folded into the softmax scale, as in decode.py
     v_scale: float = 1.0,  # fp8 caches: multiplies the normalised output
 ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
+    out = _check(q, k_cache, v_cache, q_indptr, out)
+    _launch(q, k_cache, v_cache, block_tables, q_indptr, prefix_lens, out, max_q_len=max_q_len, scale=scale,
+            sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks, launch_config=launch_config,
+            k_scale=k_scale, v_scale=v_scale)
+    return out
+
+
+def gemm_cascade(q, k_cache, v_cache, shared_len: int, logit_softcap: float | None, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> bool:
+    """Whether an extend step whose requests share ``shared_len`` cached tokens runs ``cascade_extend_attention``
+    for this layer: where ``cascade_gemm.applies`` (MLA, 16-bit, enough token x head rows), else the plain kernel."""
+    v_from_k = v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
+    return cascade_gemm.applies(q, k_cache, v_from_k, shared_len, logit_softcap, k_scale, v_scale)
+
+
+def cascade_extend_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], as in extend_attention
+    k_cache: torch.Tensor,  # [num_pages, 1, page_size, head_dim]: MLA's latent cache
+    v_cache: torch.Tensor,  # its first v_head_dim channels (a view)
+    block_tables: torch.Tensor,  # [num_reqs, max_pages] int32; the first shared_len / page_size columns equal
+    q_indptr: torch.Tensor,
+    prefix_lens: torch.Tensor,  # [num_reqs] int32; each >= shared_len
+    *,
+    shared_len: int,  # leading keys every request reads from the same pages (block_tables[0]), whole pages
+    max_q_len: int,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
+    """``extend_attention`` (no window, no softcap, an unscaled cache) for a step whose requests all start with
+    the same cached pages: every new token attends to them through ``cascade_gemm.extend_shared_pass`` (two
+    GEMMs, the prefix read once for the whole step), then the extend kernel attends each token to its own
+    request's keys after them and merges the two by log-sum-exp as it writes the output. For the layers
+    ``cascade_gemm.applies`` admits; precondition, not checked (it would sync): every prefix length >=
+    shared_len, as ``metadata.shared_prefix_pages`` guarantees."""
+    out = _check(q, k_cache, v_cache, q_indptr, out)
+    page_size = k_cache.shape[2]
+    if shared_len <= 0 or shared_len % page_size or shared_len // page_size > block_tables.shape[1]:
+        raise BackendError(
+            f"cascade extend: shared_len {shared_len} is not a positive number of whole pages of "
+            f"{page_size} within the block table ({block_tables.shape[1]} pages)",
+            fix="use metadata.shared_prefix_len, and extend_attention when it is 0",
+        )
+    if (k_cache.shape[1] != 1 or v_cache.data_ptr() != k_cache.data_ptr() or k_cache.dtype != q.dtype
+            or not out.is_contiguous()):
+        raise BackendError("cascade extend runs MLA layers only (one latent KV head, values inside the key, a "
+                           "cache of the query's dtype), into a contiguous output",
+                           fix="use extend_attention for other layers")
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    if q.shape[0] == 0 or max_q_len == 0:
+        return out
+    cascade_gemm.extend_shared_pass(q, k_cache, block_tables, out, lse, shared_len=shared_len, scale=scale)
+    _launch(q, k_cache, v_cache, block_tables, q_indptr, prefix_lens, out, max_q_len=max_q_len, scale=scale,
+            sinks=sinks, kv_skip=shared_len, prior_lse=lse)
+    return out
+
+
+def _check(q, k_cache, v_cache, q_indptr, out) -> torch.Tensor:
+    """The inputs agree; -> ``out``, allocated when None."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, k_dim = k_cache.shape[1], k_cache.shape[3]
-    v_dim = v_cache.shape[-1]
-    num_reqs = q_indptr.shape[0] - 1
     if k_dim != head_dim or v_cache.shape[:3] != k_cache.shape[:3]:
         raise BackendError(
             f"extend: q {tuple(q.shape)}, k cache {tuple(k_cache.shape)} and v cache {tuple(v_cache.shape)} disagree",
@@ -149,29 +225,40 @@ def extend_attention(
         raise BackendError(f"extend: {num_heads} query heads is not a multiple of {num_kv_heads} KV heads",
                            fix="check the layer's head counts")
     check_kernel_dtypes(q, k_cache, v_cache)
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, v_cache.shape[-1], dtype=q.dtype, device=q.device)
+    return out
+
+
+def _launch(q, k_cache, v_cache, block_tables, q_indptr, prefix_lens, out, *, max_q_len, scale, sliding_window=None,
+            logit_softcap=None, sinks=None, launch_config=None, k_scale=1.0, v_scale=1.0, kv_skip=0, prior_lse=None):
+    # kv_skip / prior_lse: the cascade's second half (out already holds the shared pass's output)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, v_dim = k_cache.shape[1], v_cache.shape[-1]
+    num_reqs = q_indptr.shape[0] - 1
+    if num_tokens == 0 or num_reqs == 0 or max_q_len == 0:
+        return
     group = num_heads // num_kv_heads
     bd, bdr = head_dim_tiles(head_dim)
     bdv = value_tile(v_dim)
     v_from_k = v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride() and v_dim == bd == bdv
-    if out is None:
-        out = torch.empty(num_tokens, num_heads, v_dim, dtype=q.dtype, device=q.device)
-    if num_tokens == 0 or num_reqs == 0 or max_q_len == 0:
-        return out
+    lse = out if prior_lse is None else prior_lse
     cfg = dict(launch_config or extend_launch_config(head_dim, v_dim, k_cache.dtype))
     launch(
         _extend_kernel,
         lambda c: (triton.cdiv(max_q_len * group, c["BLOCK_M"]), num_kv_heads, num_reqs),
         (
-            q, k_cache, v_cache, block_tables, q_indptr, prefix_lens, out, out if sinks is None else sinks,
+            q, k_cache, v_cache, block_tables, q_indptr, prefix_lens, out, out if sinks is None else sinks, lse,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
+            lse.stride(0), lse.stride(1),
             float(scale * k_scale), float(logit_softcap or 0.0), int(sliding_window or 0), float(v_scale),
+            int(kv_skip),
         ),
         dict(
             GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=bdv,
             PAGE_SIZE=k_cache.shape[2], HAS_SOFTCAP=bool(logit_softcap), HAS_WINDOW=bool(sliding_window),
-            HAS_SINKS=sinks is not None, V_FROM_K=v_from_k, **dot_args(k_cache),
+            HAS_SINKS=sinks is not None, HAS_PRIOR=prior_lse is not None, V_FROM_K=v_from_k, **dot_args(k_cache),
         ),
         cfg,
         tile_keys=("BLOCK_M", "BLOCK_N"),
     )
-    return out
