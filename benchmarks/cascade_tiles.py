@@ -141,6 +141,25 @@ def extend_sweep() -> None:
               f"chosen {chosen!s:5}  max diff {err:.1e}")
         if tokens == 8192:
             print_kernels(graph_of(cascade))
+    # The scores' chunk: small enough that the softmax and the values' product may read it from L2, large enough
+    # for the GEMMs to fill the GPU. The extend step at 8192 tokens and the decode step at 1319 requests.
+    from attnzoo.attention.kernels import cascade_gemm
+
+    q, k, v, tables, indptr, prefix, max_q = extend_case(8192)
+    extend = lambda: ext.cascade_extend_attention(q, k, v, tables, indptr, prefix, shared_len=1280,  # noqa: E731
+                                                  max_q_len=max_q, scale=0.04)
+    dq, dk, dv, dtables, seq = case(1319, 16, 1, 576, 512)
+    partial, lse = torch.empty(1319, 16, 2, 512, device="cuda"), torch.empty(1319, 16, 2, device="cuda")
+    decode = lambda: dec.cascade_decode_attention(dq, dk, dv, dtables, seq, shared_len=SHARED,  # noqa: E731
+                                                  scale=0.04, num_kv_splits=1, partial=partial, lse=lse)
+    default = cascade_gemm.CHUNK_SCORE_BYTES
+    try:
+        for mb in (8, 16, 32, 64, 128, 256):
+            cascade_gemm.CHUNK_SCORE_BYTES = mb << 20
+            print(f"score chunks of {mb:3d} MB: extend 8192 tokens {time_cuda(graph_of(extend)) * 1000:7.1f} us, "
+                  f"decode 1319 requests {time_cuda(graph_of(decode)) * 1000:6.1f} us")
+    finally:
+        cascade_gemm.CHUNK_SCORE_BYTES = default
 
 
 def main() -> None:

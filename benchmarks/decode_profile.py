@@ -27,7 +27,9 @@ import attnzoo  # noqa: E402
 from attnzoo import pdl  # noqa: E402
 
 # Kernel name fragments -> kind, first match wins (cuBLAS's Hopper GEMMs are "nvjet_*"; Triton's are ours).
-KINDS = (("attention", ("flashinfer", "Prefill", "Decode", "_extend", "attention", "cascade", "merge_state", "xqa")),
+# The cascade GEMM pass's cuBLAS products count as GEMMs; its row softmax as attention.
+KINDS = (("attention", ("flashinfer", "Prefill", "Decode", "_extend", "attention", "cascade", "merge_state", "xqa",
+                        "_row_softmax")),
          ("gemm", ("nvjet", "gemm", "sm90_xmma", "cutlass", "matmul", "_moe", "_skinny")),
          ("norm/rope/act (fused)", ("rms", "norm", "rope", "act_and_mul", "silu", "gelu")),
          ("sampling/logits", ("softmax", "argmax", "topk", "sort", "tanh")))

@@ -202,7 +202,7 @@ def test_mla_cascade_extend_matches_plain_extend(dtype, sinks, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_mla_cascade_extend_on_the_gpu_at_its_size():
     # DeepSeek's MLA widths, 40 requests of 1-20 new tokens after 1-70 own cached ones, 16 heads: chosen without
-    # being forced at >= MIN_ROWS rows, and equal to the plain extend kernel
+    # being forced at >= EXTEND_MIN_ROWS rows, and equal to the plain extend kernel
     from attnzoo.attention.kernels import cascade_gemm
     from attnzoo.attention.kernels import extend as ext
 
@@ -210,7 +210,7 @@ def test_mla_cascade_extend_on_the_gpu_at_its_size():
     gen = torch.Generator().manual_seed(seed)
     own = torch.randint(1, 70, (40,), generator=gen).tolist()
     new = torch.randint(1, 20, (40,), generator=gen).tolist()
-    new[0] = cascade_gemm.MIN_ROWS // 16  # enough rows on its own
+    new[0] = cascade_gemm.EXTEND_MIN_ROWS // 16  # enough rows on its own
     kv = SharedPagedKV(128, [c + n for c, n in zip(own, new)], kv_heads=1, head_dim=576, v_dim=512, page_size=64,
                        dtype=torch.bfloat16, mla=True, gen=gen)
     q = torch.randn(sum(new), 16, 576, generator=gen).to(torch.bfloat16).to(DEVICE)
@@ -268,10 +268,11 @@ def test_backend_extend_step_cascades_mla_layers(monkeypatch):
 
 
 def test_cascade_extend_is_chosen_for_mla_only_and_rejects_what_it_cannot_run():
+    from attnzoo.attention.kernels import cascade_gemm
     from attnzoo.attention.kernels import extend as ext
 
     cache = torch.empty(4, 1, 16, 576, dtype=torch.bfloat16, device="meta")
-    big = torch.empty(4096 // 16, 16, 576, dtype=torch.bfloat16, device="meta")
+    big = torch.empty(cascade_gemm.EXTEND_MIN_ROWS // 16, 16, 576, dtype=torch.bfloat16, device="meta")
     with pytest.MonkeyPatch.context() as mp:  # the decision's other conditions, off a GPU
         mp.setattr(torch.Tensor, "is_cuda", property(lambda x: True))
         assert ext.gemm_cascade(big, cache, cache[..., :512], 64, None)

@@ -94,7 +94,8 @@ class TritonBackend(AttentionBackend):
     )
     fix = "use backend='torch' on CPU (or set TRITON_INTERPRET=1 before importing attnzoo, for tests)"
     supports_cascade_graph = True
-    cascade_extend_scope = "MLA layers: their shared prefix as GEMMs, from cascade_gemm.MIN_ROWS (token, head) rows"
+    cascade_extend_scope = ("MLA layers: their shared prefix as GEMMs, from cascade_gemm.EXTEND_MIN_ROWS "
+                            "(token, head) rows")
 
     def __init__(self, pool: KVPool):
         super().__init__(pool)

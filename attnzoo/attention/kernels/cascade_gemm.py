@@ -29,6 +29,9 @@ MAX_SHARED_LEN = 8192
 # (request, head) rows from which the GEMMs run the pass: measured faster at 1319 x 16 rows only
 # (benchmarks/results/cascade_mla_gemm_nvidia_h100.txt); below, the Triton pass, whose rows fill fewer waves
 MIN_ROWS = 4096
+# Extend steps, whose alternative reads the prefix once per request, not once per row block: faster from the
+# smallest size measured, 128 tokens x 16 heads (benchmarks/results/cascade_extend_mla_nvidia_h100.txt)
+EXTEND_MIN_ROWS = 2048
 
 
 # the prefix length, the chunk's first row and the split count change from step to step: not specialized on,
@@ -50,7 +53,7 @@ def _row_softmax(S, P, LSE, n, heads, first_row, stride_s, stride_p, stride_lb, 
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, v_from_k: bool, shared_len: int, softcap: float | None,
-            k_scale: float = 1.0, v_scale: float = 1.0) -> bool:
+            k_scale: float = 1.0, v_scale: float = 1.0, *, min_rows: int = MIN_ROWS) -> bool:
     """Whether the shared pass of this cascade step runs as GEMMs: an MLA layer (one latent KV head whose
     values are its first channels) on a GPU in 16-bit floats, enough rows, a prefix short enough for one
     softmax tile (fp8 caches, scaled caches, float32 models and softcapping stay with the Triton pass), and a
@@ -58,7 +61,7 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, v_from_k: bool, shared_len: 
     batch, heads, head_dim = q.shape
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype and v_from_k
             and k_cache.shape[1] == 1 and head_dim > 256 and not softcap and k_scale == v_scale == 1.0
-            and batch * heads >= MIN_ROWS and shared_len <= MAX_SHARED_LEN and _has_mm_out_dtype())
+            and batch * heads >= min_rows and shared_len <= MAX_SHARED_LEN and _has_mm_out_dtype())
 
 
 @functools.cache

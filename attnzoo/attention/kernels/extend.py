@@ -167,7 +167,8 @@ def gemm_cascade(q, k_cache, v_cache, shared_len: int, logit_softcap: float | No
     """Whether an extend step whose requests share ``shared_len`` cached tokens runs ``cascade_extend_attention``
     for this layer: where ``cascade_gemm.applies`` (MLA, 16-bit, enough token x head rows), else the plain kernel."""
     v_from_k = v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
-    return cascade_gemm.applies(q, k_cache, v_from_k, shared_len, logit_softcap, k_scale, v_scale)
+    return cascade_gemm.applies(q, k_cache, v_from_k, shared_len, logit_softcap, k_scale, v_scale,
+                                min_rows=cascade_gemm.EXTEND_MIN_ROWS)
 
 
 def cascade_extend_attention(
