@@ -152,6 +152,20 @@ def extend_sweep() -> None:
     partial, lse = torch.empty(1319, 16, 2, 512, device="cuda"), torch.empty(1319, 16, 2, device="cuda")
     decode = lambda: dec.cascade_decode_attention(dq, dk, dv, dtables, seq, shared_len=SHARED,  # noqa: E731
                                                   scale=0.04, num_kv_splits=1, partial=partial, lse=lse)
+    # The second half's tiles (each request's own keys, about 130 a token here), safest first: a fault ends the sweep.
+    ref = extend().float()
+    for bm, bn, warps, stages in ((32, 128, 8, 1), (32, 32, 4, 1), (32, 32, 8, 1), (32, 32, 4, 2), (16, 32, 4, 1),
+                                  (16, 32, 4, 2), (16, 128, 8, 1), (64, 32, 8, 1)):
+        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+        run = lambda: ext.cascade_extend_attention(q, k, v, tables, indptr, prefix, shared_len=1280,  # noqa: E731
+                                                   max_q_len=max_q, scale=0.04, launch_config=cfg)
+        try:
+            err = (run().float() - ref).abs().max().item()
+            print(f"rest tile {cfg}: {time_cuda(graph_of(run)) * 1000:7.1f} us the call, max diff {err:.1e}")
+        except Exception as e:  # noqa: BLE001 (out of shared memory: not a candidate)
+            print(f"rest tile {cfg}: {type(e).__name__}")
+            if type(e).__name__ == "AcceleratorError":  # a fault: the CUDA context is gone for what follows
+                return
     default = cascade_gemm.CHUNK_SCORE_BYTES
     try:
         for mb in (8, 16, 32, 64, 128, 256):

@@ -22,8 +22,10 @@ import triton.language as tl
 
 from attnzoo.attention.kernels.common import next_pow2
 
-# Scores of one chunk of rows, float32: the pass's transient memory (inside a CUDA graph, in its pool).
-CHUNK_SCORE_BYTES = 64 << 20
+# Scores of one chunk of rows, float32: the pass's transient memory (inside a CUDA graph, in its pool; with the
+# chunk's probabilities, within engine.memory.HEADROOM). Larger chunks ran faster, smaller ones gained nothing
+# from L2 (benchmarks/results/cascade_extend_mla_nvidia_h100.txt); 256 MB gained little more.
+CHUNK_SCORE_BYTES = 128 << 20
 # Keys a row's softmax holds in registers at once: longer prefixes stay with the Triton pass.
 MAX_SHARED_LEN = 8192
 # (request, head) rows from which the GEMMs run the pass: measured faster at 1319 x 16 rows only
@@ -69,24 +71,23 @@ def _has_mm_out_dtype() -> bool:
     return "dtype" in torch.ops.aten.mm.overloads()
 
 
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # bf16 products summed in float32, kept in float32 (cuBLAS's out_dtype; the CPU has no such op)
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return torch.mm(a.float(), b.float(), out=out)
 
 
 def _prefix_gemms(q, keys, o, lse, *, scale: float, v_dim: int) -> None:
     """Every (row, head) of ``q`` [n, heads, head_dim] attends to all of ``keys`` [prefix, head_dim] (values its
-    first v_dim channels): the normalised output into ``o`` [n, heads, v_dim] (any float dtype and strides),
+    first v_dim channels): the normalised output into ``o`` [n, heads, v_dim] (q's dtype or float32; its first two
+    dims mergeable, channels adjacent: a contiguous output or a split slot),
     the log2-LSE into ``lse`` [n, heads] (float32, any strides); in chunks of whole rows of q."""
     n, heads, head_dim = q.shape
     shared_len = keys.shape[0]
     rows = q.reshape(n * heads, head_dim)
     values = keys[:, :v_dim]
     per_chunk = max(1, CHUNK_SCORE_BYTES // (4 * shared_len * heads))
-    # a contiguous output of q's dtype takes the values' product directly; a float32 split slot through a copy
-    direct = o.dtype == q.dtype and o.is_contiguous()
     for b0 in range(0, n, per_chunk):
         b1 = min(n, b0 + per_chunk)
         scores = _mm_f32(rows[b0 * heads : b1 * heads], keys.t())  # [chunk rows, shared_len]
@@ -96,10 +97,12 @@ def _prefix_gemms(q, keys, o, lse, *, scale: float, v_dim: int) -> None:
             lse.stride(0), lse.stride(1), float(scale * 1.4426950408889634),
             BLOCK=next_pow2(shared_len), num_warps=8,
         )
-        if direct:
-            torch.mm(probs, values, out=o[b0:b1].view(-1, v_dim))
+        # cuBLAS writes rows that lie apart (a split slot: channels adjacent) in place
+        dst = o[b0:b1].view(-1, v_dim)
+        if o.dtype == q.dtype:
+            torch.mm(probs, values, out=dst)
         else:
-            o[b0:b1] = _mm_f32(probs, values).view(b1 - b0, heads, v_dim)
+            _mm_f32(probs, values, out=dst)
 
 
 def _prefix_keys(k_cache: torch.Tensor, block_tables: torch.Tensor, shared_len: int) -> torch.Tensor:

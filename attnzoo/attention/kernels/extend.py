@@ -184,6 +184,7 @@ def cascade_extend_attention(
     scale: float,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    launch_config: dict | None = None,  # override the second half's tiles (benchmarks and tuning)
 ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
     """``extend_attention`` (no window, no softcap, an unscaled cache) for a step whose requests all start with
     the same cached pages: every new token attends to them through ``cascade_gemm.extend_shared_pass`` (two
@@ -209,7 +210,7 @@ def cascade_extend_attention(
         return out
     cascade_gemm.extend_shared_pass(q, k_cache, block_tables, out, lse, shared_len=shared_len, scale=scale)
     _launch(q, k_cache, v_cache, block_tables, q_indptr, prefix_lens, out, max_q_len=max_q_len, scale=scale,
-            sinks=sinks, kv_skip=shared_len, prior_lse=lse)
+            sinks=sinks, launch_config=launch_config, kv_skip=shared_len, prior_lse=lse)
     return out
 
 
