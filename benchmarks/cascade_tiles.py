@@ -154,7 +154,7 @@ def extend_sweep() -> None:
                                                   scale=0.04, num_kv_splits=1, partial=partial, lse=lse)
     # The second half's tiles (each request's own keys, about 130 a token here), safest first: a fault ends the sweep.
     ref = extend().float()
-    for bm, bn, warps, stages in ((32, 128, 8, 1), (32, 32, 4, 1), (32, 32, 8, 1), (32, 32, 4, 2), (16, 32, 4, 1),
+    for bm, bn, warps, stages in ((32, 32, 4, 2), (32, 128, 8, 1), (32, 32, 4, 1), (32, 32, 8, 1), (16, 32, 4, 1),
                                   (16, 32, 4, 2), (16, 128, 8, 1), (64, 32, 8, 1)):
         cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
         run = lambda: ext.cascade_extend_attention(q, k, v, tables, indptr, prefix, shared_len=1280,  # noqa: E731

@@ -195,13 +195,14 @@ def warm_up(llm, prompts, full: bool = True) -> dict:
     if full and len(prompts) > 2:
         t0 = time.perf_counter()
         runner = llm.engine.runner
-        saved = runner.cascade_min_saved_tokens, runner.cascade_graph_min_saved_tokens
-        # no cascade here: its graphs are capped, and the marker's prefix would spend slots the measured run needs
-        runner.cascade_min_saved_tokens = runner.cascade_graph_min_saved_tokens = float("inf")
+        saved = runner.cascade_graph_min_saved_tokens
+        # no cascade graphs here: they are capped, and the marker's prefix would spend slots the measured run
+        # needs; eager cascade steps run, so that their kernels (extend's and decode's) compile here
+        runner.cascade_graph_min_saved_tokens = float("inf")
         try:
             llm.generate([[WARM_UP_MARKER] + list(p) for p in prompts], max_new_tokens=2, ignore_eos=True)
         finally:
-            runner.cascade_min_saved_tokens, runner.cascade_graph_min_saved_tokens = saved
+            runner.cascade_graph_min_saved_tokens = saved
         cache = llm.engine.pages.prefix_cache
         if cache is not None:  # the measured run starts as before: only the first two prompts' pages cached
             cache.evict(cache.evictable())

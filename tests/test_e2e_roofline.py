@@ -91,10 +91,10 @@ def test_full_warm_up_leaves_only_the_first_two_prompts_cached(e2e, tmp_path):
     llm = attnzoo.load_model(tmp_path, backend="torch", dtype="float32", page_size=4)
     prefix = random_prompts(160, [22], seed=1)[0]
     prompts = [prefix + q for q in random_prompts(160, [3, 5, 7, 9, 11], seed=2)]
-    cascade = llm.engine.cascade_min_saved_tokens
+    cascade = llm.engine.cascade_min_saved_tokens, llm.engine.runner.cascade_graph_min_saved_tokens
     res = e2e.warm_up(llm, prompts, full=True)
     assert res["first_decode_logits_finite"] and res["full_warm_up_s"] >= 0
-    assert llm.engine.cascade_min_saved_tokens == cascade
+    assert (llm.engine.cascade_min_saved_tokens, llm.engine.runner.cascade_graph_min_saved_tokens) == cascade
     cache = llm.engine.pages.prefix_cache
     # the shared prefix's 5 full pages and the 6th page of each of the first two prompts (25 and 27 tokens):
     # none of the marker pass's (1 + 22 + ... tokens: 6 more pages a prompt)

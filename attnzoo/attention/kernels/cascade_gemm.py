@@ -37,8 +37,9 @@ EXTEND_MIN_ROWS = 2048
 
 
 # the prefix length, the chunk's first row and the split count change from step to step: not specialized on,
-# or each new value compiled a variant mid-run (as decode.py's kernels)
-@triton.jit(do_not_specialize=["n", "first_row", "stride_s", "stride_p", "stride_lb", "stride_lh"])
+# or each new value compiled a variant mid-run (as decode.py's kernels); nor is LSE's alignment (a decode split
+# slot lies 4 bytes a slot into its row, an extend step's LSE at its start)
+@triton.jit(do_not_specialize=["LSE", "n", "first_row", "stride_s", "stride_p", "stride_lb", "stride_lh"])
 def _row_softmax(S, P, LSE, n, heads, first_row, stride_s, stride_p, stride_lb, stride_lh, qk_scale,
                  BLOCK: tl.constexpr):
     # One row of scores: P = softmax(S * scale), normalised; LSE in log2 units, as the split slots keep it.

@@ -34,8 +34,9 @@ from attnzoo.attention.kernels.common import (
 from attnzoo.errors import BackendError
 
 
-# the shared prefix's length changes from step to step: not specialized on (each value would compile a variant)
-@triton.jit(do_not_specialize=["kv_skip"])
+# the shared prefix's length and the block table's width change from step to step: not specialized on (each
+# change of class compiled a variant mid-run: benchmarks/mid_run_compiles.py)
+@triton.jit(do_not_specialize=["stride_btb", "kv_skip"])
 def _extend_kernel(
     Q, K, V, BT, Q_INDPTR, PREFIX_LENS, O, SINKS, PRIOR_LSE,
     stride_qt, stride_qh, stride_qd,
@@ -137,6 +138,16 @@ def extend_launch_config(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> 
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
 
 
+def cascade_rest_launch_config(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> dict:
+    """The cascade's second half (each request's own keys after the shared prefix: a question's worth) at MLA's
+    widths: 32-key blocks waste less of the causal mask than 128 and leave room for two stages (measured on an
+    H100: benchmarks/results/cascade_extend_mla_nvidia_h100.txt); otherwise the extend tiles."""
+    cfg = dict(extend_launch_config(head_dim, v_head_dim, dtype))
+    if sum(head_dim_tiles(head_dim)) > 256 and dtype != torch.float32:
+        cfg.update(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
+    return cfg
+
+
 def extend_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]: the new tokens of all requests, packed
     k_cache: torch.Tensor,  # [num_pages, num_kv_heads, page_size, head_dim], new tokens already stored
@@ -210,7 +221,8 @@ def cascade_extend_attention(
         return out
     cascade_gemm.extend_shared_pass(q, k_cache, block_tables, out, lse, shared_len=shared_len, scale=scale)
     _launch(q, k_cache, v_cache, block_tables, q_indptr, prefix_lens, out, max_q_len=max_q_len, scale=scale,
-            sinks=sinks, launch_config=launch_config, kv_skip=shared_len, prior_lse=lse)
+            sinks=sinks, kv_skip=shared_len, prior_lse=lse,
+            launch_config=launch_config or cascade_rest_launch_config(q.shape[-1], out.shape[-1], k_cache.dtype))
     return out
 
 
