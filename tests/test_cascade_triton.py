@@ -18,7 +18,7 @@ from attnzoo.attention.kv_cache import KVPool, PageAllocator
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.attention.metadata import build_metadata
 from attnzoo.errors import BackendError
-from test_triton_kernels import DEVICE, TOL, fresh_seed, rel_err
+from test_triton_kernels import DEVICE, TOL, fresh_seed, layer_inputs, rel_err
 
 
 class SharedPagedKV:
@@ -255,11 +255,7 @@ def test_backend_extend_step_cascades_mla_layers(monkeypatch):
     monkeypatch.setattr(ext, "cascade_extend_attention",
                         lambda *a, **kw: calls.append(kw["shared_len"]) or real(*a, **kw))
     for layer in layers:
-        n = sum(q_lens)
-        q = torch.randn(n, layer.num_heads, layer.head_dim, generator=gen).to(dtype).to(DEVICE)
-        k = torch.randn(n, layer.num_kv_heads, layer.head_dim, generator=gen).to(dtype).to(DEVICE)
-        v = None if layer.kind == "mla" else torch.randn(
-            n, layer.num_kv_heads, layer.v_head_dim, generator=gen).to(dtype).to(DEVICE)
+        q, k, v = layer_inputs(layer, sum(q_lens), gen, dtype)
         ref, out = (layer(q, k, v, ForwardContext(meta, pool, be, be))
                     for be, meta, pool in zip(backends, metas, pools))
         err = rel_err(out, ref)
@@ -389,10 +385,7 @@ def test_backend_cascade_through_attention_layer(page_size, monkeypatch):
 
     monkeypatch.setattr(dec, "cascade_decode_attention", spy)
     for layer in layers:
-        q = torch.randn(3, layer.num_heads, layer.head_dim, generator=gen).to(dtype).to(DEVICE)
-        k = torch.randn(3, layer.num_kv_heads, layer.head_dim, generator=gen).to(dtype).to(DEVICE)
-        v = None if layer.kind == "mla" else torch.randn(
-            3, layer.num_kv_heads, layer.v_head_dim, generator=gen).to(dtype).to(DEVICE)
+        q, k, v = layer_inputs(layer, 3, gen, dtype)
         ref, out = (layer(q, k, v, ForwardContext(meta, pool, be, be))
                     for be, meta, pool in zip(backends, metas, pools))
         assert not out.isnan().any(), f"layer {layer.layer_id}: NaN (seed {seed})"

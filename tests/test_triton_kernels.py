@@ -45,6 +45,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+def layer_inputs(layer, n: int, gen: torch.Generator, dtype: torch.dtype):
+    """Random (q, k, v) of n tokens for an ``Attention`` layer, on DEVICE; v is None for MLA (values in the key)."""
+    def rand(heads, dim):
+        return torch.randn(n, heads, dim, generator=gen).to(dtype).to(DEVICE)
+
+    v = None if layer.kind == "mla" else rand(layer.num_kv_heads, layer.v_head_dim)
+    return rand(layer.num_heads, layer.head_dim), rand(layer.num_kv_heads, layer.head_dim), v
+
+
 class PagedKV:
     """Random per-request keys/values scattered over shuffled pages of a NaN-filled pool."""
 
@@ -349,10 +358,7 @@ def test_backend_through_attention_layer_extend_then_decode(page_size):
             be.prepare(meta)
         tokens = sum(q_lens)
         for layer in layers:
-            q = torch.randn(tokens, layer.num_heads, layer.head_dim, generator=gen).to(dtype).to(DEVICE)
-            k = torch.randn(tokens, layer.num_kv_heads, layer.head_dim, generator=gen).to(dtype).to(DEVICE)
-            v = None if layer.kind == "mla" else torch.randn(
-                tokens, layer.num_kv_heads, layer.v_head_dim, generator=gen).to(dtype).to(DEVICE)
+            q, k, v = layer_inputs(layer, tokens, gen, dtype)
             ref, out = (layer(q, k, v, ForwardContext(meta, pool, be, be))
                         for be, meta, pool in zip(backends, metas, pools))
             assert out.shape == (tokens, layer.num_heads * layer.v_head_dim)
