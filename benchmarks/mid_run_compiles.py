@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import write_result  # noqa: E402
 from e2e import SHAPE_NAMES, load_prompts, make_config, timed_generate, warm_up  # noqa: E402
 
 import attnzoo  # noqa: E402
@@ -79,10 +80,9 @@ def main(argv=None):
           f"warm-up, {len(new)} during the measured run ({wall:.2f} s)")
     for r in rows:
         print(f"  +{r['at_s']:6.2f} s  {r['kernel']:32s} args assumed divisible by 16: {r['divisible_by_16']}")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"shape": args.shape, "layers": args.layers, "wall_s": wall,
-                                              "compiled_at_load": len(at_load), "compiled_in_measured_run": rows},
-                                             indent=1) + "\n")
+    if args.out:  # with the device, versions and source hash (common.run_meta)
+        write_result(args.out, {"shape": args.shape, "layers": args.layers, "wall_s": wall,
+                                "compiled_at_load": len(at_load), "compiled_in_measured_run": rows})
 
 
 if __name__ == "__main__":
