@@ -113,6 +113,33 @@ def test_triton_matches_transformers(tmp_path):
     assert_matches_hf(llm, hf, random_prompts(VOCAB, [7, 21]), steps=32)
 
 
+def test_triton_cascade_extend_matches_plain(tmp_path, monkeypatch):
+    """MLA extend steps after a cached shared prefix, through the engine (prompt tails in chunks beside decode
+    rows): the prefix as GEMMs for every new token, then the extend kernel over each request's own keys (forced:
+    chosen on GPUs at thousands of rows), give the tokens and logits of the same backend without it."""
+    from attnzoo.attention.kernels import extend as ext
+
+    save_checkpoint(tiny_v2(q_lora_rank=None, num_hidden_layers=2), tmp_path)
+    kw = dict(page_size=4, backend="triton", device="cuda" if GPU else "cpu", dtype="float32", max_batch_tokens=10)
+    ref, llm = attnzoo.load_model(tmp_path, **kw), attnzoo.load_model(tmp_path, **kw)
+    ref.engine.cascade_extend = False
+    llm.engine.cascade_extend, llm.engine.cascade_min_saved_tokens = True, 1
+    calls = []
+    real = ext.cascade_extend_attention
+    monkeypatch.setattr(ext, "gemm_cascade", lambda q, k_cache, *a: k_cache.shape[1] == 1)  # the size rule off
+    monkeypatch.setattr(ext, "cascade_extend_attention",
+                        lambda *a, **k: calls.append(k["shared_len"]) or real(*a, **k))
+    prefix = random_prompts(VOCAB, [21], seed=11)[0]
+    prompts = [prefix + p for p in random_prompts(VOCAB, [9, 2, 14, 5, 1], seed=12)]
+    a = ref.generate(prompts, max_new_tokens=5, ignore_eos=True, return_logits=True)
+    assert not calls
+    b = llm.generate(prompts, max_new_tokens=5, ignore_eos=True, return_logits=True)
+    assert calls and set(calls) == {20}, f"cascade extend calls: {calls}"  # the prefix's 5 full pages
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    for x, y in zip(a, b):
+        assert (x.logits - y.logits).abs().max().item() < 1e-3
+
+
 @pytest.mark.skipif(GPU, reason="a Triton-interpreter check on CPU tensors; on a GPU the gpu tests run these kernels on CUDA")
 def test_fused_moe_equals_per_expert_reference():
     """The fused path (CUDA eager and CUDA graphs; the Triton interpreter here) computes the reference's sum."""
