@@ -239,9 +239,12 @@ def test_backend_extend_step_cascades_mla_layers(monkeypatch):
     pools[0].buffer.view(dtype).copy_(torch.randn(pools[0].buffer.view(dtype).shape, generator=gen))
     pools[1].buffer.copy_(pools[0].buffer)
     backends = [TorchBackend(pools[0]), TritonBackend(pools[1])]
-    assert backends[1].supports_cascade_extend == (DEVICE.type == "cuda")  # MLA layers, on a GPU
-    assert not TritonBackend(KVPool([layers[1].kv_cache_spec()], num_pages=4, page_size=16, dtype=dtype,
-                                    device=DEVICE)).supports_cascade_extend  # no MLA layer: nothing would cascade
+    # the claim: a GPU pool with a layer cascade_gemm.layer_qualifies (not these narrow test widths); the
+    # layers below are called directly, with the per-layer choice forced
+    assert not backends[1].supports_cascade_extend
+    wide = Attention(0, 16, 1, 576, v_head_dim=512, kind="mla")
+    wide_pool = KVPool([wide.kv_cache_spec()], num_pages=2, page_size=16, dtype=dtype, device=DEVICE)
+    assert TritonBackend(wide_pool).supports_cascade_extend == (DEVICE.type == "cuda")
     alloc = PageAllocator(pools[0].num_pages)
     shared = alloc.alloc(2)
     tables = [shared + alloc.alloc(2), shared + alloc.alloc(1), shared + alloc.alloc(2)]
@@ -267,13 +270,22 @@ def test_cascade_extend_is_chosen_for_mla_only_and_rejects_what_it_cannot_run():
     from attnzoo.attention.kernels import cascade_gemm
     from attnzoo.attention.kernels import extend as ext
 
-    cache = torch.empty(4, 1, 16, 576, dtype=torch.bfloat16, device="meta")
+    cache = torch.empty(4, 1, 16, 576, dtype=torch.bfloat16)  # real storage: the values' pointer is compared
     big = torch.empty(cascade_gemm.EXTEND_MIN_ROWS // 16, 16, 576, dtype=torch.bfloat16, device="meta")
     with pytest.MonkeyPatch.context() as mp:  # the decision's other conditions, off a GPU
         mp.setattr(torch.Tensor, "is_cuda", property(lambda x: True))
         assert ext.gemm_cascade(big, cache, cache[..., :512], 64, None)
         assert not ext.gemm_cascade(big[:-1], cache, cache[..., :512], 64, None)  # too few rows
-        assert not ext.gemm_cascade(big, cache, torch.empty_like(cache[..., :512]), 64, None)  # values apart
+        assert not ext.gemm_cascade(big, cache, torch.empty_like(cache)[..., :512], 64, None)  # values apart
+        assert not ext.gemm_cascade(big, cache, cache[..., :512], cascade_gemm.MAX_SHARED_LEN + 16, None)
+    # what the backend checks once per pool: 16-bit, an unscaled cache of the model's dtype, MLA widths
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert cascade_gemm.layer_qualifies(bf16, bf16, 576, 1, True)
+    assert not cascade_gemm.layer_qualifies(bf16, torch.float8_e4m3fn, 576, 1, True)  # an fp8 cache
+    assert not cascade_gemm.layer_qualifies(f32, f32, 576, 1, True)
+    assert not cascade_gemm.layer_qualifies(bf16, bf16, 576, 1, True, k_scale=0.5)
+    assert not cascade_gemm.layer_qualifies(bf16, bf16, 192, 1, True)  # narrow: the Triton passes
+    assert not cascade_gemm.layer_qualifies(bf16, bf16, 576, 2, False)  # not MLA
     gen = torch.Generator().manual_seed(0)
     kv = SharedPagedKV(32, [3, 2], kv_heads=2, head_dim=64, v_dim=64, page_size=16, dtype=torch.float32,
                        mla=False, gen=gen)
@@ -285,6 +297,12 @@ def test_cascade_extend_is_chosen_for_mla_only_and_rejects_what_it_cannot_run():
     for bad in (0, 8, 16 * 99):
         with pytest.raises(BackendError, match="whole pages"):
             ext.cascade_extend_attention(*args, shared_len=bad, max_q_len=1, scale=1.0)
+    mla = SharedPagedKV(32, [3, 2], kv_heads=1, head_dim=80, v_dim=64, page_size=16, dtype=torch.float32,
+                        mla=True, gen=gen)
+    with pytest.raises(BackendError, match="longer than the GEMM pass"):
+        ext.cascade_extend_attention(torch.randn(2, 4, 80, device=DEVICE), mla.k_cache, mla.v_cache,
+                                     torch.zeros(2, 1000, dtype=torch.int32, device=DEVICE), *args[4:],
+                                     shared_len=16 * 999, max_q_len=1, scale=1.0)
 
 
 class _Counted:

@@ -107,9 +107,12 @@ class TritonBackend(AttentionBackend):
             self._num_sms = 4  # the interpreter: small grids, but still exercise the split-K path
         self._graph_max_kv_len: int | None = None
         # Extend steps cascade in MLA layers only (their shared prefix as GEMMs, gemm_cascade): claimed where the
-        # pool has such a layer on a GPU, so that the engine marks no extend step that nothing would cascade.
+        # pool has a layer that qualifies on a GPU; steps below the row floor are still marked, and run plainly.
+        gemm = self._extend_mod.cascade_gemm
         self.supports_cascade_extend = pool.device.type == "cuda" and any(
-            s is not None and s.v_from_k and s.num_kv_heads == 1 and not s.sliding_window for s in pool.specs)
+            s is not None and not s.sliding_window and s.shared_from is None and gemm.layer_qualifies(
+                pool.dtype, pool.kv_dtype, s.head_dim, s.num_kv_heads, s.v_from_k, pool.k_scale, pool.v_scale)
+            for s in pool.specs)
         self._graph_scratch: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ---- per step ----

@@ -55,16 +55,23 @@ def _row_softmax(S, P, LSE, n, heads, first_row, stride_s, stride_p, stride_lb, 
     tl.store(LSE + (row // heads) * stride_lb + (row % heads) * stride_lh, m + tl.log2(total))
 
 
+def layer_qualifies(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, num_kv_heads: int, v_from_k: bool,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> bool:
+    """The step-independent half of ``applies``: an MLA layer (one latent KV head whose values are its first
+    channels, wider than 256) in 16-bit floats with an unscaled cache of the same dtype, and a torch whose
+    matmul keeps 16-bit products in float32 (``mm``'s ``out_dtype``)."""
+    return (dtype in (torch.bfloat16, torch.float16) and kv_dtype == dtype and v_from_k and num_kv_heads == 1
+            and head_dim > 256 and k_scale == v_scale == 1.0 and _has_mm_out_dtype())
+
+
 def applies(q: torch.Tensor, k_cache: torch.Tensor, v_from_k: bool, shared_len: int, softcap: float | None,
             k_scale: float = 1.0, v_scale: float = 1.0, *, min_rows: int = MIN_ROWS) -> bool:
-    """Whether the shared pass of this cascade step runs as GEMMs: an MLA layer (one latent KV head whose
-    values are its first channels) on a GPU in 16-bit floats, enough rows, a prefix short enough for one
-    softmax tile (fp8 caches, scaled caches, float32 models and softcapping stay with the Triton pass), and a
-    torch whose matmul keeps 16-bit products in float32 (``mm``'s ``out_dtype``)."""
+    """Whether the shared pass of this cascade step runs as GEMMs: a layer ``layer_qualifies`` admits, on a GPU,
+    enough rows, a prefix short enough for one softmax tile, no softcapping (fp8 caches, scaled caches, float32
+    models and softcapping stay with the Triton pass)."""
     batch, heads, head_dim = q.shape
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype and v_from_k
-            and k_cache.shape[1] == 1 and head_dim > 256 and not softcap and k_scale == v_scale == 1.0
-            and batch * heads >= min_rows and shared_len <= MAX_SHARED_LEN and _has_mm_out_dtype())
+    return (q.is_cuda and not softcap and batch * heads >= min_rows and shared_len <= MAX_SHARED_LEN
+            and layer_qualifies(q.dtype, k_cache.dtype, head_dim, k_cache.shape[1], v_from_k, k_scale, v_scale))
 
 
 @functools.cache

@@ -211,6 +211,9 @@ def cascade_extend_attention(
             f"{page_size} within the block table ({block_tables.shape[1]} pages)",
             fix="use metadata.shared_prefix_len, and extend_attention when it is 0",
         )
+    if shared_len > cascade_gemm.MAX_SHARED_LEN:
+        raise BackendError(f"cascade extend: a shared prefix of {shared_len} tokens is longer than the GEMM pass's "
+                           f"softmax tile ({cascade_gemm.MAX_SHARED_LEN})", fix="use extend_attention")
     if (k_cache.shape[1] != 1 or v_cache.data_ptr() != k_cache.data_ptr() or k_cache.dtype != q.dtype
             or not out.is_contiguous()):
         raise BackendError("cascade extend runs MLA layers only (one latent KV head, values inside the key, a "
@@ -246,7 +249,10 @@ def _check(q, k_cache, v_cache, q_indptr, out) -> torch.Tensor:
 
 def _launch(q, k_cache, v_cache, block_tables, q_indptr, prefix_lens, out, *, max_q_len, scale, sliding_window=None,
             logit_softcap=None, sinks=None, launch_config=None, k_scale=1.0, v_scale=1.0, kv_skip=0, prior_lse=None):
-    # kv_skip / prior_lse: the cascade's second half (out already holds the shared pass's output)
+    # kv_skip / prior_lse: the cascade's second half (out already holds the shared pass's output); a window would
+    # move the first key below kv_skip and count the shared keys twice
+    if prior_lse is not None and sliding_window:
+        raise BackendError("cascade extend has no sliding-window path", fix="use extend_attention for windowed layers")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_cache.shape[1], v_cache.shape[-1]
     num_reqs = q_indptr.shape[0] - 1
