@@ -305,6 +305,41 @@ def test_cascade_extend_is_chosen_for_mla_only_and_rejects_what_it_cannot_run():
                                      shared_len=16 * 999, max_q_len=1, scale=1.0)
 
 
+def test_warm_up_compiles_the_gemm_cascade_per_layer_shape_without_writing_the_cache(monkeypatch):
+    # A server's warm-up has two short prompts; the GEMM paths are chosen from thousands of rows. warm_up_cascade
+    # runs them once per prefix length class of the row softmax, reading only the padding page.
+    from attnzoo.attention.backends.triton import TritonBackend
+    from attnzoo.attention.kernels import cascade_gemm
+    from attnzoo.attention.kernels import extend as ext
+
+    mla = Attention(0, 4, 1, 320, v_head_dim=256, kind="mla")  # the narrowest qualifying width: quick here
+    pool = KVPool([mla.kv_cache_spec()], num_pages=4, page_size=64, dtype=torch.bfloat16, device=DEVICE)
+    pool.buffer.view(torch.bfloat16).normal_()
+    before = pool.buffer.clone()
+    blocks = []
+    monkeypatch.setattr(cascade_gemm, "_row_softmax", _Counted(cascade_gemm._row_softmax, blocks))
+    calls = ext.warm_up_cascade(pool.k(0), pool.v(0), 4, scale=0.1)
+    assert calls == 8 and len(blocks) == 8, "prefixes of 64, 128, ..., 8192 tokens"
+    assert torch.equal(pool.buffer, before), "the warm-up wrote into the cache"
+    narrow = KVPool([Attention(0, 4, 1, 48, v_head_dim=32, kind="mla").kv_cache_spec()], num_pages=2, page_size=16,
+                    dtype=torch.bfloat16, device=DEVICE)
+    assert ext.warm_up_cascade(narrow.k(0), narrow.v(0), 4, scale=0.1) == 0  # the Triton passes serve it
+    # the backend: once per layer shape, not for windowed layers, nothing where no layer qualifies
+    seen = []
+    monkeypatch.setattr(ext, "warm_up_cascade", lambda k, v, heads, **kw: seen.append(heads) or 1)
+    layers = [Attention(i, 4, 1, 320, v_head_dim=256, kind="mla", sliding_window=8 if i == 2 else None)
+              for i in range(3)]
+    big = KVPool([layer.kv_cache_spec() for layer in layers], num_pages=4, page_size=64, dtype=torch.bfloat16,
+                 device=DEVICE)
+    backend = TritonBackend(big)
+    backend.supports_cascade_extend = True  # what a GPU pool of these layers claims
+    backend.warm_up(layers)
+    assert seen == [4]
+    backend.supports_cascade_extend = False
+    backend.warm_up(layers)
+    assert seen == [4]
+
+
 class _Counted:
     """A Triton kernel whose launches (``kernel[grid](...)``) are recorded."""
 

@@ -61,8 +61,12 @@ def test_warm_up_runs_cascade_once_and_restores_the_thresholds():
     llm = attnzoo.load_model(cfg, load_format="random", backend="triton", page_size=4, device="cpu", cascade=True)
     runner = llm.engine.runner
     before = runner.cascade_min_saved_tokens, runner.cascade_graph_min_saved_tokens
+    handed = []  # the backends' own warm-up (paths only large steps take) gets the model's attention layers
+    real = llm.engine.backends.warm_up
+    llm.engine.backends.warm_up = lambda layers: handed.append(layers) or real(layers)
     stats = llm.warm_up()
     assert stats["cascade"] >= 1, stats
+    assert [[layer.layer_id for layer in layers] for layers in handed] == [[0]]
     assert (runner.cascade_min_saved_tokens, runner.cascade_graph_min_saved_tokens) == before
     assert llm.engine.allocator.num_free + llm.engine.prefix_cache.evictable() == llm.engine.allocator.capacity
 

@@ -23,6 +23,7 @@ import torch
 
 from attnzoo.attention.backends.hybrid import HybridBackend
 from attnzoo.attention.kv_cache import KVPool
+from attnzoo.attention.layer import Attention
 from attnzoo.attention.metadata import to_device
 from attnzoo.engine import scoring
 from attnzoo.engine.kv_pages import KVPages
@@ -178,6 +179,9 @@ class Engine:
             self.generate([prompt, prompt[:-1] + [b]], [SamplingParams(max_new_tokens=4, ignore_eos=True)] * 2)
         finally:
             runner.cascade_min_saved_tokens, runner.cascade_graph_min_saved_tokens = saved
+        # paths only large steps take (on this rank; under tensor parallelism the others compile at first use)
+        with torch.inference_mode():
+            self.backends.warm_up([m for m in self.model.modules() if isinstance(m, Attention)])
         return dict(runner.graph_stats)
 
     def abort_all(self) -> None:

@@ -177,6 +177,11 @@ class AttentionBackend(ABC):
     def decode(self, layer: "AttentionLayer", q: torch.Tensor, meta: BatchMetadata, plan: StepPlan) -> torch.Tensor:
         """q: [num_reqs, num_heads, head_dim] -> [num_reqs, num_heads, v_head_dim]."""
 
+    def warm_up(self, layers) -> None:
+        """Compile, for these attention layers, the kernel variants only large steps choose (``Engine.warm_up``
+        runs two short prompts; a server calls it before it answers): nothing here, where every path those
+        prompts take is every path there is."""
+
     def init_graph_state(self, max_batch_size: int, max_pages_per_req: int) -> None:
         raise NotImplementedError(f"backend {self.name!r} does not support CUDA graphs")
 

@@ -56,6 +56,11 @@ class HybridBackend:
         pre, dec = self.prefill_backend, self.decode_backend
         return [pre] if dec is pre else [pre, dec]
 
+    def warm_up(self, layers) -> None:
+        """Each backend's ``warm_up`` for the model's attention layers."""
+        for backend in self.distinct():
+            backend.warm_up(layers)
+
     def prepare(self, meta: BatchMetadata) -> StepPlan:
         """Once per step, before the model runs: the step's backend's plan."""
         return self.for_step(meta).prepare(meta)

@@ -133,6 +133,20 @@ class TritonBackend(AttentionBackend):
     def cascade_graph_key(self, meta: BatchMetadata) -> int:
         return meta.shared_prefix_len  # baked into the launches (kv_skip, shared_len) and the split counts
 
+    def warm_up(self, layers) -> None:
+        """The GEMM cascade's kernels, once per MLA layer shape that qualifies: they are chosen from thousands of
+        rows, which the engine's two-prompt warm-up never has (``extend.warm_up_cascade``)."""
+        if not self.supports_cascade_extend:
+            return
+        seen = set()
+        for layer in layers:
+            k_cache, v_cache = self.pool.k(layer.layer_id), self.pool.v(layer.layer_id)
+            key = (layer.num_heads, tuple(k_cache.shape[1:]), v_cache.shape[-1], layer.sinks is None)
+            if layer.sliding_window or layer.logit_softcap or key in seen:
+                continue
+            seen.add(key)
+            self._extend_mod.warm_up_cascade(k_cache, v_cache, layer.num_heads, scale=layer.scale, sinks=layer.sinks)
+
     # ---- per layer ----
     def extend(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: TritonPlan) -> torch.Tensor:
         self.check_layer("prefill", layer)

@@ -229,6 +229,28 @@ def cascade_extend_attention(
     return out
 
 
+def warm_up_cascade(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, *, scale: float,
+                    sinks: torch.Tensor | None = None) -> int:
+    """Compile what the GEMM cascade of a layer of this shape runs (the extend kernel's merging variant, the row
+    softmax at each prefix length class up to MAX_SHARED_LEN, which decode's GEMM pass shares) before a large
+    step needs it, on one request of two tokens reading only page 0 (the pool's padding page: nothing is
+    written to the cache). -> the calls made: 0 where the layer does not qualify (``cascade_gemm.layer_qualifies``)."""
+    v_from_k = v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
+    if not cascade_gemm.layer_qualifies(k_cache.dtype, k_cache.dtype, k_cache.shape[-1], k_cache.shape[1], v_from_k):
+        return 0
+    page, dev = k_cache.shape[2], k_cache.device
+    q = k_cache.new_zeros(2, num_heads, k_cache.shape[-1])
+    indptr = torch.tensor([0, 2], dtype=torch.int32, device=dev)
+    calls, shared = 0, page
+    while shared <= cascade_gemm.MAX_SHARED_LEN:
+        tables = torch.zeros(1, -(-(shared + 2) // page), dtype=torch.int32, device=dev)
+        prefix = torch.tensor([shared], dtype=torch.int32, device=dev)
+        cascade_extend_attention(q, k_cache, v_cache, tables, indptr, prefix, shared_len=shared, max_q_len=2,
+                                 scale=scale, sinks=sinks)
+        calls, shared = calls + 1, shared * 2
+    return calls
+
+
 def _check(q, k_cache, v_cache, q_indptr, out) -> torch.Tensor:
     """The inputs agree; -> ``out``, allocated when None."""
     num_tokens, num_heads, head_dim = q.shape
