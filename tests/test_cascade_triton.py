@@ -314,27 +314,34 @@ def test_warm_up_compiles_the_gemm_cascade_per_layer_shape_without_writing_the_c
 
     mla = Attention(0, 4, 1, 320, v_head_dim=256, kind="mla")  # the narrowest qualifying width: quick here
     pool = KVPool([mla.kv_cache_spec()], num_pages=4, page_size=64, dtype=torch.bfloat16, device=DEVICE)
-    pool.buffer.view(torch.bfloat16).normal_()
+    pool.k(0).fill_(float("nan"))  # requests' pages: NaN; only the padding page may be read
+    pool.k(0)[0].normal_()
     before = pool.buffer.clone()
-    blocks = []
+    blocks, outs = [], []
+    real = ext.cascade_extend_attention
     monkeypatch.setattr(cascade_gemm, "_row_softmax", _Counted(cascade_gemm._row_softmax, blocks))
+    monkeypatch.setattr(ext, "cascade_extend_attention", lambda *a, **k: outs.append(real(*a, **k)) or outs[-1])
     calls = ext.warm_up_cascade(pool.k(0), pool.v(0), 4, scale=0.1)
     assert calls == 8 and len(blocks) == 8, "prefixes of 64, 128, ..., 8192 tokens"
-    assert torch.equal(pool.buffer, before), "the warm-up wrote into the cache"
+    assert all(o.isfinite().all() for o in outs), "the warm-up read a page other than the padding page"
+    assert torch.equal(pool.buffer.view(torch.bfloat16).nan_to_num(), before.view(torch.bfloat16).nan_to_num()), \
+        "the warm-up wrote into the cache"
+    monkeypatch.setattr(ext, "cascade_extend_attention", real)
     narrow = KVPool([Attention(0, 4, 1, 48, v_head_dim=32, kind="mla").kv_cache_spec()], num_pages=2, page_size=16,
                     dtype=torch.bfloat16, device=DEVICE)
     assert ext.warm_up_cascade(narrow.k(0), narrow.v(0), 4, scale=0.1) == 0  # the Triton passes serve it
     # the backend: once per layer shape, not for windowed layers, nothing where no layer qualifies
     seen = []
     monkeypatch.setattr(ext, "warm_up_cascade", lambda k, v, heads, **kw: seen.append(heads) or 1)
-    layers = [Attention(i, 4, 1, 320, v_head_dim=256, kind="mla", sliding_window=8 if i == 2 else None)
-              for i in range(3)]
+    layers = [Attention(0, 8, 1, 320, v_head_dim=256, kind="mla", sliding_window=8),
+              Attention(1, 2, 1, 320, v_head_dim=256, kind="mla", logit_softcap=30.0),
+              Attention(2, 4, 1, 320, v_head_dim=256, kind="mla"), Attention(3, 4, 1, 320, v_head_dim=256, kind="mla")]
     big = KVPool([layer.kv_cache_spec() for layer in layers], num_pages=4, page_size=64, dtype=torch.bfloat16,
                  device=DEVICE)
     backend = TritonBackend(big)
     backend.supports_cascade_extend = True  # what a GPU pool of these layers claims
     backend.warm_up(layers)
-    assert seen == [4]
+    assert seen == [4], "windowed and softcapped layers never cascade; one call a layer shape"
     backend.supports_cascade_extend = False
     backend.warm_up(layers)
     assert seen == [4]

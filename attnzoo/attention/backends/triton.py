@@ -144,8 +144,9 @@ class TritonBackend(AttentionBackend):
             key = (layer.num_heads, tuple(k_cache.shape[1:]), v_cache.shape[-1], layer.sinks is None)
             if layer.sliding_window or layer.logit_softcap or key in seen:
                 continue
-            seen.add(key)
-            self._extend_mod.warm_up_cascade(k_cache, v_cache, layer.num_heads, scale=layer.scale, sinks=layer.sinks)
+            if self._extend_mod.warm_up_cascade(k_cache, v_cache, layer.num_heads, scale=layer.scale,
+                                                sinks=layer.sinks):
+                seen.add(key)  # only a layer that qualified: one that did not must not hide one that does
 
     # ---- per layer ----
     def extend(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: TritonPlan) -> torch.Tensor:
