@@ -422,3 +422,27 @@ def test_gpu_fp8_v3_shards(fp8_v3):
     """FP8 GEMMs on each rank's whole blocks (Triton / cuBLAS blockwise), float32 outputs: TP=2 equals TP=1."""
     got = _gpu_spawn_parity(fp8_v3, "fp8 deepseek_v3", fp8_weights="fp8")
     assert got["info"]["weights"]["fp8_shards"].startswith("per rank: 8 tensor-parallel layers")
+
+
+def test_a_following_rank_runs_the_backend_warm_up_rank_0_announces(monkeypatch):
+    """``Engine.warm_up`` on rank 0 publishes "warm_up": each other rank runs its own backends' warm-up (their
+    kernels compile there, not at the first large step) and forgets the block tables, as rank 0's publish does."""
+    import types
+
+    import torch.distributed as dist
+
+    from attnzoo.engine import tensor_parallel
+
+    ran = []
+    group = types.SimpleNamespace(tables={"a": 1}, window_tables={"a": 2},
+                                  engine=types.SimpleNamespace(warm_up_backends=lambda: ran.append(1)))
+    channel = object.__new__(tensor_parallel._Channel)
+    channel.control, channel.models = None, {0: group}
+    queue = [(0, "warm_up", {}), (0, "end", None)]
+
+    def broadcast(box, group=None, group_src=0):
+        box[0] = queue.pop(0)
+
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast)
+    assert channel.next() == (0, "end", None)
+    assert ran == [1] and not group.tables and not group.window_tables

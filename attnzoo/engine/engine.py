@@ -179,10 +179,15 @@ class Engine:
             self.generate([prompt, prompt[:-1] + [b]], [SamplingParams(max_new_tokens=4, ignore_eos=True)] * 2)
         finally:
             runner.cascade_min_saved_tokens, runner.cascade_graph_min_saved_tokens = saved
-        # paths only large steps take (on this rank; under tensor parallelism the others compile at first use)
+        if runner.tp is not None and runner.tp.leader:  # every rank compiles its own kernels
+            runner.tp.publish(("warm_up", {}))
+        self.warm_up_backends()
+        return dict(runner.graph_stats)
+
+    def warm_up_backends(self) -> None:
+        """The backends' own warm-up (paths only large steps take) for the model's attention layers."""
         with torch.inference_mode():
             self.backends.warm_up([m for m in self.model.modules() if isinstance(m, Attention)])
-        return dict(runner.graph_stats)
 
     def abort_all(self) -> None:
         """Drop every queued and running request (an error mid-step): no pages leak, no unwritten cache entry stays."""

@@ -105,6 +105,12 @@ class _Channel:
             box = [None]
             dist.broadcast_object_list(box, group=self.control, group_src=0)
             model_id, kind, payload = box[0]
+            if kind == "warm_up":  # rank 0's Engine.warm_up: the backends' own, on this rank's kernels
+                group = self.models[model_id]
+                group.tables.clear()  # as rank 0's publish forgot what it sent (any kind but "step" does)
+                group.window_tables.clear()
+                group.engine.warm_up_backends()
+                continue
             if kind != "step":
                 if model_id in self.models:
                     self.models[model_id].tables.clear()
