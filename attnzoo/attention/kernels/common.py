@@ -64,6 +64,14 @@ def value_tile(v_head_dim: int) -> int:
     return max(MIN_TILE, next_pow2(v_head_dim))
 
 
+def values_in_key(k_cache, v_cache) -> bool:
+    """MLA: the values are the key's first channels (a view of the same cache). Reusing the key tile for them
+    needs the value tile to be exactly the key's main tile, unpadded."""
+    v_dim = v_cache.shape[-1]
+    return (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
+            and v_dim == head_dim_tiles(k_cache.shape[-1])[0] == value_tile(v_dim))
+
+
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 

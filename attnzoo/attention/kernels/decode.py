@@ -36,6 +36,7 @@ from attnzoo.attention.kernels.common import (
     next_pow2,
     prior_done,
     value_tile,
+    values_in_key,
 )
 from attnzoo.attention.kernels import cascade_gemm
 from attnzoo.attention.kernels.decode_launch import (
@@ -256,22 +257,11 @@ def _check(name: str, q, k_cache, v_cache, splits: int) -> None:
     check_kernel_dtypes(q, k_cache, v_cache)
 
 
-def _v_from_k(k_cache, v_cache) -> bool:
-    # MLA: values are the key's first channels. Reusing the key tile needs the value tile to be exactly
-    # the key's main tile, unpadded.
-    v_dim = v_cache.shape[-1]
-    return (
-        v_cache.data_ptr() == k_cache.data_ptr()
-        and v_cache.stride() == k_cache.stride()
-        and v_dim == head_dim_tiles(k_cache.shape[-1])[0] == value_tile(v_dim)
-    )
-
-
 def gemm_shared_pass(q, k_cache, v_cache, shared_len: int, logit_softcap: float | None, k_scale: float = 1.0,
                      v_scale: float = 1.0) -> bool:
     """Whether ``cascade_decode_attention`` with one shared split and no ``launch_config`` runs its shared pass
     as GEMMs (``cascade_gemm``: MLA at a large batch) rather than ``_cascade_shared``."""
-    return cascade_gemm.applies(q, k_cache, _v_from_k(k_cache, v_cache), shared_len, logit_softcap, k_scale,
+    return cascade_gemm.applies(q, k_cache, values_in_key(k_cache, v_cache), shared_len, logit_softcap, k_scale,
                                 v_scale)
 
 
@@ -314,7 +304,7 @@ def _stage1(q, k_cache, v_cache, block_tables, seq_lens, dest, lse, *, direct, n
         HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=value_tile(v_dim), BLOCK_H=block_h,
         PAGE_SIZE=page_size, HAS_SOFTCAP=bool(logit_softcap), HAS_WINDOW=bool(sliding_window),
         HAS_SINKS=direct and sinks is not None,
-        V_FROM_K=_v_from_k(k_cache, v_cache), DIRECT=direct, **dot_args(k_cache), **pdl.launch_args(q),
+        V_FROM_K=values_in_key(k_cache, v_cache), DIRECT=direct, **dot_args(k_cache), **pdl.launch_args(q),
     )
     if launch_config is None and q.is_cuda and cfg["BLOCK_N"] > WAVE_TILE_N:
         cfg = fill_waves(_decode_stage1, grid, args, constexprs, cfg, batch * num_kv_heads * head_blocks * num_kv_splits)
@@ -447,7 +437,7 @@ def cascade_decode_attention(
         dict(
             GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim,
             BLOCK_D=bd, BLOCK_DR=bdr, BLOCK_DV=value_tile(v_dim), PAGE_SIZE=page_size,
-            HAS_SOFTCAP=bool(logit_softcap), V_FROM_K=_v_from_k(k_cache, v_cache), **dot_args(k_cache),
+            HAS_SOFTCAP=bool(logit_softcap), V_FROM_K=values_in_key(k_cache, v_cache), **dot_args(k_cache),
             **pdl.launch_args(q),
         ),
         cfg,

@@ -30,6 +30,7 @@ from attnzoo.attention.kernels.common import (
     head_dim_tiles,
     launch,
     value_tile,
+    values_in_key,
 )
 from attnzoo.errors import BackendError
 
@@ -177,9 +178,8 @@ def gemm_cascade(q, k_cache, v_cache, shared_len: int, logit_softcap: float | No
                  v_scale: float = 1.0) -> bool:
     """Whether an extend step whose requests share ``shared_len`` cached tokens runs ``cascade_extend_attention``
     for this layer: where ``cascade_gemm.applies`` (MLA, 16-bit, enough token x head rows), else the plain kernel."""
-    v_from_k = v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
-    return cascade_gemm.applies(q, k_cache, v_from_k, shared_len, logit_softcap, k_scale, v_scale,
-                                min_rows=cascade_gemm.EXTEND_MIN_ROWS)
+    return cascade_gemm.applies(q, k_cache, values_in_key(k_cache, v_cache), shared_len, logit_softcap, k_scale,
+                                v_scale, min_rows=cascade_gemm.EXTEND_MIN_ROWS)
 
 
 def cascade_extend_attention(
@@ -219,9 +219,9 @@ def cascade_extend_attention(
         raise BackendError("cascade extend runs MLA layers only (one latent KV head, values inside the key, a "
                            "cache of the query's dtype), into a contiguous output",
                            fix="use extend_attention for other layers")
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     if q.shape[0] == 0 or max_q_len == 0:
         return out
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     cascade_gemm.extend_shared_pass(q, k_cache, block_tables, out, lse, shared_len=shared_len, scale=scale)
     _launch(q, k_cache, v_cache, block_tables, q_indptr, prefix_lens, out, max_q_len=max_q_len, scale=scale,
             sinks=sinks, kv_skip=shared_len, prior_lse=lse,
@@ -235,8 +235,8 @@ def warm_up_cascade(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
     softmax at each prefix length class up to MAX_SHARED_LEN, which decode's GEMM pass shares) before a large
     step needs it, on one request of two tokens reading only page 0 (the pool's padding page: nothing is
     written to the cache). -> the calls made: 0 where the layer does not qualify (``cascade_gemm.layer_qualifies``)."""
-    v_from_k = v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
-    if not cascade_gemm.layer_qualifies(k_cache.dtype, k_cache.dtype, k_cache.shape[-1], k_cache.shape[1], v_from_k):
+    if not cascade_gemm.layer_qualifies(k_cache.dtype, k_cache.dtype, k_cache.shape[-1], k_cache.shape[1],
+                                        values_in_key(k_cache, v_cache)):
         return 0
     page, dev = k_cache.shape[2], k_cache.device
     q = k_cache.new_zeros(2, num_heads, k_cache.shape[-1])
@@ -283,7 +283,7 @@ def _launch(q, k_cache, v_cache, block_tables, q_indptr, prefix_lens, out, *, ma
     group = num_heads // num_kv_heads
     bd, bdr = head_dim_tiles(head_dim)
     bdv = value_tile(v_dim)
-    v_from_k = v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride() and v_dim == bd == bdv
+    v_from_k = values_in_key(k_cache, v_cache)
     lse = out if prior_lse is None else prior_lse
     cfg = dict(launch_config or extend_launch_config(head_dim, v_dim, k_cache.dtype))
     launch(
