@@ -4,8 +4,8 @@ At a large decode batch, MLA's shared pass is a dense attention of every (reques
 same prefix keys: [rows, 576] x [576, prefix] scores, then [rows, prefix] x [prefix, 512] values. The
 flash-style Triton pass holds a [512, rows] float32 accumulator per program, which leaves it 32 rows and one
 pipeline stage on an H100 (the other tiles faulted or ran no faster: benchmarks/cascade_tiles.py); cuBLAS
-runs both products at about three times its rate, at the cost of writing the scores out once (in float32,
-chunks of rows at a time) and reading them back in the softmax. The output and log-sum-exp go into
+runs both products faster (benchmarks/results/cascade_mla_gemm_nvidia_h100.txt), at the cost of writing the
+scores out once (in float32, chunks of rows at a time) and reading them back in the softmax. The output and log-sum-exp go into
 the same split slots the Triton pass writes, so stage 2 merges them unchanged.
 
 Extend steps after a shared cached prefix (``extend.cascade_extend_attention``) run the same two GEMMs for
