@@ -194,7 +194,8 @@ def test_tiny_fp8_v3_with_ue8m0_scales_equals_the_reference(v3_fp8, tmp_path):
     for layer in ref.model.model.layers[1:]:
         moe = layer.mlp.experts
 
-        def experts(x, weights, ids, add=None, moe=moe):  # the per-token, per-expert sum (+ shared experts)
+        def experts(x, weights, ids, add=None, shared=None, moe=moe):  # the per-token, per-expert sum
+            add = shared(x) if shared is not None else add  # (+ the shared experts)
             out = torch.zeros_like(x) if add is None else add.clone()
             inter = moe.intermediate
             for t in range(x.shape[0]):

@@ -24,14 +24,33 @@ def _pdl_kernels():
     return {k.fn.__name__: k for k in kernels}
 
 
+# Before the wait only index arithmetic and l2_prefetch (which reaches only L2, where memory is coherent) may run.
+_BEFORE_THE_WAIT = {"program_id", "arange", "to", "minimum", "l2_prefetch"}
+
+
+def _calls_before_the_wait(source: str) -> list[str] | None:
+    """The callees a kernel's body calls before ``prior_done(PDL)`` outside ``_BEFORE_THE_WAIT``; None without it."""
+    body = ast.parse(textwrap.dedent(source)).body[0].body
+    stmts = [ast.unparse(s) for s in body]
+    if "prior_done(PDL)" not in stmts:
+        return None
+    return [callee for stmt in body[:stmts.index("prior_done(PDL)")] for node in ast.walk(stmt)
+            if isinstance(node, ast.Call) and (callee := ast.unparse(node.func).rsplit(".", 1)[-1]) not in _BEFORE_THE_WAIT]
+
+
 @pytest.mark.parametrize("name", sorted(_pdl_kernels()))
 def test_a_pdl_kernel_waits_for_its_predecessor_before_any_memory_access(name):
     # A read before the wait could see the previous kernel's output half-written; a write could race its reads.
     kernel = _pdl_kernels()[name]
     assert "PDL" in kernel.arg_names
-    body = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0].body
-    calls = [ast.unparse(s) for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-    assert calls[0] == "prior_done(PDL)", f"{name} starts with {calls[0]!r}, not prior_done(PDL)"
+    assert _calls_before_the_wait(inspect.getsource(kernel.fn)) == [], name
+
+
+def test_the_wait_check_catches_a_load_or_a_missing_wait():
+    ok = "def k(X, W, PDL):\n    pid = tl.program_id(0)\n    l2_prefetch(W + pid, 64)\n    prior_done(PDL)\n"
+    assert _calls_before_the_wait(ok) == []
+    assert _calls_before_the_wait(ok.replace("l2_prefetch(W + pid, 64)", "x = tl.load(X + pid)")) == ["load"]
+    assert _calls_before_the_wait(ok.replace("prior_done(PDL)", "pass")) is None
 
 
 def test_pdl_is_off_on_a_cpu_and_within_use_false():

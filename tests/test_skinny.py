@@ -143,7 +143,7 @@ def test_tiny_llama_greedy_same_with_and_without(tmp_path, monkeypatch):
     calls = []
     kernel = skinny._kernels().linear
     monkeypatch.setattr(skinny._kernels(), "linear", lambda *a, **k: calls.append(k.get("act")) or kernel(*a, **k))
-    with skinny.use(True):
+    with skinny.use(True), fused.use("torch"):  # on a GPU the fused ops default to kernels, gated included
         got = llm.generate(prompts, max_new_tokens=6)
     assert calls and set(calls) == {None}  # decode rows took the kernel, the activation a launch of its own
     calls.clear()
@@ -201,3 +201,31 @@ def test_gpu_float_linear_matches_the_float32_product(n, k, rows):
     got = skinny_kernels.linear(x, w, config=skinny_kernels.Config(16, 256, 4, 3))  # the kernel float_linear takes
     torch.testing.assert_close(got, F.linear(x.float(), w), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(skinny.float_linear(x, w), got, rtol=0, atol=0)
+
+
+def test_prefetch_bytes_fit_the_row_the_budget_and_the_alignment():
+    from attnzoo.layers.skinny_kernels import prefetch_bytes
+
+    w = torch.empty(64, 4096, dtype=torch.bfloat16)
+    assert prefetch_bytes(w, 32, 64 * 1024) == 2048  # the budget over 32 rows
+    assert prefetch_bytes(w, 32, 1 << 30) == 8192  # at most a row
+    assert prefetch_bytes(w, 48, 64 * 1024) == 1360  # whole 16-byte units
+    assert prefetch_bytes(w, 32, 0) == 0
+    assert prefetch_bytes(torch.empty(64, 12, dtype=torch.bfloat16), 32, 1 << 20) == 0  # 24-byte rows
+    shifted = torch.empty(64 * 4096 + 1, dtype=torch.bfloat16)[1:].view(64, 4096)
+    assert prefetch_bytes(shifted, 32, 1 << 20) == 0  # rows start 2 bytes off
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4000, 4096), (2800, 2048)])
+def test_gpu_prefetch_leaves_the_bits_alone(n, k):
+    # also where the last program's rows pass N (4000, 2800): its prefetch is clamped to the weight
+    from attnzoo.layers import skinny_kernels
+
+    x, w = rand(3, k, dtype=torch.bfloat16, seed=5), rand(n, k, dtype=torch.bfloat16, seed=6) * 0.05
+    c = skinny.config_for(n, k)
+    want = skinny_kernels.linear(x, w, config=c, prefetch=0)
+    for budget in (skinny_kernels.PREFETCH_BUDGET, 1 << 20):
+        assert skinny_kernels.prefetch_bytes(w, c.block_n, budget) > 0
+        assert torch.equal(skinny_kernels.linear(x, w, config=c, prefetch=budget), want)

@@ -15,10 +15,13 @@ import triton
 import triton.language as tl
 
 from attnzoo import pdl
-from attnzoo.attention.kernels.common import prior_done
+from attnzoo.attention.kernels.common import l2_prefetch, prior_done
 from attnzoo.layers.fused_kernels import ACTIVATIONS, ROUND_OF, rounded, tanh
 
 BLOCK_M = 16  # rows of x one program multiplies, padded (tensor-core tiles are 16 deep)
+# Bytes of W a program asks L2 for before it waits: more queued ahead of the stream slowed it, and the gated
+# gate_up launch (several waves of programs) gained nothing (benchmarks/skinny_prefetch.py).
+PREFETCH_BUDGET = 16 * 1024
 
 
 class Config(NamedTuple):
@@ -32,11 +35,17 @@ class Config(NamedTuple):
 def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr,
-                   GATED: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
+                   GATED: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr,
+                   PREFETCH: tl.constexpr):
     # GATED: W [2N, K] is gate rows then up rows, and the output act(gate) * up, rounded as the two-kernel path
-    prior_done(PDL)
     pid = tl.program_id(0)
     rn = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # int64: a vocabulary-sized W passes 2**31 elements
+    if PDL and PREFETCH > 0:
+        # Launched early by PDL, the programs ask for the start of their rows of W while the kernel before runs
+        # (norms, attention: too short to use the bandwidth), so that the stream below starts from L2.
+        rows = W + tl.minimum(rn, N - 1) * stride_wn
+        l2_prefetch(rows, PREFETCH)
+    prior_done(PDL)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     x_ptr = X + rm[:, None] * stride_xm + rk[None, :]
@@ -82,12 +91,22 @@ def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+def prefetch_bytes(weight: torch.Tensor, block_n: int, budget: int) -> int:
+    """Bytes of each of a program's ``block_n`` rows of ``weight`` it prefetches (``budget`` bytes a program, at
+    most a row; 0 where a row does not start on 16 bytes, which the bulk prefetch needs)."""
+    row = weight.shape[1] * weight.element_size()
+    if weight.data_ptr() % 16 or (weight.stride(0) * weight.element_size()) % 16 or budget <= 0:
+        return 0
+    return min(row, budget // block_n) // 16 * 16
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: Config,
-           act: str | None = None) -> torch.Tensor:
+           act: str | None = None, prefetch: int = PREFETCH_BUDGET) -> torch.Tensor:
     """x [M, K] (M <= 16, unit stride along K), weight [N, K] contiguous, bias [N] or None -> [M, N] in x's dtype,
     or float32 for a float32 weight (x widened as it is read; the product in float32).
     ``act`` ("silu", "gelu_tanh"): weight is [2I, K] (gate rows, then up rows) and the result act(gate) * up
-    [M, I], ``config.block_n`` rows of each per program."""
+    [M, I], ``config.block_n`` rows of each per program. ``prefetch``: bytes of W each program of a plain
+    projection asks L2 for before it waits on the kernel before it (PDL launches only)."""
     m, k = x.shape
     if m > BLOCK_M:
         raise ValueError(f"the skinny kernel multiplies at most {BLOCK_M} rows, got {m}")
@@ -101,5 +120,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         BLOCK_M=BLOCK_M, BLOCK_N=c.block_n, BLOCK_K=c.block_k, HAS_BIAS=bias is not None, EVEN=even,
         F32_DOT=wide or not x.is_cuda, GATED=act is not None, ACT=ACTIVATIONS.get(act, 0),
         ROUND=ROUND_OF.get(y.dtype, ""),
+        PREFETCH=0 if act else prefetch_bytes(weight, c.block_n, prefetch),
         num_warps=c.warps, num_stages=c.stages, **pdl.launch_args(x))
     return y

@@ -208,7 +208,7 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         weights, ids = self.gate(x)  # [T, k] float32, [T, k]
-        return self.tp.all_reduce(self.experts(x, weights, ids, add=self.shared_experts(x)))
+        return self.tp.all_reduce(self.experts(x, weights, ids, shared=self.shared_experts))
 
 
 class DeepseekV2ForCausalLM(DecoderLM):

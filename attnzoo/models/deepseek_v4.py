@@ -197,7 +197,7 @@ class DeepseekV4MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
-        return self.experts(x, weights, ids, add=self.shared_experts(x))
+        return self.experts(x, weights, ids, shared=self.shared_experts)
 
 
 class DeepseekV4DecoderLayer(nn.Module):

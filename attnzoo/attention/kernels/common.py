@@ -40,6 +40,15 @@ def prior_done(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def l2_prefetch(ptrs, nbytes):
+    # cp.async.bulk.prefetch (SM90+): asks L2 for ``nbytes`` from each 16-byte-aligned address of ``ptrs``, without
+    # registers or a wait. L2 is where global memory is coherent, so prefetching what a prior kernel still writes
+    # cannot make anyone read stale data: before prior_done, it lets reads of constant data (weights) start early.
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;", "=r,l,r",
+                              [ptrs, tl.full(ptrs.shape, nbytes, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @functools.cache
 def head_dim_tiles(head_dim: int) -> tuple[int, int]:
     """-> (main tile width, remainder tile width or 0) covering ``head_dim`` channels."""

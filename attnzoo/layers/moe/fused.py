@@ -143,13 +143,14 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
               holds_all_experts: bool = True, w13_scale_inv=None, w2_scale_inv=None, block=(128, 128),
               ue8m0: bool = False, add: torch.Tensor | None = None, config: MoEConfig | None = None,
               w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-              swiglu_limit: float = 0.0) -> torch.Tensor:
+              swiglu_limit: float = 0.0, add_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
     """The experts' weighted sum per token through the grouped Triton GEMMs (see the module docstring).
 
     ``holds_all_experts=False`` (an expert-parallel share): rows of assignments to other ranks' experts
     are zeroed, as no GEMM writes them. FP8 weights (float8_e4m3fn with their ``*_scale_inv``) run w8a8,
     activations quantized by ``fp8.act_quant`` (power-of-two scales under ``ue8m0``, the checkpoint's
-    ``scale_fmt``). ``add`` [T, H] (the shared experts' output) is added in the final sum's kernel.
+    ``scale_fmt``). ``add`` [T, H] (the shared experts' output) is added in the final sum's kernel, which
+    waits for ``add_stream`` (where ``add`` is still being written, if it is) before it starts.
     ``w13_bias`` [E, 2I] / ``w2_bias`` [E, H] (gpt-oss) are added in the GEMMs' epilogues.
     MXFP4 weights (gpt-oss's checkpoints as stored) run w4a16: ``w13`` uint8 [E, 2I, H/2] and ``w2`` uint8
     [E, H, I/2] hold two e2m1 codes per byte (the even input in the low nibble) and ``w13_scale_inv`` /
@@ -157,6 +158,8 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
     decodes them in its K loop and multiplies in the activation dtype (``block`` and ``ue8m0`` unused).
     """
     t, k = topk_ids.shape
+    if add_stream is not None and (t == 0 or t > MAX_CHUNK_TOKENS):
+        torch.cuda.current_stream(x.device).wait_stream(add_stream)
     if t == 0:
         return torch.zeros_like(x) if add is None else add.clone()
     if t > MAX_CHUNK_TOKENS:
@@ -194,6 +197,8 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
     _grouped_gemm(h, h_scale, w2, w2_scale_inv, down, flat_weights, align, cfg, num_valid=t * k, rows_per_a=1,
                   split_n=w2.shape[1], mul_weight=True, block=block, bias=w2_bias)
     out = torch.empty_like(x)
+    if add_stream is not None:
+        torch.cuda.current_stream(x.device).wait_stream(add_stream)
     add = None if add is None else add.contiguous()
     _kernels().sum_kernel[(t, _cdiv(x.shape[1], 1024))](down, out if add is None else add, out, x.shape[1], TOP_K=k,
                                                        ADD=add is not None, BLOCK=1024, **pdl.launch_args(x))

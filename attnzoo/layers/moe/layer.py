@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import os
+from typing import Callable
 
 import torch
 from torch import nn
@@ -32,6 +34,23 @@ def build_experts_as(**kwargs):
         yield
     finally:
         _BUILD_AS.reset(token)
+
+
+# Rows up to which the shared experts run beside the routed ones (``FusedMoE.forward``): decode's small batches
+# (benchmarks/results/README.md, moe_shared_overlap).
+SHARED_OVERLAP_ROWS = 256
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(x: torch.Tensor) -> torch.cuda.Stream | None:
+    """The stream the shared experts of ``x``'s device run on, made at first use; None off CUDA (and under the
+    interpreter, whose launches ignore streams)."""
+    if not x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
 
 
 # checkpoint projection -> (stacked parameter, which half of w13)
@@ -153,13 +172,27 @@ class FusedMoE(nn.Module):
                 "ue8m0": self.ue8m0}
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-                add: torch.Tensor | None = None) -> torch.Tensor:
-        """-> the experts' weighted sum per token [T, H], plus ``add`` [T, H] (the shared experts' output;
-        the same kernel on a GPU)."""
+                add: torch.Tensor | None = None, shared: Callable[[torch.Tensor], torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """-> the experts' weighted sum per token [T, H], plus ``add`` [T, H] or ``shared(x)`` (the shared
+        experts' output; the same kernel on a GPU). At up to ``SHARED_OVERLAP_ROWS`` rows on a GPU ``shared``
+        runs on a side stream beside the routed experts' GEMMs, which leave most of the bandwidth idle there."""
+        if shared is not None:
+            if add is not None:
+                raise ValueError("FusedMoE: pass the shared experts as add= (their output) or shared=, not both")
+            side = _side_stream(x) if x.shape[0] <= SHARED_OVERLAP_ROWS else None
+            if side is None:
+                add = shared(x)
+            else:
+                side.wait_stream(torch.cuda.current_stream(x.device))
+                with torch.cuda.stream(side):
+                    add = shared(x)
+        else:
+            side = None
         if _fused_triton(x):
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
                              expert_start=self.expert_start, holds_all_experts=self.num_local == self.num_experts,
-                             add=add, swiglu_limit=self.swiglu_limit, **self._weights())
+                             add=add, swiglu_limit=self.swiglu_limit, add_stream=side, **self._weights())
         # FP8 on CPU: the w8a8 arithmetic in float32, as Fp8Linear's CPU emulation.
         out = moe_reference(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
                             expert_start=self.expert_start, quantize_activations=self.quant == "fp8",
