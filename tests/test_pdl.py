@@ -34,8 +34,10 @@ def _calls_before_the_wait(source: str) -> list[str] | None:
     stmts = [ast.unparse(s) for s in body]
     if "prior_done(PDL)" not in stmts:
         return None
-    return [callee for stmt in body[:stmts.index("prior_done(PDL)")] for node in ast.walk(stmt)
-            if isinstance(node, ast.Call) and (callee := ast.unparse(node.func).rsplit(".", 1)[-1]) not in _BEFORE_THE_WAIT]
+    calls = [node for stmt in body[:stmts.index("prior_done(PDL)")] for node in ast.walk(stmt)
+             if isinstance(node, ast.Call)]
+    callees = [ast.unparse(node.func).rsplit(".", 1)[-1] for node in calls]
+    return [callee for callee in callees if callee not in _BEFORE_THE_WAIT]
 
 
 @pytest.mark.parametrize("name", sorted(_pdl_kernels()))

@@ -42,9 +42,10 @@ def prior_done(PDL: tl.constexpr):
 
 @triton.jit
 def l2_prefetch(ptrs, nbytes):
-    # cp.async.bulk.prefetch (SM90+): asks L2 for ``nbytes`` from each 16-byte-aligned address of ``ptrs``, without
-    # registers or a wait. L2 is where global memory is coherent, so prefetching what a prior kernel still writes
-    # cannot make anyone read stale data: before prior_done, it lets reads of constant data (weights) start early.
+    # cp.async.bulk.prefetch, SM90+ only (callers gate it on PDL): asks L2 for ``nbytes`` (a multiple of 16) from each
+    # address of ``ptrs``, which must be 16-byte aligned; no registers, no wait. L2 is where this GPU's memory is
+    # coherent, so prefetching what a prior kernel still writes cannot make anyone read stale data: before
+    # prior_done, it lets reads of constant data (weights) start early.
     tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;", "=r,l,r",
                               [ptrs, tl.full(ptrs.shape, nbytes, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 

@@ -39,6 +39,9 @@ def build_experts_as(**kwargs):
 # Rows up to which the shared experts run beside the routed ones (``FusedMoE.forward``): decode's small batches
 # (benchmarks/results/README.md, moe_shared_overlap).
 SHARED_OVERLAP_ROWS = 256
+# One side stream a device, entered only by FusedMoE.forward's fork, which first makes it wait for the current
+# stream: the shared output (allocated there, read by the sum on the current stream) needs no record_stream, as
+# the next work that could reuse its memory is ordered after that sum.
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -176,23 +179,29 @@ class FusedMoE(nn.Module):
                 ) -> torch.Tensor:
         """-> the experts' weighted sum per token [T, H], plus ``add`` [T, H] or ``shared(x)`` (the shared
         experts' output; the same kernel on a GPU). At up to ``SHARED_OVERLAP_ROWS`` rows on a GPU ``shared``
-        runs on a side stream beside the routed experts' GEMMs, which leave most of the bandwidth idle there."""
+        runs on a side stream beside the routed experts' GEMMs, which leave most of the bandwidth idle there; so
+        ``shared`` must not synchronise with the host or run collectives (DeepSeek's reduces after the sum)."""
+        side = None
         if shared is not None:
             if add is not None:
                 raise ValueError("FusedMoE: pass the shared experts as add= (their output) or shared=, not both")
             side = _side_stream(x) if x.shape[0] <= SHARED_OVERLAP_ROWS else None
             if side is None:
                 add = shared(x)
-            else:
-                side.wait_stream(torch.cuda.current_stream(x.device))
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            try:
                 with torch.cuda.stream(side):
                     add = shared(x)
-        else:
-            side = None
+                return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
+                                 expert_start=self.expert_start, holds_all_experts=self.num_local == self.num_experts,
+                                 add=add, swiglu_limit=self.swiglu_limit, add_stream=side, **self._weights())
+            finally:  # joined on every path: an error must not leave a capture unjoined or x read after its free
+                torch.cuda.current_stream(x.device).wait_stream(side)
         if _fused_triton(x):
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
                              expert_start=self.expert_start, holds_all_experts=self.num_local == self.num_experts,
-                             add=add, swiglu_limit=self.swiglu_limit, add_stream=side, **self._weights())
+                             add=add, swiglu_limit=self.swiglu_limit, **self._weights())
         # FP8 on CPU: the w8a8 arithmetic in float32, as Fp8Linear's CPU emulation.
         out = moe_reference(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
                             expert_start=self.expert_start, quantize_activations=self.quant == "fp8",
