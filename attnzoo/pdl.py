@@ -9,9 +9,8 @@ overlaps the previous kernel's tail. Inside a CUDA graph the launch attribute be
 The contract of a kernel that takes it: a ``PDL: tl.constexpr`` argument and, before any load or store,
 ``attention.kernels.common.prior_done(PDL)``; its launch passes ``**launch_args(x)``. Only index arithmetic
 and ``l2_prefetch`` may come before it: a skinny projection asks L2 for its weight while the kernel before
-runs. Kernels that skip it
-(torch's, cuBLAS's) keep the ordinary stream order. Off on CPUs and under Triton's interpreter, on GPUs
-before SM90 and on ROCm, and within ``use(False)``.
+runs. Kernels that skip it (torch's, cuBLAS's) keep the ordinary stream order. Off on CPUs and under Triton's
+interpreter, on GPUs before SM90 and on ROCm, and within ``use(False)``.
 """
 from __future__ import annotations
 

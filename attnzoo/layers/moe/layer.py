@@ -188,20 +188,23 @@ class FusedMoE(nn.Module):
             side = _side_stream(x) if x.shape[0] <= SHARED_OVERLAP_ROWS else None
             if side is None:
                 add = shared(x)
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(x.device))
-            try:
-                with torch.cuda.stream(side):
-                    add = shared(x)
-                return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
-                                 expert_start=self.expert_start, holds_all_experts=self.num_local == self.num_experts,
-                                 add=add, swiglu_limit=self.swiglu_limit, add_stream=side, **self._weights())
-            finally:  # joined on every path: an error must not leave a capture unjoined or x read after its free
-                torch.cuda.current_stream(x.device).wait_stream(side)
+        if side is None:
+            return self._routed(x, topk_weights, topk_ids, add)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        try:
+            with torch.cuda.stream(side):
+                add = shared(x)
+            return self._routed(x, topk_weights, topk_ids, add, add_stream=side)
+        finally:  # joined on every path: an error must not leave a capture unjoined or x read after its free
+            torch.cuda.current_stream(x.device).wait_stream(side)
+
+    def _routed(self, x, topk_weights, topk_ids, add, add_stream=None) -> torch.Tensor:
+        """The routed experts' weighted sum plus ``add``: the fused path, or the reference (``add_stream`` is
+        set only on CUDA, where the fused path runs)."""
         if _fused_triton(x):
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
                              expert_start=self.expert_start, holds_all_experts=self.num_local == self.num_experts,
-                             add=add, swiglu_limit=self.swiglu_limit, **self._weights())
+                             add=add, swiglu_limit=self.swiglu_limit, add_stream=add_stream, **self._weights())
         # FP8 on CPU: the w8a8 arithmetic in float32, as Fp8Linear's CPU emulation.
         out = moe_reference(x, self.w13, self.w2, topk_weights, topk_ids, act=self.act,
                             expert_start=self.expert_start, quantize_activations=self.quant == "fp8",
