@@ -130,7 +130,8 @@ def main(argv=None) -> int:
            "output_tok_per_s": round(tokens / wall, 1),
            "ttft_ms_mean": round(1e3 * statistics.fmean(ttfts), 1) if ttfts else None,
            "tpot_ms_mean": round(1e3 * statistics.fmean(tpots), 2) if tpots else None,
-           "steps": step_breakdown(log, t_start), "roofline": roofline, "backends": {k: llm.info()[k] for k in ("prefill_backend", "decode_backend")}}
+           "steps": step_breakdown(log, t_start), "roofline": roofline,
+           "overlap": dict(llm.engine.overlap_stats), "backends": {k: llm.info()[k] for k in ("prefill_backend", "decode_backend")}}
     print(json.dumps(res, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": run_meta(argv=sys.argv[1:] if argv is None else list(argv)), "result": res}, indent=1))

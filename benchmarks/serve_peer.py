@@ -111,6 +111,27 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def server_ttft(url: str) -> tuple[float, float] | None:
+    """(sum s, count) of the server's own time-to-first-token histogram (attnzoo's and vLLM's /metrics both
+    have one), or None where it has none: set beside the client's TTFT, it splits the engine's share from the
+    HTTP path's."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    total = {"sum": 0.0, "count": 0.0}
+    for family in text_string_to_metric_families(text):
+        if family.name.endswith("time_to_first_token_seconds"):
+            for sample in family.samples:
+                kind = sample.name.rsplit("_", 1)[-1]
+                if kind in total:
+                    total[kind] += sample.value
+    return (total["sum"], total["count"]) if total["count"] else None
+
+
 def measure(label: str, args, model: str) -> list[dict]:
     rows = []
     # Each scenario has prompts of its own (random: seed = its index; GSM8K: the questions after the earlier
@@ -118,6 +139,9 @@ def measure(label: str, args, model: str) -> list[dict]:
     # not measure a prefill. The few-shot prefix itself is shared, as it is meant to be.
     first_question = 0
     for seed, (dataset, conc, n) in enumerate(SCENARIOS[args.shape]):
+        if getattr(args, "scenarios", None) and f"{dataset}_c{conc}" not in args.scenarios.split(","):
+            first_question += 4 + max(1, int(n * args.prompts_scale)) if dataset == "gsm8k" else 0
+            continue  # skipped, its prompts still reserved: the others' stay those of a full run
         ns = argparse.Namespace(base_url=f"http://127.0.0.1:{args.port}", model=model, api_key=None, dataset=dataset,
                                 input_len=args.input_len, output_len=args.output_len,
                                 num_prompts=max(1, int(n * args.prompts_scale)), vocab_size=VOCAB[args.shape],
@@ -125,8 +149,14 @@ def measure(label: str, args, model: str) -> list[dict]:
                                 request_rate=math.inf, warmup=4, seed=seed, label=label, first_question=first_question)
         if dataset == "gsm8k":
             first_question += ns.warmup + ns.num_prompts
+        before = server_ttft(ns.base_url)
         results, wall = asyncio.run(bench_serving.run(ns))
         s = bench_serving.summarize(ns, results, wall)
+        after = server_ttft(ns.base_url)
+        if after is not None and after[1] > (before or (0.0, 0.0))[1]:  # the warm-up's requests are in it too
+            b = before or (0.0, 0.0)
+            s["server_ttft_ms_mean"] = round(1e3 * (after[0] - b[0]) / (after[1] - b[1]), 2)
+            print(f"  server-side TTFT mean {s['server_ttft_ms_mean']} ms (warm-up requests included)", flush=True)
         print(bench_serving.table([s]).splitlines()[-1], flush=True)
         rows.append(s)
     return rows
@@ -146,6 +176,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-site", default="/tmp/vsite")
     ap.add_argument("--vllm-extra-path", default="", help="prepended to vLLM's PYTHONPATH (serving wheels, /tmp/tf514)")
     ap.add_argument("--vllm-args", default="", help="more `vllm serve` arguments")
+    ap.add_argument("--scenarios", default="", help="only these, e.g. 'random_c1,gsm8k_c1' (default: all of the shape's)")
     ap.add_argument("--check-vllm", action="store_true",
                     help="list the serving modules vLLM's path (and attnzoo's environment) lack, and exit")
     ap.add_argument("--startup-timeout", type=float, default=420)

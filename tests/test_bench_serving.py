@@ -40,6 +40,28 @@ def test_serve_peer_scenarios_draw_disjoint_prompts(bench_script, monkeypatch):
             assert not sent[i] & sent[j], (seen[i].dataset, seen[j].dataset)
 
 
+def test_serve_peer_runs_only_the_scenarios_asked_for_with_their_full_run_prompts(bench_script, monkeypatch):
+    bs, peer = bench_script("bench_serving"), bench_script("serve_peer")
+    seen = {}
+
+    async def fake_run(ns):
+        seen.setdefault(ns.scenario_key, []).append(ns)
+        return [], 1.0
+
+    monkeypatch.setattr(bs, "run", fake_run)
+    monkeypatch.setattr(bs, "summarize", lambda ns, results, wall: {})
+    monkeypatch.setattr(bs, "table", lambda rows: "row")
+    monkeypatch.setattr(peer, "server_ttft", lambda url: None)
+    real = argparse.Namespace
+    for key, wanted in (("all", ""), ("some", "gsm8k_c1,random_c1")):
+        monkeypatch.setattr(peer.argparse, "Namespace", lambda **kw: real(scenario_key=key, **kw))
+        peer.measure("attnzoo", real(port=1, input_len=8, output_len=4, prompts_scale=0.05, shape="llama8b",
+                                     scenarios=wanted), "m")
+    pick = [(ns.dataset, ns.max_concurrency, ns.first_question, ns.seed) for ns in seen["all"]]
+    assert [(ns.dataset, ns.max_concurrency, ns.first_question, ns.seed) for ns in seen["some"]] == \
+        [p for p in pick if p[1] == 1]
+
+
 def test_online_load_runs_the_closed_loop_and_splits_steps_by_kind(bench_script, monkeypatch, tmp_path):
     """online_load.py on a tiny Llama (CPU): every request finishes with its tokens, and the step log splits
     into decode-only steps and steps with prompt chunks that hold every prompt token once."""

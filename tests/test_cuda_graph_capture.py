@@ -7,6 +7,7 @@ replay, since backends size page lists from the host lists and fill them from th
 import contextlib
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from attnzoo.attention.backends.base import StepPlan
@@ -463,3 +464,21 @@ def test_gemm_shapes_counts_the_dense_linears_a_decode_graph_runs():
     m.b = Linear(16, 8, bias=False, dtype=torch.bfloat16)
     assert cuda_graph.gemm_shapes(m)[(8, 16, torch.bfloat16)][2] is skinny.linear
     assert cuda_graph.prune_buckets(shapes, [1, 2], torch.device("cpu")) == ([1, 2], {})  # measured on GPUs only
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_prune_times_the_gemms_as_a_graph_replays_them():
+    """Timed from graph replays, a bucket's cost repeats within the margin, and two rows of Llama's projections
+    (the same weights, read by the same skinny kernel) are not cheaper than one: batch-1 steps keep their own
+    bucket. Timed eagerly, the launches' noise dropped bucket 1 for 2 on some runs."""
+    from attnzoo.layers import skinny
+
+    dev = torch.device("cuda")
+    shapes = {(n, k, torch.bfloat16): (torch.randn(n, k, device=dev, dtype=torch.bfloat16), 4, skinny.linear)
+              for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))}
+    one, again, two = (cuda_graph._graph_cost(shapes, rows, dev, reps=5, rounds=3) for rows in (1, 1, 2))
+    assert abs(one - again) < cuda_graph.PRUNE_MARGIN * one, (one, again)
+    assert two > (1 - cuda_graph.PRUNE_MARGIN) * one, (one, two)
+    kept, dropped = cuda_graph.prune_buckets(shapes, [1, 2, 4], dev)
+    assert 1 in kept and 1 not in dropped, (kept, dropped)

@@ -228,6 +228,16 @@ def test_metrics_parse_as_prometheus_text(srv):
     assert count >= 1
 
 
+def test_serve_peer_reads_the_servers_own_ttft(srv, bench_script):
+    """serve_peer.py's scrape of /metrics: one more request adds one to the count and its TTFT to the sum."""
+    peer = bench_script("serve_peer")
+    before = peer.server_ttft(srv.url) or (0.0, 0.0)
+    srv.client.completions.create(model="tiny", prompt="ttft", max_tokens=2, temperature=0)
+    after = peer.server_ttft(srv.url)
+    assert after[1] == before[1] + 1 and 0 < after[0] - before[0] < 60
+    assert peer.server_ttft("http://127.0.0.1:9") is None  # nothing listens there: no number, no error
+
+
 @pytest.mark.skipif(not (GSM8K_DIR / "test.jsonl").is_file(), reason=f"GSM8K files not found at {GSM8K_DIR}")
 def test_lm_eval_local_completions_matches_the_in_process_route(srv, monkeypatch):
     pytest.importorskip("lm_eval")

@@ -88,7 +88,7 @@ def gemm_share(model, shapes: dict) -> float:
     return sum(w.numel() * count for w, count, _ in shapes.values()) / max(total, 1)
 
 
-def prune_buckets(shapes: dict, buckets, device, margin: float = PRUNE_MARGIN, reps: int = 5):
+def prune_buckets(shapes: dict, buckets, device, margin: float = PRUNE_MARGIN, reps: int = 5, rounds: int = 3):
     """(kept buckets, {dropped bucket: the larger bucket it pads to}), from the measured time of the
     model's GEMMs at each bucket's row count, each by the product its layers run (``gemm_shapes``). A step
     runs at its bucket's size, and the kernel choice is not monotone in the rows (a GEMM can be faster at more
@@ -96,21 +96,36 @@ def prune_buckets(shapes: dict, buckets, device, margin: float = PRUNE_MARGIN, r
     then pad to) is ``margin`` faster; the largest is always kept (it is ``max_running``)."""
     if not shapes or device.type != "cuda":
         return list(buckets), {}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    cost = {}
-    for b in buckets:
-        total = 0.0
-        for w, count, fn in shapes.values():
-            x = torch.randn(b, w.shape[1], device=device, dtype=w.dtype)
-            fn(x, w)  # warm-up: the kernel choice and its first launch
-            start.record()
+    return choose_buckets({b: _graph_cost(shapes, b, device, reps, rounds) for b in buckets}, margin)
+
+
+def _graph_cost(shapes: dict, rows: int, device, reps: int, rounds: int) -> float:
+    """ms of the model's GEMMs at ``rows`` rows, as a decode graph runs them: each shape's ``reps`` products
+    replayed from a CUDA graph (timed eagerly, the host's launch cost of a small GEMM outweighs the GPU's,
+    and at 1 against 2 rows that noise alone crossed the margin), the least of ``rounds`` replays."""
+    graphs = []
+    for w, count, fn in shapes.values():
+        x = torch.randn(rows, w.shape[1], device=device, dtype=w.dtype)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(x, w)  # the kernel choice, its compile and first launch, outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
             for _ in range(reps):
                 fn(x, w)
+        graphs.append((graph, count, x))  # x alive: the replays read it
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = [float("inf")] * len(graphs)
+    for _ in range(rounds):
+        for i, (graph, _, _) in enumerate(graphs):
+            start.record()
+            graph.replay()
             end.record()
             end.synchronize()
-            total += start.elapsed_time(end) / reps * count
-        cost[b] = total
-    return choose_buckets(cost, margin)
+            best[i] = min(best[i], start.elapsed_time(end) / reps)
+    return sum(t * count for t, (_, count, _) in zip(best, graphs))
 
 
 def choose_buckets(cost: dict[int, float], margin: float = PRUNE_MARGIN) -> tuple[list[int], dict[int, int]]:
