@@ -41,7 +41,8 @@ HERE = Path(__file__).resolve().parent
 # What `vllm serve` imports beyond the offline overlay (vllm/entrypoints, 0.26.0).
 VLLM_SERVE_MODULES = ("uvicorn", "h11", "uvloop", "fastapi", "starlette", "prometheus_client",
                       "prometheus_fastapi_instrumentator", "openai", "httpx", "pydantic", "aiohttp", "psutil",
-                      "watchfiles", "multipart")
+                      "watchfiles", "multipart",
+                      "vllm.entrypoints.openai.api_server")  # the server itself: whatever else it imports (sagemaker's)
 ATTNZOO_SERVE_MODULES = ("fastapi", "starlette", "pydantic", "anyio", "uvicorn", "h11", "prometheus_client")
 SCENARIOS = {
     "llama8b": [("random", 100, 500), ("random", 1, 16), ("gsm8k", 100, 500), ("gsm8k", 1, 16)],
@@ -207,7 +208,11 @@ def main(argv=None) -> int:
                   flush=True)
             continue
         cmd, env = commands[server]
-        proc = start(server, cmd, env, Path(f"{out}_{server}.log"), args.port, args.startup_timeout)
+        try:
+            proc = start(server, cmd, env, Path(f"{out}_{server}.log"), args.port, args.startup_timeout)
+        except SystemExit as e:  # the other server's rows are still written
+            print(f"skipping {server}: {e}", flush=True)
+            continue
         try:
             rows += measure(server, args, name)
         finally:
