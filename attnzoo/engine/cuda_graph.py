@@ -102,8 +102,10 @@ def prune_buckets(shapes: dict, buckets, device, margin: float = PRUNE_MARGIN, r
 def _graph_cost(shapes: dict, rows: int, device, reps: int, rounds: int) -> float:
     """ms of the model's GEMMs at ``rows`` rows, as a decode graph runs them: each shape's ``reps`` products
     replayed from a CUDA graph (timed eagerly, the host's launch cost of a small GEMM outweighs the GPU's,
-    and at 1 against 2 rows that noise alone crossed the margin), the least of ``rounds`` replays."""
-    graphs = []
+    and at 1 against 2 rows that noise alone crossed the margin), the least of ``rounds`` replays. One
+    shape's graph at a time: the memory held is one input and one output, as in an eager step."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    total = 0.0
     for w, count, fn in shapes.values():
         x = torch.randn(rows, w.shape[1], device=device, dtype=w.dtype)
         side = torch.cuda.Stream()
@@ -115,17 +117,16 @@ def _graph_cost(shapes: dict, rows: int, device, reps: int, rounds: int) -> floa
         with torch.cuda.graph(graph):
             for _ in range(reps):
                 fn(x, w)
-        graphs.append((graph, count, x))  # x alive: the replays read it
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = [float("inf")] * len(graphs)
-    for _ in range(rounds):
-        for i, (graph, _, _) in enumerate(graphs):
+        best = float("inf")
+        for _ in range(rounds):
             start.record()
             graph.replay()
             end.record()
             end.synchronize()
-            best[i] = min(best[i], start.elapsed_time(end) / reps)
-    return sum(t * count for t, (_, count, _) in zip(best, graphs))
+            best = min(best, start.elapsed_time(end) / reps)
+        del graph  # its pool goes back before the next shape's capture
+        total += best * count
+    return total
 
 
 def choose_buckets(cost: dict[int, float], margin: float = PRUNE_MARGIN) -> tuple[list[int], dict[int, int]]:
