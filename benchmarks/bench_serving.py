@@ -150,6 +150,8 @@ async def run(args) -> tuple[list[Result], float]:
 
     if args.warmup:
         await asyncio.gather(*(one_request(url, args.model, p, 4, args.api_key) for p, _ in warm))
+    if getattr(args, "after_warmup", None) is not None:  # e.g. a read of the server's own counters
+        args.after_warmup()
     tasks = []
     t0 = time.perf_counter()
     for p, n in prompts:

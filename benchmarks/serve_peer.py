@@ -49,6 +49,7 @@ SCENARIOS = {
     "gemma4-31b": [("random", 1, 16), ("random", 64, 256)],
 }
 VOCAB = {"llama8b": 128256, "gemma4-31b": 262144}
+WARMUP = 4  # requests before each scenario's measured ones (bench_serving's warm-up, 4 tokens each)
 
 
 def vllm_env(args) -> dict:
@@ -104,11 +105,18 @@ def start(name: str, cmd: list[str], env: dict, log: Path, port: int, timeout: f
 
 
 def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
+    """The server and what it started (vLLM's engine core): its process group, begun by ``start``."""
+    def signal_group(sig) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the whole group has already exited
+            pass
+
+    signal_group(signal.SIGTERM)
     try:
         proc.wait(60)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        signal_group(signal.SIGKILL)
         proc.wait()
 
 
@@ -140,24 +148,26 @@ def measure(label: str, args, model: str) -> list[dict]:
     # not measure a prefill. The few-shot prefix itself is shared, as it is meant to be.
     first_question = 0
     for seed, (dataset, conc, n) in enumerate(SCENARIOS[args.shape]):
-        if getattr(args, "scenarios", None) and f"{dataset}_c{conc}" not in args.scenarios.split(","):
-            first_question += 4 + max(1, int(n * args.prompts_scale)) if dataset == "gsm8k" else 0
-            continue  # skipped, its prompts still reserved: the others' stay those of a full run
+        num_prompts = max(1, int(n * args.prompts_scale))
+        if getattr(args, "scenarios", None) and f"{dataset}_c{conc}" not in args.scenarios:
+            if dataset == "gsm8k":  # skipped, its questions still reserved: the others' stay those of a full run
+                first_question += WARMUP + num_prompts
+            continue
+        snap: list = []  # the server's TTFT counters once the warm-up is done
         ns = argparse.Namespace(base_url=f"http://127.0.0.1:{args.port}", model=model, api_key=None, dataset=dataset,
                                 input_len=args.input_len, output_len=args.output_len,
-                                num_prompts=max(1, int(n * args.prompts_scale)), vocab_size=VOCAB[args.shape],
+                                num_prompts=num_prompts, vocab_size=VOCAB[args.shape],
                                 min_token_id=10, gsm8k_tokens=str(bench_serving.GSM8K_TOKENS), max_concurrency=conc,
-                                request_rate=math.inf, warmup=4, seed=seed, label=label, first_question=first_question)
+                                request_rate=math.inf, warmup=WARMUP, seed=seed, label=label, first_question=first_question,
+                                after_warmup=lambda url=f"http://127.0.0.1:{args.port}": snap.append(server_ttft(url)))
         if dataset == "gsm8k":
             first_question += ns.warmup + ns.num_prompts
-        before = server_ttft(ns.base_url)
         results, wall = asyncio.run(bench_serving.run(ns))
         s = bench_serving.summarize(ns, results, wall)
-        after = server_ttft(ns.base_url)
-        if after is not None and after[1] > (before or (0.0, 0.0))[1]:  # the warm-up's requests are in it too
-            b = before or (0.0, 0.0)
-            s["server_ttft_ms_mean"] = round(1e3 * (after[0] - b[0]) / (after[1] - b[1]), 2)
-            print(f"  server-side TTFT mean {s['server_ttft_ms_mean']} ms (warm-up requests included)", flush=True)
+        before, after = (snap[0] if snap else None) or (0.0, 0.0), server_ttft(ns.base_url)
+        if after is not None and after[1] > before[1]:  # the measured requests' only: read after the warm-up
+            s["server_ttft_ms_mean"] = round(1e3 * (after[0] - before[0]) / (after[1] - before[1]), 2)
+            print(f"  server-side TTFT mean {s['server_ttft_ms_mean']} ms", flush=True)
         print(bench_serving.table([s]).splitlines()[-1], flush=True)
         rows.append(s)
     return rows
@@ -182,6 +192,10 @@ def main(argv=None) -> int:
                     help="list the serving modules vLLM's path (and attnzoo's environment) lack, and exit")
     ap.add_argument("--startup-timeout", type=float, default=420)
     args = ap.parse_args(argv)
+    known = [f"{d}_c{c}" for d, c, _ in SCENARIOS[args.shape]]
+    args.scenarios = [name.strip() for name in args.scenarios.split(",") if name.strip()]
+    if unknown := [name for name in args.scenarios if name not in known]:
+        ap.error(f"--scenarios: {', '.join(unknown)} not among {args.shape}'s: {', '.join(known)}")
     if args.check_vllm:
         missing = missing_vllm_modules(args)
         ours = missing_modules(ATTNZOO_SERVE_MODULES, dict(os.environ))
@@ -201,7 +215,7 @@ def main(argv=None) -> int:
                   name, "--max-model-len", "4096", *shlex.split(args.vllm_args)],
                  vllm_env(args)),
     }
-    rows = []
+    rows, failed = [], []
     for server in args.servers.split(","):
         if server == "vllm" and (missing := missing_vllm_modules(args)):
             print(f"skipping vllm: on its PYTHONPATH these do not import: {'; '.join(missing)} (see --check-vllm)",
@@ -210,8 +224,9 @@ def main(argv=None) -> int:
         cmd, env = commands[server]
         try:
             proc = start(server, cmd, env, Path(f"{out}_{server}.log"), args.port, args.startup_timeout)
-        except SystemExit as e:  # the other server's rows are still written
+        except SystemExit as e:  # the other server's rows are still written; the run still fails
             print(f"skipping {server}: {e}", flush=True)
+            failed.append(server)
             continue
         try:
             rows += measure(server, args, name)
@@ -233,7 +248,7 @@ def main(argv=None) -> int:
     print(text)
     print(json.dumps(ratios, indent=1))
     bench_serving.plot(rows, out.with_suffix(".png"))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

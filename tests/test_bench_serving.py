@@ -42,24 +42,31 @@ def test_serve_peer_scenarios_draw_disjoint_prompts(bench_script, monkeypatch):
 
 def test_serve_peer_runs_only_the_scenarios_asked_for_with_their_full_run_prompts(bench_script, monkeypatch):
     bs, peer = bench_script("bench_serving"), bench_script("serve_peer")
-    seen = {}
+    seen, phase = {"all": [], "some": []}, ["all"]
 
     async def fake_run(ns):
-        seen.setdefault(ns.scenario_key, []).append(ns)
+        seen[phase[0]].append(ns)
         return [], 1.0
 
     monkeypatch.setattr(bs, "run", fake_run)
     monkeypatch.setattr(bs, "summarize", lambda ns, results, wall: {})
     monkeypatch.setattr(bs, "table", lambda rows: "row")
     monkeypatch.setattr(peer, "server_ttft", lambda url: None)
-    real = argparse.Namespace
-    for key, wanted in (("all", ""), ("some", "gsm8k_c1,random_c1")):
-        monkeypatch.setattr(peer.argparse, "Namespace", lambda **kw: real(scenario_key=key, **kw))
-        peer.measure("attnzoo", real(port=1, input_len=8, output_len=4, prompts_scale=0.05, shape="llama8b",
-                                     scenarios=wanted), "m")
-    pick = [(ns.dataset, ns.max_concurrency, ns.first_question, ns.seed) for ns in seen["all"]]
-    assert [(ns.dataset, ns.max_concurrency, ns.first_question, ns.seed) for ns in seen["some"]] == \
-        [p for p in pick if p[1] == 1]
+    for phase[0], wanted in (("all", []), ("some", ["gsm8k_c1", "random_c1"])):
+        peer.measure("attnzoo", argparse.Namespace(port=1, input_len=8, output_len=4, prompts_scale=0.05,
+                                                   shape="llama8b", scenarios=wanted), "m")
+    key = lambda ns: (ns.dataset, ns.max_concurrency, ns.first_question, ns.seed)  # noqa: E731
+    assert [key(ns) for ns in seen["some"]] == [key(ns) for ns in seen["all"] if ns.max_concurrency == 1]
+    assert len(seen["all"]) == len(peer.SCENARIOS["llama8b"]) and len(seen["some"]) == 2
+
+
+def test_serve_peer_refuses_a_scenario_the_shape_does_not_have(bench_script, capsys):
+    import pytest
+
+    peer = bench_script("serve_peer")
+    with pytest.raises(SystemExit):
+        peer.main(["--out", "/tmp/x", "--shape", "llama8b", "--scenarios", "random_c1, random_c64"])
+    assert "random_c64" in capsys.readouterr().err
 
 
 def test_online_load_runs_the_closed_loop_and_splits_steps_by_kind(bench_script, monkeypatch, tmp_path):

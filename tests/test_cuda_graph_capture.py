@@ -482,3 +482,9 @@ def test_gpu_prune_times_the_gemms_as_a_graph_replays_them():
     assert two > (1 - cuda_graph.PRUNE_MARGIN) * one, (one, two)
     kept, dropped = cuda_graph.prune_buckets(shapes, [1, 2, 4], dev)
     assert 1 in kept and 1 not in dropped, (kept, dropped)
+    # 32 rows take cuBLAS (F.linear) under the capture; a capture that recorded nothing would cost ~0 instead of
+    # at least the weights' bytes at an L2-fast 20 TB/s
+    cublas = {key: (w, count, torch.nn.functional.linear) for key, (w, count, _) in shapes.items()}
+    weight_bytes = sum(w.numel() * w.element_size() * count for w, count, _ in shapes.values())
+    for table, rows in ((shapes, 1), (cublas, 32)):
+        assert cuda_graph._graph_cost(table, rows, dev, reps=5, rounds=3) * 1e-3 > weight_bytes / 20e12, rows

@@ -238,6 +238,21 @@ def test_serve_peer_reads_the_servers_own_ttft(srv, bench_script):
     assert peer.server_ttft("http://127.0.0.1:9") is None  # nothing listens there: no number, no error
 
 
+def test_bench_serving_reads_the_server_after_its_warm_up(srv, bench_script):
+    """serve_peer's server TTFT counts only the measured requests: the hook runs once the warm-up's are done."""
+    import argparse
+
+    bs, peer = bench_script("bench_serving"), bench_script("serve_peer")
+    before = peer.server_ttft(srv.url) or (0.0, 0.0)
+    snap = []
+    ns = argparse.Namespace(base_url=srv.url, model="tiny", api_key=KEY, dataset="random", input_len=8, output_len=3,
+                            num_prompts=2, vocab_size=100, min_token_id=3, max_concurrency=1, request_rate=float("inf"),
+                            warmup=3, seed=7, after_warmup=lambda: snap.append(peer.server_ttft(srv.url)))
+    results, _ = asyncio.run(bs.run(ns))
+    assert all(r.ok for r in results) and len(results) == 2
+    assert snap[0][1] == before[1] + 3 and peer.server_ttft(srv.url)[1] == before[1] + 5
+
+
 @pytest.mark.skipif(not (GSM8K_DIR / "test.jsonl").is_file(), reason=f"GSM8K files not found at {GSM8K_DIR}")
 def test_lm_eval_local_completions_matches_the_in_process_route(srv, monkeypatch):
     pytest.importorskip("lm_eval")

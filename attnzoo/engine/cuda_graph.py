@@ -100,10 +100,12 @@ def prune_buckets(shapes: dict, buckets, device, margin: float = PRUNE_MARGIN, r
 
 
 def _graph_cost(shapes: dict, rows: int, device, reps: int, rounds: int) -> float:
-    """ms of the model's GEMMs at ``rows`` rows, as a decode graph runs them: each shape's ``reps`` products
-    replayed from a CUDA graph (timed eagerly, the host's launch cost of a small GEMM outweighs the GPU's,
-    and at 1 against 2 rows that noise alone crossed the margin), the least of ``rounds`` replays. One
-    shape's graph at a time: the memory held is one input and one output, as in an eager step."""
+    """ms of the model's GEMMs at ``rows`` rows: each shape's ``reps`` products replayed from a CUDA graph, as
+    a decode step launches them (timed eagerly, the host's launch cost of a small GEMM outweighs the GPU's,
+    and at 1 against 2 rows that noise alone crossed the margin), the least of ``rounds`` replays. A weight
+    that fits in L2 is read from there after the first product, at every row count alike: the costs are
+    compared with each other, never with a step's time. One shape's graph at a time: the memory held is one
+    input and one output, as in an eager step."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     total = 0.0
     for w, count, fn in shapes.values():
