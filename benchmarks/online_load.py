@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--load-kwargs", default="{}", help="JSON: more load_model keywords")
     ap.add_argument("--out", default=None, help="JSON path")
+    ap.add_argument("--graph-extend-tokens", type=int, default=0, help="Engine.graph_extend_tokens (0: off)")
     bench_serving.add_args(ap, server=False)
     args = ap.parse_args(argv)
     from e2e import make_config  # after the path insert: e2e imports the benchmarks' helpers
@@ -106,6 +107,7 @@ def main(argv=None) -> int:
         config.save_pretrained(folder)
         llm = attnzoo.load_model(folder, load_format="random", **load_kwargs)
     llm.warm_up()
+    llm.engine.graph_extend_tokens = args.graph_extend_tokens
     prompts = bench_serving.make_prompts(args)
     online = OnlineEngine(llm, max_queue=len(prompts))  # the whole closed loop may wait at once
     warm, prompts = prompts[: args.warmup], prompts[args.warmup:]
@@ -131,7 +133,7 @@ def main(argv=None) -> int:
            "ttft_ms_mean": round(1e3 * statistics.fmean(ttfts), 1) if ttfts else None,
            "tpot_ms_mean": round(1e3 * statistics.fmean(tpots), 2) if tpots else None,
            "steps": step_breakdown(log, t_start), "roofline": roofline,
-           "overlap": dict(llm.engine.overlap_stats), "backends": {k: llm.info()[k] for k in ("prefill_backend", "decode_backend")}}
+           "overlap": dict(llm.engine.overlap_stats), "graph_stats": dict(llm.engine.graph_stats), "backends": {k: llm.info()[k] for k in ("prefill_backend", "decode_backend")}}
     print(json.dumps(res, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": run_meta(argv=sys.argv[1:] if argv is None else list(argv)), "result": res}, indent=1))

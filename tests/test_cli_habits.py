@@ -100,3 +100,11 @@ def test_info_is_human_by_default_and_json_on_request(plain, capsys):
     assert "kv_cache_tokens" in human and not human.lstrip().startswith("{")
     assert main(["info", "--model", plain, *LOAD, "--json", "--k-scale", "0.5"]) == 0
     assert json.loads(capsys.readouterr().out)["kv_scales"]["k_scale"] == 0.5
+
+
+def test_serve_refuses_a_negative_graph_extend_tokens_before_loading(capsys):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    assert main(["serve", "no/such-model", "--graph-extend-tokens", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--graph-extend-tokens -1" in err and "no/such-model" not in err  # refused before the model was looked up

@@ -102,6 +102,7 @@ class Engine:
     cascade_extend = _to("runner", "cascade_extend")
     cascade_min_saved_tokens = _to("runner", "cascade_min_saved_tokens")
     cascade_graph_min_saved_tokens = _to("runner", "cascade_graph_min_saved_tokens")
+    graph_extend_tokens = _to("runner", "graph_extend_tokens")
 
     @property
     def prefill_backend(self):

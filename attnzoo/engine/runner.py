@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from attnzoo.attention.backends.hybrid import HybridBackend
-from attnzoo.attention.kv_cache import KVPool
+from attnzoo.attention.kv_cache import KVPool, layer_kind
 from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.metadata import BatchMetadata, build_metadata, to_device
 from attnzoo.errors import BackendError
@@ -72,6 +72,27 @@ def check_cascade(decode_backend_cls, prefix_caching: bool, cascade: bool | None
     return can
 
 
+# Layer kinds whose decode path reads and writes each row on its own (positions, pages, window): several rows of
+# one request are then that request's tokens one after the other. Not compressed ("csa", "hca") or NSA layers,
+# whose decode store and index assume one new token per request.
+ROW_KINDS = frozenset({"full", "sliding", "mla"})
+
+
+def as_token_rows(step: Step) -> Step:
+    """``step`` with each new token a request of its own: one query row at its position, over its request's
+    pages. Every row's key is stored before any row attends (the one store path), so row j of a chunk reads
+    the chunk's rows up to j: the extend step's causal attention, computed as a decode step. The flat token
+    order, and so ``rows`` and the input ids, are the step's own."""
+    prefix, tables, windows = [], [], []
+    for i, (p, q) in enumerate(zip(step.prefix_lens, step.q_lens)):
+        prefix += range(p, p + q)
+        tables += [step.block_tables[i]] * q
+        if step.window_block_tables is not None:
+            windows += [step.window_block_tables[i]] * q
+    return Step(prefix, [1] * len(prefix), tables, step.ids, step.rows,
+                window_block_tables=windows if step.window_block_tables is not None else None)
+
+
 def last_rows(q_lens: list[int], reqs: list[int]) -> list[int]:
     """The flat row of the last new token of each request of ``reqs`` (indices into ``q_lens``)."""
     ends = np.cumsum(q_lens) - 1
@@ -102,7 +123,14 @@ class Runner:
         # replayed: plain decode graphs; eager: decode/sampling steps run eagerly, of which cascade: with a
         # shared prefix; cascade_replayed: cascade decode graphs; cascade_over_cap: cascade steps whose graph
         # was not captured for the cap on their number (those ran eagerly or as plain graphs)
-        self.graph_stats = {"replayed": 0, "eager": 0, "cascade": 0, "cascade_replayed": 0, "cascade_over_cap": 0}
+        self.graph_stats = {"replayed": 0, "eager": 0, "cascade": 0, "cascade_replayed": 0, "cascade_over_cap": 0,
+                            "token_rows": 0}
+        # A step of prompt chunks with at most this many new tokens in all runs as decode rows, one per token
+        # (``as_token_rows``), in the decode graphs where they fit: an extend step runs eagerly, and with few
+        # tokens its launches outlast its GPU work. Each row reads its whole context, so the reads grow with
+        # the rows; 0: never. (Rows of token_rows steps: graph_stats["token_rows"].)
+        self.graph_extend_tokens = 0
+        self._rows_fit = all(layer_kind(s) in ROW_KINDS for s in pool.specs if s is not None)
         self.tp = None  # TPGroup (attnzoo.engine.tensor_parallel): rank 0 publishes each step to the others
         self._host_tokens: torch.Tensor | None = None  # pinned int64: each step's sampled tokens
         self.gone: list[int] = []  # keys of requests ended since the last step (the scheduler appends)
@@ -123,6 +151,8 @@ class Runner:
         the backend's plan, and for a graph step its staging (``DecodeGraphs.stage``). Its device copies are
         stream-ordered behind the work already queued, so step N+1 may be prepared while step N runs."""
         fixed = step.fixed
+        if (rows := self._token_rows(step)) is not None:
+            return rows
         meta = build_metadata(
             prefix_lens=step.prefix_lens, q_lens=step.q_lens, block_tables=step.block_tables,
             page_size=self.pool.page_size, device=self.device,
@@ -146,6 +176,25 @@ class Runner:
         staged = self.graphs.stage(meta) if graph else None
         plan = None if graph else self.backends.prepare(meta)
         return Prepared(step, meta, graph, staged, plan, over_cap)
+
+    def _token_rows(self, step: Step) -> Prepared | None:
+        """``step`` prepared as token rows (``graph_extend_tokens``): replayed from the decode graphs where the
+        rows fit them, eagerly without graphs (a CPU); None where it does not apply (then as it is)."""
+        if not (self.graph_extend_tokens and step.fixed is None and self.tp is None and self._rows_fit
+                and sum(step.q_lens) <= self.graph_extend_tokens and max(step.q_lens) > 1 and min(step.prefix_lens) > 0):
+            return None
+        rows = as_token_rows(step)
+        # no cascade: the rows of one chunk share its request's whole prefix, but a cascade graph is captured
+        # only for a key asked for steps in a row, and eager cascade is the launch cost this avoids
+        meta = build_metadata(prefix_lens=rows.prefix_lens, q_lens=rows.q_lens, block_tables=rows.block_tables,
+                              page_size=self.pool.page_size, device=self.device,
+                              window_block_tables=rows.window_block_tables)
+        if self.graphs is not None and not self.graphs.fits(meta):
+            return None
+        self.graph_stats["token_rows"] += meta.num_reqs
+        if self.graphs is None:
+            return Prepared(rows, meta, False, None, self.backends.prepare(meta))
+        return Prepared(rows, meta, True, self.graphs.stage(meta), None)
 
     def launch(self, prep: Prepared, ids: "list[int] | torch.Tensor") -> tuple[torch.Tensor, int]:
         """The device half of ``run``: the forward pass of a prepared step over ``ids`` (a list, or an int64
