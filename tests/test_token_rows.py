@@ -16,10 +16,12 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_each_token_becomes_a_row_of_its_request():
-    step = Step([5, 9], [3, 1], [[7, 8], [4]], ids=None, rows=[2, 3], keys=[0, 1], window_block_tables=[[7], [4]])
-    rows = as_token_rows(step)
+    # page size 4; request 0 holds its whole prompt's pages (3) but this chunk reaches only 2
+    step = Step([5, 9], [3, 1], [[7, 8, 6], [4, 2, 1]], ids=None, rows=[2, 3], keys=[0, 1],
+                window_block_tables=[[7, 8, 6], [4, 2, 1]])
+    rows = as_token_rows(step, 4)
     assert rows.prefix_lens == [5, 6, 7, 9] and rows.q_lens == [1, 1, 1, 1]
-    assert rows.block_tables == [[7, 8], [7, 8], [7, 8], [4]] and rows.window_block_tables == [[7], [7], [7], [4]]
+    assert rows.block_tables == [[7, 8], [7, 8], [7, 8], [4, 2, 1]] and rows.window_block_tables == rows.block_tables
     assert rows.rows == [2, 3] and rows.keys is None  # the flat token order (sampled rows, ids) is the step's own
 
 
@@ -43,18 +45,17 @@ def test_short_chunks_as_decode_rows_give_the_extend_steps_tokens(tiny_dir, back
     ref, off = _run(tiny_dir, backend, 0, prompts)
     got, on = _run(tiny_dir, backend, 16, prompts)
     assert off["token_rows"] == 0
-    # the later prompts' tails (9, 5, 12 tokens after the cached prefix) and the first prompt's chunks after its
-    # first 16 tokens (a 16-token budget: chunks of 16, 16 and 14)
-    assert on["token_rows"] >= 5 + 12 + 9
+    # the first prompt's chunks after its first (a 16-token budget: 16 + 14 of 46), then the later prompts' tails
+    # after the 36 cached tokens (6 and 13): a first chunk has no prefix and stays an extend step
+    assert on["token_rows"] == 16 + 14 + 6 + 13
     assert [c.token_ids for c in got] == [c.token_ids for c in ref]
     for a, b in zip(got, ref):
         assert (a.logits - b.logits).abs().max().item() < 1e-4
 
 
-def test_longer_chunks_and_first_chunks_stay_extend_steps(tiny_dir):
-    prompts = _shared_prefix_prompts()
-    _, stats = _run(tiny_dir, "torch", 4, prompts)
-    assert stats["token_rows"] == 0  # every chunk here is over 4 tokens, and a first chunk has no prefix to sit on
+def test_longer_chunks_stay_extend_steps(tiny_dir):
+    _, stats = _run(tiny_dir, "torch", 4, _shared_prefix_prompts())
+    assert stats["token_rows"] == 0  # every chunk here is over 4 tokens
 
 
 @pytest.mark.gpu
@@ -63,10 +64,22 @@ def test_gpu_token_rows_replay_the_decode_graphs(tiny_dir):
     prompts = _shared_prefix_prompts()
     ref, off = _run(tiny_dir, "triton", 0, prompts, device="cuda", dtype="float32")
     got, on = _run(tiny_dir, "triton", 16, prompts, device="cuda", dtype="float32")
-    assert on["token_rows"] >= 5 + 12 + 9 and on["replayed"] > off["replayed"]  # the rows ran in the graphs
+    assert on["token_rows"] == 16 + 14 + 6 + 13 and on["replayed"] > off["replayed"]  # the rows ran in the graphs
     assert [c.token_ids for c in got] == [c.token_ids for c in ref]
     for a, b in zip(got, ref):
         assert (a.logits - b.logits).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_token_rows_of_a_prompt_longer_than_the_graphs_context(tiny_dir):
+    """A request holds its whole prompt's pages, wider than the graphs' tables: chunks within their context
+    replay the graphs, the rest stay extend steps, with the tokens of extend steps throughout."""
+    prompts = [random_prompts(160, [100], seed=7)[0]]
+    kw = dict(device="cuda", dtype="float32", cuda_graph_max_context=64)
+    (ref, _), (got, on) = (_run(tiny_dir, "triton", n, prompts, **kw) for n in (0, 16))
+    assert on["token_rows"] == 16 * 3  # chunks 2-4 end within 64 tokens; chunks 5-7 run as extend steps
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
 
 
 @pytest.mark.parametrize("family", ["nsa", "compressed"])
@@ -99,15 +112,16 @@ def _family(name):
     return e2b_like()
 
 
-@pytest.mark.parametrize("family,backend", [("mla", "torch"), ("sliding", "torch"), ("sliding", "triton"),
-                                            ("shared_kv", "torch")])
-def test_token_rows_in_mla_sliding_and_shared_kv_models(tmp_path, family, backend):
+@pytest.mark.parametrize("family,backend,window_kv_fraction", [
+    ("mla", "torch", None), ("sliding", "torch", None), ("sliding", "triton", 0.5), ("shared_kv", "torch", 0.5)])
+def test_token_rows_in_mla_sliding_and_shared_kv_models(tmp_path, family, backend, window_kv_fraction):
     hf = _family(family)
     save_checkpoint(hf, tmp_path)
     vocab = getattr(hf.config, "text_config", hf.config).vocab_size
     prefix = random_prompts(vocab, [37], seed=5)[0]
     prompts = [prefix + tail for tail in random_prompts(vocab, [9, 12], seed=6)]
-    (ref, off), (got, on) = (_run(tmp_path, backend, n, prompts) for n in (0, 16))
+    kw = {} if window_kv_fraction is None else {"window_kv_fraction": window_kv_fraction}  # 0.5: a window page group
+    (ref, off), (got, on) = (_run(tmp_path, backend, n, prompts, **kw) for n in (0, 16))
     assert off["token_rows"] == 0 and on["token_rows"] >= 9 + 12
     assert [c.token_ids for c in got] == [c.token_ids for c in ref]
     for a, b in zip(got, ref):

@@ -78,17 +78,19 @@ def check_cascade(decode_backend_cls, prefix_caching: bool, cascade: bool | None
 ROW_KINDS = frozenset({"full", "sliding", "mla"})
 
 
-def as_token_rows(step: Step) -> Step:
+def as_token_rows(step: Step, page_size: int) -> Step:
     """``step`` with each new token a request of its own: one query row at its position, over its request's
     pages. Every row's key is stored before any row attends (the one store path), so row j of a chunk reads
     the chunk's rows up to j: the extend step's causal attention, computed as a decode step. The flat token
-    order, and so ``rows`` and the input ids, are the step's own."""
+    order, and so ``rows`` and the input ids, are the step's own. A table is cut to the pages the chunk
+    reaches: a request holds its whole prompt's pages, which may be wider than the decode graphs' tables."""
     prefix, tables, windows = [], [], []
     for i, (p, q) in enumerate(zip(step.prefix_lens, step.q_lens)):
+        cols = -(-(p + q) // page_size)
         prefix += range(p, p + q)
-        tables += [step.block_tables[i]] * q
+        tables += [step.block_tables[i][:cols]] * q
         if step.window_block_tables is not None:
-            windows += [step.window_block_tables[i]] * q
+            windows += [step.window_block_tables[i][:cols]] * q
     return Step(prefix, [1] * len(prefix), tables, step.ids, step.rows,
                 window_block_tables=windows if step.window_block_tables is not None else None)
 
@@ -179,11 +181,15 @@ class Runner:
 
     def _token_rows(self, step: Step) -> Prepared | None:
         """``step`` prepared as token rows (``graph_extend_tokens``): replayed from the decode graphs where the
-        rows fit them, eagerly without graphs (a CPU); None where it does not apply (then as it is)."""
-        if not (self.graph_extend_tokens and step.fixed is None and self.tp is None and self._rows_fit
-                and sum(step.q_lens) <= self.graph_extend_tokens and max(step.q_lens) > 1 and min(step.prefix_lens) > 0):
+        rows fit them, eagerly on a CPU; None where it does not apply (then the step runs as it is)."""
+        # Eager token rows cost the extend step's launches and more reads: only on a CPU (tests) without graphs.
+        # Above the graphs' exact_from rows a step would feed the capture streaks of decode batches of its size.
+        limit = self.graph_extend_tokens if self.graphs is None else min(self.graph_extend_tokens, self.graphs.exact_from)
+        if not (limit and step.fixed is None and self.tp is None and self._rows_fit
+                and (self.graphs is not None or self.device.type == "cpu")
+                and sum(step.q_lens) <= limit and max(step.q_lens) > 1 and min(step.prefix_lens) > 0):
             return None
-        rows = as_token_rows(step)
+        rows = as_token_rows(step, self.pool.page_size)
         # no cascade: the rows of one chunk share its request's whole prefix, but a cascade graph is captured
         # only for a key asked for steps in a row, and eager cascade is the launch cost this avoids
         meta = build_metadata(prefix_lens=rows.prefix_lens, q_lens=rows.q_lens, block_tables=rows.block_tables,
