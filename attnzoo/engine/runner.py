@@ -73,8 +73,8 @@ def check_cascade(decode_backend_cls, prefix_caching: bool, cascade: bool | None
 
 
 # Layer kinds whose decode path reads and writes each row on its own (positions, pages, window): several rows of
-# one request are then that request's tokens one after the other. Not compressed ("csa", "hca") or NSA layers,
-# whose decode store and index assume one new token per request.
+# one request are then that request's tokens one after the other. Not compressed ("csa", "hca") or NSA layers:
+# their compressor and indexer stores were not shown to hold with several new tokens of one request in a step.
 ROW_KINDS = frozenset({"full", "sliding", "mla"})
 
 
@@ -198,9 +198,9 @@ class Runner:
         if self.graphs is not None and not self.graphs.fits(meta):
             return None
         self.graph_stats["token_rows"] += meta.num_reqs
-        if self.graphs is None:
-            return Prepared(rows, meta, False, None, self.backends.prepare(meta))
-        return Prepared(rows, meta, True, self.graphs.stage(meta), None)
+        graph = self.graphs is not None
+        return Prepared(rows, meta, graph, self.graphs.stage(meta) if graph else None,
+                        None if graph else self.backends.prepare(meta))
 
     def launch(self, prep: Prepared, ids: "list[int] | torch.Tensor") -> tuple[torch.Tensor, int]:
         """The device half of ``run``: the forward pass of a prepared step over ``ids`` (a list, or an int64
