@@ -154,17 +154,18 @@ def measure(label: str, args, model: str) -> list[dict]:
                 first_question += WARMUP + num_prompts
             continue
         snap: list = []  # the server's TTFT counters once the warm-up is done
-        ns = argparse.Namespace(base_url=f"http://127.0.0.1:{args.port}", model=model, api_key=None, dataset=dataset,
+        url = f"http://127.0.0.1:{args.port}"
+        ns = argparse.Namespace(base_url=url, model=model, api_key=None, dataset=dataset,
                                 input_len=args.input_len, output_len=args.output_len,
                                 num_prompts=num_prompts, vocab_size=VOCAB[args.shape],
                                 min_token_id=10, gsm8k_tokens=str(bench_serving.GSM8K_TOKENS), max_concurrency=conc,
                                 request_rate=math.inf, warmup=WARMUP, seed=seed, label=label, first_question=first_question,
-                                after_warmup=lambda url=f"http://127.0.0.1:{args.port}": snap.append(server_ttft(url)))
+                                after_warmup=lambda: snap.append(server_ttft(url)))
         if dataset == "gsm8k":
             first_question += ns.warmup + ns.num_prompts
         results, wall = asyncio.run(bench_serving.run(ns))
         s = bench_serving.summarize(ns, results, wall)
-        before, after = (snap[0] if snap else None) or (0.0, 0.0), server_ttft(ns.base_url)
+        before, after = (snap[0] if snap else None) or (0.0, 0.0), server_ttft(url)
         if after is not None and after[1] > before[1]:  # the measured requests' only: read after the warm-up
             s["server_ttft_ms_mean"] = round(1e3 * (after[0] - before[0]) / (after[1] - before[1]), 2)
             print(f"  server-side TTFT mean {s['server_ttft_ms_mean']} ms", flush=True)
