@@ -90,7 +90,7 @@ def _serve(args) -> int:
     except ImportError as e:
         raise AttnzooError(f"serving needs fastapi, uvicorn and prometheus_client ({e})",
                            fix="pip install 'attnzoo[serve]'") from None
-    if args.graph_extend_tokens < 0:
+    if args.graph_extend_tokens is not None and args.graph_extend_tokens < 0:
         raise AttnzooError(f"--graph-extend-tokens {args.graph_extend_tokens}: must be >= 0",
                            fix="pass 0 (off) or the most new tokens a step may bring to run as decode rows, e.g. 64")
     if args.model_pos is not None:
@@ -99,7 +99,8 @@ def _serve(args) -> int:
         args.model = args.model_pos
     llm = _load(args, load_format=args.load_format, max_batch_tokens=args.max_batch_tokens,
                 kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory))
-    llm.engine.graph_extend_tokens = args.graph_extend_tokens
+    if args.graph_extend_tokens is not None:
+        llm.engine.graph_extend_tokens = args.graph_extend_tokens
     name = args.served_model_name or (args.model or llm.architecture)
     t0 = time.perf_counter()
     llm.warm_up()  # the first requests must not wait for a kernel's just-in-time compile
@@ -181,9 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random: weights drawn at random from MODEL's config.json (benchmarks)")
     s.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per step (default: the engine's)")
     s.add_argument("--kv-cache-memory", type=float, default=None, help="bytes for the KV cache (default: the engine's)")
-    s.add_argument("--graph-extend-tokens", type=int, default=0, metavar="N",
+    s.add_argument("--graph-extend-tokens", type=int, default=None, metavar="N",
                    help="steps of prompt chunks with at most N new tokens run as decode rows in the CUDA graphs "
-                        "(a prompt after a cached prefix, a chat turn); 0: off")
+                        "(a prompt after a cached prefix, a chat turn); 0: off; default: 64 where the graphs run")
     s.set_defaults(func=_serve)
 
     i = sub.add_parser("info", help="load a model and print LLM.info() (backends, page size, KV capacity)")

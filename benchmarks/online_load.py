@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--load-kwargs", default="{}", help="JSON: more load_model keywords")
     ap.add_argument("--out", default=None, help="JSON path")
-    ap.add_argument("--graph-extend-tokens", type=int, default=0, help="Engine.graph_extend_tokens (0: off)")
+    ap.add_argument("--graph-extend-tokens", type=int, default=None,
+                    help="Engine.graph_extend_tokens (0: off; default: the engine's)")
     bench_serving.add_args(ap, server=False)
     args = ap.parse_args(argv)
     from e2e import make_config  # after the path insert: e2e imports the benchmarks' helpers
@@ -107,7 +108,8 @@ def main(argv=None) -> int:
         config.save_pretrained(folder)
         llm = attnzoo.load_model(folder, load_format="random", **load_kwargs)
     llm.warm_up()
-    llm.engine.graph_extend_tokens = args.graph_extend_tokens
+    if args.graph_extend_tokens is not None:
+        llm.engine.graph_extend_tokens = args.graph_extend_tokens
     prompts = bench_serving.make_prompts(args)
     online = OnlineEngine(llm, max_queue=len(prompts))  # the whole closed loop may wait at once
     warm, prompts = prompts[: args.warmup], prompts[args.warmup:]

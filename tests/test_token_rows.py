@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import attnzoo
-from attnzoo.engine.runner import Step, as_token_rows
+from attnzoo.engine.runner import GRAPH_EXTEND_TOKENS, Step, as_token_rows, row_context_tokens
 from helpers import random_prompts, save_checkpoint
 from test_llama import tiny_llama
 
@@ -53,6 +53,38 @@ def test_short_chunks_as_decode_rows_give_the_extend_steps_tokens(tiny_dir, back
         assert (a.logits - b.logits).abs().max().item() < 1e-4
 
 
+def test_the_kv_a_chunk_reads_as_rows():
+    # a chunk of 3 after 5 cached tokens reads 6 + 7 + 8; one of 1 after 9 reads 10
+    assert row_context_tokens([5, 9], [3, 1]) == 6 + 7 + 8 + 10
+
+
+def test_default_is_off_without_graphs_and_info_says_why(tiny_dir):
+    llm = attnzoo.load_model(tiny_dir, backend="torch", device="cpu", page_size=4)
+    assert llm.engine.graph_extend_tokens is None
+    n, why = llm.info()["token_rows"]
+    assert n == 0 and "no decode CUDA graphs" in why
+    llm.engine.graph_extend_tokens = 16
+    assert llm.info()["token_rows"][0] == 16
+    llm.engine.graph_extend_tokens = 0
+    assert llm.info()["token_rows"] == [0, "off (graph_extend_tokens=0)"]
+
+
+def test_chunks_whose_rows_would_read_too_much_kv_stay_extend_steps(tiny_dir):
+    """Each row reads its whole context: past the cap on those reads (a multiple of the weights' bytes) the
+    chunk runs as the extend step, which reads the context once."""
+    prompts = _shared_prefix_prompts()
+    llm = attnzoo.load_model(tiny_dir, backend="torch", dtype="float32", page_size=4, device="cpu", max_batch_tokens=16)
+    runner = llm.engine.runner
+    llm.engine.graph_extend_tokens = 16
+    # just under what the first prompt's third chunk (14 new after 32) reads as rows
+    runner._row_reads_cap = row_context_tokens([32], [14]) * runner._kv_bytes_per_token - 1
+    for p in prompts:
+        llm.generate([p], max_new_tokens=2, ignore_eos=True)
+    # in: its second chunk (16 after 16, 392 KV tokens) and the 6-token tail (237); out: that chunk (553) and
+    # the 13-token tail after 36 (559)
+    assert llm.engine.graph_stats["token_rows"] == 16 + 6
+
+
 def test_longer_chunks_stay_extend_steps(tiny_dir):
     _, stats = _run(tiny_dir, "torch", 4, _shared_prefix_prompts())
     assert stats["token_rows"] == 0  # every chunk here is over 4 tokens
@@ -65,6 +97,8 @@ def test_gpu_token_rows_replay_the_decode_graphs(tiny_dir):
     ref, off = _run(tiny_dir, "triton", 0, prompts, device="cuda", dtype="float32")
     got, on = _run(tiny_dir, "triton", 16, prompts, device="cuda", dtype="float32")
     assert on["token_rows"] == 16 + 14 + 6 + 13 and on["replayed"] > off["replayed"]  # the rows ran in the graphs
+    _, default = _run(tiny_dir, "triton", None, prompts, device="cuda", dtype="float32")
+    assert GRAPH_EXTEND_TOKENS >= 16 and default["token_rows"] == on["token_rows"]  # on by default with graphs
     assert [c.token_ids for c in got] == [c.token_ids for c in ref]
     for a, b in zip(got, ref):
         assert (a.logits - b.logits).abs().max().item() < 1e-3
@@ -99,6 +133,8 @@ def test_nsa_and_compressed_layers_keep_their_extend_steps(tmp_path, family):
     for tail in random_prompts(vocab, [6, 4], seed=4):
         llm.generate([prefix + tail], max_new_tokens=2, ignore_eos=True)
     assert llm.engine.scheduler.cached_tokens > 0 and llm.engine.graph_stats["token_rows"] == 0
+    n, why = llm.info()["token_rows"]
+    assert n == 0 and "NSA or compressed" in why
 
 
 def _family(name):

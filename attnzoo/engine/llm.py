@@ -360,6 +360,8 @@ class LLM:
                 "exact_from": g.exact_from, "captured_while_generating": [list(k) for k in g.on_demand],
                 "captured_while_generating_bytes": [g.on_demand_bytes, g.max_on_demand_bytes]},  # [held, cap]
             "cascade": self._cascade_info(),
+            # a short prompt chunk after a cached prefix replayed as decode rows: [most new tokens, why]
+            "token_rows": list(self.engine.runner.token_rows_limit()),
             # > 1: kv_bytes_per_token and the KV capacity are per rank (each holds its own heads)
             "tensor_parallel_size": 1 if self.tp is None else self.tp.ctx.world_size,
             "weights": dict(self.decision.weights),

@@ -76,6 +76,12 @@ def check_cascade(decode_backend_cls, prefix_caching: bool, cascade: bool | None
 # one request are then that request's tokens one after the other. Not compressed ("csa", "hca") or NSA layers:
 # their compressor and indexer stores were not shown to hold with several new tokens of one request in a step.
 ROW_KINDS = frozenset({"full", "sliding", "mla"})
+# Token rows where the decode graphs run and nobody set Engine.graph_extend_tokens: a 64-token chunk after a cached
+# 8-shot prefix reached the client in 12 ms as rows, 29-63 ms as an extend step (results/ttft_token_rows_*).
+GRAPH_EXTEND_TOKENS = 64
+# Each row reads its whole context: rows whose KV reads exceed this many times the weights' bytes stay an extend
+# step, which reads the context once (a 64-token turn after a long chat history).
+ROW_READS_PER_WEIGHT_BYTE = 2
 
 
 def as_token_rows(step: Step, page_size: int) -> Step:
@@ -93,6 +99,11 @@ def as_token_rows(step: Step, page_size: int) -> Step:
             windows += [step.window_block_tables[i][:cols]] * q
     return Step(prefix, [1] * len(prefix), tables, step.ids, step.rows,
                 window_block_tables=windows if step.window_block_tables is not None else None)
+
+
+def row_context_tokens(prefix_lens: list[int], q_lens: list[int]) -> int:
+    """The KV tokens a step's chunks read as token rows: a chunk of q after p cached tokens, p+1 + ... + p+q."""
+    return sum(q * p + q * (q + 1) // 2 for p, q in zip(prefix_lens, q_lens))
 
 
 def last_rows(q_lens: list[int], reqs: list[int]) -> list[int]:
@@ -130,9 +141,11 @@ class Runner:
         # A step of prompt chunks with at most this many new tokens in all runs as decode rows, one per token
         # (``as_token_rows``), in the decode graphs where they fit: an extend step runs eagerly, and with few
         # tokens its launches outlast its GPU work. Each row reads its whole context, so the reads grow with
-        # the rows; 0: never. (Rows of token_rows steps: graph_stats["token_rows"].)
-        self.graph_extend_tokens = 0
+        # the rows; 0: never; None: GRAPH_EXTEND_TOKENS with decode graphs, else 0. (graph_stats["token_rows"].)
+        self.graph_extend_tokens: int | None = None
         self._rows_fit = all(layer_kind(s) in ROW_KINDS for s in pool.specs if s is not None)
+        self._kv_bytes_per_token = KVPool.bytes_per_token(pool.specs, pool.page_size, pool.kv_dtype)
+        self._row_reads_cap = ROW_READS_PER_WEIGHT_BYTE * sum(p.numel() * p.element_size() for p in model.parameters())
         self.tp = None  # TPGroup (attnzoo.engine.tensor_parallel): rank 0 publishes each step to the others
         self._host_tokens: torch.Tensor | None = None  # pinned int64: each step's sampled tokens
         self.gone: list[int] = []  # keys of requests ended since the last step (the scheduler appends)
@@ -179,15 +192,35 @@ class Runner:
         plan = None if graph else self.backends.prepare(meta)
         return Prepared(step, meta, graph, staged, plan, over_cap)
 
+    def token_rows_limit(self) -> tuple[int, str]:
+        """(the most new tokens a step of prompt chunks may bring to run as token rows, why; 0: never)."""
+        asked = self.graph_extend_tokens
+        if asked == 0:
+            return 0, "off (graph_extend_tokens=0)"
+        if self.tp is not None:
+            return 0, "not under tensor parallelism (the ranks replay the leader's steps as they are)"
+        if not self._rows_fit:
+            return 0, "the model has NSA or compressed layers, whose stores take one new token per request"
+        if self.graphs is None:
+            if asked is not None and self.device.type == "cpu":
+                return asked, f"graph_extend_tokens={asked}, eager on a CPU (no decode graphs)"
+            return 0, "no decode CUDA graphs to replay the rows in"
+        n = GRAPH_EXTEND_TOKENS if asked is None else asked
+        if n > self.graphs.exact_from:
+            return self.graphs.exact_from, f"graph_extend_tokens={n}, cut to the graphs' bucket sizes"
+        return n, ("the default where the decode graphs run" if asked is None else f"graph_extend_tokens={n}") + \
+            f", while the rows read at most {ROW_READS_PER_WEIGHT_BYTE}x the weights' bytes of KV"
+
     def _token_rows(self, step: Step) -> Prepared | None:
         """``step`` prepared as token rows (``graph_extend_tokens``): replayed from the decode graphs where the
         rows fit them, eagerly on a CPU; None where it does not apply (then the step runs as it is)."""
         # Eager token rows cost the extend step's launches and more reads: only on a CPU (tests) without graphs.
         # Above the graphs' exact_from rows a step would feed the capture streaks of decode batches of its size.
-        limit = self.graph_extend_tokens if self.graphs is None else min(self.graph_extend_tokens, self.graphs.exact_from)
-        if not (limit and step.fixed is None and self.tp is None and self._rows_fit
-                and (self.graphs is not None or self.device.type == "cpu")
+        limit = self.token_rows_limit()[0]
+        if not (limit and step.fixed is None and len(step.q_lens) <= limit  # no scan of a large decode step's rows
                 and sum(step.q_lens) <= limit and max(step.q_lens) > 1 and min(step.prefix_lens) > 0):
+            return None
+        if row_context_tokens(step.prefix_lens, step.q_lens) * self._kv_bytes_per_token > self._row_reads_cap:
             return None
         rows = as_token_rows(step, self.pool.page_size)
         # no cascade: the rows of one chunk share its request's whole prefix, but a cascade graph is captured
