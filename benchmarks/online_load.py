@@ -74,13 +74,18 @@ def step_breakdown(log: list[dict], t0: float) -> dict:
     for s in log:
         dt, last = s["t"] - last, s["t"]
         kind = "decode" if s["new_tokens"] == s["num_reqs"] else "mixed"
-        k = kinds.setdefault(kind, {"steps": 0, "s": 0.0, "rows": 0, "new_tokens": 0})
+        k = kinds.setdefault(kind, {"steps": 0, "s": 0.0, "rows": 0, "new_tokens": 0, "host": 0.0, "wait": 0.0})
         k["steps"] += 1
         k["s"] += dt
+        k["host"] += s.get("host_s", 0.0)
+        k["wait"] += s.get("wait_s", 0.0)
         k["rows"] += s["num_reqs"]
         k["new_tokens"] += s["new_tokens"]
     for k in kinds.values():
         k["ms_per_step"] = round(1e3 * k["s"] / k["steps"], 2)
+        # the engine's host work per step, and its wait for the step's tokens (~0: the host is the bottleneck)
+        k["host_ms_per_step"] = round(1e3 * k.pop("host") / k["steps"], 2)
+        k["wait_ms_per_step"] = round(1e3 * k.pop("wait") / k["steps"], 2)
         k["rows_per_step"] = round(k.pop("rows") / k["steps"], 1)
         k["new_tokens_per_step"] = round(k.pop("new_tokens") / k["steps"], 1)
         k["s"] = round(k["s"], 3)

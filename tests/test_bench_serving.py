@@ -96,6 +96,9 @@ def test_online_load_runs_the_closed_loop_and_splits_steps_by_kind(bench_script,
     assert steps["decode"]["rows_per_step"] <= 3  # the closed loop holds 3 requests at most
     assert steps["mixed"]["steps"] >= 4  # the 3 first prompts, then one per finished request at least
     assert sum(k["s"] for k in steps.values()) <= res["wall_s"] + 1e-3
+    for k in steps.values():  # the host's work and its wait for the tokens fit in the step's time
+        assert k["host_ms_per_step"] > 0 and k["wait_ms_per_step"] >= 0
+        assert k["host_ms_per_step"] + k["wait_ms_per_step"] <= k["ms_per_step"] + 2e-2  # three roundings
 
 
 def test_serve_peer_names_modules_that_are_present_but_do_not_import(bench_script, tmp_path):

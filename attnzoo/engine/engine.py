@@ -206,6 +206,7 @@ class Engine:
     def step(self) -> tuple[list[Request], list[Request]]:
         """One step: (requests that got a token, requests that ended, released), both possibly empty."""
         sched = self.scheduler
+        t_begin = time.perf_counter()
         if self._early is not None:  # launched on the last step's device tokens; nobody could have joined
             batch, logits = self._early
             self._early = None
@@ -238,8 +239,10 @@ class Engine:
             if self._early is not None:
                 ahead = None
         self._ahead = ahead
+        t_wait = time.perf_counter()
         if copied is not None:
             copied.synchronize()  # one sync a step
+        t_read = time.perf_counter()
         if batch.spans:
             self._prompt_logprobs(batch, logits)
         updated = []
@@ -271,7 +274,8 @@ class Engine:
             updated.append(req)
         self.generated_tokens += len(updated)
         if self.step_log is not None:  # "t": when the step's tokens reached the host
-            self.step_log.append({**batch.summary(), "t": time.perf_counter()})
+            # host_s: the host's work before it waited for the tokens (wait_s); a step whose wait is ~0 is host-bound
+            self.step_log.append({**batch.summary(), "t": t_read, "host_s": t_wait - t_begin, "wait_s": t_read - t_wait})
         finished = [r for r in sched.running if r.finish]
         for req in finished:
             sched.remove(req, unfinished=req.finish == "abort")
