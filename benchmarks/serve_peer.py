@@ -88,20 +88,23 @@ def start(name: str, cmd: list[str], env: dict, log: Path, port: int, timeout: f
     print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            sys.stdout.write("".join(open(log).readlines()[-40:]))
-            raise SystemExit(f"{name} exited with {proc.returncode} before serving")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    print(f"  {name} up after {time.time() - t0:.0f} s", flush=True)
-                    return proc
-        except OSError:
-            pass
-        time.sleep(2)
-    stop(proc)
-    raise SystemExit(f"{name} did not answer /health within {timeout:.0f} s (log: {log})")
+    try:
+        while time.time() - t0 < timeout:
+            if proc.poll() is not None:
+                sys.stdout.write("".join(open(log).readlines()[-40:]))
+                raise SystemExit(f"{name} exited with {proc.returncode} before serving")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        print(f"  {name} up after {time.time() - t0:.0f} s", flush=True)
+                        return proc
+            except OSError:
+                pass
+            time.sleep(2)
+        raise SystemExit(f"{name} did not answer /health within {timeout:.0f} s (log: {log})")
+    except BaseException:  # its own session: nobody else would stop it (a SIGTERM included, see main)
+        stop(proc)
+        raise
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -253,4 +256,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # A timeout's SIGTERM unwinds like Ctrl-C, so the servers (in sessions of their own) are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     sys.exit(main())

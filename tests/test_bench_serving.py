@@ -112,3 +112,33 @@ def test_serve_peer_names_modules_that_are_present_but_do_not_import(bench_scrip
     missing = peer.missing_modules(["json", "needs_more", "no_such_module_xyz"], env)
     assert [m.split()[0] for m in missing] == ["needs_more", "no_such_module_xyz"]
     assert "no_such_dependency_xyz" in missing[0] and "ModuleNotFoundError" in missing[1]
+
+
+def test_serve_peer_stops_a_starting_server_when_it_is_terminated(tmp_path):
+    """A server runs in a session of its own: when serve_peer gets a timeout's SIGTERM while the server starts,
+    the server is stopped too (a timed-out run once left vLLM holding most of a GPU for the next job)."""
+    import os, signal, subprocess, sys, time
+    from pathlib import Path
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    pid_file = tmp_path / "server.pid"
+    child = f"""
+import signal, sys
+sys.path.insert(0, {str(bench)!r})
+import serve_peer
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # what serve_peer.py installs when run as a script
+server = [sys.executable, "-c", "import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"]
+serve_peer.start("fake", server, None, {str(tmp_path / 'log')!r}, port=9, timeout=120)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", child])
+    deadline = time.time() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    server_pid = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(90) == 143
+    try:
+        os.kill(server_pid, 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    assert not alive
