@@ -85,6 +85,25 @@ def test_chunks_whose_rows_would_read_too_much_kv_stay_extend_steps(tiny_dir):
     assert llm.engine.graph_stats["token_rows"] == 16 + 6
 
 
+def test_prompt_logprobs_of_chunks_run_as_rows(tiny_dir):
+    """A request asking for its prompt's log-probabilities (the server's echo, lm-eval's loglikelihood) gets a
+    logit for every prompt token: its later chunks as token rows give the extend steps' values."""
+    prompts = _shared_prefix_prompts()
+    sp = attnzoo.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    runs = []
+    for rows_max in (0, 16):
+        llm = attnzoo.load_model(tiny_dir, backend="torch", dtype="float32", page_size=4, device="cpu",
+                                 max_batch_tokens=16)
+        llm.engine.graph_extend_tokens = rows_max
+        runs.append(([c for p in prompts for c in llm.generate([p], sampling_params=sp)], llm.engine.graph_stats))
+    (ref, off), (got, on) = runs
+    assert off["token_rows"] == 0 and on["token_rows"] > 0
+    for a, b in zip(got, ref):  # vLLM's shapes: per prompt token {token id: Logprob}, None for the first
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.prompt_logprobs) == len(b.prompt_logprobs)
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+
+
 def test_longer_chunks_stay_extend_steps(tiny_dir):
     _, stats = _run(tiny_dir, "torch", 4, _shared_prefix_prompts())
     assert stats["token_rows"] == 0  # every chunk here is over 4 tokens

@@ -276,7 +276,9 @@ def run_requests(llm, prompts, sampling_params, *, use_tqdm: bool | None = None,
         raise RequestError(f"{len(per_prompt)} SamplingParams for {len(batch)} prompts", fix="pass one, or one per prompt")
     for sp in per_prompt:
         if not isinstance(sp, SamplingParams):
-            raise RequestError(f"sampling_params must be attnzoo.SamplingParams, got {type(sp).__name__}",
+            # the engine's own SamplingParams has the same name: say which one came
+            raise RequestError(f"sampling_params must be attnzoo.SamplingParams, got {type(sp).__module__}."
+                               f"{type(sp).__qualname__}",
                                fix="build it with attnzoo.SamplingParams(max_tokens=..., n=..., ...)")
     raw = [_prompt_of(p) for p in batch]
     if chat and any(not (isinstance(p, (list, tuple)) and p and all(isinstance(m, dict) for m in p)) for p in raw):
