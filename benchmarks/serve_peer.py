@@ -84,6 +84,10 @@ def write_model(shape: str, layers: int | None, folder: Path) -> Path:
     return folder
 
 
+class StartFailed(Exception):
+    """A server exited or did not answer /health in time (the run goes on with the other server)."""
+
+
 def start(name: str, cmd: list[str], env: dict, log: Path, port: int, timeout: float) -> subprocess.Popen:
     print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -92,7 +96,7 @@ def start(name: str, cmd: list[str], env: dict, log: Path, port: int, timeout: f
         while time.time() - t0 < timeout:
             if proc.poll() is not None:
                 sys.stdout.write("".join(open(log).readlines()[-40:]))
-                raise SystemExit(f"{name} exited with {proc.returncode} before serving")
+                raise StartFailed(f"{name} exited with {proc.returncode} before serving")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                     if r.status == 200:
@@ -101,8 +105,8 @@ def start(name: str, cmd: list[str], env: dict, log: Path, port: int, timeout: f
             except OSError:
                 pass
             time.sleep(2)
-        raise SystemExit(f"{name} did not answer /health within {timeout:.0f} s (log: {log})")
-    except BaseException:  # its own session: nobody else would stop it (a SIGTERM included, see main)
+        raise StartFailed(f"{name} did not answer /health within {timeout:.0f} s (log: {log})")
+    except BaseException:  # its own session: nobody else would stop it (a SIGTERM's SystemExit included)
         stop(proc)
         raise
 
@@ -228,7 +232,7 @@ def main(argv=None) -> int:
         cmd, env = commands[server]
         try:
             proc = start(server, cmd, env, Path(f"{out}_{server}.log"), args.port, args.startup_timeout)
-        except SystemExit as e:  # the other server's rows are still written; the run still fails
+        except StartFailed as e:  # the other server's rows are still written; the run still fails (not a SIGTERM)
             print(f"skipping {server}: {e}", flush=True)
             failed.append(server)
             continue

@@ -142,3 +142,14 @@ serve_peer.start("fake", server, None, {str(tmp_path / 'log')!r}, port=9, timeou
     except ProcessLookupError:
         alive = False
     assert not alive
+
+
+def test_serve_peer_a_server_that_exits_is_a_start_failure_the_run_goes_on_from(bench_script, tmp_path):
+    """A server that dies while starting raises StartFailed (main goes on to the other server); a SIGTERM's
+    SystemExit is not one, so main stops instead of starting the next server."""
+    import sys
+    import pytest
+    sp = bench_script("serve_peer")
+    with pytest.raises(sp.StartFailed, match="exited with 3"):
+        sp.start("fake", [sys.executable, "-c", "raise SystemExit(3)"], None, tmp_path / "log", port=9, timeout=60)
+    assert not issubclass(sp.StartFailed, SystemExit)

@@ -122,6 +122,7 @@ def test_triton_cascade_extend_matches_plain(tmp_path, monkeypatch):
     save_checkpoint(tiny_v2(q_lora_rank=None, num_hidden_layers=2), tmp_path)
     kw = dict(page_size=4, backend="triton", device="cuda" if GPU else "cpu", dtype="float32", max_batch_tokens=10)
     ref, llm = attnzoo.load_model(tmp_path, **kw), attnzoo.load_model(tmp_path, **kw)
+    ref.engine.graph_extend_tokens = llm.engine.graph_extend_tokens = 0  # extend steps, not token rows, on a GPU
     ref.engine.cascade_extend = False
     llm.engine.cascade_extend, llm.engine.cascade_min_saved_tokens = True, 1
     calls = []

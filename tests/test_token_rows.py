@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import attnzoo
-from attnzoo.engine.runner import GRAPH_EXTEND_TOKENS, Step, as_token_rows, row_context_tokens
+from attnzoo.engine.runner import GRAPH_EXTEND_TOKENS, Step, as_token_rows, row_context_tokens, step_weight_bytes
 from helpers import random_prompts, save_checkpoint
 from test_llama import tiny_llama
 
@@ -54,8 +54,17 @@ def test_short_chunks_as_decode_rows_give_the_extend_steps_tokens(tiny_dir, back
 
 
 def test_the_kv_a_chunk_reads_as_rows():
-    # a chunk of 3 after 5 cached tokens reads 6 + 7 + 8; one of 1 after 9 reads 10
-    assert row_context_tokens([5, 9], [3, 1]) == 6 + 7 + 8 + 10
+    # a chunk of 3 after 5 cached tokens reads 6 + 7 + 8; a decode row reads what it reads anyway: not counted
+    assert row_context_tokens([5, 9], [3, 1]) == 6 + 7 + 8
+    assert row_context_tokens([5, 9], [3, 1], window=6) == 6 + 6 + 6  # a sliding layer sees its window at most
+
+
+def test_the_weights_a_row_reads_leave_out_an_untied_embedding_table(tiny_dir):
+    llm = attnzoo.load_model(tiny_dir, backend="torch", device="cpu")
+    total = sum(p.numel() * p.element_size() for p in llm.model.parameters())
+    table = llm.model.model.embed_tokens.weight
+    tied = any(p is table for n, p in llm.model.named_parameters(remove_duplicate=False) if "embed" not in n)
+    assert step_weight_bytes(llm.model) == total - (0 if tied else table.numel() * table.element_size())
 
 
 def test_default_is_off_without_graphs_and_info_says_why(tiny_dir):
@@ -77,7 +86,7 @@ def test_chunks_whose_rows_would_read_too_much_kv_stay_extend_steps(tiny_dir):
     runner = llm.engine.runner
     llm.engine.graph_extend_tokens = 16
     # just under what the first prompt's third chunk (14 new after 32) reads as rows
-    runner._row_reads_cap = row_context_tokens([32], [14]) * runner._kv_bytes_per_token - 1
+    runner._row_reads_cap = row_context_tokens([32], [14]) * runner._row_read_bytes[None] - 1
     for p in prompts:
         llm.generate([p], max_new_tokens=2, ignore_eos=True)
     # in: its second chunk (16 after 16, 392 KV tokens) and the 6-token tail (237); out: that chunk (553) and

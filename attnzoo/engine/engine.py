@@ -274,8 +274,10 @@ class Engine:
             updated.append(req)
         self.generated_tokens += len(updated)
         if self.step_log is not None:  # "t": when the step's tokens reached the host
-            # host_s: the host's work before it waited for the tokens (wait_s); a step whose wait is ~0 is host-bound
-            self.step_log.append({**batch.summary(), "t": t_read, "host_s": t_wait - t_begin, "wait_s": t_read - t_wait})
+            # host_s: the host's work before it waited for the tokens (wait_s), the next step's early launch
+            # included, not the token loop after the read; a step whose wait is ~0 is bound by the host
+            self.step_log.append({**batch.summary(), "t": time.perf_counter(), "host_s": t_wait - t_begin,
+                                  "wait_s": t_read - t_wait})
         finished = [r for r in sched.running if r.finish]
         for req in finished:
             sched.remove(req, unfinished=req.finish == "abort")

@@ -101,9 +101,38 @@ def as_token_rows(step: Step, page_size: int) -> Step:
                 window_block_tables=windows if step.window_block_tables is not None else None)
 
 
-def row_context_tokens(prefix_lens: list[int], q_lens: list[int]) -> int:
-    """The KV tokens a step's chunks read as token rows: a chunk of q after p cached tokens, p+1 + ... + p+q."""
-    return sum(q * p + q * (q + 1) // 2 for p, q in zip(prefix_lens, q_lens))
+def row_context_tokens(prefix_lens: list[int], q_lens: list[int], window: int | None = None) -> int:
+    """The KV tokens a step's chunks (q > 1) read as token rows, a row seeing at most ``window`` of them: a chunk
+    of q after p cached tokens, p+1 + ... + p+q. Decode rows (q == 1) read what they would read anyway."""
+    total = 0
+    for p, q in zip(prefix_lens, q_lens):
+        if q > 1:
+            total += sum(min(c, window) for c in range(p + 1, p + q + 1)) if window else q * p + q * (q + 1) // 2
+    return total
+
+
+def row_read_bytes(pool: KVPool) -> dict[int | None, int]:
+    """KV bytes a row reads per context token, by the window that bounds it (None: the whole context); a
+    KV-sharing layer reads its source's entries again."""
+    elt = torch.empty((), dtype=pool.kv_dtype).element_size()
+    out: dict[int | None, int] = {}
+    for s in pool.specs:
+        if s is None:
+            continue
+        src = pool.specs[s.shared_from] if s.shared_from is not None else s
+        out[s.sliding_window] = out.get(s.sliding_window, 0) + elt * src.values_per_token()
+    return out
+
+
+def step_weight_bytes(model) -> int:
+    """The weights a decode step of one row reads at least: every parameter but the routed experts' (a row
+    reads a few) and the embedding tables (a row reads one line; a table tied to the LM head is read whole)."""
+    def params(embedding: bool) -> set[int]:
+        return {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) == embedding
+                for p in m.parameters(recurse=False)}
+    skip = params(True) - params(False)
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if ".experts." not in n and id(p) not in skip)
 
 
 def last_rows(q_lens: list[int], reqs: list[int]) -> list[int]:
@@ -144,8 +173,8 @@ class Runner:
         # the rows; 0: never; None: GRAPH_EXTEND_TOKENS with decode graphs, else 0. (graph_stats["token_rows"].)
         self.graph_extend_tokens: int | None = None
         self._rows_fit = all(layer_kind(s) in ROW_KINDS for s in pool.specs if s is not None)
-        self._kv_bytes_per_token = KVPool.bytes_per_token(pool.specs, pool.page_size, pool.kv_dtype)
-        self._row_reads_cap = ROW_READS_PER_WEIGHT_BYTE * sum(p.numel() * p.element_size() for p in model.parameters())
+        self._row_read_bytes = row_read_bytes(pool)
+        self._row_reads_cap = ROW_READS_PER_WEIGHT_BYTE * step_weight_bytes(model)
         self.tp = None  # TPGroup (attnzoo.engine.tensor_parallel): rank 0 publishes each step to the others
         self._host_tokens: torch.Tensor | None = None  # pinned int64: each step's sampled tokens
         self.gone: list[int] = []  # keys of requests ended since the last step (the scheduler appends)
@@ -206,8 +235,9 @@ class Runner:
                 return asked, f"graph_extend_tokens={asked}, eager on a CPU (no decode graphs)"
             return 0, "no decode CUDA graphs to replay the rows in"
         n = GRAPH_EXTEND_TOKENS if asked is None else asked
-        if n > self.graphs.exact_from:
-            return self.graphs.exact_from, f"graph_extend_tokens={n}, cut to the graphs' bucket sizes"
+        top = min(self.graphs.exact_from, self.graphs.max_batch)  # the rows of a captured bucket
+        if n > top:
+            return top, f"graph_extend_tokens={n}, cut to the {top} rows of the largest decode graph bucket it may use"
         return n, ("the default where the decode graphs run" if asked is None else f"graph_extend_tokens={n}") + \
             f", while the rows read at most {ROW_READS_PER_WEIGHT_BYTE}x the weights' bytes of KV"
 
@@ -220,7 +250,10 @@ class Runner:
         if not (limit and step.fixed is None and len(step.q_lens) <= limit  # no scan of a large decode step's rows
                 and sum(step.q_lens) <= limit and max(step.q_lens) > 1 and min(step.prefix_lens) > 0):
             return None
-        if row_context_tokens(step.prefix_lens, step.q_lens) * self._kv_bytes_per_token > self._row_reads_cap:
+        if self.graphs is not None and max(p + q for p, q in zip(step.prefix_lens, step.q_lens)) > self.graphs.max_context:
+            return None  # wider than the graphs' tables: no metadata built for nothing
+        reads = sum(b * row_context_tokens(step.prefix_lens, step.q_lens, w) for w, b in self._row_read_bytes.items())
+        if reads > self._row_reads_cap:
             return None
         rows = as_token_rows(step, self.pool.page_size)
         # no cascade: the rows of one chunk share its request's whole prefix, but a cascade graph is captured
