@@ -190,3 +190,18 @@ def test_token_rows_in_mla_sliding_and_shared_kv_models(tmp_path, family, backen
     assert [c.token_ids for c in got] == [c.token_ids for c in ref]
     for a, b in zip(got, ref):
         assert (a.logits - b.logits).abs().max().item() < 1e-4, family
+
+
+def test_the_limit_is_cut_to_the_largest_graph_bucket_a_step_may_use(tiny_dir):
+    """With decode graphs of at most 8 rows (max_running 8), the default 64 would build rows no graph takes."""
+    from types import SimpleNamespace
+
+    llm = attnzoo.load_model(tiny_dir, backend="torch", device="cpu", page_size=4)
+    runner = llm.engine.runner
+    runner.graphs = SimpleNamespace(exact_from=256, max_batch=8, max_context=64)
+    n, why = runner.token_rows_limit()
+    assert n == 8 and "graph_extend_tokens=64" in why
+    runner.graph_extend_tokens = 4
+    assert runner.token_rows_limit()[0] == 4
+    runner.graph_extend_tokens = 0
+    assert runner.token_rows_limit()[0] == 0
