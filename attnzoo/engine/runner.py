@@ -230,12 +230,13 @@ class Runner:
             return 0, "not under tensor parallelism (the ranks replay the leader's steps as they are)"
         if not self._rows_fit:
             return 0, "the model has NSA or compressed layers, whose stores take one new token per request"
-        if self.graphs is None:
+        if self.graphs is None:  # eager rows cost the extend step's launches and more reads: CPU tests only
             if asked is not None and self.device.type == "cpu":
                 return asked, f"graph_extend_tokens={asked}, eager on a CPU (no decode graphs)"
             return 0, "no decode CUDA graphs to replay the rows in"
         n = GRAPH_EXTEND_TOKENS if asked is None else asked
-        top = min(self.graphs.exact_from, self.graphs.max_batch)  # the rows of a captured bucket
+        # past exact_from a step would feed the capture streaks of decode batches of its size
+        top = min(self.graphs.exact_from, self.graphs.max_batch)
         if n > top:
             return top, f"graph_extend_tokens={n}, cut to the {top} rows of the largest decode graph bucket it may use"
         return n, ("the default where the decode graphs run" if asked is None else f"graph_extend_tokens={n}") + \
@@ -244,8 +245,6 @@ class Runner:
     def _token_rows(self, step: Step) -> Prepared | None:
         """``step`` prepared as token rows (``graph_extend_tokens``): replayed from the decode graphs where the
         rows fit them, eagerly on a CPU; None where it does not apply (then the step runs as it is)."""
-        # Eager token rows cost the extend step's launches and more reads: only on a CPU (tests) without graphs.
-        # Above the graphs' exact_from rows a step would feed the capture streaks of decode batches of its size.
         limit = self.token_rows_limit()[0]
         if not (limit and step.fixed is None and len(step.q_lens) <= limit  # no scan of a large decode step's rows
                 and sum(step.q_lens) <= limit and max(step.q_lens) > 1 and min(step.prefix_lens) > 0):
