@@ -48,7 +48,15 @@ def enabled(x: torch.Tensor) -> bool:
             and _supported(x.device.index or 0))
 
 
-def launch_args(x: torch.Tensor) -> dict:
-    """The kernel argument and the launch option of a PDL kernel whose inputs live where ``x`` does."""
-    on = enabled(x)
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def launch_args(x: torch.Tensor, programs: int | None = None) -> dict:
+    """The kernel argument and the launch option of a PDL kernel whose inputs live where ``x`` does. A grid of
+    ``programs`` past one per SM launches without it: launched early, its first programs wait on SMs its
+    predecessor still streams on (Llama-3.1-8B's gate_up and LM head at batch 1, H200:
+    results/pdl_multi_wave_nvidia_h200.txt)."""
+    on = enabled(x) and (programs is None or programs <= _sm_count(x.device.index or 0))
     return {"PDL": on, "launch_pdl": on}

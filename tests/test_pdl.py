@@ -71,6 +71,29 @@ def test_pdl_is_off_on_a_cpu_and_within_use_false():
         assert pdl.enabled(y) is on
 
 
+def test_a_grid_past_one_program_per_sm_launches_without_pdl(monkeypatch):
+    # Launched early, a multi-wave grid's first programs wait on SMs the kernel before still streams on.
+    monkeypatch.setattr(pdl, "enabled", lambda x: True)
+    monkeypatch.setattr(pdl, "_sm_count", lambda index: 132)
+    x = torch.zeros(1)
+    assert pdl.launch_args(x)["launch_pdl"] and pdl.launch_args(x, 132)["launch_pdl"]
+    assert pdl.launch_args(x, 133) == {"PDL": False, "launch_pdl": False}
+
+
+def test_the_skinny_launch_gives_pdl_its_grid(monkeypatch):
+    # Llama's gate_up (224 programs) and LM head lose PDL on a 132-SM GPU; its 96-program qkv keeps it.
+    from attnzoo.layers import skinny, skinny_kernels
+
+    grids = []
+    monkeypatch.setattr(skinny_kernels.pdl, "launch_args",
+                        lambda x, programs=None: grids.append(programs) or {"PDL": False, "launch_pdl": False})
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x, w = torch.randn(1, 64), torch.randn(300, 64)
+    with skinny.use(True):
+        skinny_kernels.linear(x, w, config=skinny_kernels.Config(32, 64, 4, 1))
+    assert grids == [10]
+
+
 @pytest.mark.skipif(not GPU, reason="the interpreter on GPU tensors needs a GPU")
 def test_pdl_is_off_under_the_interpreter_on_gpu_tensors_too(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # it runs kernels on GPU tensors but has no grid dependency control

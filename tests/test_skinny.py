@@ -56,24 +56,6 @@ def test_gated_equals_projection_then_act(act, dtype, bias):
                                    else b.float()), act), rtol=4e-2, atol=4e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 17])
-def test_float_linear_is_the_float32_router_product(rows, monkeypatch):
-    # A router: bfloat16 rows against a float32 weight; 64 x 200 masked along K, 48 x 256 whole tiles. 17 rows: F.linear.
-    from attnzoo.layers import skinny_kernels
-
-    kernel, launches = skinny_kernels.linear, []
-    monkeypatch.setattr(skinny_kernels, "linear", lambda *a, **k: launches.append(1) or kernel(*a, **k))
-    for n, k in ((64, 200), (48, 256)):
-        x, w = rand(rows, k, dtype=torch.bfloat16, seed=1), rand(n, k, dtype=torch.float32, seed=2)
-        with skinny.use(True):
-            got = skinny.float_linear(x, w)
-        assert got.dtype == torch.float32 and got.shape == (rows, n)
-        torch.testing.assert_close(got, F.linear(x.float(), w), rtol=1e-5, atol=1e-5)
-    assert len(launches) == (2 if rows <= skinny.MAX_ROWS else 0)
-    with skinny.use(False):
-        assert torch.equal(skinny.float_linear(x, w), F.linear(x.float(), w))
-
-
 def test_gated_follows_the_fused_switch():
     # fused.use("torch") (the unfused reference runs) keeps the activation a torch op of its own
     x, w = rand(2, 64, dtype=torch.float32, seed=1), rand(64, 64, dtype=torch.float32, seed=2)
@@ -188,19 +170,6 @@ def test_gpu_gated_same_bits_as_unfused(i, k, act, rows):
     got = skinny.gated(x, w, None, act)
     ref = fused.act_and_mul(skinny.linear(x, w), act)
     assert (got == ref).float().mean().item() >= 0.999
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not GPU, reason="needs a GPU")
-@pytest.mark.parametrize("n,k", [(64, 2048), (256, 7168), (160, 5120)])
-@pytest.mark.parametrize("rows", [1, 16])
-def test_gpu_float_linear_matches_the_float32_product(n, k, rows):
-    from attnzoo.layers import skinny_kernels
-
-    x, w = rand(rows, k, dtype=torch.bfloat16, seed=5), rand(n, k, dtype=torch.float32, seed=6) * 0.05
-    got = skinny_kernels.linear(x, w, config=skinny_kernels.Config(16, 256, 4, 3))  # the kernel float_linear takes
-    torch.testing.assert_close(got, F.linear(x.float(), w), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(skinny.float_linear(x, w), got, rtol=0, atol=0)
 
 
 def test_prefetch_bytes_fit_the_row_the_budget_and_the_alignment():

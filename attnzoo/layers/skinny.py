@@ -41,8 +41,14 @@ def _kernels():
     return optional_module("attnzoo.layers.skinny_kernels")
 
 
-def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The checks of every skinny launch but the dtypes': shapes, device, autograd, ``use``."""
+def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether ``linear(x, weight, bias)`` takes the skinny kernel (shapes, dtypes, device, autograd, ``use``)."""
+    # float32 only when asked for (the CPU tests): its cuBLAS path is not bandwidth-starved the same way
+    dtypes = (*DTYPES, torch.float32) if _forced else DTYPES
+    if x.dtype != weight.dtype or weight.dtype not in dtypes:
+        return False
+    if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
+        return False
     if _forced is False or weight.dim() != 2 or x.shape[-1] != weight.shape[1] or x.stride(-1) != 1:
         return False
     if not weight.is_contiguous() or x.numel() // max(x.shape[-1], 1) > MAX_ROWS or x.numel() == 0:
@@ -54,17 +60,6 @@ def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not x.is_cuda and not (_forced is True and os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     return _kernels() is not None
-
-
-def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether ``linear(x, weight, bias)`` takes the skinny kernel (shapes, dtypes, device, autograd, ``use``)."""
-    # float32 only when asked for (the CPU tests): its cuBLAS path is not bandwidth-starved the same way
-    dtypes = (*DTYPES, torch.float32) if _forced else DTYPES
-    if x.dtype != weight.dtype or weight.dtype not in dtypes:
-        return False
-    if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
-        return False
-    return _takes(x, weight)
 
 
 def config_for(n: int, k: int):
@@ -90,18 +85,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     n, k = weight.shape
     y = _kernels().linear(x.reshape(-1, k), weight, bias, config=config_for(n, k))
-    return y.view(*x.shape[:-1], n)
-
-
-def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x.float(), weight) for a float32 ``weight`` (routers score in float32): at decode's few rows one
-    launch that widens x as it reads it, not a cast kernel and then cuBLAS's two GEMV kernels."""
-    if weight.dtype != torch.float32 or x.dtype not in DTYPES or not _takes(x, weight):
-        _check_interpreter(x)
-        return F.linear(x.float(), weight)
-    n, k = weight.shape
-    # A float32 tile of 16 x 256 per stage: the plain rule's 32 x 512 would not fit shared memory three deep.
-    y = _kernels().linear(x.reshape(-1, k), weight, config=_kernels().Config(16, 256, 4, 3))
     return y.view(*x.shape[:-1], n)
 
 

@@ -65,7 +65,7 @@ def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
             x = tl.load(x_ptr, mask=(rm[:, None] < M) & ((k0 + rk) < K)[None, :], other=0.0)
             if GATED:
                 wu = tl.load(up_ptr, mask=w_ok, other=0.0)
-        if F32_DOT:  # float32 weights (routers); the interpreter, whose dot reads bfloat16 as raw integers
+        if F32_DOT:  # float32 weights; the interpreter, whose dot reads bfloat16 as raw integers
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         if GATED:
@@ -102,8 +102,7 @@ def prefetch_bytes(weight: torch.Tensor, block_n: int, budget: int) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: Config,
            act: str | None = None, prefetch: int = PREFETCH_BUDGET) -> torch.Tensor:
-    """x [M, K] (M <= 16, unit stride along K), weight [N, K] contiguous, bias [N] or None -> [M, N] in x's dtype,
-    or float32 for a float32 weight (x widened as it is read; the product in float32).
+    """x [M, K] (M <= 16, unit stride along K), weight [N, K] contiguous, bias [N] or None -> [M, N] in x's dtype.
     ``act`` ("silu", "gelu_tanh"): weight is [2I, K] (gate rows, then up rows) and the result act(gate) * up
     [M, I], ``config.block_n`` rows of each per program. ``prefetch``: bytes of W each program of a plain
     projection asks L2 for before it waits on the kernel before it (PDL launches only)."""
@@ -111,15 +110,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if m > BLOCK_M:
         raise ValueError(f"the skinny kernel multiplies at most {BLOCK_M} rows, got {m}")
     n = weight.shape[0] if act is None else weight.shape[0] // 2
-    wide = weight.dtype == torch.float32
-    y = torch.empty((m, n), dtype=weight.dtype if wide else x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     c = config
     even = n % c.block_n == 0 and k % c.block_k == 0
-    _skinny_kernel[(triton.cdiv(n, c.block_n),)](
+    grid = triton.cdiv(n, c.block_n)
+    _skinny_kernel[(grid,)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=c.block_n, BLOCK_K=c.block_k, HAS_BIAS=bias is not None, EVEN=even,
-        F32_DOT=wide or not x.is_cuda, GATED=act is not None, ACT=ACTIVATIONS.get(act, 0),
+        F32_DOT=weight.dtype == torch.float32 or not x.is_cuda, GATED=act is not None, ACT=ACTIVATIONS.get(act, 0),
         ROUND=ROUND_OF.get(y.dtype, ""),
         PREFETCH=0 if act else prefetch_bytes(weight, c.block_n, prefetch),
-        num_warps=c.warps, num_stages=c.stages, **pdl.launch_args(x))
+        num_warps=c.warps, num_stages=c.stages, **pdl.launch_args(x, grid))
     return y

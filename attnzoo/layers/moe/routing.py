@@ -1,22 +1,15 @@
-"""MoE routing: float32 router logits, then (weights, expert ids) from DeepSeek's softmax or sigmoid scores,
-group-limited choice, top-k, renormalisation and scaling; one Triton launch each per layer on a GPU."""
+"""MoE routing: router logits -> (weights, expert ids), DeepSeek's softmax or sigmoid scores, group-limited
+choice, top-k, renormalisation and scaling; one Triton launch per layer on a GPU."""
 from __future__ import annotations
 
 import torch
 
 from attnzoo import pdl
 from attnzoo.errors import ModelLoadError
-from attnzoo.layers import skinny
 from attnzoo.layers.moe.fused import _kernels
 
 
 GROUP_SCORES = (None, "max", "top2")
-
-
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, hidden] in the model dtype, a float32 router weight [E, hidden] -> float32 logits [T, E]: the
-    reference's F.linear(x.float(), weight), at decode's few rows in one launch (``skinny.float_linear``)."""
-    return skinny.float_linear(x, weight)
 
 
 def select_experts_reference(logits, *, top_k: int, sigmoid: bool, group_score: str | None = None, n_group: int = 1,
