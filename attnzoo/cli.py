@@ -98,7 +98,8 @@ def _serve(args) -> int:
             raise AttnzooError(f"two models given: {args.model_pos!r} and --model {args.model!r}", fix="give one")
         args.model = args.model_pos
     llm = _load(args, load_format=args.load_format, max_batch_tokens=args.max_batch_tokens,
-                kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory))
+                kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory),
+                piecewise_graph_tokens=args.piecewise_graph_tokens)
     if args.graph_extend_tokens is not None:
         llm.engine.graph_extend_tokens = args.graph_extend_tokens
     name = args.served_model_name or (args.model or llm.architecture)
@@ -185,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--graph-extend-tokens", type=int, default=None, metavar="N",
                    help="steps of prompt chunks with at most N new tokens run as decode rows in the CUDA graphs "
                         "(a prompt after a cached prefix, a chat turn); 0: off; default: 64 where the graphs run")
+    s.add_argument("--piecewise-graph-tokens", type=int, default=0, metavar="N",
+                   help="steps of up to N tokens that the decode graphs do not serve (prompt chunks, mixed steps) "
+                        "replay CUDA graphs between their eager attention calls; 0 (default): eager")
     s.set_defaults(func=_serve)
 
     i = sub.add_parser("info", help="load a model and print LLM.info() (backends, page size, KV capacity)")

@@ -11,6 +11,7 @@ is multi-query attention with head dims (kv_lora_rank + rope_dim, kv_lora_rank).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -32,6 +33,9 @@ class ForwardContext:
     prefill_backend: AttentionBackend
     decode_backend: AttentionBackend
     plan: StepPlan | None = None  # what backends.prepare(meta) returned; None: prepared here, once
+    # Piecewise CUDA graphs (engine.piecewise): every attention call goes to split(layer, q, k, v) instead,
+    # which ends the piece being captured and returns where the attention's output will be.
+    split: Callable | None = None
     backends: HybridBackend = field(init=False)
     # NSA: the top-k positions the step's last indexer layer selected (GLM-5's "shared" layers reuse them).
     nsa_positions: torch.Tensor | None = field(default=None, init=False)
@@ -103,6 +107,13 @@ class Attention(nn.Module):
         v: torch.Tensor | None,  # [num_tokens, num_kv_heads, v_head_dim]; None on sharing and MLA layers
         ctx: ForwardContext,
     ) -> torch.Tensor:  # [num_tokens, num_heads * v_head_dim]
+        if ctx.split is not None:
+            return ctx.split(self, q, k, v)
+        return self.attend(q, k, v, ctx)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+               ctx: ForwardContext) -> torch.Tensor:
+        """``forward``'s work: store k/v at the step's slots, then the step's backend."""
         meta = ctx.meta
         if self.kv_shared_from is None:
             ctx.pool.store(self.layer_id, meta.slot_mapping_for(self.sliding_window), k, v)

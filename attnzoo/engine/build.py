@@ -307,6 +307,11 @@ def build(name_or_path, cfg: LoadConfig, *, tp) -> dict:
             raise _capture_oom(pool, engine.max_running, sized_by_default=sized_by_default,
                                copy_bytes=copy_bytes) from e
         timings["cuda_graphs_s"] = lap()
+    if cfg.piecewise_graph_tokens:
+        say("capturing piecewise CUDA graphs ...")
+        engine.tp = tp  # the refusal under tensor parallelism reads it
+        engine.runner.enable_piecewise_graphs(min(cfg.piecewise_graph_tokens, engine.max_batch_tokens))
+        timings["piecewise_graphs_s"] = lap()
     if src is None:
         src = loader.CheckpointSource(f"random-weight {arch}", None)
     say(f"ready in {time.perf_counter() - t0:.1f} s (prefill {decision.prefill_backend}, decode {decision.decode_backend})")

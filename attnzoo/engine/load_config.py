@@ -61,6 +61,7 @@ class LoadConfig:
     cuda_graph: bool | None = None
     cuda_graph_max_context: int = 8192
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    piecewise_graph_tokens: int = 0
     cascade: bool | None = None
 
     # Processes: tensor-parallel ranks per replica, data-parallel replicas (None: 1, or torchrun's world),
@@ -113,6 +114,10 @@ class LoadConfig:
                                   or not all(_positive_int(b) for b in sizes)):
             raise ModelLoadError(f"cuda_graph_batch_sizes must be a list of positive integers, got {sizes!r}",
                                  fix="pass e.g. cuda_graph_batch_sizes=[1, 2, 4, 8, 16, 32, 64], or None for the default list")
+        p = self.piecewise_graph_tokens
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ModelLoadError(f"piecewise_graph_tokens must be an integer >= 0, got {p!r}",
+                                 fix="pass e.g. piecewise_graph_tokens=512, or 0 for no piecewise CUDA graphs")
         for name in ("cuda_graph", "cascade", "progress"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):

@@ -1,0 +1,171 @@
+"""Piecewise CUDA graphs: the steps the decode graphs do not serve (prompt chunks, mixed steps) replayed as
+graphs everywhere but in attention, which runs eagerly between the pieces.
+
+An eager step of a few hundred tokens spends longer launching its kernels than the GPU spends running them:
+every layer's norms, projections, RoPE and MLP are Python calls and launches. Attention is the part whose
+shape follows the batch (requests, prefixes, pages, the backend's plan); everything else depends only on the
+number of tokens. So per bucket of token counts the model's forward is captured as one graph per stretch
+between two attention calls, as vLLM does: the ``Attention`` layer hands its inputs to ``ctx.split``, which
+ends the piece being captured, and a replay runs the attention in that gap, eagerly, on the step's real rows,
+with the step's own metadata and plan (the one store path, any backend, cascade included).
+
+The pieces meet attention in static slots shared by every layer and bucket: a piece ends by copying q, k and v
+into them (a copy of the step's rows, small beside the projections), and the next piece starts from the output
+slot. Rows past the step's tokens are padding: they compute on stale inputs and are never attended nor read.
+
+``emulate=True`` runs the same cuts without graphs (each step a padded forward whose attention runs in the
+gap at once): what the CPU tests check, and the same slots and views a replay reads.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from attnzoo.attention.layer import Attention, ForwardContext
+from attnzoo.attention.metadata import BatchMetadata, build_metadata
+
+# Token counts captured: a step pads to the first that holds it (at most 12.5%-50% more rows in its GEMMs).
+DEFAULT_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
+
+@dataclass
+class Cut:
+    """One attention call cut out of a bucket's forward: its layer and the shapes of q, k, v (None: not passed)."""
+
+    layer: Attention
+    q: torch.Size
+    k: torch.Size | None
+    v: torch.Size | None
+
+
+class PiecewiseGraphs:
+    def __init__(self, model, pool, backends, *, max_tokens: int = DEFAULT_BUCKETS[-1], buckets=DEFAULT_BUCKETS,
+                 emulate: bool = False):
+        self.model, self.pool, self.backends = model, pool, backends
+        self.buckets = sorted({b for b in buckets if b < max_tokens} | {max_tokens})
+        self.max_tokens = self.buckets[-1]
+        self.emulate = emulate
+        dev, n = pool.device, self.max_tokens
+        self.ids = torch.zeros(n, dtype=torch.int64, device=dev)  # [max_tokens]
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)  # [max_tokens]
+        self.slots: dict[str, torch.Tensor] = {}  # "q", "k", "v", "out": flat [max_tokens * widest row]
+        self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bucket -> its graphs, one per gap plus one
+        self.cuts: dict[int, list[Cut]] = {}  # bucket -> its attention calls, in order
+        self.hidden: dict[int, torch.Tensor] = {}  # bucket -> the last piece's output [bucket, hidden]
+        self._mempool = None
+        self._alloc_slots()
+        if not emulate:
+            self._capture_all()
+
+    def fits(self, meta: BatchMetadata) -> bool:
+        return int(meta.positions.shape[0]) <= self.max_tokens
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _context(self, bs: int, split, plan=None) -> ForwardContext:
+        """A forward's context over the static inputs of ``bs`` tokens (one request from position 0 in page 0):
+        model code outside attention reads only its positions; the attention calls go to ``split``. Built
+        before a capture: its metadata is copied to the device, and the plan (None: made here) is never read."""
+        cols = -(-bs // self.pool.page_size)
+        # a window group's table must name a live page (never written here: attention is not run)
+        window = [[1] * cols] if self.pool.has_window_group else None
+        meta = build_metadata(prefix_lens=[0], q_lens=[bs], block_tables=[[0] * cols], page_size=self.pool.page_size,
+                              device=self.pool.device, window_block_tables=window)
+        meta = dataclasses.replace(meta, positions=self.positions[:bs])
+        return ForwardContext(meta, self.pool, self.backends.prefill_backend, self.backends.decode_backend, plan,
+                              split=split)
+
+    def _forward(self, bs: int, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(self.ids[:bs], self.positions[:bs], ctx)
+
+    @torch.inference_mode()
+    def _alloc_slots(self) -> None:
+        """Slots as wide as the widest layer's q, k, v and output rows, from a probe forward (no attention)."""
+        widest: dict[str, int] = {}
+        dtypes: set[torch.dtype] = set()
+
+        def probe(layer, q, k, v):
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                if t is not None:
+                    widest[name] = max(widest.get(name, 0), t[0].numel())
+                    dtypes.add(t.dtype)
+            widest["out"] = max(widest.get("out", 0), layer.num_heads * layer.v_head_dim)
+            return q.new_zeros(q.shape[0], layer.num_heads * layer.v_head_dim)
+
+        self._forward(1, self._context(1, probe))
+        if len(dtypes) > 1:
+            raise ValueError(f"piecewise graphs need one activation dtype at attention, got {sorted(map(str, dtypes))}")
+        dtype = dtypes.pop()
+        for name, width in widest.items():
+            self.slots[name] = torch.zeros(self.max_tokens * width, dtype=dtype, device=self.pool.device)
+
+    def _slot(self, name: str, shape: torch.Size) -> torch.Tensor:
+        return self.slots[name][: shape.numel()].view(shape)
+
+    def _cut(self, layer: Attention, q, k, v, cuts: list[Cut]) -> torch.Tensor:
+        """End a piece at an attention call: its inputs into the slots (inside the piece), and the output slot as
+        the attention's result for the piece after."""
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t is not None:
+                self._slot(name, t.shape).copy_(t)
+        cuts.append(Cut(layer, q.shape, None if k is None else k.shape, None if v is None else v.shape))
+        return self._slot("out", torch.Size((q.shape[0], layer.num_heads * layer.v_head_dim)))
+
+    def _attend(self, cut: Cut, n: int, ctx: ForwardContext) -> None:
+        """The gap after a piece: ``cut``'s attention over the step's ``n`` real rows, into the output slot."""
+        q, k, v = (None if s is None else self._slot(name, s)[:n] for name, s in (("q", cut.q), ("k", cut.k), ("v", cut.v)))
+        out = self._slot("out", torch.Size((cut.q[0], cut.layer.num_heads * cut.layer.v_head_dim)))
+        out[:n].copy_(cut.layer.attend(q, k, v, ctx))
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        self._mempool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.buckets):  # largest first: smaller buckets reuse its memory
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                # warm-up: kernels compile and the allocator settles, attention left out
+                self._forward(bs, self._context(bs, lambda layer, q, k, v: self._cut(layer, q, k, v, [])))
+                cuts: list[Cut] = []
+                graphs = [torch.cuda.CUDAGraph()]
+
+                def split(layer, q, k, v):
+                    out = self._cut(layer, q, k, v, cuts)
+                    graphs[-1].capture_end()
+                    graphs.append(torch.cuda.CUDAGraph())
+                    graphs[-1].capture_begin(pool=self._mempool)
+                    return out
+
+                ctx = self._context(bs, split)
+                graphs[0].capture_begin(pool=self._mempool)
+                self.hidden[bs] = self._forward(bs, ctx)
+                graphs[-1].capture_end()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.pieces[bs], self.cuts[bs] = graphs, cuts
+        torch.cuda.synchronize()
+
+    def launch(self, ids: torch.Tensor, meta: BatchMetadata, plan) -> torch.Tensor:
+        """Final hidden states [tokens, hidden] of a step that ``fits``: its ids and positions into the static
+        inputs, then the pieces replayed with its attention (``meta``, ``plan``) in the gaps."""
+        n = int(meta.positions.shape[0])
+        bs = self._bucket(n)
+        self.ids[:n].copy_(ids)
+        self.positions[:n].copy_(meta.positions)
+        ctx = ForwardContext(meta, self.pool, self.backends.prefill_backend, self.backends.decode_backend, plan)
+        if self.emulate:
+            def split(layer, q, k, v):
+                cut = []
+                out = self._cut(layer, q, k, v, cut)
+                self._attend(cut[0], n, ctx)
+                return out
+
+            return self._forward(bs, self._context(bs, split, plan))[:n]
+        graphs, cuts = self.pieces[bs], self.cuts[bs]
+        for graph, cut in zip(graphs, cuts):
+            graph.replay()
+            self._attend(cut, n, ctx)
+        graphs[-1].replay()
+        return self.hidden[bs][:n]

@@ -1,0 +1,113 @@
+"""Piecewise CUDA graphs (attnzoo.engine.piecewise): steps padded to a token bucket, every piece between two
+attention calls replayed (on a CPU: run, ``emulate``), attention eager on the step's real rows in the gaps.
+The same tokens and logits as eager steps, on dense, MLA, sliding-window and shared-KV models."""
+import pytest
+import torch
+
+import attnzoo
+from attnzoo.errors import BackendError, ModelLoadError
+from helpers import random_prompts, save_checkpoint
+from test_llama import tiny_llama
+from test_token_rows import _family
+
+GPU = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_checkpoint(tiny_llama(heads=4, kv_heads=2, head_dim=32), tmp_path_factory.mktemp("piecewise"))
+
+
+def _prompts(vocab):
+    prefix = random_prompts(vocab, [21], seed=1)[0]  # a prefix-cache hit for the later prompts: cached prefixes
+    return [prefix + tail for tail in random_prompts(vocab, [9, 30, 4], seed=2)]
+
+
+def _run(path, backend, pieces, device="cpu", buckets=(4, 8, 16), **kw):
+    """Greedy outputs of the prompts at once (mixed prompt and decode steps in a 16-token budget), and the stats."""
+    llm = attnzoo.load_model(path, backend=backend, dtype="float32", page_size=4, device=device, max_batch_tokens=16,
+                             **kw)
+    llm.engine.graph_extend_tokens = 0  # the chunks that token rows would take stay steps of their own here
+    if pieces and device == "cpu":
+        llm.engine.runner.enable_piecewise_graphs(16, buckets=buckets, emulate=True)
+    vocab = getattr(llm.config, "text_config", llm.config).vocab_size
+    outs = llm.generate(_prompts(vocab), max_new_tokens=6, ignore_eos=True, return_logits=True)
+    return outs, dict(llm.engine.graph_stats), llm
+
+
+def _same(got, ref, tol=1e-4):
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    for a, b in zip(got, ref):
+        assert (a.logits - b.logits).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_pieces_give_the_eager_steps_tokens(tiny_dir, backend):
+    (ref, off, _), (got, on, llm) = (_run(tiny_dir, backend, p) for p in (False, True))
+    assert off["piecewise"] == 0
+    # every step fits 16 tokens and there are no decode graphs on a CPU: all of them ran as pieces
+    assert on["piecewise"] > 0 and on["piecewise"] == sum(on.values()) - on["eager"] - on["cascade"]
+    assert llm.info()["piecewise_graphs"] == {"buckets": [4, 8, 16]}
+    _same(got, ref)
+
+
+def test_a_step_pads_to_its_bucket_and_each_attention_call_is_a_gap(tiny_dir):
+    from attnzoo.engine import piecewise
+
+    sizes, calls = [], []
+    forward, attend = piecewise.PiecewiseGraphs._forward, piecewise.PiecewiseGraphs._attend
+
+    def spy_forward(self, bs, ctx):
+        sizes.append(bs)
+        return forward(self, bs, ctx)
+
+    def spy_attend(self, cut, n, ctx):
+        calls.append((cut.layer.layer_id, cut.q[0], n))
+        return attend(self, cut, n, ctx)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(piecewise.PiecewiseGraphs, "_forward", spy_forward)
+        mp.setattr(piecewise.PiecewiseGraphs, "_attend", spy_attend)
+        _, _, llm = _run(tiny_dir, "torch", True, buckets=(4, 8, 16))
+    layers = llm.config.num_hidden_layers
+    assert sizes[0] == 1  # the probe that sizes the slots
+    assert set(sizes[1:]) <= {4, 8, 16} and len(calls) == layers * (len(sizes) - 1)
+    assert all(bs >= n for _, bs, n in calls) and any(bs > n for _, bs, n in calls)  # padded rows were there
+    assert [i for i, _, _ in calls[:layers]] == list(range(layers))
+
+
+@pytest.mark.parametrize("family,window_kv_fraction", [("mla", None), ("sliding", 0.5), ("shared_kv", 0.5)])
+def test_pieces_in_mla_sliding_and_shared_kv_models(tmp_path, family, window_kv_fraction):
+    save_checkpoint(_family(family), tmp_path)
+    kw = {} if window_kv_fraction is None else {"window_kv_fraction": window_kv_fraction}  # 0.5: a window page group
+    (ref, _, _), (got, on, _) = (_run(tmp_path, "torch", p, **kw) for p in (False, True))
+    assert on["piecewise"] > 0
+    _same(got, ref)
+
+
+def test_refused_where_attention_is_not_the_one_layers_call(tmp_path):
+    from test_nsa import tiny_v32
+
+    save_checkpoint(tiny_v32(), tmp_path)
+    llm = attnzoo.load_model(tmp_path, backend="torch", device="cpu", page_size=4)
+    with pytest.raises(BackendError, match="NSA or compressed"):
+        llm.engine.runner.enable_piecewise_graphs(16, emulate=True)
+
+
+def test_load_keyword_checks(tiny_dir):
+    with pytest.raises(ModelLoadError, match="piecewise_graph_tokens must be an integer >= 0"):
+        attnzoo.load_model(tiny_dir, backend="torch", device="cpu", piecewise_graph_tokens=-1)
+    with pytest.raises(BackendError, match="need a CUDA device"):
+        attnzoo.load_model(tiny_dir, backend="torch", device="cpu", piecewise_graph_tokens=16)
+    llm = attnzoo.load_model(tiny_dir, backend="torch", device="cpu")
+    assert llm.info()["piecewise_graphs"] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["dense", "mla", "shared_kv"])
+def test_gpu_pieces_replay_with_the_eager_steps_tokens(tiny_dir, tmp_path, family):
+    path = tiny_dir if family == "dense" else save_checkpoint(_family(family), tmp_path)
+    (ref, _, _), (got, on, llm) = (_run(path, "triton", 0, device="cuda", piecewise_graph_tokens=p) for p in (0, 16))
+    assert on["piecewise"] > 0 and llm.info()["piecewise_graphs"]["buckets"][-1] == 16
+    _same(got, ref, tol=1e-3)
