@@ -61,13 +61,13 @@ def test_a_step_pads_to_its_bucket_and_each_attention_call_is_a_gap(tiny_dir):
         sizes.append(bs)
         return forward(self, bs, ctx)
 
-    def spy_attend(self, cut, n, ctx):
-        calls.append((cut.layer.layer_id, cut.q[0], n))
-        return attend(self, cut, n, ctx)
+    def spy_attend(cut, n, ctx):
+        calls.append((cut.layer.layer_id, cut.q.shape[0], n))
+        return attend(cut, n, ctx)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(piecewise.PiecewiseGraphs, "_forward", spy_forward)
-        mp.setattr(piecewise.PiecewiseGraphs, "_attend", spy_attend)
+        mp.setattr(piecewise.PiecewiseGraphs, "_attend", staticmethod(spy_attend))
         _, _, llm = _run(tiny_dir, "torch", True, buckets=(4, 8, 16))
     layers = llm.config.num_hidden_layers
     assert sizes[0] == 1  # the probe that sizes the slots

@@ -32,12 +32,14 @@ DEFAULT_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 @dataclass
 class Cut:
-    """One attention call cut out of a bucket's forward: its layer and the shapes of q, k, v (None: not passed)."""
+    """One attention call cut out of a bucket's forward: its layer, and its inputs and output as views of the
+    slots over the bucket's rows (k, v None where the layer passed none)."""
 
     layer: Attention
-    q: torch.Size
-    k: torch.Size | None
-    v: torch.Size | None
+    q: torch.Tensor  # [bucket, heads, head_dim]
+    k: torch.Tensor | None  # [bucket, kv_heads, head_dim]
+    v: torch.Tensor | None  # [bucket, kv_heads, v_head_dim]
+    out: torch.Tensor  # [bucket, heads * v_head_dim]
 
 
 class PiecewiseGraphs:
@@ -108,17 +110,20 @@ class PiecewiseGraphs:
     def _cut(self, layer: Attention, q, k, v, cuts: list[Cut]) -> torch.Tensor:
         """End a piece at an attention call: its inputs into the slots (inside the piece), and the output slot as
         the attention's result for the piece after."""
-        for name, t in (("q", q), ("k", k), ("v", v)):
+        slots = [None if t is None else self._slot(name, t.shape) for name, t in (("q", q), ("k", k), ("v", v))]
+        for slot, t in zip(slots, (q, k, v)):
             if t is not None:
-                self._slot(name, t.shape).copy_(t)
-        cuts.append(Cut(layer, q.shape, None if k is None else k.shape, None if v is None else v.shape))
-        return self._slot("out", torch.Size((q.shape[0], layer.num_heads * layer.v_head_dim)))
+                slot.copy_(t)
+        out = self._slot("out", torch.Size((q.shape[0], layer.num_heads * layer.v_head_dim)))
+        cuts.append(Cut(layer, *slots, out))
+        return out
 
-    def _attend(self, cut: Cut, n: int, ctx: ForwardContext) -> None:
+    @staticmethod
+    def _attend(cut: Cut, n: int, ctx: ForwardContext) -> None:
         """The gap after a piece: ``cut``'s attention over the step's ``n`` real rows, into the output slot."""
-        q, k, v = (None if s is None else self._slot(name, s)[:n] for name, s in (("q", cut.q), ("k", cut.k), ("v", cut.v)))
-        out = self._slot("out", torch.Size((cut.q[0], cut.layer.num_heads * cut.layer.v_head_dim)))
-        out[:n].copy_(cut.layer.attend(q, k, v, ctx))
+        k = None if cut.k is None else cut.k[:n]
+        v = None if cut.v is None else cut.v[:n]
+        cut.out[:n].copy_(cut.layer.attend(cut.q[:n], k, v, ctx))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
