@@ -93,6 +93,9 @@ def _serve(args) -> int:
     if args.graph_extend_tokens is not None and args.graph_extend_tokens < 0:
         raise AttnzooError(f"--graph-extend-tokens {args.graph_extend_tokens}: must be >= 0",
                            fix="pass 0 (off) or the most new tokens a step may bring to run as decode rows, e.g. 64")
+    if args.piecewise_graph_tokens < 0:
+        raise AttnzooError(f"--piecewise-graph-tokens {args.piecewise_graph_tokens}: must be >= 0",
+                           fix="pass 0 (eager) or the most tokens a step replayed as pieces may hold, e.g. 512")
     if args.model_pos is not None:
         if args.model is not None and args.model != args.model_pos:
             raise AttnzooError(f"two models given: {args.model_pos!r} and --model {args.model!r}", fix="give one")

@@ -197,6 +197,9 @@ def build(name_or_path, cfg: LoadConfig, *, tp) -> dict:
     from attnzoo.policy.profile import profile_from_config, rank_local
 
     dev = _pick_device(cfg.device) if tp is None else tp.device
+    if cfg.piecewise_graph_tokens and dev.type != "cuda":  # before any weights are read
+        raise BackendError(f"piecewise CUDA graphs need a CUDA device, the model goes to {dev}",
+                           fix="leave piecewise_graph_tokens at 0 off CUDA")
     dt = _pick_dtype(cfg.dtype, dev)
     progress = cfg.progress if tp is None or tp.leader else False  # rank 0 speaks for the group
     say = say_line if (progress if progress is not None else stderr_is_terminal()) else (lambda msg: None)
@@ -309,8 +312,14 @@ def build(name_or_path, cfg: LoadConfig, *, tp) -> dict:
         timings["cuda_graphs_s"] = lap()
     if cfg.piecewise_graph_tokens:
         say("capturing piecewise CUDA graphs ...")
-        engine.tp = tp  # the refusal under tensor parallelism reads it
-        engine.runner.enable_piecewise_graphs(min(cfg.piecewise_graph_tokens, engine.max_batch_tokens))
+        try:
+            engine.runner.enable_piecewise_graphs(min(cfg.piecewise_graph_tokens, engine.max_batch_tokens))
+        except torch.OutOfMemoryError as e:
+            raise ModelLoadError(
+                f"out of GPU memory capturing the piecewise CUDA graphs (steps up to {cfg.piecewise_graph_tokens} "
+                f"tokens) beside a KV cache of {pool.nbytes / 2**30:.2f} GiB",
+                fix="pass a smaller piecewise_graph_tokens, or leave more room beside the KV cache "
+                    "(gpu_memory_utilization=0.8, or a smaller kv_cache_memory)") from e
         timings["piecewise_graphs_s"] = lap()
     if src is None:
         src = loader.CheckpointSource(f"random-weight {arch}", None)

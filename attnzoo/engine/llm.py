@@ -360,7 +360,8 @@ class LLM:
                 "exact_from": g.exact_from, "captured_while_generating": [list(k) for k in g.on_demand],
                 "captured_while_generating_bytes": [g.on_demand_bytes, g.max_on_demand_bytes]},  # [held, cap]
             # steps replayed as pieces between eager attention calls: their token buckets (None: off)
-            "piecewise_graphs": None if (p := self.engine.runner.pieces) is None else {"buckets": p.buckets},
+            "piecewise_graphs": None if (p := self.engine.runner.pieces) is None else {
+                "buckets": p.buckets, "graphs": p.num_graphs, "capture_s": round(p.capture_s, 2)},
             "cascade": self._cascade_info(),
             # a short prompt chunk after a cached prefix replayed as decode rows: [most new tokens, why]
             "token_rows": list(self.engine.runner.token_rows_limit()),
@@ -433,9 +434,8 @@ def load_model(
     slower than the next size's, ``cuda_graph.prune_buckets``; a list given is taken as it is); a step
     runs at the smallest size that holds it (``max_running`` always one), or above 256 rows at its own (to 8)
     once it kept it 3 steps, within a cap on those graphs' count and bytes (``info()["cuda_graph"]``).
-    ``piecewise_graph_tokens=N``: steps of up to N tokens that the decode graphs do not serve (prompt chunks,
-    mixed steps) replay CUDA graphs between their attention calls, which run eagerly (``engine.piecewise``;
-    CUDA only, not under tensor parallelism, nor for NSA or compressed layers); 0, the default: eager.
+    ``piecewise_graph_tokens=N``: steps of up to N tokens the decode graphs do not serve replay CUDA graphs
+    between their eager attention calls (``engine.piecewise``: CUDA, one GPU, no NSA or compressed layers).
     ``cascade``: read a prefix shared by a whole decode batch once per step (None: wherever the decode
     backend supports it and prefix caching is on; ``info()["cascade"]`` says which).
     ``tensor_parallel_size=N``: split the model over N GPUs (N CPU processes on CPU): this process is
@@ -481,7 +481,8 @@ def load_model(
         v_scale=v_scale, window_kv_fraction=window_kv_fraction, max_batch_tokens=max_batch_tokens,
         max_running=max_running, max_model_len=max_model_len, prefix_caching=prefix_caching, cuda_graph=cuda_graph,
         cuda_graph_max_context=cuda_graph_max_context, cuda_graph_batch_sizes=cuda_graph_batch_sizes,
-        piecewise_graph_tokens=piecewise_graph_tokens, cascade=cascade, tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+        piecewise_graph_tokens=piecewise_graph_tokens, cascade=cascade, tensor_parallel_size=tensor_parallel_size,
+        data_parallel_size=data_parallel_size,
         progress=progress,
     ))
     from attnzoo.engine import data_parallel

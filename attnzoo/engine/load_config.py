@@ -118,6 +118,9 @@ class LoadConfig:
         if isinstance(p, bool) or not isinstance(p, int) or p < 0:
             raise ModelLoadError(f"piecewise_graph_tokens must be an integer >= 0, got {p!r}",
                                  fix="pass e.g. piecewise_graph_tokens=512, or 0 for no piecewise CUDA graphs")
+        if p and self.tensor_parallel_size not in (None, 1):
+            raise ModelLoadError("piecewise CUDA graphs are not supported under tensor parallelism",
+                                 fix="leave piecewise_graph_tokens at 0, or load with tensor_parallel_size=1")
         for name in ("cuda_graph", "cascade", "progress"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):

@@ -15,6 +15,7 @@ DEFAULT_FRACTION = 0.85
 # Beside a step's own peak: the decode CUDA graphs' private pools (with the outputs of those captured while
 # generating, cuda_graph.DEFAULT_MAX_ON_DEMAND_BYTES at most), cuBLAS workspaces, allocator slack, and the
 # cascade GEMM pass's score chunk (cascade_gemm.CHUNK_SCORE_BYTES; the measured step runs without cascade).
+# Not the piecewise graphs' pool (opt-in): about one step of their largest bucket's activations, beside this.
 HEADROOM = 1 << 30
 STEP_MARGIN = 1.25  # a step of many requests' tokens allocates somewhat more metadata than one prompt's
 

@@ -19,15 +19,31 @@ gap at once): what the CPU tests check, and the same slots and views a replay re
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import torch
 
+from attnzoo.attention.kv_cache import layer_kind
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.attention.metadata import BatchMetadata, build_metadata
+from attnzoo.errors import BackendError
 
-# Token counts captured: a step pads to the first that holds it (at most 12.5%-50% more rows in its GEMMs).
-DEFAULT_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
+# KV layer kinds whose attention is the shared Attention layer's call and nothing else: NSA's indexer and the
+# compressed layers' compressor (DeepSeek-V4) compute theirs around it, out of the split's reach.
+KINDS = frozenset({"full", "sliding", "mla"})
+
+
+def default_buckets(top: int) -> list[int]:
+    """Token counts captured up to ``top``: 16, 24, 32, then a quarter of the octave apart to 512 and an eighth
+    above. A step pads to the first that holds it, and its GEMMs compute the padding rows too: at most a
+    quarter more from 32 tokens on, an eighth more past 512."""
+    out, b = [16, 24], 32
+    while b < top:
+        out.append(b)
+        b += 1 << (b.bit_length() - (3 if b < 512 else 4))
+    return sorted({x for x in out if x < top} | {top})
 
 
 @dataclass
@@ -43,10 +59,10 @@ class Cut:
 
 
 class PiecewiseGraphs:
-    def __init__(self, model, pool, backends, *, max_tokens: int = DEFAULT_BUCKETS[-1], buckets=DEFAULT_BUCKETS,
-                 emulate: bool = False):
+    def __init__(self, model, pool, backends, *, max_tokens: int = 512, buckets=None, emulate: bool = False):
         self.model, self.pool, self.backends = model, pool, backends
-        self.buckets = sorted({b for b in buckets if b < max_tokens} | {max_tokens})
+        self.buckets = default_buckets(max_tokens) if buckets is None else sorted(
+            {b for b in buckets if b < max_tokens} | {max_tokens})
         self.max_tokens = self.buckets[-1]
         self.emulate = emulate
         dev, n = pool.device, self.max_tokens
@@ -57,9 +73,16 @@ class PiecewiseGraphs:
         self.cuts: dict[int, list[Cut]] = {}  # bucket -> its attention calls, in order
         self.hidden: dict[int, torch.Tensor] = {}  # bucket -> the last piece's output [bucket, hidden]
         self._mempool = None
+        self.capture_s = 0.0  # host time of the captures at load (warm-ups included)
         self._alloc_slots()
         if not emulate:
+            t0 = time.perf_counter()
             self._capture_all()
+            self.capture_s = time.perf_counter() - t0
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(len(g) for g in self.pieces.values())
 
     def fits(self, meta: BatchMetadata) -> bool:
         return int(meta.positions.shape[0]) <= self.max_tokens
@@ -70,7 +93,8 @@ class PiecewiseGraphs:
     def _context(self, bs: int, split, plan=None) -> ForwardContext:
         """A forward's context over the static inputs of ``bs`` tokens (one request from position 0 in page 0):
         model code outside attention reads only its positions; the attention calls go to ``split``. Built
-        before a capture: its metadata is copied to the device, and the plan (None: made here) is never read."""
+        before a capture: its metadata is copied to the device. The attention never runs on it, so ``plan``
+        is never read (None: the backends prepare one for the dummy step, once per capture)."""
         cols = -(-bs // self.pool.page_size)
         # a window group's table must name a live page (never written here: attention is not run)
         window = [[1] * cols] if self.pool.has_window_group else None
@@ -85,11 +109,25 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def _alloc_slots(self) -> None:
-        """Slots as wide as the widest layer's q, k, v and output rows, from a probe forward (no attention)."""
+        """Slots as wide as the widest layer's q, k, v and output rows, from a probe forward (no attention).
+        The probe also checks that every attention layer of the model reaches the split: one that does not
+        would be captured into a piece with the dummy step's metadata."""
+        kinds = sorted({layer_kind(s) for s in self.pool.specs if s is not None} - KINDS)
+        if kinds:
+            raise BackendError(f"piecewise CUDA graphs cannot cut {', '.join(kinds)} layers (their attention is more "
+                               "than the shared layer's call)", fix="leave piecewise_graph_tokens at 0 for this model")
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        own = sorted({type(m).__name__ for m in layers if type(m).forward is not Attention.forward})
+        if own:
+            raise BackendError(f"piecewise CUDA graphs need every attention layer to be the shared Attention's call; "
+                               f"{', '.join(own)} runs its own forward",
+                               fix="leave piecewise_graph_tokens at 0 for this model")
         widest: dict[str, int] = {}
         dtypes: set[torch.dtype] = set()
+        seen: set[int] = set()
 
         def probe(layer, q, k, v):
+            seen.add(id(layer))
             for name, t in (("q", q), ("k", k), ("v", v)):
                 if t is not None:
                     widest[name] = max(widest.get(name, 0), t[0].numel())
@@ -98,8 +136,13 @@ class PiecewiseGraphs:
             return q.new_zeros(q.shape[0], layer.num_heads * layer.v_head_dim)
 
         self._forward(1, self._context(1, probe))
+        if not layers or seen != {id(m) for m in layers}:
+            raise BackendError(f"piecewise CUDA graphs: {len(seen)} of the model's {len(layers)} attention layers "
+                               "reached the split (attention computed outside the shared layer)",
+                               fix="leave piecewise_graph_tokens at 0 for this model")
         if len(dtypes) > 1:
-            raise ValueError(f"piecewise graphs need one activation dtype at attention, got {sorted(map(str, dtypes))}")
+            raise BackendError(f"piecewise CUDA graphs need one activation dtype at attention, got "
+                               f"{sorted(map(str, dtypes))}", fix="leave piecewise_graph_tokens at 0 for this model")
         dtype = dtypes.pop()
         for name, width in widest.items():
             self.slots[name] = torch.zeros(self.max_tokens * width, dtype=dtype, device=self.pool.device)

@@ -167,6 +167,7 @@ class Runner:
         # replayed: plain decode graphs; eager: decode/sampling steps run eagerly, of which cascade: with a
         # shared prefix; cascade_replayed: cascade decode graphs; cascade_over_cap: cascade steps whose graph
         # was not captured for the cap on their number (those ran eagerly or as plain graphs)
+        # piecewise: steps replayed as piecewise graphs (eager attention between them), not counted as eager
         self.graph_stats = {"replayed": 0, "eager": 0, "cascade": 0, "cascade_replayed": 0, "cascade_over_cap": 0,
                             "token_rows": 0, "piecewise": 0}
         # A step of prompt chunks with at most this many new tokens in all runs as decode rows, one per token
@@ -187,29 +188,22 @@ class Runner:
         self.graphs = DecodeGraphs(self.model, self.pool, self.backends, max_batch=max_batch, max_context=max_context,
                                    buckets=DEFAULT_BUCKETS if batch_sizes is None else batch_sizes, prune=prune)
 
-    def piecewise_refusal(self) -> str | None:
-        """Why piecewise CUDA graphs cannot serve this model's steps, or None where they can."""
-        if self.tp is not None:
-            return "not under tensor parallelism (the ranks replay the leader's steps as they are)"
-        if not self._rows_fit:
-            return "the model has NSA or compressed layers, whose attention is not the one layer's call alone"
-        return None
-
     def enable_piecewise_graphs(self, max_tokens: int, buckets=None, emulate: bool = False) -> None:
         """Capture piecewise graphs (``engine.piecewise``) for steps of up to ``max_tokens`` tokens that the decode
         graphs do not serve; ``emulate``: the same cuts without graphs (CPU tests)."""
-        from attnzoo.engine.piecewise import DEFAULT_BUCKETS, PiecewiseGraphs
+        from attnzoo.engine.piecewise import PiecewiseGraphs
 
-        if (why := self.piecewise_refusal()) is not None:
-            raise BackendError(f"piecewise CUDA graphs cannot run here: {why}", fix="leave piecewise_graph_tokens at 0")
+        if self.tp is not None:  # the ranks replay the leader's steps as they are
+            raise BackendError("piecewise CUDA graphs are not supported under tensor parallelism",
+                               fix="leave piecewise_graph_tokens at 0, or load with tensor_parallel_size=1")
         if not emulate and self.device.type != "cuda":
             raise BackendError(f"piecewise CUDA graphs need a CUDA device, the model is on {self.device}",
                                fix="leave piecewise_graph_tokens at 0 off CUDA")
         if max_tokens < 1:
             raise BackendError(f"piecewise_graph_tokens must be positive, got {max_tokens}",
                                fix="pass the most tokens a captured step may hold, e.g. 512, or 0 for none")
-        self.pieces = PiecewiseGraphs(self.model, self.pool, self.backends, max_tokens=max_tokens,
-                                      buckets=DEFAULT_BUCKETS if buckets is None else buckets, emulate=emulate)
+        self.pieces = PiecewiseGraphs(self.model, self.pool, self.backends, max_tokens=max_tokens, buckets=buckets,
+                                      emulate=emulate)
 
     def run(self, step: Step) -> tuple[torch.Tensor, int]:
         """One forward pass -> (logits of rows ``step.rows``, the shared prefix length cascade read)."""
@@ -311,12 +305,12 @@ class Runner:
                 hidden = self.graphs.launch(prep.staged, ids)  # decode: row i is request i
                 logits = self.model.compute_logits(hidden[rows])
                 self.graph_stats["cascade_replayed" if meta.shared_prefix_len else "replayed"] += 1
+            elif prep.pieces:
+                hidden = self.pieces.launch(ids, meta, prep.plan)
+                logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
+                self.graph_stats["piecewise"] += 1
             else:
-                if prep.pieces:
-                    hidden = self.pieces.launch(ids, meta, prep.plan)
-                    self.graph_stats["piecewise"] += 1
-                else:
-                    hidden = self.forward(ids, meta, prep.plan)
+                hidden = self.forward(ids, meta, prep.plan)
                 logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
                 if rows is not None:
                     self.graph_stats["eager"] += 1
