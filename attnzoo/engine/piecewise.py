@@ -188,6 +188,7 @@ class PiecewiseGraphs:
                     return out
 
                 ctx = self._context(bs, split)
+                torch.cuda.synchronize()  # as torch.cuda.graph does: nothing of the warm-up pending at capture
                 graphs[0].capture_begin(pool=self._mempool)
                 self.hidden[bs] = self._forward(bs, ctx)
                 graphs[-1].capture_end()
