@@ -49,7 +49,8 @@ def enabled(x: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
+    """The SMs of CUDA device ``index`` (read once)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -58,5 +59,5 @@ def launch_args(x: torch.Tensor, programs: int | None = None) -> dict:
     ``programs`` past one per SM launches without it: launched early, its first programs wait on SMs its
     predecessor still streams on (Llama-3.1-8B's gate_up and LM head at batch 1, H200:
     results/pdl_multi_wave_nvidia_h200.txt)."""
-    on = enabled(x) and (programs is None or programs <= _sm_count(x.device.index or 0))
+    on = enabled(x) and (programs is None or programs <= sm_count(x.device.index or 0))
     return {"PDL": on, "launch_pdl": on}

@@ -74,7 +74,7 @@ def test_pdl_is_off_on_a_cpu_and_within_use_false():
 def test_a_grid_past_one_program_per_sm_launches_without_pdl(monkeypatch):
     # Launched early, a multi-wave grid's first programs wait on SMs the kernel before still streams on.
     monkeypatch.setattr(pdl, "enabled", lambda x: True)
-    monkeypatch.setattr(pdl, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(pdl, "sm_count", lambda index: 132)
     x = torch.zeros(1)
     assert pdl.launch_args(x)["launch_pdl"] and pdl.launch_args(x, 132)["launch_pdl"]
     assert pdl.launch_args(x, 133) == {"PDL": False, "launch_pdl": False}

@@ -7,7 +7,7 @@ shape follows the batch (requests, prefixes, pages, the backend's plan); everyth
 number of tokens. So per bucket of token counts the model's forward is captured as one graph per stretch
 between two attention calls, as vLLM does: the ``Attention`` layer hands its inputs to ``ctx.split``, which
 ends the piece being captured, and a replay runs the attention in that gap, eagerly, on the step's real rows,
-with the step's own metadata and plan (the one store path, any backend, cascade included).
+with the step's own metadata and plan (the one store path, any backend).
 
 The pieces meet attention in static slots shared by every layer and bucket: a piece ends by copying q, k and v
 into them (a copy of the step's rows, small beside the projections), and the next piece starts from the output

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnzoo import pdl
 from attnzoo.errors import WeightError
 from attnzoo.layers import fused
 
@@ -183,11 +184,6 @@ def act_quant(x: torch.Tensor, group: int = GROUP, ue8m0: bool = False, *,
     return y, s
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _tile_config(m: int) -> dict:
     # Small M is bound by reading the weights: narrow tiles give more programs to stream them.
     if m <= 16:
@@ -214,7 +210,7 @@ def w8a8_block_matmul(x8, x_scale, w8, w_scale, block=(128, 128), out_dtype=torc
     tiles = -(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
     k_tiles = -(-k // GROUP)
     if split_k is None:
-        sms = _sm_count(x8.device.index or 0) if x8.is_cuda else 1
+        sms = pdl.sm_count(x8.device.index or 0) if x8.is_cuda else 1
         split_k = 1 if tiles >= sms else min(k_tiles, 16, -(-2 * sms // tiles))
     split_k = max(1, min(split_k, k_tiles))
     out = torch.empty(m, n, dtype=out_dtype, device=x8.device)

@@ -174,7 +174,7 @@ class DeepseekRouter(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # cuBLAS: a one-pass float32 GEMV of our own was 0.86 ms a step slower (results/pdl_multi_wave_nvidia_h200.txt)
+        # cuBLAS: a one-pass float32 GEMV of our own was slower at decode (results/pdl_multi_wave_nvidia_h200.txt)
         logits = F.linear(x.float(), self.weight)  # [T, E] float32
         if self.scoring == "softmax":
             # V2: softmax scores; group-limited greedy ranks groups by their best expert.
