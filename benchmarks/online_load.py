@@ -100,6 +100,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON path")
     ap.add_argument("--graph-extend-tokens", type=int, default=None,
                     help="Engine.graph_extend_tokens (0: off; default: the engine's)")
+    ap.add_argument("--mixed-min-rows", type=int, default=None,
+                    help="fewest decode rows a mixed step splits off (HybridBackend.mixed_min_rows; 0: never; "
+                         "default: the runner's)")
     bench_serving.add_args(ap, server=False)
     args = ap.parse_args(argv)
     from e2e import make_config  # after the path insert: e2e imports the benchmarks' helpers
@@ -115,6 +118,8 @@ def main(argv=None) -> int:
     llm.warm_up()
     if args.graph_extend_tokens is not None:
         llm.engine.graph_extend_tokens = args.graph_extend_tokens
+    if args.mixed_min_rows is not None:
+        llm.engine.runner.backends.mixed_min_rows = args.mixed_min_rows or None
     prompts = bench_serving.make_prompts(args)
     online = OnlineEngine(llm, max_queue=len(prompts))  # the whole closed loop may wait at once
     warm, prompts = prompts[: args.warmup], prompts[args.warmup:]

@@ -88,7 +88,7 @@ def test_pieces_in_mla_sliding_and_shared_kv_models(tmp_path, family, window_kv_
 def test_refused_where_attention_is_not_the_one_layers_call(tmp_path, family, monkeypatch):
     """NSA's indexer and DeepSeek-V4's attention (its own forward, even on sliding-only layers) run outside the
     split: captured into a piece, they would read the dummy step's metadata."""
-    from attnzoo.engine import piecewise
+    from attnzoo.attention import layer
 
     if family == "nsa":
         from test_nsa import tiny_v32
@@ -98,10 +98,10 @@ def test_refused_where_attention_is_not_the_one_layers_call(tmp_path, family, mo
         hf = tiny_v4(["sliding_attention"] * 2, ["moe"] * 2)
     save_checkpoint(hf, tmp_path)
     llm = attnzoo.load_model(tmp_path, backend="torch", device="cpu", page_size=4)
-    with pytest.raises(BackendError, match="cannot cut nsa" if family == "nsa" else "runs its own forward"):
+    with pytest.raises(BackendError, match="its nsa layers' attention" if family == "nsa" else "runs its own forward"):
         llm.engine.runner.enable_piecewise_graphs(16, emulate=True)
     if family == "nsa":  # past the kinds' gate, the probe sees the indexer's layers never reach the split
-        monkeypatch.setattr(piecewise, "KINDS", piecewise.KINDS | {"nsa"})
+        monkeypatch.setattr(layer, "PLAIN_KINDS", layer.PLAIN_KINDS | {"nsa"})
         with pytest.raises(BackendError, match="attention layers reached the split"):
             llm.engine.runner.enable_piecewise_graphs(16, emulate=True)
 

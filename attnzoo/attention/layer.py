@@ -18,9 +18,27 @@ from torch import nn
 
 from attnzoo.attention.backends.base import AttentionBackend, StepPlan
 from attnzoo.attention.backends.hybrid import HybridBackend
-from attnzoo.attention.kv_cache import KVCacheSpec, KVPool
+from attnzoo.attention.kv_cache import KVCacheSpec, KVPool, layer_kind
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.errors import BackendError
+
+
+# KV layer kinds whose attention is the shared layer's call and nothing else: NSA's indexer and the
+# compressed layers' compressor (DeepSeek-V4) compute theirs around it, over more of the step than its rows.
+PLAIN_KINDS = frozenset({"full", "sliding", "mla"})
+
+
+def beyond_the_layer(model, pool: KVPool) -> str | None:
+    """Why some attention of ``model`` is more than ``Attention.attend`` over the step's rows, or None: piecewise
+    CUDA graphs cut the forward there, and mixed steps split it there."""
+    kinds = sorted({layer_kind(s) for s in pool.specs if s is not None} - PLAIN_KINDS)
+    if kinds:
+        return f"its {', '.join(kinds)} layers' attention is more than the shared layer's call"
+    own = sorted({type(m).__name__ for m in model.modules()
+                  if isinstance(m, Attention) and type(m).forward is not Attention.forward})
+    if own:
+        return f"{', '.join(own)} runs its own forward"
+    return None
 
 
 @dataclass

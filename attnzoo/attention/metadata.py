@@ -80,6 +80,37 @@ class BatchMetadata:
     def is_decode(self) -> bool:
         return self.mode is ForwardMode.DECODE
 
+    def split(self, n: int) -> "tuple[BatchMetadata, BatchMetadata]":
+        """(the first ``n`` requests, the rest) as two steps' metadata: the first's tensors are views of this
+        step's, the second's small device copies (a view from an odd offset changes a pointer's alignment, which
+        Triton compiles a kernel variant for, mid-run). The first is a DECODE step where each of its requests
+        brings one token on a cached prefix. The caller splits only where no prefix is shared
+        (``shared_prefix_len`` 0), so neither part claims one."""
+        if not 0 < n < self.num_reqs or self.shared_prefix_len:
+            raise ValueError(f"split({n}) of a step of {self.num_reqs} requests (shared prefix {self.shared_prefix_len})")
+        t = sum(self.q_lens_cpu[:n])
+        head_q, head_seq = self.q_lens_cpu[:n], self.seq_lens_cpu[:n]
+        decode = all(q == 1 for q in head_q) and all(s > 1 for s in head_seq)
+
+        def part(reqs: slice, rows: slice, q_indptr: torch.Tensor, last_rows: torch.Tensor, mode) -> BatchMetadata:
+            def cut(x, at):
+                return None if x is None else x[at] if at.start == 0 else x[at].clone()
+
+            return BatchMetadata(
+                mode=mode, page_size=self.page_size, positions=cut(self.positions, rows),
+                slot_mapping=cut(self.slot_mapping, rows), q_indptr=q_indptr, seq_lens=cut(self.seq_lens, reqs),
+                prefix_lens=cut(self.prefix_lens, reqs), block_tables=cut(self.block_tables, reqs),
+                seq_lens_cpu=self.seq_lens_cpu[reqs], q_lens_cpu=self.q_lens_cpu[reqs], last_token_rows=last_rows,
+                window_block_tables=cut(self.window_block_tables, reqs),
+                window_slot_mapping=cut(self.window_slot_mapping, rows),
+            )
+
+        head = part(slice(0, n), slice(0, t), self.q_indptr[: n + 1], self.last_token_rows[:n],
+                    ForwardMode.DECODE if decode else ForwardMode.EXTEND)
+        tail = part(slice(n, None), slice(t, None), self.q_indptr[n:] - t, self.last_token_rows[n:] - t,
+                    ForwardMode.EXTEND)
+        return head, tail
+
 
 def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
     """Host data (a list, a numpy array) as a tensor on ``device``, without waiting for the stream: a

@@ -24,15 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo.attention.kv_cache import layer_kind
-from attnzoo.attention.layer import Attention, ForwardContext
+from attnzoo.attention.layer import Attention, ForwardContext, beyond_the_layer
 from attnzoo.attention.metadata import BatchMetadata, build_metadata
 from attnzoo.errors import BackendError
-
-
-# KV layer kinds whose attention is the shared Attention layer's call and nothing else: NSA's indexer and the
-# compressed layers' compressor (DeepSeek-V4) compute theirs around it, out of the split's reach.
-KINDS = frozenset({"full", "sliding", "mla"})
 
 
 def default_buckets(top: int) -> list[int]:
@@ -112,16 +106,10 @@ class PiecewiseGraphs:
         """Slots as wide as the widest layer's q, k, v and output rows, from a probe forward (no attention).
         The probe also checks that every attention layer of the model reaches the split: one that does not
         would be captured into a piece with the dummy step's metadata."""
-        kinds = sorted({layer_kind(s) for s in self.pool.specs if s is not None} - KINDS)
-        if kinds:
-            raise BackendError(f"piecewise CUDA graphs cannot cut {', '.join(kinds)} layers (their attention is more "
-                               "than the shared layer's call)", fix="leave piecewise_graph_tokens at 0 for this model")
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        own = sorted({type(m).__name__ for m in layers if type(m).forward is not Attention.forward})
-        if own:
-            raise BackendError(f"piecewise CUDA graphs need every attention layer to be the shared Attention's call; "
-                               f"{', '.join(own)} runs its own forward",
+        if why := beyond_the_layer(self.model, self.pool):
+            raise BackendError(f"piecewise CUDA graphs cannot cut this model: {why}",
                                fix="leave piecewise_graph_tokens at 0 for this model")
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         widest: dict[str, int] = {}
         dtypes: set[torch.dtype] = set()
         seen: set[int] = set()

@@ -10,9 +10,9 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from attnzoo.attention.backends.hybrid import HybridBackend
+from attnzoo.attention.backends.hybrid import MIXED_SPLIT_MIN_ROWS, HybridBackend
 from attnzoo.attention.kv_cache import KVPool, layer_kind
-from attnzoo.attention.layer import ForwardContext
+from attnzoo.attention.layer import ForwardContext, beyond_the_layer
 from attnzoo.attention.metadata import BatchMetadata, build_metadata, to_device
 from attnzoo.errors import BackendError
 
@@ -148,6 +148,8 @@ class Runner:
         self.max_rows = max_rows  # the most rows a step samples (the host token buffer's size)
         self.model, self.pool, self.backends = model, pool, backends
         self.device = pool.device
+        if beyond_the_layer(model, pool) is None:  # a mixed step's decode rows run on the decode backend
+            backends.mixed_min_rows = MIXED_SPLIT_MIN_ROWS
         # Cascade decode (the shared prefix read once per step) needs shared pages and a backend that
         # reads them once. Saved KV reads per layer: shared tokens x (requests - 1). A cascade step that
         # runs eagerly gives up what a plain graph replay saves (the launches), so it is used only from

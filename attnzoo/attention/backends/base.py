@@ -33,6 +33,11 @@ read every request's pages as usual, which gives the same result. ``supports_cas
 same for EXTEND steps (every new token of the step comes after the shared pages), set per instance where it
 depends on the pool's layers; ``cascade_extend_scope`` says which layers and steps, where not all.
 
+Mixed steps: a backend that declares ``splits_mixed_steps`` serves the two parts ``HybridBackend`` splits an
+EXTEND step into (its leading decode rows as a DECODE step, the prompt chunks as an EXTEND step, each with the
+metadata of its own requests and its own plan, both in the same step), in models whose every attention is the
+shared layer's call over its rows. A backend whose two plans could not live in one step leaves it off.
+
 Overlap: the engine may prepare step N+1 while step N still runs on the GPU. A backend whose plan
 stages data in host buffers it reuses, copied to the GPU asynchronously (FlashInfer's wrappers and
 their pinned page lists), must not rewrite them before the last plan's copies left: it keeps a
@@ -129,6 +134,7 @@ class AttentionBackend(ABC):
     supports_cascade_extend: ClassVar[bool] = False
     cascade_extend_scope: ClassVar[str] = ""  # e.g. "MLA layers": shown in load_model's explanation
     supports_cascade_graph: ClassVar[bool] = False
+    splits_mixed_steps: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

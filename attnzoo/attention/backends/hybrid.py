@@ -8,8 +8,16 @@ spirit of mini-sglang's hybrid backend), so none of them picks a backend of its 
 ``create`` also applies a prefill backend's declared substitution: where its declaration says extend
 runs as another backend on this GPU (``Kernel.runs_as``: trtllm_mha has no context kernel off
 SM100/SM103, where its prefill is the flashinfer backend's), that backend is built for prefill.
+
+Mixed steps (decode rows beside prompt chunks, as a server's steps are): an extend kernel gives each request a
+tile of query rows and walks its keys serially, so a decode row costs it as much as a chunk's block of rows,
+while the decode kernel splits a row's keys across the GPU. Where both backends declare ``splits_mixed_steps``,
+the step's leading decode rows (the scheduler puts them first) run as a decode step on the decode backend and
+the chunks as an extend step on the prefill backend (``MixedPlan``), as vLLM's FlashInfer backend does.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -19,11 +27,31 @@ from attnzoo.attention.backends.base import AttentionBackend, AttentionLayer, St
 from attnzoo.attention.kv_cache import KVLayout, KVPool
 from attnzoo.attention.metadata import BatchMetadata
 
+# Fewest leading decode rows a mixed step splits off: below it their extend programs fit beside the chunks'
+# (benchmarks/results/mixed_split_nvidia_h200.txt), and the split's extra launches would cost the host more.
+MIXED_SPLIT_MIN_ROWS = 16
+
+
+@dataclass
+class MixedPlan(StepPlan):
+    """An EXTEND step run as two: its leading ``rows`` requests (one new token each on a cached prefix) as a
+    DECODE step on the decode backend, the rest as an EXTEND step on the prefill backend, each with its own
+    metadata (``BatchMetadata.split``: views of the step's tensors) and plan."""
+
+    rows: int
+    decode_meta: BatchMetadata
+    decode_plan: StepPlan
+    extend_meta: BatchMetadata
+    extend_plan: StepPlan
+
 
 class HybridBackend:
     def __init__(self, prefill_backend: AttentionBackend, decode_backend: AttentionBackend):
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
+        # Fewest leading decode rows a mixed step splits off; None: never. The runner sets it where every attention
+        # of the model is the shared layer's call over its rows (``layer.beyond_the_layer``).
+        self.mixed_min_rows: int | None = None
 
     @staticmethod
     def _prefill_class(prefill: str, device: torch.device) -> str:
@@ -61,12 +89,32 @@ class HybridBackend:
         for backend in self.distinct():
             backend.warm_up(layers)
 
+    def decode_rows(self, meta: BatchMetadata) -> int:
+        """How many leading requests of an EXTEND step run as a decode step (``MixedPlan``); 0: none. Not where
+        a prefix is shared (the step's cascade reads it once for all its requests)."""
+        if self.mixed_min_rows is None or meta.is_decode or meta.shared_prefix_len or not (
+                self.prefill_backend.splits_mixed_steps and self.decode_backend.splits_mixed_steps):
+            return 0
+        n = 0
+        for q, s in zip(meta.q_lens_cpu, meta.seq_lens_cpu):
+            if q != 1 or s < 2:
+                break
+            n += 1
+        return n if self.mixed_min_rows <= n < meta.num_reqs else 0
+
     def prepare(self, meta: BatchMetadata) -> StepPlan:
-        """Once per step, before the model runs: the step's backend's plan."""
+        """Once per step, before the model runs: the step's backend's plan, or a mixed step's two."""
+        if n := self.decode_rows(meta):
+            head, tail = meta.split(n)
+            return MixedPlan(n, head, self.decode_backend.prepare(head), tail, self.prefill_backend.prepare(tail))
         return self.for_step(meta).prepare(meta)
 
     def run(self, layer: AttentionLayer, q: torch.Tensor, meta: BatchMetadata, plan: StepPlan) -> torch.Tensor:
         """One layer's attention over the cache (its k/v already stored) with the step's ``plan``."""
+        if isinstance(plan, MixedPlan):
+            n = plan.rows
+            return torch.cat([self.decode_backend.decode(layer, q[:n], plan.decode_meta, plan.decode_plan),
+                              self.prefill_backend.extend(layer, q[n:], plan.extend_meta, plan.extend_plan)])
         backend = self.for_step(meta)
         return (backend.decode if meta.is_decode else backend.extend)(layer, q, meta, plan)
 

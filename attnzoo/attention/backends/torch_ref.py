@@ -97,6 +97,7 @@ class TorchBackend(NSABackend, CompressedBackend):
         mla_kv_layout="bf16",  # NSA layers: it reads the pool's own entries
         notes=("fp8_e4m3 KV cache: quantize-dequantize in float32 (per-tensor scales)",),
     )
+    splits_mixed_steps = True
 
     def __init__(self, pool: KVPool):
         super().__init__(pool)
