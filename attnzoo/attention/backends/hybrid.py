@@ -27,9 +27,10 @@ from attnzoo.attention.backends.base import AttentionBackend, AttentionLayer, St
 from attnzoo.attention.kv_cache import KVLayout, KVPool
 from attnzoo.attention.metadata import BatchMetadata
 
-# Fewest leading decode rows a mixed step splits off: below it their extend programs fit beside the chunks'
-# (benchmarks/results/mixed_split_nvidia_h200.txt), and the split's extra launches would cost the host more.
-MIXED_SPLIT_MIN_ROWS = 16
+# Fewest leading decode rows a mixed step splits off: with fewer, the decode rows' programs fit beside the chunk's in
+# the extend kernel; from here the split is faster on the GPU. Its launches cost the host more, which a large step's
+# GPU time hides (benchmarks/results/mixed_split_nvidia_h200.txt).
+MIXED_SPLIT_MIN_ROWS = 32
 
 
 @dataclass
