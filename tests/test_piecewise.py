@@ -84,20 +84,26 @@ def test_pieces_in_mla_sliding_and_shared_kv_models(tmp_path, family, window_kv_
     _same(got, ref)
 
 
-@pytest.mark.parametrize("family", ["nsa", "v4_sliding"])
-def test_refused_where_attention_is_not_the_one_layers_call(tmp_path, family, monkeypatch):
-    """NSA's indexer and DeepSeek-V4's attention (its own forward, even on sliding-only layers) run outside the
-    split: captured into a piece, they would read the dummy step's metadata."""
-    from attnzoo.attention import layer
-
+def load_beyond_the_layer(family, path):
+    """A tiny model whose attention is more than the shared layer's call (``layer.beyond_the_layer``): NSA
+    (DeepSeek-V3.2: its indexer), or DeepSeek-V4 on sliding-only layers (its attention's own forward)."""
     if family == "nsa":
         from test_nsa import tiny_v32
         hf = tiny_v32()
     else:
         from test_deepseek_v4 import tiny_v4
         hf = tiny_v4(["sliding_attention"] * 2, ["moe"] * 2)
-    save_checkpoint(hf, tmp_path)
-    llm = attnzoo.load_model(tmp_path, backend="torch", device="cpu", page_size=4)
+    save_checkpoint(hf, path)
+    return attnzoo.load_model(path, backend="torch", device="cpu", page_size=4)
+
+
+@pytest.mark.parametrize("family", ["nsa", "v4_sliding"])
+def test_refused_where_attention_is_not_the_one_layers_call(tmp_path, family, monkeypatch):
+    """NSA's indexer and DeepSeek-V4's attention (its own forward, even on sliding-only layers) run outside the
+    split: captured into a piece, they would read the dummy step's metadata."""
+    from attnzoo.attention import layer
+
+    llm = load_beyond_the_layer(family, tmp_path)
     with pytest.raises(BackendError, match="its nsa layers' attention" if family == "nsa" else "runs its own forward"):
         llm.engine.runner.enable_piecewise_graphs(16, emulate=True)
     if family == "nsa":  # past the kinds' gate, the probe sees the indexer's layers never reach the split

@@ -81,16 +81,14 @@ class BatchMetadata:
         return self.mode is ForwardMode.DECODE
 
     def split(self, n: int) -> "tuple[BatchMetadata, BatchMetadata]":
-        """(the first ``n`` requests, the rest) as two steps' metadata: the first's tensors are views of this
-        step's, the second's small device copies (a view from an odd offset changes a pointer's alignment, which
-        Triton compiles a kernel variant for, mid-run). The first is a DECODE step where each of its requests
-        brings one token on a cached prefix. The caller splits only where no prefix is shared
-        (``shared_prefix_len`` 0), so neither part claims one."""
+        """(the first ``n`` requests as a DECODE step, the rest as an EXTEND step): the first's tensors are views of
+        this step's, the second's small device copies (a view from an odd offset changes a pointer's alignment,
+        which Triton compiles a kernel variant for, mid-run). Each of the first ``n`` requests must bring one token
+        on a cached prefix, and no prefix may be shared (``shared_prefix_len`` 0): neither part claims one."""
         if not 0 < n < self.num_reqs or self.shared_prefix_len:
             raise ValueError(f"split({n}) of a step of {self.num_reqs} requests (shared prefix {self.shared_prefix_len})")
-        t = sum(self.q_lens_cpu[:n])
-        head_q, head_seq = self.q_lens_cpu[:n], self.seq_lens_cpu[:n]
-        decode = all(q == 1 for q in head_q) and all(s > 1 for s in head_seq)
+        if any(q != 1 for q in self.q_lens_cpu[:n]) or any(s < 2 for s in self.seq_lens_cpu[:n]):
+            raise ValueError(f"split({n}): the first {n} requests are not all one new token on a cached prefix")
 
         def part(reqs: slice, rows: slice, q_indptr: torch.Tensor, last_rows: torch.Tensor, mode) -> BatchMetadata:
             def cut(x, at):
@@ -105,9 +103,9 @@ class BatchMetadata:
                 window_slot_mapping=cut(self.window_slot_mapping, rows),
             )
 
-        head = part(slice(0, n), slice(0, t), self.q_indptr[: n + 1], self.last_token_rows[:n],
-                    ForwardMode.DECODE if decode else ForwardMode.EXTEND)
-        tail = part(slice(n, None), slice(t, None), self.q_indptr[n:] - t, self.last_token_rows[n:] - t,
+        # the first part's rows are its requests, one each
+        head = part(slice(0, n), slice(0, n), self.q_indptr[: n + 1], self.last_token_rows[:n], ForwardMode.DECODE)
+        tail = part(slice(n, None), slice(n, None), self.q_indptr[n:] - n, self.last_token_rows[n:] - n,
                     ForwardMode.EXTEND)
         return head, tail
 

@@ -365,6 +365,8 @@ class LLM:
             "cascade": self._cascade_info(),
             # a short prompt chunk after a cached prefix replayed as decode rows: [most new tokens, why]
             "token_rows": list(self.engine.runner.token_rows_limit()),
+            # a mixed step's leading decode rows on the decode backend from this many on: [rows or None, why]
+            "mixed_steps": list(self.engine.runner.backends.mixed_split()),
             # > 1: kv_bytes_per_token and the KV capacity are per rank (each holds its own heads)
             "tensor_parallel_size": 1 if self.tp is None else self.tp.ctx.world_size,
             "weights": dict(self.decision.weights),

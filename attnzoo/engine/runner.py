@@ -148,7 +148,8 @@ class Runner:
         self.max_rows = max_rows  # the most rows a step samples (the host token buffer's size)
         self.model, self.pool, self.backends = model, pool, backends
         self.device = pool.device
-        if beyond_the_layer(model, pool) is None:  # a mixed step's decode rows run on the decode backend
+        backends.mixed_refused = beyond_the_layer(model, pool)  # a mixed step's decode rows on the decode backend
+        if backends.mixed_refused is None:
             backends.mixed_min_rows = MIXED_SPLIT_MIN_ROWS
         # Cascade decode (the shared prefix read once per step) needs shared pages and a backend that
         # reads them once. Saved KV reads per layer: shared tokens x (requests - 1). A cascade step that

@@ -26,6 +26,7 @@ from attnzoo.attention.backends import get_backend_class
 from attnzoo.attention.backends.base import AttentionBackend, AttentionLayer, StepPlan, device_gpu
 from attnzoo.attention.kv_cache import KVLayout, KVPool
 from attnzoo.attention.metadata import BatchMetadata
+from attnzoo.errors import BackendError
 
 # Fewest leading decode rows a mixed step splits off: with fewer, the decode rows' programs fit beside the chunk's in
 # the extend kernel; from here the split is faster on the GPU. Its launches cost the host more, which a large step's
@@ -35,11 +36,10 @@ MIXED_SPLIT_MIN_ROWS = 32
 
 @dataclass
 class MixedPlan(StepPlan):
-    """An EXTEND step run as two: its leading ``rows`` requests (one new token each on a cached prefix) as a
-    DECODE step on the decode backend, the rest as an EXTEND step on the prefill backend, each with its own
-    metadata (``BatchMetadata.split``: views of the step's tensors) and plan."""
+    """An EXTEND step run as two: its leading requests (one new token each on a cached prefix) as a DECODE step on
+    the decode backend, the rest as an EXTEND step on the prefill backend, each with its own metadata
+    (``BatchMetadata.split``) and plan."""
 
-    rows: int
     decode_meta: BatchMetadata
     decode_plan: StepPlan
     extend_meta: BatchMetadata
@@ -50,9 +50,25 @@ class HybridBackend:
     def __init__(self, prefill_backend: AttentionBackend, decode_backend: AttentionBackend):
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
-        # Fewest leading decode rows a mixed step splits off; None: never. The runner sets it where every attention
-        # of the model is the shared layer's call over its rows (``layer.beyond_the_layer``).
-        self.mixed_min_rows: int | None = None
+        # Why a mixed step may not split here (None: it may): the runner sets it from the model
+        # (``layer.beyond_the_layer``), and with it the floor below.
+        self.mixed_refused: str | None = "the model was not checked (a backend pair outside a runner)"
+        self._mixed_min_rows: int | None = None
+
+    @property
+    def mixed_min_rows(self) -> int | None:
+        """Fewest leading decode rows a mixed step splits off (``decode_rows``); None: never."""
+        return self._mixed_min_rows
+
+    @mixed_min_rows.setter
+    def mixed_min_rows(self, rows: int | None) -> None:
+        if rows is not None and self.mixed_refused is not None:
+            raise BackendError(f"mixed steps cannot be split here: {self.mixed_refused}",
+                               fix="leave mixed_min_rows at None for this model")
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise BackendError(f"mixed_min_rows must be a positive integer or None, got {rows!r}",
+                               fix="pass e.g. 32, or None to never split")
+        self._mixed_min_rows = rows
 
     @staticmethod
     def _prefill_class(prefill: str, device: torch.device) -> str:
@@ -90,30 +106,40 @@ class HybridBackend:
         for backend in self.distinct():
             backend.warm_up(layers)
 
+    def mixed_split(self) -> tuple[int | None, str]:
+        """(the fewest leading decode rows a mixed step splits off, or None: never; why)."""
+        if self.mixed_refused is not None:
+            return None, self.mixed_refused
+        if not (self.prefill_backend.splits_mixed_steps and self.decode_backend.splits_mixed_steps):
+            return None, "a backend of the pair does not declare splits_mixed_steps"
+        if self._mixed_min_rows is None:
+            return None, "off (mixed_min_rows=None)"
+        return self._mixed_min_rows, "the decode rows run on the decode backend, the chunks on the prefill backend"
+
     def decode_rows(self, meta: BatchMetadata) -> int:
         """How many leading requests of an EXTEND step run as a decode step (``MixedPlan``); 0: none. Not where
         a prefix is shared (the step's cascade reads it once for all its requests)."""
-        if self.mixed_min_rows is None or meta.is_decode or meta.shared_prefix_len or not (
-                self.prefill_backend.splits_mixed_steps and self.decode_backend.splits_mixed_steps):
+        floor = self.mixed_split()[0]
+        if floor is None or meta.is_decode or meta.shared_prefix_len:
             return 0
         n = 0
         for q, s in zip(meta.q_lens_cpu, meta.seq_lens_cpu):
             if q != 1 or s < 2:
                 break
             n += 1
-        return n if self.mixed_min_rows <= n < meta.num_reqs else 0
+        return n if floor <= n < meta.num_reqs else 0
 
     def prepare(self, meta: BatchMetadata) -> StepPlan:
         """Once per step, before the model runs: the step's backend's plan, or a mixed step's two."""
         if n := self.decode_rows(meta):
             head, tail = meta.split(n)
-            return MixedPlan(n, head, self.decode_backend.prepare(head), tail, self.prefill_backend.prepare(tail))
+            return MixedPlan(head, self.decode_backend.prepare(head), tail, self.prefill_backend.prepare(tail))
         return self.for_step(meta).prepare(meta)
 
     def run(self, layer: AttentionLayer, q: torch.Tensor, meta: BatchMetadata, plan: StepPlan) -> torch.Tensor:
         """One layer's attention over the cache (its k/v already stored) with the step's ``plan``."""
-        if isinstance(plan, MixedPlan):
-            n = plan.rows
+        if isinstance(plan, MixedPlan):  # the decode part's rows first, one per request
+            n = plan.decode_meta.num_reqs
             return torch.cat([self.decode_backend.decode(layer, q[:n], plan.decode_meta, plan.decode_plan),
                               self.prefill_backend.extend(layer, q[n:], plan.extend_meta, plan.extend_plan)])
         backend = self.for_step(meta)
