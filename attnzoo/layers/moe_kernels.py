@@ -6,14 +6,15 @@ that importing a model file never imports triton; on CPU the interpreter must be
   block-scaled w8a8, or MXFP4 weights decoded in the K loop: w4a16).
 * ``sum_kernel``: each token's k weighted expert rows summed in float32 (plus the shared experts'
   output), stored in the model dtype.
-* ``route_kernel``: a router's scoring, group-limited top-k, renormalisation and scaling per token.
+* ``route_kernel``: a router's scoring, group-limited top-k, renormalisation and scaling per token;
+  ``router_kernel`` the same after the router's float32 GEMV, in one launch (decode's few tokens).
 * ``act_kernel``: act(gate) * up, optionally quantized to FP8 per 128-channel group (by
   ``fp8_kernels.quant_groups``, the code ``fp8.act_quant`` runs).
 """
 import triton
 import triton.language as tl
 
-from attnzoo.attention.kernels.common import prior_done
+from attnzoo.attention.kernels.common import last_arrival, prior_done
 from attnzoo.layers.fp8_kernels import quant_groups
 
 
@@ -237,13 +238,51 @@ def route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, group_
                  scale, stride_l,
                  SIGMOID: tl.constexpr, GROUP_SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                  TOP_K: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr = False):
-    # One token per program, all in registers; the torch ops of moe.select_experts_reference in order.
-    # GROUP_SCORE: 0 no groups, 1 a group's best expert, 2 the sum of its two best.
+    # One token per program, all in registers.
     prior_done(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_POW2)
     ok = offs < num_experts
     x = tl.load(logits_ptr + t * stride_l + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    _route_row(x, offs, ok, t, bias_ptr, weights_ptr, ids_ptr, group_size, num_groups, topk_group, scale,
+               SIGMOID, GROUP_SCORE, HAS_BIAS, RENORM, TOP_K, K_POW2, E_POW2)
+
+
+@triton.jit(do_not_specialize=["hidden", "stride_x"])
+def router_kernel(x_ptr, w_ptr, logits_ptr, arrivals_ptr, bias_ptr, weights_ptr, ids_ptr, hidden, num_experts,
+                  group_size, num_groups, topk_group, scale, stride_x, stride_w, stride_l,
+                  SIGMOID: tl.constexpr, GROUP_SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                  TOP_K: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    # Program (token, block of experts): float32 logits of x . w for its BLOCK_E experts; the token's last program
+    # to finish routes the token as route_kernel does, so the GEMV and the choice are one launch.
+    prior_done(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = offs_e < num_experts
+    acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < hidden
+        xv = tl.load(x_ptr + t * stride_x + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + offs_e[:, None] * stride_w + offs_k[None, :], mask=e_ok[:, None] & k_ok[None, :],
+                     other=0.0).to(tl.float32)
+        acc += wv * xv[None, :]
+    tl.store(logits_ptr + t * stride_l + offs_e, tl.sum(acc, 1), mask=e_ok)
+    if last_arrival(arrivals_ptr + t, tl.num_programs(1)):
+        offs = tl.arange(0, E_POW2)
+        ok = offs < num_experts
+        x = tl.load(logits_ptr + t * stride_l + offs, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        _route_row(x, offs, ok, t, bias_ptr, weights_ptr, ids_ptr, group_size, num_groups, topk_group, scale,
+                   SIGMOID, GROUP_SCORE, HAS_BIAS, RENORM, TOP_K, K_POW2, E_POW2)
+
+
+@triton.jit
+def _route_row(x, offs, ok, t, bias_ptr, weights_ptr, ids_ptr, group_size, num_groups, topk_group, scale,
+               SIGMOID: tl.constexpr, GROUP_SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+               TOP_K: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr):
+    # One token's logits x [E_POW2] (-inf past the experts) -> its weights and ids: the torch ops of
+    # moe.select_experts_reference in order. GROUP_SCORE: 0 no groups, 1 a group's best expert, 2 its two best.
     if SIGMOID:
         scores = tl.sigmoid(x)
     else:

@@ -25,7 +25,7 @@ from attnzoo.attention.layer import ForwardContext
 from attnzoo.attention.mla import MLAAttention
 from attnzoo.errors import ModelLoadError, WeightError
 from attnzoo.layers import fused
-from attnzoo.layers.moe import FusedMoE, select_experts
+from attnzoo.layers.moe import FusedMoE, arrivals_counter, route
 from attnzoo.layers.parallel import SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext
 from attnzoo.models.common import (
     DecoderLayer, DecoderLM, DecoderModel, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding,
@@ -141,6 +141,7 @@ class DeepseekRouter(nn.Module):
         # float32 whatever the model dtype: the reference scores in float32 (no cast per call).
         std = getattr(config, "initializer_range", 0.02)
         self.weight = nn.Parameter(torch.randn(self.num_experts, config.hidden_size, dtype=torch.float32) * std)
+        self.register_buffer("arrivals", arrivals_counter(), persistent=False)  # route's, zero between launches
         if scoring == "softmax":
             self.topk_method = config.topk_method
             if self.topk_method not in ("greedy", "group_limited_greedy"):
@@ -174,21 +175,20 @@ class DeepseekRouter(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # cuBLAS: a one-pass float32 GEMV of our own was slower at decode (results/pdl_multi_wave_nvidia_h200.txt)
-        logits = F.linear(x.float(), self.weight)  # [T, E] float32
+        # float32 logits from x . weight, then the choice (one launch at decode's few tokens)
         if self.scoring == "softmax":
             # V2: softmax scores; group-limited greedy ranks groups by their best expert.
             grouped = self.topk_method == "group_limited_greedy"
-            return select_experts(logits, top_k=self.top_k, sigmoid=False, group_score="max" if grouped else None,
-                                  n_group=self.n_group or 1, topk_group=self.topk_group or 1,
-                                  scale=self.routed_scaling_factor)
+            return route(x, self.weight, self.arrivals, top_k=self.top_k, sigmoid=False,
+                         group_score="max" if grouped else None, n_group=self.n_group or 1,
+                         topk_group=self.topk_group or 1, scale=self.routed_scaling_factor)
         # V3: sigmoid scores, biased for the choice only; groups ranked by the sum of their two best experts.
         # Mistral 4: the same with softmax scores and no bias.
         sigmoid = self.scoring == "sigmoid"
-        return select_experts(logits, top_k=self.top_k, sigmoid=sigmoid, group_score="top2", n_group=self.n_group,
-                              topk_group=self.topk_group,
-                              correction_bias=self.e_score_correction_bias if sigmoid else None,
-                              renormalize=self.norm_topk_prob, scale=self.routed_scaling_factor)
+        return route(x, self.weight, self.arrivals, top_k=self.top_k, sigmoid=sigmoid, group_score="top2",
+                     n_group=self.n_group, topk_group=self.topk_group,
+                     correction_bias=self.e_score_correction_bias if sigmoid else None,
+                     renormalize=self.norm_topk_prob, scale=self.routed_scaling_factor)
 
 
 class DeepseekMoE(nn.Module):

@@ -41,6 +41,19 @@ def prior_done(PDL: tl.constexpr):
 
 
 @triton.jit
+def last_arrival(counter, arrivals):
+    # -> whether this program is the last of ``arrivals`` to get here, for split work finished by one program.
+    # The barrier orders every thread's stores before the one gpu-scope release-acquire atomic (it runs on one
+    # thread), so the last program sees the others' stores (read them past L1: cache_modifier=".cg"). The last
+    # resets the int32 counter to 0 for the next launch, a CUDA graph's replay included.
+    tl.debug_barrier()
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == arrivals - 1
+    if last:
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
 def l2_prefetch(ptrs, nbytes):
     # cp.async.bulk.prefetch, SM90+ only (callers gate it on PDL): asks L2 for ``nbytes`` (a multiple of 16) from each
     # address of ``ptrs``, which must be 16-byte aligned; no registers, no wait. L2 is where this GPU's memory is

@@ -4,7 +4,8 @@ per-GPU tuned tables), ``fused`` (the Triton path), ``reference`` (the oracle), 
 checkpoint loading). The names below are importable from ``attnzoo.layers.moe`` itself.
 
 ``select_experts`` turns router logits into (weights, expert ids): DeepSeek's softmax or sigmoid scores,
-group-limited choice, top-k, renormalisation and scaling, one Triton launch per layer on a GPU.
+group-limited choice, top-k, renormalisation and scaling, one Triton launch per layer on a GPU; ``route`` takes the
+router's input and weight instead, and at decode's few tokens computes the logits in the same launch.
 
 ``FusedMoE`` holds a contiguous range of a layer's routed experts (all of them, or one expert-parallel
 rank's share; ``holds(e)`` is the one answer to which rank owns an expert) as two stacked tensors,
@@ -53,7 +54,7 @@ from attnzoo.layers.moe.layer import STACKED_LAYOUTS, FusedMoE, build_experts_as
 from attnzoo.layers.moe.reference import (
     ACTIVATIONS, FP8, MXFP4, SWIGLU_ALPHA, SWIGLU_LIMIT, dequantize_block_fp8, moe_reference, scale_rows,
 )
-from attnzoo.layers.moe.routing import GROUP_SCORES, select_experts, select_experts_reference
+from attnzoo.layers.moe.routing import GROUP_SCORES, ROUTER_ROWS, arrivals_counter, route, select_experts, select_experts_reference
 from attnzoo.layers.moe.tiles import (
     TILE_TABLES, WEIGHT_FORMATS, MoEConfig, check_config, default_config, gpu_slug, pick_config, read_tile_table, tile_config, tile_key,
     weight_format, write_tile_table,
@@ -63,6 +64,7 @@ __all__ = [
     "ACTIVATIONS", "FP8", "GROUP_SCORES", "MXFP4", "MAX_CHUNK_TOKENS", "STACKED_LAYOUTS", "SWIGLU_ALPHA", "SWIGLU_LIMIT",
     "TILE_TABLES", "FusedMoE", "MoEConfig", "_grouped_gemm", "align_one_token", "build_experts_as", "check_config",
     "default_config", "dequantize_block_fp8", "fused_moe", "gpu_slug", "moe_align_block_size", "moe_reference",
-    "padded_slots", "pick_config", "read_tile_table", "scale_rows", "select_experts", "select_experts_reference",
+    "padded_slots", "pick_config", "read_tile_table", "route", "ROUTER_ROWS", "arrivals_counter", "scale_rows",
+    "select_experts", "select_experts_reference",
     "tile_config", "tile_key", "weight_format", "write_tile_table", "WEIGHT_FORMATS",
 ]

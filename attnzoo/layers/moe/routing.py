@@ -1,8 +1,10 @@
 """MoE routing: router logits -> (weights, expert ids), DeepSeek's softmax or sigmoid scores, group-limited
-choice, top-k, renormalisation and scaling; one Triton launch per layer on a GPU."""
+choice, top-k, renormalisation and scaling; one Triton launch per layer on a GPU, the router's GEMV included at
+decode's few tokens (``route``)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from attnzoo import pdl
 from attnzoo.errors import ModelLoadError
@@ -47,25 +49,75 @@ def select_experts(logits: torch.Tensor, *, top_k: int, sigmoid: bool, group_sco
     top-k experts, weights renormalized to sum 1 if asked, times ``scale``. One Triton launch on a GPU
     (the ~15 small torch ops of ``select_experts_reference`` elsewhere); ids come in any order.
     """
-    if group_score not in GROUP_SCORES:
-        raise ModelLoadError(f"unknown expert-group score {group_score!r}", fix=f"use one of {GROUP_SCORES}")
     if not _fused_triton(logits):
+        if group_score not in GROUP_SCORES:
+            raise ModelLoadError(f"unknown expert-group score {group_score!r}", fix=f"use one of {GROUP_SCORES}")
         return select_experts_reference(logits, top_k=top_k, sigmoid=sigmoid, group_score=group_score,
                                         n_group=n_group, topk_group=topk_group, correction_bias=correction_bias,
                                         renormalize=renormalize, scale=scale)
     t, e = logits.shape
     logits = logits.float()
+    choice, flags = _choice_args(e, top_k, sigmoid, group_score, n_group, topk_group, correction_bias, renormalize,
+                                 scale)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     if t:
         _kernels().route_kernel[(t,)](
-            logits, correction_bias if correction_bias is not None else logits, weights, ids, e, e // n_group,
-            n_group, topk_group, float(scale), logits.stride(0),
-            SIGMOID=sigmoid, GROUP_SCORE=GROUP_SCORES.index(group_score), HAS_BIAS=correction_bias is not None,
-            RENORM=renormalize, TOP_K=top_k, K_POW2=1 << (top_k - 1).bit_length(), E_POW2=1 << (e - 1).bit_length(),
-            **pdl.launch_args(logits),
+            logits, correction_bias if correction_bias is not None else logits, weights, ids, e, *choice,
+            logits.stride(0), **flags, **pdl.launch_args(logits),
         )
     return weights, ids
+
+
+# Up to this many tokens the router's float32 GEMV and the choice are one launch (``router_kernel``); past it the
+# GEMV is cuBLAS's, whose cast, GEMV and reduction were three launches of a batch-1 step's MoE layer.
+ROUTER_ROWS = 16
+
+
+def arrivals_counter(device=None) -> torch.Tensor:
+    """The zeroed int32 counters ``route`` needs, one per token up to ``ROUTER_ROWS``; each router owns its own
+    (a buffer of the module), which every launch leaves zeroed."""
+    return torch.zeros(ROUTER_ROWS, dtype=torch.int32, device=device)
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, arrivals: torch.Tensor, *, top_k: int, sigmoid: bool,
+          group_score: str | None = None, n_group: int = 1, topk_group: int = 1,
+          correction_bias: torch.Tensor | None = None, renormalize: bool = False,
+          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_experts(F.linear(x.float(), weight), ...)``: x [T, H] in the model dtype, the router weight [E, H]
+    float32. At up to ``arrivals.numel()`` tokens on a GPU (or where ``fused.use("triton")`` asks) one launch:
+    each program's block of experts' logits, then each token's last program routes it."""
+    t, hidden = x.shape
+    if not (_fused_triton(x) and 0 < t <= arrivals.numel()):
+        return select_experts(F.linear(x.float(), weight), top_k=top_k, sigmoid=sigmoid, group_score=group_score,
+                              n_group=n_group, topk_group=topk_group, correction_bias=correction_bias,
+                              renormalize=renormalize, scale=scale)
+    if weight.dtype != torch.float32 or weight.shape[1] != hidden or weight.stride(1) != 1 or x.stride(1) != 1:
+        raise ModelLoadError(f"router weight {tuple(weight.shape)} {weight.dtype} does not fit x {tuple(x.shape)}",
+                             fix="keep the router weight float32 [experts, hidden], contiguous rows")
+    e = weight.shape[0]
+    logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    block_e = 1 << (-(-e // 128) - 1).bit_length()  # at most ~128 programs a token (E=64: 64, E=256: 128)
+    choice, flags = _choice_args(e, top_k, sigmoid, group_score, n_group, topk_group, correction_bias, renormalize,
+                                 scale)
+    _kernels().router_kernel[(t, -(-e // block_e))](
+        x, weight, logits, arrivals, correction_bias if correction_bias is not None else logits, weights, ids,
+        hidden, e, *choice, x.stride(0), weight.stride(0), logits.stride(0),
+        **flags, BLOCK_E=block_e, BLOCK_K=max(16, 1024 // block_e), **pdl.launch_args(x),
+    )
+    return weights, ids
+
+
+def _choice_args(e, top_k, sigmoid, group_score, n_group, topk_group, correction_bias, renormalize, scale):
+    """The routing kernels' runtime arguments after the expert count, and their constexprs."""
+    if group_score not in GROUP_SCORES:
+        raise ModelLoadError(f"unknown expert-group score {group_score!r}", fix=f"use one of {GROUP_SCORES}")
+    flags = dict(SIGMOID=sigmoid, GROUP_SCORE=GROUP_SCORES.index(group_score),
+                 HAS_BIAS=correction_bias is not None, RENORM=renormalize, TOP_K=top_k,
+                 K_POW2=1 << (top_k - 1).bit_length(), E_POW2=1 << (e - 1).bit_length())
+    return (e // n_group, n_group, topk_group, float(scale)), flags
 
 
 def _fused_triton(x: torch.Tensor) -> bool:
