@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from attnzoo.errors import BackendError, ModelLoadError, WeightError
 from attnzoo.layers.fp8 import act_quant_reference
 from attnzoo.layers.moe import (
     FP8, FusedMoE, MoEConfig, _grouped_gemm, check_config, default_config, dequantize_block_fp8, fused_moe, moe_align_block_size,
-    moe_reference, padded_slots, pick_config, read_tile_table, select_experts, select_experts_reference, tile_config,
+    moe_reference, padded_slots, pick_config, read_tile_table, tile_config,
     tile_key, write_tile_table,
 )
 
@@ -277,34 +276,6 @@ def test_fp8_fused_equals_reference_with_the_same_rounding(ue8m0):
     assert rel_err(out, moe_reference(x, q13, q2, weights, ids, **kw)) < 0.08
 
 
-# (T, E, k, sigmoid, group score, n_group, topk_group, bias, renormalize): V2 greedy and group-limited
-# (group max, zeroed experts), V3 (sigmoid + bias, top-2 group sums, renormalized); E not a power of two.
-ROUTERS = [(5, 64, 6, False, None, 1, 1, False, False), (7, 20, 3, False, "max", 4, 2, False, False),
-           (6, 32, 4, True, "top2", 8, 3, True, True), (3, 24, 2, True, "top2", 4, 1, True, False),
-           (4, 256, 8, True, "top2", 8, 4, True, True)]  # DeepSeek-V3's router
-
-
-@pytest.mark.parametrize("t,e,k,sigmoid,group,n_group,topk_group,bias,renorm", ROUTERS)
-def test_routing_kernel_equals_reference(t, e, k, sigmoid, group, n_group, topk_group, bias, renorm):
-    from attnzoo.layers import fused
-
-    g = torch.Generator().manual_seed(t)
-    logits = (torch.randn(t, e, generator=g) * 2).to(DEVICE)
-    kw = dict(top_k=k, sigmoid=sigmoid, group_score=group, n_group=n_group, topk_group=topk_group, renormalize=renorm,
-              correction_bias=(torch.randn(e, generator=g) * 0.5).to(DEVICE) if bias else None, scale=2.5)
-    ref_w, ref_ids = select_experts_reference(logits, **kw)
-    with fused.use("triton"):
-        w, ids = select_experts(logits, **kw)
-    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (t, k)
-    # Any order within a token: compare sorted by expert id.
-    order, ref_order = ids.argsort(dim=1), ref_ids.argsort(dim=1)
-    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
-    torch.testing.assert_close(w.gather(1, order), ref_w.gather(1, ref_order), rtol=1e-5, atol=1e-6)
-    if group is not None:  # the limit binds: some token's unrestricted top-k differs
-        free = select_experts_reference(logits, **{**kw, "group_score": None})[1]
-        assert not torch.equal(free.sort(dim=1).values, ref_ids.sort(dim=1).values)
-
-
 def test_fused_adds_the_shared_output_in_its_sum():
     t, k, e, h, i = 6, 2, 4, 32, 16
     w13, w2 = experts(e, h, i, torch.float32)
@@ -502,45 +473,3 @@ def test_gpu_fused_moe_runs_the_tile_its_table_names(tmp_path):
     out = fused_moe(x, w13, w2, weights, ids, config=tile)
     assert rel_err(out, moe_reference(x, w13, w2, weights, ids)) < 1e-2
 
-
-@pytest.mark.parametrize("t,e,k,sigmoid,group,n_group,topk_group,bias,renorm", ROUTERS)
-def test_router_gemv_and_choice_in_one_launch_equal_the_reference(t, e, k, sigmoid, group, n_group, topk_group, bias,
-                                                                   renorm):
-    """``route``'s one launch (each program a block of experts' logits, each token's last program routes it) gives
-    the experts and weights of cuBLAS's logits then the reference choice, and leaves its counters zeroed for the next
-    launch; twice in a row, so a counter left over would show."""
-    from attnzoo.layers import fused
-    from attnzoo.layers.moe import arrivals_counter, route
-
-    g = torch.Generator().manual_seed(100 + t)
-    h = 96  # not a multiple of the K tile: the masked tail
-    x = torch.randn(t, h, generator=g).to(DEVICE)
-    w = (torch.randn(e, h, generator=g) * 0.3).to(DEVICE)
-    kw = dict(top_k=k, sigmoid=sigmoid, group_score=group, n_group=n_group, topk_group=topk_group, renormalize=renorm,
-              correction_bias=(torch.randn(e, generator=g) * 0.5).to(DEVICE) if bias else None, scale=2.5)
-    ref_w, ref_ids = select_experts_reference(F.linear(x.float(), w), **kw)
-    arrivals = arrivals_counter(DEVICE)
-    for _ in range(2):
-        with fused.use("triton"):
-            wts, ids = route(x, w, arrivals, **kw)
-        assert ids.shape == (t, k) and ids.dtype == torch.int64 and wts.dtype == torch.float32
-        order, ref_order = ids.argsort(dim=1), ref_ids.argsort(dim=1)
-        assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
-        torch.testing.assert_close(wts.gather(1, order), ref_w.gather(1, ref_order), rtol=1e-5, atol=1e-6)
-        assert not arrivals.any()
-
-
-def test_route_beyond_its_counters_takes_the_two_launch_path():
-    """More tokens than counters: cuBLAS's logits and the choice kernel, the same answer, no counter touched."""
-    from attnzoo.layers import fused
-    from attnzoo.layers.moe import route
-
-    x, w = torch.randn(5, 32).to(DEVICE), torch.randn(8, 32).to(DEVICE)
-    arrivals = torch.zeros(4, dtype=torch.int32, device=DEVICE)
-    with fused.use("triton"):
-        wts, ids = route(x, w, arrivals, top_k=2, sigmoid=False)
-    ref_w, ref_ids = select_experts_reference(F.linear(x, w), top_k=2, sigmoid=False)
-    assert torch.equal(ids.sort(dim=1).values, ref_ids.sort(dim=1).values) and not arrivals.any()
-    with pytest.raises(ModelLoadError, match="router weight"):
-        with fused.use("triton"):
-            route(x, w.double(), arrivals[:0].new_zeros(8), top_k=2, sigmoid=False)

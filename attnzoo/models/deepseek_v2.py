@@ -175,7 +175,7 @@ class DeepseekRouter(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # float32 logits from x . weight, then the choice (one launch at decode's few tokens)
+        # float32 logits whatever the model dtype: rounded, close calls between experts would flip
         if self.scoring == "softmax":
             # V2: softmax scores; group-limited greedy ranks groups by their best expert.
             grouped = self.topk_method == "group_limited_greedy"

@@ -1,4 +1,5 @@
-"""Helpers shared by the Triton attention kernels: tile shapes for head dims and small device functions.
+"""Helpers shared by the Triton attention kernels (and the small device functions other kernels share too:
+``prior_done``, ``last_arrival``, ``l2_prefetch``): tile shapes for head dims.
 
 Head dims need not be powers of two (MLA keys are 512 + 64 = 576 wide, tiny test models use 40 or 48).
 Triton tiles must be, so a head dim is covered by a power-of-two main tile plus, when the rest is itself

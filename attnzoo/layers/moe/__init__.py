@@ -61,10 +61,9 @@ from attnzoo.layers.moe.tiles import (
 )
 
 __all__ = [
-    "ACTIVATIONS", "FP8", "GROUP_SCORES", "MXFP4", "MAX_CHUNK_TOKENS", "STACKED_LAYOUTS", "SWIGLU_ALPHA", "SWIGLU_LIMIT",
-    "TILE_TABLES", "FusedMoE", "MoEConfig", "_grouped_gemm", "align_one_token", "build_experts_as", "check_config",
+    "ACTIVATIONS", "FP8", "GROUP_SCORES", "MXFP4", "MAX_CHUNK_TOKENS", "ROUTER_ROWS", "STACKED_LAYOUTS", "SWIGLU_ALPHA", "SWIGLU_LIMIT",
+    "TILE_TABLES", "FusedMoE", "MoEConfig", "_grouped_gemm", "align_one_token", "arrivals_counter", "build_experts_as", "check_config",
     "default_config", "dequantize_block_fp8", "fused_moe", "gpu_slug", "moe_align_block_size", "moe_reference",
-    "padded_slots", "pick_config", "read_tile_table", "route", "ROUTER_ROWS", "arrivals_counter", "scale_rows",
-    "select_experts", "select_experts_reference",
+    "padded_slots", "pick_config", "read_tile_table", "route", "scale_rows", "select_experts", "select_experts_reference",
     "tile_config", "tile_key", "weight_format", "write_tile_table", "WEIGHT_FORMATS",
 ]

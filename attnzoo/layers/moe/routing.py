@@ -69,14 +69,18 @@ def select_experts(logits: torch.Tensor, *, top_k: int, sigmoid: bool, group_sco
     return weights, ids
 
 
-# Up to this many tokens the router's float32 GEMV and the choice are one launch (``router_kernel``); past it the
-# GEMV is cuBLAS's, whose cast, GEMV and reduction were three launches of a batch-1 step's MoE layer.
+# Up to this many tokens the router's float32 GEMV and the choice can be one launch (``router_kernel``), and while the
+# tokens' reads of the weight (each token's programs read all of it, from L2 after the first) stay within
+# ONE_LAUNCH_BYTES; past either, the GEMV is cuBLAS's. Measured at one token of DeepSeek-V2-Lite (a 0.5 MiB weight):
+# the cast, cuBLAS's GEMV and reduction and the choice were four launches (results/batch1_router_*).
 ROUTER_ROWS = 16
+ONE_LAUNCH_BYTES = 8 << 20
 
 
 def arrivals_counter(device=None) -> torch.Tensor:
-    """The zeroed int32 counters ``route`` needs, one per token up to ``ROUTER_ROWS``; each router owns its own
-    (a buffer of the module), which every launch leaves zeroed."""
+    """The zeroed int32 counters ``route`` needs, one per token up to ``ROUTER_ROWS``; every launch leaves them zeroed.
+    One set per router module: two launches that could overlap (another stream) must never share a set, or a token
+    would be routed on part of its logits."""
     return torch.zeros(ROUTER_ROWS, dtype=torch.int32, device=device)
 
 
@@ -85,27 +89,30 @@ def route(x: torch.Tensor, weight: torch.Tensor, arrivals: torch.Tensor, *, top_
           correction_bias: torch.Tensor | None = None, renormalize: bool = False,
           scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``select_experts(F.linear(x.float(), weight), ...)``: x [T, H] in the model dtype, the router weight [E, H]
-    float32. At up to ``arrivals.numel()`` tokens on a GPU (or where ``fused.use("triton")`` asks) one launch:
-    each program's block of experts' logits, then each token's last program routes it."""
+    float32. At up to ``arrivals.numel()`` tokens on a GPU (or where ``fused.use("triton")`` asks) and a small
+    enough weight, one launch: each program's block of experts' logits, then each token's last program routes it."""
     t, hidden = x.shape
-    if not (_fused_triton(x) and 0 < t <= arrivals.numel()):
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] != hidden:
+        raise ModelLoadError(f"router weight {tuple(weight.shape)} {weight.dtype} does not fit x {tuple(x.shape)}",
+                             fix="keep the router weight float32 [experts, hidden]")
+    one_launch = 0 < t <= arrivals.numel() and t * weight.numel() * weight.element_size() <= ONE_LAUNCH_BYTES
+    if not (one_launch and _fused_triton(x)):
         return select_experts(F.linear(x.float(), weight), top_k=top_k, sigmoid=sigmoid, group_score=group_score,
                               n_group=n_group, topk_group=topk_group, correction_bias=correction_bias,
                               renormalize=renormalize, scale=scale)
-    if weight.dtype != torch.float32 or weight.shape[1] != hidden or weight.stride(1) != 1 or x.stride(1) != 1:
-        raise ModelLoadError(f"router weight {tuple(weight.shape)} {weight.dtype} does not fit x {tuple(x.shape)}",
-                             fix="keep the router weight float32 [experts, hidden], contiguous rows")
+    x, weight = x.contiguous(), weight.contiguous()
     e = weight.shape[0]
     logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     block_e = 1 << (-(-e // 128) - 1).bit_length()  # at most ~128 programs a token (E=64: 64, E=256: 128)
+    blocks = -(-e // block_e)
     choice, flags = _choice_args(e, top_k, sigmoid, group_score, n_group, topk_group, correction_bias, renormalize,
                                  scale)
-    _kernels().router_kernel[(t, -(-e // block_e))](
+    _kernels().router_kernel[(t, blocks)](
         x, weight, logits, arrivals, correction_bias if correction_bias is not None else logits, weights, ids,
         hidden, e, *choice, x.stride(0), weight.stride(0), logits.stride(0),
-        **flags, BLOCK_E=block_e, BLOCK_K=max(16, 1024 // block_e), **pdl.launch_args(x),
+        **flags, BLOCK_E=block_e, BLOCK_K=max(16, 1024 // block_e), **pdl.launch_args(x, t * blocks),
     )
     return weights, ids
 
