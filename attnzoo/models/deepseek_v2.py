@@ -18,7 +18,6 @@ import logging
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attnzoo.attention.layer import ForwardContext

@@ -49,9 +49,8 @@ def select_experts(logits: torch.Tensor, *, top_k: int, sigmoid: bool, group_sco
     top-k experts, weights renormalized to sum 1 if asked, times ``scale``. One Triton launch on a GPU
     (the ~15 small torch ops of ``select_experts_reference`` elsewhere); ids come in any order.
     """
+    _check_group_score(group_score)
     if not _fused_triton(logits):
-        if group_score not in GROUP_SCORES:
-            raise ModelLoadError(f"unknown expert-group score {group_score!r}", fix=f"use one of {GROUP_SCORES}")
         return select_experts_reference(logits, top_k=top_k, sigmoid=sigmoid, group_score=group_score,
                                         n_group=n_group, topk_group=topk_group, correction_bias=correction_bias,
                                         renormalize=renormalize, scale=scale)
@@ -92,6 +91,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, arrivals: torch.Tensor, *, top_
     float32. At up to ``arrivals.numel()`` tokens on a GPU (or where ``fused.use("triton")`` asks) and a small
     enough weight, one launch: each program's block of experts' logits, then each token's last program routes it."""
     t, hidden = x.shape
+    _check_group_score(group_score)
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] != hidden:
         raise ModelLoadError(f"router weight {tuple(weight.shape)} {weight.dtype} does not fit x {tuple(x.shape)}",
                              fix="keep the router weight float32 [experts, hidden]")
@@ -119,12 +119,15 @@ def route(x: torch.Tensor, weight: torch.Tensor, arrivals: torch.Tensor, *, top_
 
 def _choice_args(e, top_k, sigmoid, group_score, n_group, topk_group, correction_bias, renormalize, scale):
     """The routing kernels' runtime arguments after the expert count, and their constexprs."""
-    if group_score not in GROUP_SCORES:
-        raise ModelLoadError(f"unknown expert-group score {group_score!r}", fix=f"use one of {GROUP_SCORES}")
     flags = dict(SIGMOID=sigmoid, GROUP_SCORE=GROUP_SCORES.index(group_score),
                  HAS_BIAS=correction_bias is not None, RENORM=renormalize, TOP_K=top_k,
                  K_POW2=1 << (top_k - 1).bit_length(), E_POW2=1 << (e - 1).bit_length())
     return (e // n_group, n_group, topk_group, float(scale)), flags
+
+
+def _check_group_score(group_score) -> None:
+    if group_score not in GROUP_SCORES:
+        raise ModelLoadError(f"unknown expert-group score {group_score!r}", fix=f"use one of {GROUP_SCORES}")
 
 
 def _fused_triton(x: torch.Tensor) -> bool:
