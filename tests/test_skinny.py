@@ -107,6 +107,50 @@ def test_strided_rows_bias_rules_and_limits():
                                      config=skinny.config_for(48, 32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_matches_bmm_both_weight_layouts(dtype):
+    # MLA's two absorptions at toy size: W_UK read along N (unit stride along N, 40 apart along K) into a slot
+    # of a wider buffer, and W_UV read along K; 3 heads, N and K no whole tiles in the second
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    w_uk = rand(3, 24, 40, dtype=dtype, seed=1)  # [H, nope, rank]
+    q_nope = rand(5, 3, 48, dtype=dtype, seed=2)[..., :24]  # rows and heads strided, unit along K
+    buf = torch.full((5, 3, 40 + 8), 7.0, dtype=dtype, device=DEV)
+    w_uv = rand(3, 20, 40, dtype=dtype, seed=3)  # [H, v, rank]
+    o_lat = rand(2, 3, 40, dtype=dtype, seed=4)
+    with skinny.use(True):
+        got = skinny.batched(q_nope, w_uk.transpose(1, 2), out=buf[..., :40])
+        assert got.data_ptr() == buf.data_ptr()
+        values = skinny.batched(o_lat, w_uv)
+    ref = torch.einsum("thk,hkn->thn", q_nope.float(), w_uk.float())
+    torch.testing.assert_close(buf[..., :40].float(), ref, **tol)
+    assert (buf[..., 40:] == 7).all()  # the rope channels beside the slot are left alone
+    assert values.shape == (2, 3, 20)
+    torch.testing.assert_close(values.float(), torch.einsum("thk,hnk->thn", o_lat.float(), w_uv.float()), **tol)
+
+
+def test_batched_falls_back_to_bmm_and_keeps_autograd():
+    w = rand(2, 16, 8, dtype=torch.float32, seed=1)
+    x = rand(3, 2, 8, dtype=torch.float32, seed=2)
+    ref = torch.einsum("thk,hnk->thn", x, w)
+    calls = []
+    kernel = skinny._kernels().batched
+    with skinny.use(True):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(skinny._kernels(), "batched", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+            skinny.batched(x, w)
+            assert calls == [1]  # the kernel took it
+            for bad in (rand(17, 2, 8, dtype=torch.float32, seed=3),  # past 16 rows
+                        rand(3, 2, 16, dtype=torch.float32, seed=3)[..., ::2]):  # strided along K
+                torch.testing.assert_close(skinny.batched(bad, w), torch.einsum("thk,hnk->thn", bad, w))
+            grad_w = w.clone().requires_grad_()
+            y = skinny.batched(x, grad_w)  # no backward in the kernel: bmm, and autograd records it
+            y.sum().backward()
+            assert calls == [1] and grad_w.grad is not None
+    torch.testing.assert_close(y.detach(), ref, rtol=1e-5, atol=1e-5)
+    with skinny.use(False):
+        torch.testing.assert_close(skinny.batched(x, w), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_dispatch_stays_within_the_kernel_tile():
     assert skinny.MAX_ROWS <= skinny._kernels().BLOCK_M
 
@@ -170,6 +214,24 @@ def test_gpu_gated_same_bits_as_unfused(i, k, act, rows):
     got = skinny.gated(x, w, None, act)
     ref = fused.act_and_mul(skinny.linear(x, w), act)
     assert (got == ref).float().mean().item() >= 0.999
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+@pytest.mark.parametrize("heads", [16, 128])  # DeepSeek-V2-Lite's and V3's heads (nope 128, rank 512, v 128)
+@pytest.mark.parametrize("rows", [1, 16])
+def test_gpu_batched_mla_shapes_match_bmm(heads, rows):
+    kv_b = rand(heads * 256, 512, dtype=torch.bfloat16, seed=6) * 0.05
+    w = kv_b.view(heads, 256, 512)
+    w_uk, w_uv = w[:, :128], w[:, 128:]
+    q_nope = rand(rows, heads, 192, dtype=torch.bfloat16, seed=5)[..., :128]
+    o_lat = rand(rows, heads, 512, dtype=torch.bfloat16, seed=7)
+    for x, wt in ((q_nope, w_uk.transpose(1, 2)), (o_lat, w_uv)):
+        got = skinny.batched(x, wt)
+        ref = torch.bmm(x.transpose(0, 1), wt.transpose(1, 2)).transpose(0, 1)
+        exact = torch.einsum("thk,hnk->thn", x.float(), wt.float())
+        assert ((got.float() - exact).abs() <= exact.abs() * 2 ** -7 + 1e-3).float().mean() >= 0.999
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_prefetch_bytes_fit_the_row_the_budget_and_the_alignment():

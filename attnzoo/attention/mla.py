@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from attnzoo.attention.layer import Attention, ForwardContext
+from attnzoo.layers import skinny
 
 
 def split_kv_b(
@@ -30,7 +31,7 @@ def split_kv_b(
 
 def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """q_nope [T, H, nope] x W_UK [H, nope, rank] -> [T, H, rank]: the query in latent space."""
-    return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+    return skinny.batched(q_nope, w_uk.transpose(1, 2))
 
 
 def absorbed_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, *, in_slot: bool = False
@@ -49,7 +50,7 @@ def absorbed_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
         raise ValueError(f"absorbed_query: q_pe of strides {q_pe.stride()} is not a rope_slot view of a "
                          f"[{t}, {h}, {w}] buffer")
     q = q_pe.as_strided((t, h, w), (h * w, w, 1), q_pe.storage_offset() - r)
-    torch.bmm(q_nope.transpose(0, 1), w_uk, out=q[..., :r].transpose(0, 1))
+    skinny.batched(q_nope, w_uk.transpose(1, 2), out=q[..., :r])
     return q
 
 
@@ -66,7 +67,7 @@ def cache_entry(latent: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
 
 def latent_to_values(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """Latent attention output [T, H, rank] x W_UV [H, v, rank] -> [T, H, v]."""
-    return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+    return skinny.batched(o_latent, w_uv)
 
 
 class MLAAttention(nn.Module):

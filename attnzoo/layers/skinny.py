@@ -41,25 +41,28 @@ def _kernels():
     return optional_module("attnzoo.layers.skinny_kernels")
 
 
-def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether ``linear(x, weight, bias)`` takes the skinny kernel (shapes, dtypes, device, autograd, ``use``)."""
+def _runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The kernel's dtype, device, autograd and ``use`` conditions."""
     # float32 only when asked for (the CPU tests): its cuBLAS path is not bandwidth-starved the same way
     dtypes = (*DTYPES, torch.float32) if _forced else DTYPES
-    if x.dtype != weight.dtype or weight.dtype not in dtypes:
-        return False
-    if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
-        return False
-    if _forced is False or weight.dim() != 2 or x.shape[-1] != weight.shape[1] or x.stride(-1) != 1:
-        return False
-    if not weight.is_contiguous() or x.numel() // max(x.shape[-1], 1) > MAX_ROWS or x.numel() == 0:
-        return False
-    if weight.shape[1] > MAX_K:
+    if _forced is False or x.dtype != weight.dtype or weight.dtype not in dtypes:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False  # the kernel has no backward
     if not x.is_cuda and not (_forced is True and os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     return _kernels() is not None
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether ``linear(x, weight, bias)`` takes the skinny kernel (shapes, dtypes, device, autograd, ``use``)."""
+    if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
+        return False
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or x.stride(-1) != 1:
+        return False
+    if not weight.is_contiguous() or x.numel() // max(x.shape[-1], 1) > MAX_ROWS or x.numel() == 0:
+        return False
+    return weight.shape[1] <= MAX_K and _runs(x, weight)
 
 
 def config_for(n: int, k: int):
@@ -70,6 +73,31 @@ def config_for(n: int, k: int):
     if n <= 4096:
         return sk.Config(32, 512, 4, 3)
     return sk.Config(64, 128, 4, 6) if n <= 8192 else sk.Config(64, 256, 4, 3)
+
+
+def batched_config(n: int, k: int):
+    """Tiles of a per-head projection (``batched``): the whole of a short K in one step (MLA's 128 and 512)
+    and about 16 KB of W a program, so that one head's few outputs still spread over several programs."""
+    block_k = min(512, max(16, 1 << (k - 1).bit_length()))
+    return _kernels().Config(max(16, min(64, 8192 // block_k)), block_k, 4, 2)
+
+
+def batched(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-head products x[:, h] @ weight[h]^T: x [T, H, K], weight [H, N, K] (any strides) -> [T, H, N] (into
+    ``out``, a view of unit stride along N, where given). The skinny kernel, one launch for all heads, where
+    ``linear``'s conditions hold for each head (W unit-strided along N or K); torch.bmm else."""
+    t, h, k = x.shape
+    n = weight.shape[1]
+    shapes_fit = (0 < t <= MAX_ROWS and k <= MAX_K and weight.dim() == 3 and weight.shape[::2] == (h, k)
+                  and 1 in weight.stride()[1:] and x.stride(2) == 1
+                  and (out is None or (out.stride(2) == 1 and out.dtype == x.dtype)))
+    if not (shapes_fit and _runs(x, weight)):
+        _check_interpreter(x)
+        if out is None:  # no out=: autograd records this product (the reference models' training checks)
+            return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
+        return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2), out=out.transpose(0, 1)).transpose(0, 1)
+    out = x.new_empty(t, h, n) if out is None else out
+    return _kernels().batched(x, weight, out, config=batched_config(n, k))
 
 
 def _check_interpreter(x: torch.Tensor) -> None:

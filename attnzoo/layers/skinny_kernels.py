@@ -3,7 +3,8 @@
 Decode at batch 1-16 is bound by reading W once. Each program owns ``BLOCK_N`` output features and
 streams their rows of W over the whole K (no split-K, so no second reduction kernel); the few rows of x
 are padded to 16 in registers so the product runs on tensor cores. A gated MLP's gate_up projection can
-end in its activation (act(gate) * up), one launch instead of two. Importing this module imports
+end in its activation (act(gate) * up), one launch instead of two. A second grid axis runs one such
+projection per head (``batched``: MLA's per-head absorptions, W [H, N, K] of any strides). Importing this module imports
 triton; on a CPU it runs only under Triton's interpreter.
 """
 from __future__ import annotations
@@ -33,12 +34,17 @@ class Config(NamedTuple):
 
 @triton.jit
 def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                   stride_xh, stride_wh, stride_wk, stride_yh,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr,
                    GATED: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr,
                    PREFETCH: tl.constexpr):
     # GATED: W [2N, K] is gate rows then up rows, and the output act(gate) * up, rounded as the two-kernel path
     pid = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)  # 0 but in ``batched``
+    X += head * stride_xh
+    W += head * stride_wh
+    Y += head * stride_yh
     rn = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # int64: a vocabulary-sized W passes 2**31 elements
     if PDL and PREFETCH > 0:
         # Launched early by PDL, the programs ask for the start of their rows of W while the kernel before runs
@@ -49,7 +55,7 @@ def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     x_ptr = X + rm[:, None] * stride_xm + rk[None, :]
-    w_ptr = W + rn[:, None] * stride_wn + rk[None, :]
+    w_ptr = W + rn[:, None] * stride_wn + rk[None, :] * stride_wk  # stride_wk 1 but in ``batched``: specialized
     up_ptr = w_ptr + N * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -74,7 +80,7 @@ def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
             acc_up += tl.dot(x, tl.trans(wu), input_precision="ieee")
             up_ptr += BLOCK_K
         x_ptr += BLOCK_K
-        w_ptr += BLOCK_K
+        w_ptr += BLOCK_K * stride_wk
     if HAS_BIAS:
         acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -116,9 +122,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     grid = triton.cdiv(n, c.block_n)
     _skinny_kernel[(grid,)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=c.block_n, BLOCK_K=c.block_k, HAS_BIAS=bias is not None, EVEN=even,
+        0, 0, 1, 0, BLOCK_M=BLOCK_M, BLOCK_N=c.block_n, BLOCK_K=c.block_k, HAS_BIAS=bias is not None, EVEN=even,
         F32_DOT=weight.dtype == torch.float32 or not x.is_cuda, GATED=act is not None, ACT=ACTIVATIONS.get(act, 0),
         ROUND=ROUND_OF.get(y.dtype, ""),
         PREFETCH=0 if act else prefetch_bytes(weight, c.block_n, prefetch),
         num_warps=c.warps, num_stages=c.stages, **pdl.launch_args(x, grid))
     return y
+
+
+def batched(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, config: Config) -> torch.Tensor:
+    """out[:, h] = x[:, h] @ weight[h]^T for every head h: x [M, H, K] (M <= 16, unit stride along K), weight
+    [H, N, K] of any strides (MLA's W_UK is read along N), out [M, H, N] with unit stride along N (a view into
+    a larger buffer allowed). One launch, a program per (block of N, head)."""
+    m, h, k = x.shape
+    n = weight.shape[1]
+    if m > BLOCK_M or x.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError(f"batched: at most {BLOCK_M} rows with unit strides along K and N, got x {tuple(x.shape)} "
+                         f"strides {x.stride()}, out strides {out.stride()}")
+    c = config
+    even = n % c.block_n == 0 and k % c.block_k == 0
+    grid = (triton.cdiv(n, c.block_n), h)
+    _skinny_kernel[grid](
+        x, weight, weight, out, m, n, k, x.stride(0), weight.stride(1), out.stride(0),
+        x.stride(1), weight.stride(0), weight.stride(2), out.stride(1),
+        BLOCK_M=BLOCK_M, BLOCK_N=c.block_n, BLOCK_K=c.block_k, HAS_BIAS=False, EVEN=even,
+        F32_DOT=weight.dtype == torch.float32 or not x.is_cuda, GATED=False, ACT=0, ROUND=ROUND_OF.get(out.dtype, ""),
+        PREFETCH=0, num_warps=c.warps, num_stages=c.stages, **pdl.launch_args(x, grid[0] * grid[1]))
+    return out
