@@ -131,6 +131,9 @@ def test_tile_tables_round_trip_and_lookup(tmp_path):
     assert pick_config(tables, "NVIDIA H200", "90", tile_key(64, 1408, 2048, "bf16"), 1) is None
     # No table for this device (CPU here): the default tiles.
     assert tile_config(4, 6, 64, 2048, 1408, True, torch.device("cpu"), tmp_path) == default_config(24, 64, True)
+    # Under a row per expert (decode), unquantized experts stream their weight in long K steps; FP8 keeps its group.
+    assert default_config(6, 64, "bf16") == MoEConfig(16, 64, 256, 1, 4, 3) != default_config(64, 64, "bf16")
+    assert default_config(6, 64, "fp8").block_k == 128
 
 
 def test_sweep_space_is_small_and_runnable(bench_script):
