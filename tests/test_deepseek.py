@@ -113,6 +113,22 @@ def test_triton_matches_transformers(tmp_path):
     assert_matches_hf(llm, hf, random_prompts(VOCAB, [7, 21]), steps=32)
 
 
+def test_absorptions_on_the_skinny_kernel_match_transformers(tmp_path, monkeypatch):
+    # MLA's two per-head products at decode's few rows take skinny.batched (W_UK read along N, W_UV along K; the
+    # query's into its buffer's slot): the same greedy tokens as transformers
+    from attnzoo.layers import skinny, skinny_kernels
+
+    hf = tiny_v2(q_lora_rank=None, num_hidden_layers=2)
+    save_checkpoint(hf, tmp_path)
+    llm = attnzoo.load_model(tmp_path, page_size=16, backend="torch", device="cuda" if GPU else "cpu", dtype="float32")
+    calls = []
+    kernel = skinny_kernels.batched
+    monkeypatch.setattr(skinny_kernels, "batched", lambda *a, **k: calls.append(a[1].stride()) or kernel(*a, **k))
+    with skinny.use(True):
+        assert_matches_hf(llm, hf, random_prompts(VOCAB, [7, 5]), steps=6)
+    assert {s[1] == 1 for s in calls} == {True, False}  # both absorptions ran on the kernel
+
+
 def test_triton_cascade_extend_matches_plain(tmp_path, monkeypatch):
     """MLA extend steps after a cached shared prefix, through the engine (prompt tails in chunks beside decode
     rows): the prefix as GEMMs for every new token, then the extend kernel over each request's own keys (forced:
