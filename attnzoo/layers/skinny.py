@@ -5,7 +5,8 @@ At 1-16 rows a projection only streams its weight, and cuBLAS's GEMV-shaped kern
 table on the small ones (a split-K pass plus a reduction kernel) and on the LM head; the Triton kernel reads
 W in one pass (benchmarks/skinny_gemm.py, results/README.md). It is taken on CUDA for bfloat16/float16
 weights with the activation's dtype; ``use(False)`` turns it off (cuBLAS-only comparisons), ``use(True)``
-takes it for float32 too and runs it on a CPU under ``TRITON_INTERPRET=1``.
+takes it for float32 too and runs it on a CPU under ``TRITON_INTERPRET=1``. ``batched`` runs it once per head
+in one launch (MLA's absorptions).
 """
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ def batched(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = No
     n = weight.shape[1]
     shapes_fit = (0 < t <= MAX_ROWS and k <= MAX_K and weight.dim() == 3 and weight.shape[::2] == (h, k)
                   and 1 in weight.stride()[1:] and x.stride(2) == 1
-                  and (out is None or (out.stride(2) == 1 and out.dtype == x.dtype)))
+                  and (out is None or (out.shape == (t, h, n) and out.device == x.device and out.stride(2) == 1
+                                       and out.dtype == x.dtype)))
     if not (shapes_fit and _runs(x, weight)):
         _check_interpreter(x)
         if out is None:  # no out=: autograd records this product (the reference models' training checks)

@@ -4,8 +4,8 @@ Decode at batch 1-16 is bound by reading W once. Each program owns ``BLOCK_N`` o
 streams their rows of W over the whole K (no split-K, so no second reduction kernel); the few rows of x
 are padded to 16 in registers so the product runs on tensor cores. A gated MLP's gate_up projection can
 end in its activation (act(gate) * up), one launch instead of two. A second grid axis runs one such
-projection per head (``batched``: MLA's per-head absorptions, W [H, N, K] of any strides). Importing this module imports
-triton; on a CPU it runs only under Triton's interpreter.
+projection per head (``batched``: MLA's per-head absorptions, W [H, N, K] of any strides). Importing this
+module imports triton; on a CPU it runs only under Triton's interpreter.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                    PREFETCH: tl.constexpr):
     # GATED: W [2N, K] is gate rows then up rows, and the output act(gate) * up, rounded as the two-kernel path
     pid = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)  # 0 but in ``batched``
+    head = tl.program_id(1).to(tl.int64)  # int64: heads of a large W pass 2**31 elements
     X += head * stride_xh
     W += head * stride_wh
     Y += head * stride_yh
@@ -55,7 +55,7 @@ def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     x_ptr = X + rm[:, None] * stride_xm + rk[None, :]
-    w_ptr = W + rn[:, None] * stride_wn + rk[None, :] * stride_wk  # stride_wk 1 but in ``batched``: specialized
+    w_ptr = W + rn[:, None] * stride_wn + rk[None, :] * stride_wk  # a stride of 1 is specialized: plain W loads stay vectorised
     up_ptr = w_ptr + N * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -78,7 +78,7 @@ def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
             if F32_DOT:
                 wu = wu.to(tl.float32)
             acc_up += tl.dot(x, tl.trans(wu), input_precision="ieee")
-            up_ptr += BLOCK_K
+            up_ptr += BLOCK_K * stride_wk
         x_ptr += BLOCK_K
         w_ptr += BLOCK_K * stride_wk
     if HAS_BIAS:
@@ -136,9 +136,9 @@ def batched(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, config:
     a larger buffer allowed). One launch, a program per (block of N, head)."""
     m, h, k = x.shape
     n = weight.shape[1]
-    if m > BLOCK_M or x.stride(2) != 1 or out.stride(2) != 1:
-        raise ValueError(f"batched: at most {BLOCK_M} rows with unit strides along K and N, got x {tuple(x.shape)} "
-                         f"strides {x.stride()}, out strides {out.stride()}")
+    if m > BLOCK_M or x.stride(2) != 1 or out.stride(2) != 1 or out.shape != (m, h, n):
+        raise ValueError(f"batched: at most {BLOCK_M} rows with unit strides along K and N and out [{m}, {h}, {n}], "
+                         f"got x {tuple(x.shape)} strides {x.stride()}, out {tuple(out.shape)} strides {out.stride()}")
     c = config
     even = n % c.block_n == 0 and k % c.block_k == 0
     grid = (triton.cdiv(n, c.block_n), h)
