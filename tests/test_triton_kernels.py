@@ -173,6 +173,32 @@ def test_extend_matches_reference(case):
     check_extend(*EXTEND_CASES[case])
 
 
+class _GridSpy:
+    """Stands in for a Triton kernel: records each launch's grid, then launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_merge_splits_values_into_chunks_when_few_programs(monkeypatch, chunked):
+    # The merge of a batch with fewer (request, head) pairs than SMs takes each head's values in chunks (at most
+    # MERGE_CHUNKS, each at least MIN_MERGE_CHUNK wide), a program each: the same output as one program a head,
+    # including chunks past a head's values.
+    from attnzoo.attention.kernels import decode as dec
+
+    monkeypatch.setattr(dec, "_sms", lambda device: 132 if chunked else 0)
+    spy = _GridSpy(dec._decode_stage2)
+    monkeypatch.setattr(dec, "_decode_stage2", spy)
+    check_decode([40, 9], 16, 1, 576, 320, 16, None, None, 5, torch.bfloat16, True)  # 320 values: a 512 tile
+    check_decode([40, 9], 8, 2, 128, 128, 16, None, None, 5, torch.bfloat16, False)
+    assert spy.grids == [(2, 16, 4 if chunked else 1), (2, 8, 2 if chunked else 1)]
+
+
 def test_split_count_fills_the_gpu_and_respects_limits():
     # a long context at batch 1 splits; a large batch does not; a short context never splits below 256 tokens
     assert choose_num_kv_splits(batch=1, num_kv_heads=8, group=4, max_kv_len=16384, num_sms=132) > 1
@@ -260,6 +286,63 @@ def test_store_kv_writes_exactly_the_slots(page_size):
     written = torch.zeros(num_pages, page_size, dtype=torch.bool)
     written[page, off] = True
     assert k_cache.isnan().all(-1).all(1).cpu().eq(~written).all(), "a slot outside slot_mapping was written"
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary,fp8", [(40, False), (24, False), (40, True)])
+def test_store_with_rope_rotates_q_and_k_as_fused_rope(interleaved, rotary, fp8):
+    # The store's RoPE gives fused.rope's q and k (also partial rotary: the channels past R as they are), stores
+    # the rotated keys (fp8: their quantized bytes, as the plain store writes them) and leaves the values alone.
+    from attnzoo.attention.kv_cache import quantize_fp8
+    from attnzoo.layers.fused import rope_ref
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    tokens, heads, q_heads, d, page_size = 5, 2, 6, 40, 16
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    k_cache = torch.zeros(3, heads, page_size, d, device=DEVICE).to(dtype)
+    v_cache = torch.zeros(3, heads, page_size, 24, device=DEVICE).to(dtype)
+    slots = torch.tensor([16, 17, 18, 40, 33], device=DEVICE)
+    q = torch.randn(tokens, q_heads, d, generator=gen).to(torch.bfloat16)
+    k = torch.randn(tokens, heads, d, generator=gen).to(torch.bfloat16)
+    v = torch.randn(tokens, heads, 24, generator=gen).to(torch.bfloat16)
+    pos = torch.arange(tokens)[:, None] * 7.0
+    freq = 1.0 / 10000 ** (torch.arange(rotary // 2) / (rotary // 2))
+    cos, sin = torch.cat([(pos * freq).cos()] * 2, -1), torch.cat([(pos * freq).sin()] * 2, -1)
+    want_q, want_k = rope_ref(q, cos, sin, interleaved), rope_ref(k, cos, sin, interleaved)
+    qd, kd = q.to(DEVICE), k.to(DEVICE)
+    store_kv(slots, kd, k_cache, v.to(DEVICE), v_cache, k_scale=0.5, v_scale=0.5, q=qd, cos=cos.to(DEVICE),
+             sin=sin.to(DEVICE), interleaved=interleaved)
+    # the GPU rounds float32 -> bfloat16 to nearest; Triton's interpreter truncates (< 1 ulp)
+    tol = dict(rtol=0.0, atol=0.0) if DEVICE.type == "cuda" else dict(rtol=2.0**-7, atol=1e-6)
+    torch.testing.assert_close(qd.cpu(), want_q, **tol, msg=lambda m: f"q: {m} (seed {seed})")
+    torch.testing.assert_close(kd.cpu(), want_k, **tol, msg=lambda m: f"k: {m} (seed {seed})")
+    def cached(x):  # what the plain store writes for rows x
+        return quantize_fp8(x, 0.5) if fp8 else x
+
+    stored = k_cache[slots // page_size, :, slots % page_size].cpu()
+    assert torch.equal(stored.view(torch.uint8), cached(kd.cpu()).view(torch.uint8)), f"keys (seed {seed})"
+    values = v_cache[slots // page_size, :, slots % page_size].cpu()
+    assert torch.equal(values.view(torch.uint8), cached(v).view(torch.uint8)), f"values (seed {seed})"
+    with pytest.raises(BackendError, match="RoPE"):
+        store_kv(slots, kd, k_cache, q=qd, cos=cos.to(DEVICE)[:, :3], sin=sin.to(DEVICE)[:, :3])
+
+
+def test_pool_store_with_rope_on_cpu_rotates_in_place():
+    # The pool's torch path (a CPU pool) rotates q and k in place as the GPU's store kernel does.
+    from attnzoo.attention.kv_cache import RoPE
+    from attnzoo.layers.fused import rope_ref
+
+    gen = torch.Generator().manual_seed(fresh_seed())
+    spec = KVCacheSpec(num_kv_heads=2, head_dim=32, v_head_dim=32)
+    pool = KVPool([spec], num_pages=4, page_size=16, dtype=torch.float32, device=torch.device("cpu"))
+    q, k, v = (torch.randn(3, h, 32, generator=gen) for h in (4, 2, 2))
+    cos, sin = torch.rand(3, 32, generator=gen), torch.rand(3, 32, generator=gen)
+    want_q, want_k = rope_ref(q, cos, sin), rope_ref(k, cos, sin)
+    slots = torch.tensor([16, 17, 18])
+    pool.store(0, slots, k, v, rope=RoPE(q, cos, sin))
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(pool.k(0)[1, :, :3].transpose(0, 1), want_k)
 
 
 def test_store_mla_and_indexer_rows():
@@ -419,6 +502,8 @@ def test_tiny_llama_greedy_equals_torch_backend(tmp_path):
     ("gemma-sliding", [3000, 700], 32, 16, 256, 256, 32, 1024, None, None, torch.bfloat16, False),
     # DeepSeek-V3 absorbed MLA: 128 heads on one latent KV head, 576/512
     ("mla-v3", [8192, 333, 1024], 128, 1, 576, 512, 64, None, None, None, torch.bfloat16, True),
+    # DeepSeek-V2-Lite at batch 1: 64 splits of a few keys each, the merge in value chunks, keys prefetched
+    ("mla-v2lite-b1", [1600], 16, 1, 576, 512, 16, None, None, 64, torch.bfloat16, True),
     ("softcap-fp16-ps1", [1500, 20], 16, 2, 128, 128, 1, None, 50.0, None, torch.float16, False),
 ])
 def test_decode_realistic_shapes_gpu(case):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from attnzoo.errors import BackendError, KVCacheFullError, ModelLoadError
+from attnzoo.layers.fused import rope_ref
 
 _ALIGN = 256  # byte alignment of every layer's slab in the pool
 MAX_PAGE_SIZE = 128
@@ -69,6 +70,17 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x / scale, saturated to the e4m3 range and rounded to nearest even: what the fp8 pool stores."""
     # Times the inverse, as the store kernel does, so both round the same products.
     return (x.float() * (1.0 / scale)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+@dataclass(frozen=True)
+class RoPE:
+    """RoPE that ``KVPool.store`` applies as it stores a step's keys: ``q`` [T, H, D] and the keys rotated in
+    place by ``cos``/``sin`` [T, R] float32 (``fused.rope``'s convention: cat(f, f), R <= D)."""
+
+    q: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleaved: bool = False
 
 
 @dataclass(frozen=True)
@@ -342,22 +354,31 @@ class KVPool:
         k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: the indexer keys only
         v: torch.Tensor | None,  # [num_tokens, num_kv_heads, v_head_dim]; None when v_from_k
         index_k: torch.Tensor | None = None,  # [num_tokens, index_head_dim]
+        *,
+        rope: RoPE | None = None,  # rotate k (and rope.q) in place first, in the same launch on a GPU
     ) -> None:
         """The one store path: write this step's new tokens at their slots. A KV-sharing layer stores
         only its own indexer keys (k None)."""
         if k is not None and not self.owns_memory(layer_id):
             raise RuntimeError(f"layer {layer_id} reads a shared KV cache and must not write it")
+        if rope is not None and k is None:
+            raise RuntimeError("store: RoPE rotates the stored keys; this store has none")
         views = self._views[layer_id]
         if self.device.type == "cuda":
             # One Triton launch per layer for k and v (torch indexing costs several kernels each).
             from attnzoo.attention.kernels.store import store_kv, store_rows
 
             if k is not None:
+                rotary = {} if rope is None else dict(q=rope.q, cos=rope.cos, sin=rope.sin,
+                                                      interleaved=rope.interleaved)
                 store_kv(slot_mapping, k, views["k"], v, views["v"] if v is not None else None,
-                         k_scale=self.k_scale, v_scale=self.v_scale)
+                         k_scale=self.k_scale, v_scale=self.v_scale, **rotary)
             if index_k is not None:
                 store_rows(slot_mapping, index_k, views["index_k"])
             return
+        if rope is not None:
+            rope.q.copy_(rope_ref(rope.q, rope.cos, rope.sin, rope.interleaved))
+            k.copy_(rope_ref(k, rope.cos, rope.sin, rope.interleaved))
         page = slot_mapping // self.page_size
         off = slot_mapping % self.page_size
         if k is not None:

@@ -18,9 +18,10 @@ from torch import nn
 
 from attnzoo.attention.backends.base import AttentionBackend, StepPlan
 from attnzoo.attention.backends.hybrid import HybridBackend
-from attnzoo.attention.kv_cache import KVCacheSpec, KVPool, layer_kind
+from attnzoo.attention.kv_cache import KVCacheSpec, KVPool, RoPE, layer_kind
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.errors import BackendError
+from attnzoo.layers import fused
 
 
 # KV layer kinds whose attention is the shared layer's call and nothing else: NSA's indexer and the
@@ -124,16 +125,32 @@ class Attention(nn.Module):
         k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None on KV-sharing layers
         v: torch.Tensor | None,  # [num_tokens, num_kv_heads, v_head_dim]; None on sharing and MLA layers
         ctx: ForwardContext,
+        *,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin) [T, R]: q and k not yet rotated
     ) -> torch.Tensor:  # [num_tokens, num_heads * v_head_dim]
+        if rope is not None and (ctx.split is not None or not self._rotates_in_store(q, k, ctx)):
+            q, k = fused.rope(q, k, *rope)
+            rope = None
         if ctx.split is not None:
             return ctx.split(self, q, k, v)
-        return self.attend(q, k, v, ctx)
+        return self.attend(q, k, v, ctx, rope=rope)
+
+    def _rotates_in_store(self, q: torch.Tensor, k: torch.Tensor | None, ctx: ForwardContext) -> bool:
+        """Whether this layer's store rotates q and k: in place (no autograd), on a GPU with Triton's ops on,
+        for backends that read q through its strides."""
+        if self.kv_shared_from is not None or k is None or not q.is_cuda or not fused.enabled(q):
+            return False
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            return False
+        return ctx.backends.strided_query
 
     def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-               ctx: ForwardContext) -> torch.Tensor:
-        """``forward``'s work: store k/v at the step's slots, then the step's backend."""
+               ctx: ForwardContext, *, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``forward``'s work: store k/v at the step's slots (RoPE on q and k first, in the same launch, where
+        ``rope`` is given), then the step's backend."""
         meta = ctx.meta
         if self.kv_shared_from is None:
-            ctx.pool.store(self.layer_id, meta.slot_mapping_for(self.sliding_window), k, v)
+            ctx.pool.store(self.layer_id, meta.slot_mapping_for(self.sliding_window), k, v,
+                           rope=None if rope is None else RoPE(q, *rope))
         out = ctx.backends.run(self, q, meta, ctx.plan)
         return out.reshape(q.shape[0], self.num_heads * self.v_head_dim)

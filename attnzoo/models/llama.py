@@ -41,6 +41,10 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, scale=scale,
                               sliding_window=sliding_window)
 
+    # RoPE is the attention layer's to apply (with the key store, one launch); subclasses that normalise q and k
+    # first set this False and rotate them in ``rope``.
+    rope_in_attention = True
+
     def rope(self, q, k, cos, sin):
         """q [T, H, d], k [T, Hk, d] -> roped q, k (subclasses normalise them first)."""
         return apply_rope_qk(q, k, cos, sin)
@@ -48,9 +52,11 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos, sin, ctx: ForwardContext):
         t = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q, k = self.rope(q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
-                         cos, sin)
+        q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.rope_in_attention:
+            return self.o_proj(self.attn(q, k, v, ctx, rope=(cos, sin)))
+        q, k = self.rope(q, k, cos, sin)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 

@@ -23,6 +23,8 @@ class QKNormAttention(LlamaAttention):
     """Llama attention with q and k RMS-normalised per head before RoPE (one kernel on a GPU).
     ``norm_offset`` 1: Gemma-style norms that store weight - 1."""
 
+    rope_in_attention = False  # the norms come first: norm and RoPE are one kernel here
+
     def __init__(self, config, layer_id: int, tp: TPContext = SINGLE, *, norm_offset: float = 0.0, **kw):
         super().__init__(config, layer_id, tp, **kw)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=norm_offset)

@@ -135,6 +135,8 @@ class AttentionBackend(ABC):
     cascade_extend_scope: ClassVar[str] = ""  # e.g. "MLA layers": shown in load_model's explanation
     supports_cascade_graph: ClassVar[bool] = False
     splits_mixed_steps: ClassVar[bool] = False
+    # q may arrive as a strided view (rotated in place in the QKV projection's output by the store's RoPE)
+    strided_query: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

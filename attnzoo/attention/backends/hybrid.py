@@ -56,6 +56,11 @@ class HybridBackend:
         self._mixed_min_rows: int | None = None
 
     @property
+    def strided_query(self) -> bool:
+        """Whether both backends take q as a strided view (``AttentionBackend.strided_query``)."""
+        return self.prefill_backend.strided_query and self.decode_backend.strided_query
+
+    @property
     def mixed_min_rows(self) -> int | None:
         """Fewest leading decode rows a mixed step splits off (``decode_rows``); None: never."""
         return self._mixed_min_rows

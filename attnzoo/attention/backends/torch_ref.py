@@ -98,6 +98,7 @@ class TorchBackend(NSABackend, CompressedBackend):
         notes=("fp8_e4m3 KV cache: quantize-dequantize in float32 (per-tensor scales)",),
     )
     splits_mixed_steps = True
+    strided_query = True
 
     def __init__(self, pool: KVPool):
         super().__init__(pool)

@@ -56,6 +56,11 @@ MIN_MERGED_SPLITS = 16
 # (benchmarks/results/cascade_sweep_nvidia_h100.txt).
 FEW_SPLITS = 4
 MERGE_TILE = 8192
+# Past FEW_SPLITS, a merge of fewer programs than SMs splits each head's values into up to MERGE_CHUNKS chunks of
+# at least MIN_MERGE_CHUNK values: one program a head left MLA's 512 values x 64 splits to 16 programs at batch 1,
+# latency-bound; more, narrower chunks measured slower end to end (results/batch1_rope_store_merge_chunks_*).
+MERGE_CHUNKS = 4
+MIN_MERGE_CHUNK = 64
 
 
 @triton.jit
@@ -210,11 +215,12 @@ def _decode_stage2(
     PDL: tl.constexpr,
 ):
     prior_done(PDL)
-    # One program merges BLOCK_H heads of one request: a [BLOCK_H, BLOCK_S, BLOCK_DV] tile of partials.
+    # One program merges BLOCK_H heads of one request, BLOCK_DV of their values (the chunk program_id(2)):
+    # a [BLOCK_H, BLOCK_S, BLOCK_DV] tile of partials.
     b = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_DV)
+    offs_d = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     h_ok = offs_h < num_heads
     s_ok = h_ok[:, None] & (offs_s[None, :] < num_splits)
     # lse is in log2 units; empty splits carry -inf and weigh 0. Split 0 is never empty.
@@ -311,6 +317,11 @@ def _stage1(q, k_cache, v_cache, block_tables, seq_lens, dest, lse, *, direct, n
     launch(_decode_stage1, grid, args, constexprs, cfg, tile_keys=("BLOCK_N",))
 
 
+def _sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; 0 elsewhere (the interpreter's merge keeps one program a head)."""
+    return pdl.sm_count(device.index or 0) if device.type == "cuda" else 0
+
+
 def _stage2(partial, lse, out, sinks=None):
     batch, heads, splits, v_dim = partial.shape
     bdv = value_tile(v_dim)
@@ -318,7 +329,11 @@ def _stage2(partial, lse, out, sinks=None):
         block_s, block_h = FEW_SPLITS, min(next_pow2(heads), max(1, MERGE_TILE // (FEW_SPLITS * bdv)))
     else:
         block_s, block_h = max(MIN_MERGED_SPLITS, next_pow2(splits)), 1
-    _decode_stage2[(batch, -(-heads // block_h))](
+    chunks = 1
+    if block_h == 1 and batch * heads < _sms(partial.device):
+        chunks = max(1, min(MERGE_CHUNKS, bdv // MIN_MERGE_CHUNK))
+        bdv //= chunks
+    _decode_stage2[(batch, -(-heads // block_h), chunks)](
         partial, lse, out, out if sinks is None else sinks,
         *partial.stride(), *lse.stride(), *out.stride(), heads, splits,
         BLOCK_H=block_h, BLOCK_S=block_s, V_DIM=v_dim, BLOCK_DV=bdv, HAS_SINKS=sinks is not None,

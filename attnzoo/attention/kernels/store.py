@@ -7,6 +7,11 @@ indexer keys (one "head") go through the same kernel.
 
 An fp8 (e4m3) cache stores row / scale, saturated to +-448 and rounded to nearest even (NaN kept), as
 ``kv_cache.quantize_fp8`` does on the CPU.
+
+With ``cos``/``sin``, the same launch applies RoPE first (``fused.rope``'s arithmetic: float32, rounded to the
+rows' dtype): the keys are rotated before they are stored, and written back rotated, and the query's heads,
+a program each, are rotated in place. A decode step then spends one launch, not two, between the QKV
+projection and attention.
 """
 from __future__ import annotations
 
@@ -21,12 +26,46 @@ from attnzoo.errors import BackendError
 
 
 @triton.jit
+def _rotated(row, stride_d, cos_row, sin_row, HALF: tl.constexpr, HALF_PAD: tl.constexpr, INTERLEAVED: tl.constexpr):
+    # -> the row's rotary channels rotated, in float32: (first, second) halves [HALF_PAD], out[j] and out[HALF + j]
+    j = tl.arange(0, HALF_PAD)
+    ok = j < HALF
+    if INTERLEAVED:
+        first, second = 2 * j, 2 * j + 1
+    else:
+        first, second = j, HALF + j
+    x1 = tl.load(row + first * stride_d, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(row + second * stride_d, mask=ok, other=0.0).to(tl.float32)
+    c = tl.load(cos_row + j, mask=ok, other=0.0)
+    s = tl.load(sin_row + j, mask=ok, other=0.0)
+    # every thread's loads before any store: in place, interleaved pairs are written to other threads' channels
+    tl.debug_barrier()
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def _put_halves(row, stride_d, a, b, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    j = tl.arange(0, HALF_PAD)
+    tl.store(row + j * stride_d, a, mask=j < HALF)
+    tl.store(row + (HALF + j) * stride_d, b, mask=j < HALF)
+
+
+@triton.jit
+def _cache_value(x, inv_scale, FP8: tl.constexpr, CACHE):
+    # bytes by integer arithmetic into a uint8 view: the interpreter's fp8 casts mis-round and lose NaN
+    if FP8:
+        x = fp8_bytes(x.to(tl.float32) * inv_scale)
+    return x.to(CACHE.dtype.element_ty)
+
+
+@triton.jit
 def _store_kernel(
-    SLOTS, K, V, K_CACHE, V_CACHE,
+    SLOTS, K, V, K_CACHE, V_CACHE, Q, COS, SIN,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_cp, stride_ch, stride_cs, stride_cd,
     stride_dp, stride_dh, stride_ds, stride_dd,
+    stride_qt, stride_qh, stride_qd, stride_ct,
     k_inv_scale, v_inv_scale,
     PAGE_SIZE: tl.constexpr,
     K_DIM: tl.constexpr,
@@ -35,27 +74,45 @@ def _store_kernel(
     BLOCK_V: tl.constexpr,
     HAS_V: tl.constexpr,
     FP8: tl.constexpr,
+    HEADS: tl.constexpr,  # KV heads: programs past them (ROPE only) rotate a query head each
+    ROPE: tl.constexpr,
+    HALF: tl.constexpr,  # rotary pairs of a head (its first 2 HALF channels rotate)
+    HALF_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     prior_done(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
+    t64 = t.to(tl.int64)
+    if ROPE and h >= HEADS:
+        q_row = Q + t64 * stride_qt + (h - HEADS) * stride_qh
+        a, b = _rotated(q_row, stride_qd, COS + t64 * stride_ct, SIN + t64 * stride_ct, HALF, HALF_PAD, INTERLEAVED)
+        _put_halves(q_row, stride_qd, a.to(Q.dtype.element_ty), b.to(Q.dtype.element_ty), HALF, HALF_PAD)
+        return
     slot = tl.load(SLOTS + t).to(tl.int64)
     page = slot // PAGE_SIZE
     off = slot % PAGE_SIZE
+    k_row = K + t64 * stride_kt + h * stride_kh
+    dst = K_CACHE + page * stride_cp + h * stride_ch + off * stride_cs
     offs_k = tl.arange(0, BLOCK_K)
-    k = tl.load(K + t.to(tl.int64) * stride_kt + h * stride_kh + offs_k * stride_kd, mask=offs_k < K_DIM)
-    dst = K_CACHE + page * stride_cp + h * stride_ch + off * stride_cs + offs_k * stride_cd
-    if FP8:  # bytes by integer arithmetic into a uint8 view: the interpreter's fp8 casts mis-round and lose NaN
-        k = fp8_bytes(k.to(tl.float32) * k_inv_scale)
-    tl.store(dst, k.to(K_CACHE.dtype.element_ty), mask=offs_k < K_DIM)
+    if ROPE:
+        a, b = _rotated(k_row, stride_kd, COS + t64 * stride_ct, SIN + t64 * stride_ct, HALF, HALF_PAD, INTERLEAVED)
+        a, b = a.to(K.dtype.element_ty), b.to(K.dtype.element_ty)
+        _put_halves(k_row, stride_kd, a, b, HALF, HALF_PAD)  # later readers of k (extend kernels) see it rotated
+        _put_halves(dst, stride_cd, _cache_value(a, k_inv_scale, FP8, K_CACHE),
+                    _cache_value(b, k_inv_scale, FP8, K_CACHE), HALF, HALF_PAD)
+        rest = (offs_k >= 2 * HALF) & (offs_k < K_DIM)  # channels past the rotary ones, as they are
+        k = tl.load(k_row + offs_k * stride_kd, mask=rest)
+        tl.store(dst + offs_k * stride_cd, _cache_value(k, k_inv_scale, FP8, K_CACHE), mask=rest)
+    else:
+        k = tl.load(k_row + offs_k * stride_kd, mask=offs_k < K_DIM)
+        tl.store(dst + offs_k * stride_cd, _cache_value(k, k_inv_scale, FP8, K_CACHE), mask=offs_k < K_DIM)
     if HAS_V:
         offs_v = tl.arange(0, BLOCK_V)
-        v = tl.load(V + t.to(tl.int64) * stride_vt + h * stride_vh + offs_v * stride_vd, mask=offs_v < V_DIM)
+        v = tl.load(V + t64 * stride_vt + h * stride_vh + offs_v * stride_vd, mask=offs_v < V_DIM)
         dst_v = V_CACHE + page * stride_dp + h * stride_dh + off * stride_ds + offs_v * stride_dd
-        if FP8:
-            v = fp8_bytes(v.to(tl.float32) * v_inv_scale)
-        tl.store(dst_v, v.to(V_CACHE.dtype.element_ty), mask=offs_v < V_DIM)
+        tl.store(dst_v, _cache_value(v, v_inv_scale, FP8, V_CACHE), mask=offs_v < V_DIM)
 
 
 def store_kv(
@@ -67,10 +124,23 @@ def store_kv(
     *,
     k_scale: float = 1.0,  # fp8 caches: what is stored is k / k_scale
     v_scale: float = 1.0,
+    q: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]: rotated in place with k (cos/sin given)
+    cos: torch.Tensor | None = None,  # [num_tokens, R] float32 (cat(f, f), R <= head_dim): RoPE before the store
+    sin: torch.Tensor | None = None,
+    interleaved: bool = False,
 ) -> None:
     """cache[slot // page_size, :, slot % page_size] = row, for k (and v), cast to the cache dtype
-    (quantized by the scale for an fp8 cache)."""
+    (quantized by the scale for an fp8 cache). With ``cos``/``sin``: k's and q's first R channels are rotated
+    first, in place (``fused.rope``'s RoPE; ``interleaved`` as there), and the rotated keys stored."""
     num_tokens, heads, k_dim = k.shape
+    rope = cos is not None
+    if rope and (q is None or sin is None or q.shape[0] != num_tokens or q.shape[2] != k_dim
+                 or cos.shape != sin.shape or cos.shape[0] != num_tokens or cos.shape[1] % 2
+                 or cos.shape[1] > k_dim or cos.dtype != torch.float32):
+        raise BackendError(f"store with RoPE: q {None if q is None else tuple(q.shape)}, k {tuple(k.shape)} and "
+                           f"cos/sin {tuple(cos.shape)} / {None if sin is None else tuple(sin.shape)} disagree",
+                           fix="pass q [tokens, heads, head_dim] and float32 cos/sin [tokens, R] with R even, "
+                               "at most head_dim")
     if k_cache.dim() != 4 or k_cache.shape[1] != heads or k_cache.shape[3] != k_dim:
         raise BackendError(f"store: k {tuple(k.shape)} does not fit the cache {tuple(k_cache.shape)}",
                            fix="pass [tokens, kv_heads, head_dim] rows for this layer's cache")
@@ -93,13 +163,17 @@ def store_kv(
                            fix="pass the k and v views of one pool (one dtype)")
     if fp8:  # the kernel writes the bytes (fp8_bytes)
         k_cache, vc_arg = k_cache.view(torch.uint8), vc_arg.view(torch.uint8)
-    _store_kernel[(num_tokens, heads)](
-        slot_mapping, k, v_arg, k_cache, vc_arg,
-        *k.stride(), *v_arg.stride(), *k_cache.stride(), *vc_arg.stride(),
+    if rope and (cos.stride(-1) != 1 or sin.stride() != cos.stride()):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    q_arg, cos_arg, sin_arg = (q, cos, sin) if rope else (k, k, k)  # unread without RoPE
+    half = cos.shape[1] // 2 if rope else 0
+    _store_kernel[(num_tokens, heads + (q.shape[1] if rope else 0))](
+        slot_mapping, k, v_arg, k_cache, vc_arg, q_arg, cos_arg, sin_arg,
+        *k.stride(), *v_arg.stride(), *k_cache.stride(), *vc_arg.stride(), *q_arg.stride(), cos_arg.stride(0),
         1.0 / k_scale, 1.0 / v_scale,
         PAGE_SIZE=k_cache.shape[2], K_DIM=k_dim, V_DIM=v_arg.shape[2],
         BLOCK_K=next_pow2(k_dim), BLOCK_V=next_pow2(v_arg.shape[2]), HAS_V=has_v,
-        FP8=fp8,
+        FP8=fp8, HEADS=heads, ROPE=rope, HALF=half, HALF_PAD=max(16, next_pow2(half)), INTERLEAVED=interleaved,
         num_warps=1 if max(k_dim, v_arg.shape[2]) <= 256 else 2, **pdl.launch_args(k),
     )
 
