@@ -235,7 +235,7 @@ def rounded(x, ROUND: tl.constexpr):
 
 
 @triton.jit
-def _rope_tile(X, OUT, COS, SIN, W, t, h0, stride_t, stride_h, stride_ot, stride_oh, stride_ct, eps, offset,
+def rope_tile(X, OUT, COS, SIN, W, t, h0, stride_t, stride_h, stride_ot, stride_oh, stride_ct, eps, offset,
                HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                PASS_PAD: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
                NORM: tl.constexpr, HAS_W: tl.constexpr, ROTATE: tl.constexpr, TAIL: tl.constexpr,
@@ -281,6 +281,8 @@ def _rope_tile(X, OUT, COS, SIN, W, t, h0, stride_t, stride_h, stride_ot, stride
         a, b = a * c - b * s, b * c + a * s
     if INTERLEAVED and not TAIL:
         o1, o2 = i, HALF + i
+        if IN_PLACE:  # every thread's loads before any store: pairs are written to other threads' channels
+            tl.debug_barrier()
     else:
         o1, o2 = i1, i2
     tl.store(dst + o1[None, :], a.to(dtype), mask=mask)
@@ -305,14 +307,14 @@ def _rope_kernel(Q, K, V, QO, KO, VO, COS, SIN, QW, KW, VW,
     q_blocks = tl.cdiv(QH, BLOCK_H)
     k_blocks = tl.cdiv(KH, BLOCK_H)
     if blk < q_blocks:
-        _rope_tile(Q, QO, COS, SIN, QW, t, blk * BLOCK_H, stride_qt, stride_qh, QH * D, D, stride_ct, q_eps, q_offset,
+        rope_tile(Q, QO, COS, SIN, QW, t, blk * BLOCK_H, stride_qt, stride_qh, QH * D, D, stride_ct, q_eps, q_offset,
                    QH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED, NORM, HAS_QW, True, TAIL, IN_PLACE)
     elif blk < q_blocks + k_blocks:
-        _rope_tile(K, KO, COS, SIN, KW, t, (blk - q_blocks) * BLOCK_H, stride_kt, stride_kh, KH * D, D, stride_ct,
+        rope_tile(K, KO, COS, SIN, KW, t, (blk - q_blocks) * BLOCK_H, stride_kt, stride_kh, KH * D, D, stride_ct,
                    k_eps, k_offset, KH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED, NORM, HAS_KW, True, TAIL,
                    IN_PLACE)
     else:  # v keeps its channel order: read as halves in place, never interleaved
-        _rope_tile(V, VO, COS, SIN, VW, t, (blk - q_blocks - k_blocks) * BLOCK_H, stride_vt, stride_vh, VH * D, D,
+        rope_tile(V, VO, COS, SIN, VW, t, (blk - q_blocks - k_blocks) * BLOCK_H, stride_vt, stride_vh, VH * D, D,
                    stride_ct, v_eps, v_offset, VH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, False, NORM, HAS_VW, False,
                    TAIL, IN_PLACE)
 
@@ -331,7 +333,7 @@ def _rope_launch(q, k, v, cos, sin, norms, interleaved: bool, *, half: int | Non
                  in_place: bool = False):
     """q [T, Hq, D], k and v [T, Hk, D] or None, cos/sin [T, R] (``half``: R / 2 frequencies read, default
     R // 2); norms: None, or the (q, k, v) norms' parameters (``fused.NormParams``); ``tail``, ``in_place``:
-    as ``_rope_tile``'s -> q, k, v (new contiguous tensors, or the inputs written in place)."""
+    as ``rope_tile``'s -> q, k, v (new contiguous tensors, or the inputs written in place)."""
     t, qh, d = q.shape
     if not in_place:
         q, k, v = _rows(q), _rows(k), _rows(v)
@@ -400,7 +402,7 @@ def _mla_entry_kernel(Q, KV, QO, ENTRY, COS, SIN, W, stride_qt, stride_qh, strid
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     if blk > 0:
-        _rope_tile(Q, QO, COS, SIN, QO, t, (blk - 1) * BLOCK_H, stride_qt, stride_qh, stride_ot, stride_oh, stride_ct,
+        rope_tile(Q, QO, COS, SIN, QO, t, (blk - 1) * BLOCK_H, stride_qt, stride_qh, stride_ot, stride_oh, stride_ct,
                    0.0, 0.0, H, 2 * HALF, HALF, HALF_PAD, 0, BLOCK_H, INTERLEAVED, False, False, True, False, False)
     else:
         cols = tl.arange(0, BLOCK_R)
@@ -411,7 +413,7 @@ def _mla_entry_kernel(Q, KV, QO, ENTRY, COS, SIN, W, stride_qt, stride_qh, strid
         y = _rms(x.to(tl.float32)[None, :], w, eps, offset, R, HAS_W)
         tl.store(ENTRY + t * (R + 2 * HALF) + cols[None, :], y.to(x.dtype), mask=(cols < R)[None, :])
         # the shared key: one head of 2 HALF rotary channels after the latent, in and out
-        _rope_tile(KV + R, ENTRY + R, COS, SIN, ENTRY, t, 0, stride_kvt, 0, R + 2 * HALF, 0, stride_ct, 0.0, 0.0,
+        rope_tile(KV + R, ENTRY + R, COS, SIN, ENTRY, t, 0, stride_kvt, 0, R + 2 * HALF, 0, stride_ct, 0.0, 0.0,
                    1, 2 * HALF, HALF, HALF_PAD, 0, 1, INTERLEAVED, False, False, True, False, False)
 
 

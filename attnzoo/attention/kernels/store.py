@@ -22,32 +22,8 @@ import triton.language as tl
 from attnzoo import pdl
 from attnzoo.attention.kernels.common import next_pow2, prior_done
 from attnzoo.attention.kernels.codec import fp8_bytes
+from attnzoo.layers.fused_kernels import rope_tile
 from attnzoo.errors import BackendError
-
-
-@triton.jit
-def _rotated(row, stride_d, cos_row, sin_row, HALF: tl.constexpr, HALF_PAD: tl.constexpr, INTERLEAVED: tl.constexpr):
-    # -> the row's rotary channels rotated, in float32: (first, second) halves [HALF_PAD], out[j] and out[HALF + j]
-    j = tl.arange(0, HALF_PAD)
-    ok = j < HALF
-    if INTERLEAVED:
-        first, second = 2 * j, 2 * j + 1
-    else:
-        first, second = j, HALF + j
-    x1 = tl.load(row + first * stride_d, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(row + second * stride_d, mask=ok, other=0.0).to(tl.float32)
-    c = tl.load(cos_row + j, mask=ok, other=0.0)
-    s = tl.load(sin_row + j, mask=ok, other=0.0)
-    # every thread's loads before any store: in place, interleaved pairs are written to other threads' channels
-    tl.debug_barrier()
-    return x1 * c - x2 * s, x2 * c + x1 * s
-
-
-@triton.jit
-def _put_halves(row, stride_d, a, b, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    j = tl.arange(0, HALF_PAD)
-    tl.store(row + j * stride_d, a, mask=j < HALF)
-    tl.store(row + (HALF + j) * stride_d, b, mask=j < HALF)
 
 
 @triton.jit
@@ -65,7 +41,7 @@ def _store_kernel(
     stride_vt, stride_vh, stride_vd,
     stride_cp, stride_ch, stride_cs, stride_cd,
     stride_dp, stride_dh, stride_ds, stride_dd,
-    stride_qt, stride_qh, stride_qd, stride_ct,
+    stride_qt, stride_qh, stride_ct,
     k_inv_scale, v_inv_scale,
     PAGE_SIZE: tl.constexpr,
     K_DIM: tl.constexpr,
@@ -75,6 +51,7 @@ def _store_kernel(
     HAS_V: tl.constexpr,
     FP8: tl.constexpr,
     HEADS: tl.constexpr,  # KV heads: programs past them (ROPE only) rotate a query head each
+    Q_HEADS: tl.constexpr,
     ROPE: tl.constexpr,
     HALF: tl.constexpr,  # rotary pairs of a head (its first 2 HALF channels rotate)
     HALF_PAD: tl.constexpr,
@@ -85,29 +62,21 @@ def _store_kernel(
     t = tl.program_id(0)
     h = tl.program_id(1)
     t64 = t.to(tl.int64)
-    if ROPE and h >= HEADS:
-        q_row = Q + t64 * stride_qt + (h - HEADS) * stride_qh
-        a, b = _rotated(q_row, stride_qd, COS + t64 * stride_ct, SIN + t64 * stride_ct, HALF, HALF_PAD, INTERLEAVED)
-        _put_halves(q_row, stride_qd, a.to(Q.dtype.element_ty), b.to(Q.dtype.element_ty), HALF, HALF_PAD)
-        return
+    if ROPE:  # a query head (the programs past the KV heads) or this key head rotated in place
+        if h >= HEADS:
+            rope_tile(Q, Q, COS, SIN, Q, t64, h - HEADS, stride_qt, stride_qh, 0, 0, stride_ct, 0.0, 0.0,
+                      Q_HEADS, K_DIM, HALF, HALF_PAD, 0, 1, INTERLEAVED, False, False, True, False, True)
+            return
+        rope_tile(K, K, COS, SIN, K, t64, h, stride_kt, stride_kh, 0, 0, stride_ct, 0.0, 0.0,
+                  HEADS, K_DIM, HALF, HALF_PAD, 0, 1, INTERLEAVED, False, False, True, False, True)
+        tl.debug_barrier()  # the row is read back below by other threads than the ones that wrote it
     slot = tl.load(SLOTS + t).to(tl.int64)
     page = slot // PAGE_SIZE
     off = slot % PAGE_SIZE
-    k_row = K + t64 * stride_kt + h * stride_kh
-    dst = K_CACHE + page * stride_cp + h * stride_ch + off * stride_cs
     offs_k = tl.arange(0, BLOCK_K)
-    if ROPE:
-        a, b = _rotated(k_row, stride_kd, COS + t64 * stride_ct, SIN + t64 * stride_ct, HALF, HALF_PAD, INTERLEAVED)
-        a, b = a.to(K.dtype.element_ty), b.to(K.dtype.element_ty)
-        _put_halves(k_row, stride_kd, a, b, HALF, HALF_PAD)  # later readers of k (extend kernels) see it rotated
-        _put_halves(dst, stride_cd, _cache_value(a, k_inv_scale, FP8, K_CACHE),
-                    _cache_value(b, k_inv_scale, FP8, K_CACHE), HALF, HALF_PAD)
-        rest = (offs_k >= 2 * HALF) & (offs_k < K_DIM)  # channels past the rotary ones, as they are
-        k = tl.load(k_row + offs_k * stride_kd, mask=rest)
-        tl.store(dst + offs_k * stride_cd, _cache_value(k, k_inv_scale, FP8, K_CACHE), mask=rest)
-    else:
-        k = tl.load(k_row + offs_k * stride_kd, mask=offs_k < K_DIM)
-        tl.store(dst + offs_k * stride_cd, _cache_value(k, k_inv_scale, FP8, K_CACHE), mask=offs_k < K_DIM)
+    k = tl.load(K + t64 * stride_kt + h * stride_kh + offs_k * stride_kd, mask=offs_k < K_DIM)
+    dst = K_CACHE + page * stride_cp + h * stride_ch + off * stride_cs + offs_k * stride_cd
+    tl.store(dst, _cache_value(k, k_inv_scale, FP8, K_CACHE), mask=offs_k < K_DIM)
     if HAS_V:
         offs_v = tl.arange(0, BLOCK_V)
         v = tl.load(V + t64 * stride_vt + h * stride_vh + offs_v * stride_vd, mask=offs_v < V_DIM)
@@ -135,12 +104,12 @@ def store_kv(
     num_tokens, heads, k_dim = k.shape
     rope = cos is not None
     if rope and (q is None or sin is None or q.shape[0] != num_tokens or q.shape[2] != k_dim
-                 or cos.shape != sin.shape or cos.shape[0] != num_tokens or cos.shape[1] % 2
+                 or q.stride(-1) != 1 or k.stride(-1) != 1 or cos.shape != sin.shape or cos.shape[0] != num_tokens or cos.shape[1] % 2
                  or cos.shape[1] > k_dim or cos.dtype != torch.float32):
         raise BackendError(f"store with RoPE: q {None if q is None else tuple(q.shape)}, k {tuple(k.shape)} and "
                            f"cos/sin {tuple(cos.shape)} / {None if sin is None else tuple(sin.shape)} disagree",
-                           fix="pass q [tokens, heads, head_dim] and float32 cos/sin [tokens, R] with R even, "
-                               "at most head_dim")
+                           fix="pass q [tokens, heads, head_dim] and k with unit-stride channels and float32 "
+                               "cos/sin [tokens, R] with R even, at most head_dim")
     if k_cache.dim() != 4 or k_cache.shape[1] != heads or k_cache.shape[3] != k_dim:
         raise BackendError(f"store: k {tuple(k.shape)} does not fit the cache {tuple(k_cache.shape)}",
                            fix="pass [tokens, kv_heads, head_dim] rows for this layer's cache")
@@ -169,11 +138,12 @@ def store_kv(
     half = cos.shape[1] // 2 if rope else 0
     _store_kernel[(num_tokens, heads + (q.shape[1] if rope else 0))](
         slot_mapping, k, v_arg, k_cache, vc_arg, q_arg, cos_arg, sin_arg,
-        *k.stride(), *v_arg.stride(), *k_cache.stride(), *vc_arg.stride(), *q_arg.stride(), cos_arg.stride(0),
+        *k.stride(), *v_arg.stride(), *k_cache.stride(), *vc_arg.stride(), q_arg.stride(0), q_arg.stride(1),
+        cos_arg.stride(0),
         1.0 / k_scale, 1.0 / v_scale,
         PAGE_SIZE=k_cache.shape[2], K_DIM=k_dim, V_DIM=v_arg.shape[2],
         BLOCK_K=next_pow2(k_dim), BLOCK_V=next_pow2(v_arg.shape[2]), HAS_V=has_v,
-        FP8=fp8, HEADS=heads, ROPE=rope, HALF=half, HALF_PAD=max(16, next_pow2(half)), INTERLEAVED=interleaved,
+        FP8=fp8, HEADS=heads, Q_HEADS=q.shape[1] if rope else 0, ROPE=rope, HALF=half, HALF_PAD=max(16, next_pow2(half)), INTERLEAVED=interleaved,
         num_warps=1 if max(k_dim, v_arg.shape[2]) <= 256 else 2, **pdl.launch_args(k),
     )
 
