@@ -191,34 +191,6 @@ def test_fused_equals_reference(t, k, e, h, i, dtype, act):
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2 if CUDA else 3e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_one_token_takes_the_skinny_experts_and_equals_the_grouped_path(monkeypatch, dtype, act):
-    """A decode step of one request: the skinny kernel over its k experts (no sort, no grouped tiles) equals
-    the reference and the grouped GEMMs; a second token, a tile asked for, or skinny turned off keep the grouped
-    path."""
-    from attnzoo.layers import skinny, skinny_kernels
-
-    calls = []
-    real = skinny_kernels.experts
-    monkeypatch.setattr(skinny_kernels, "experts", lambda *a, **kw: calls.append(kw.get("act")) or real(*a, **kw))
-    e, h, i = 8, 96, 40  # 40: a masked tail of N and K in both projections
-    w13, w2 = experts(e, h, i, dtype, seed=11)
-    weights, ids = routing(2, 3, e, seed=11)
-    x = torch.randn(2, h, generator=torch.Generator().manual_seed(11)).to(DEVICE, dtype)
-    with skinny.use(True):
-        out = fused_moe(x[:1], w13, w2, weights[:1], ids[:1], act=act, add=x[:1])
-        assert calls == [act, None]  # gate_up ending in act, then down
-        fused_moe(x, w13, w2, weights, ids, act=act)
-        fused_moe(x[:1], w13, w2, weights[:1], ids[:1], act=act, config=MoEConfig(16, 32, 32))
-    with skinny.use(False):
-        grouped = fused_moe(x[:1], w13, w2, weights[:1], ids[:1], act=act, add=x[:1])
-    assert len(calls) == 2 and out.dtype == dtype
-    ref = moe_reference(x[:1], w13, w2, weights[:1], ids[:1], act=act) + x[:1]
-    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: act(gate) rounded before it multiplies up
-    assert rel_err(out, ref) < tol and rel_err(out, grouped) < tol
-
-
 @pytest.mark.parametrize("act,clamp", [("swiglu_clamped", 0.0), ("silu", 10.0)])
 def test_activation_clamps_keep_nan(act, clamp):
     """gpt-oss's clamped SwiGLU and V4's clamp keep a NaN gate or up NaN, as torch.clamp does (the kernel's
@@ -463,11 +435,9 @@ def test_gpu_fp8_kernel_vs_dequantized(t, ue8m0):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("quant", [None, "fp8"])
-@pytest.mark.parametrize("t", [32, 1])
-def test_gpu_cuda_graph_replays_any_routing(quant, t):
-    """One capture, then new routings written into the captured inputs: each replay equals the reference
-    (one token with bf16 experts: the skinny kernel over its experts)."""
-    e, k, h, i = 64, 6, 2048, 1408
+def test_gpu_cuda_graph_replays_any_routing(quant):
+    """One capture, then new routings written into the captured inputs: each replay equals the reference."""
+    e, k, h, i, t = 64, 6, 2048, 1408, 32
     moe = FusedMoE(e, h, i, quant=quant, init_std=0.02).to(DEVICE)
     if quant is None:
         moe.to(torch.bfloat16)

@@ -102,35 +102,6 @@ def batched(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = No
     return _kernels().batched(x, weight, out, config=batched_config(n, k))
 
 
-def fits_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether ``experts`` runs one token ``x`` [1, K] through the stacked experts w13 [E, 2I, K] (gated) and
-    w2 [E, K, I] on the kernel: ``linear``'s conditions for each expert's matrix."""
-    if x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1 or x.shape[1] != w13.shape[-1]:
-        return False
-    shapes = w13.dim() == w2.dim() == 3 and w2.shape[1:] == (x.shape[1], w13.shape[1] // 2)
-    return (shapes and w13.is_contiguous() and w2.is_contiguous() and max(w13.shape[2], w2.shape[2]) <= MAX_K
-            and _runs(x, w13) and _runs(x, w2))
-
-
-def experts_config(n: int, k: int, gated: bool):
-    """Tiles of one expert's [n, k] matrix at one token: ``config_for``'s, a gated one's halved as ``gated``."""
-    c = config_for(n, k)
-    return c._replace(block_n=c.block_n // 2) if gated else c
-
-
-def experts(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, act: str | None = None,
-            scale: torch.Tensor | None = None) -> torch.Tensor:
-    """One token's products through the experts it chose: slot s -> x's row (x [1, K]) or row s (x [S, K]) @
-    weight[ids[s]]^T, weight [E, N, K] -> [S, N]; ``act``: weight [E, 2I, K] and act(gate) * up [S, I];
-    ``scale`` float32 [S] (routing weights) multiplies each row before it is rounded. A token's top-k experts are
-    distinct: each expert's weight is read once, as a dense projection's is. Where ``fits_experts``."""
-    if act is not None:
-        fused.check_gated_act(act)
-    n, k = weight.shape[1:]
-    cfg = experts_config(n, k, act is not None)
-    return _kernels().experts(x, weight, ids.reshape(-1), config=cfg, act=act, scale=scale)
-
-
 def _check_interpreter(x: torch.Tensor) -> None:
     if _forced is True and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise BackendError("skinny.use(True) on a CPU needs Triton's interpreter",

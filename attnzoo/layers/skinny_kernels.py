@@ -4,9 +4,8 @@ Decode at batch 1-16 is bound by reading W once. Each program owns ``BLOCK_N`` o
 streams their rows of W over the whole K (no split-K, so no second reduction kernel); the few rows of x
 are padded to 16 in registers so the product runs on tensor cores. A gated MLP's gate_up projection can
 end in its activation (act(gate) * up), one launch instead of two. A second grid axis runs one such
-projection per head (``batched``: MLA's per-head absorptions, W [H, N, K] of any strides), or per expert a token
-chose (``experts``: the head is a slot, its W the expert's). Importing this module imports triton; on a CPU it
-runs only under Triton's interpreter.
+projection per head (``batched``: MLA's per-head absorptions, W [H, N, K] of any strides). Importing this
+module imports triton; on a CPU it runs only under Triton's interpreter.
 """
 from __future__ import annotations
 
@@ -39,15 +38,13 @@ def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr,
                    GATED: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr,
-                   PREFETCH: tl.constexpr, IDS=None, SCALE=None):
-    # GATED: W [2N, K] is gate rows then up rows, and the output act(gate) * up, rounded as the two-kernel path.
-    # IDS: head h reads W's head IDS[h] (an expert id); SCALE: float32 [H], multiplies head h's output.
+                   PREFETCH: tl.constexpr):
+    # GATED: W [2N, K] is gate rows then up rows, and the output act(gate) * up, rounded as the two-kernel path
     pid = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)  # int64: heads of a large W pass 2**31 elements
     X += head * stride_xh
+    W += head * stride_wh
     Y += head * stride_yh
-    if IDS is None:
-        W += head * stride_wh
     rn = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # int64: a vocabulary-sized W passes 2**31 elements
     if PDL and PREFETCH > 0:
         # Launched early by PDL, the programs ask for the start of their rows of W while the kernel before runs
@@ -55,8 +52,6 @@ def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
         rows = W + tl.minimum(rn, N - 1) * stride_wn
         l2_prefetch(rows, PREFETCH)
     prior_done(PDL)
-    if IDS is not None:  # the router's choice: written by the kernel before
-        W += tl.load(IDS + head).to(tl.int64) * stride_wh
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     x_ptr = X + rm[:, None] * stride_xm + rk[None, :]
@@ -97,8 +92,6 @@ def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
         else:
             a = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
         acc = rounded(a, ROUND) * rounded(acc_up, ROUND)
-    if SCALE is not None:  # a routing weight, before the one rounding (as the grouped GEMM's epilogue)
-        acc = acc * tl.load(SCALE + head)
     acc = rounded(acc, ROUND)  # to nearest, also under the interpreter, whose casts truncate
     tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -156,24 +149,3 @@ def batched(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, config:
         F32_DOT=weight.dtype == torch.float32 or not x.is_cuda, GATED=False, ACT=0, ROUND=ROUND_OF.get(out.dtype, ""),
         PREFETCH=0, num_warps=c.warps, num_stages=c.stages, **pdl.launch_args(x, grid[0] * grid[1]))
     return out
-
-
-def experts(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, config: Config, act: str | None = None,
-            scale: torch.Tensor | None = None) -> torch.Tensor:
-    """One token through its experts: slot s of ``ids`` [S] -> x's row (x [1, K]) or row s (x [S, K]) @
-    weight[ids[s]]^T, weight [E, N, K] contiguous -> [S, N] in x's dtype (a program per block of N and slot).
-    ``act`` as ``linear``'s (weight [E, 2I, K] -> [S, I]); ``scale`` float32 [S] multiplies slot s's row."""
-    s, (_, n, k) = ids.numel(), weight.shape
-    n = n if act is None else n // 2
-    y = torch.empty((s, n), dtype=x.dtype, device=x.device)
-    c = config
-    grid = (triton.cdiv(n, c.block_n), s)
-    _skinny_kernel[grid](
-        x, weight, weight, y, 1, n, k, x.stride(0), weight.stride(1), y.stride(0),
-        x.stride(0) if x.shape[0] > 1 else 0, weight.stride(0), 1, y.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=c.block_n, BLOCK_K=c.block_k, HAS_BIAS=False,
-        EVEN=n % c.block_n == 0 and k % c.block_k == 0,
-        F32_DOT=weight.dtype == torch.float32 or not x.is_cuda, GATED=act is not None, ACT=ACTIVATIONS.get(act, 0),
-        ROUND=ROUND_OF.get(y.dtype, ""), PREFETCH=0, IDS=ids, SCALE=scale,
-        num_warps=c.warps, num_stages=c.stages, **pdl.launch_args(x, grid[0] * grid[1]))
-    return y

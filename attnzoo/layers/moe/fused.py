@@ -8,7 +8,6 @@ import torch
 
 from attnzoo import pdl
 from attnzoo.errors import ModelLoadError
-from attnzoo.layers import fused as fused_ops, skinny
 from attnzoo.layers.fp8 import GROUP as QUANT_GROUP
 from attnzoo.layers.fp8 import GROUPS_PER_PROGRAM, MIN_AMAX, act_quant
 from attnzoo.layers.moe.reference import ACTIVATIONS, FP8, MXFP4, SWIGLU_ALPHA, SWIGLU_LIMIT, _cdiv
@@ -17,9 +16,6 @@ from attnzoo.layers.mxfp4 import BLOCK as MXFP4_BLOCK
 
 # Bounds the transient [T*k, 2I] / [T*k, H] buffers of a long prefill; shapes still depend on T only.
 MAX_CHUNK_TOKENS = 4096
-# One token with bf16/fp16 experts (a decode step of one request) skips the sort and the grouped tiles: its k
-# experts are distinct, and the skinny kernel streams each one's weights as it does a dense projection's.
-ONE_TOKEN_SKINNY = True
 
 
 def padded_slots(num_assignments: int, num_local: int, block_m: int) -> int:
@@ -175,11 +171,6 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
                       config=config, w13_bias=w13_bias, w2_bias=w2_bias, swiglu_limit=swiglu_limit)
             for i in range(0, t, MAX_CHUNK_TOKENS)
         ])
-    if (ONE_TOKEN_SKINNY and t == 1 and holds_all_experts and config is None and w13_bias is None
-            and w2_bias is None and not swiglu_limit and act in fused_ops.GATED_ACTS and skinny.fits_experts(x, w13, w2)):
-        h = skinny.experts(x, w13, topk_ids, act=act)
-        down = skinny.experts(h, w2, topk_ids, scale=topk_weights.reshape(-1).float())
-        return _sum(down, x, k, add, add_stream)
     mxfp4 = w13.dtype == MXFP4
     num_local, inter = w2.shape[0], w2.shape[2] * (2 if mxfp4 else 1)
     fp8 = w13.dtype == FP8
@@ -205,17 +196,10 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
     down = (torch.empty if holds_all_experts else torch.zeros)(t * k, x.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(h, h_scale, w2, w2_scale_inv, down, flat_weights, align, cfg, num_valid=t * k, rows_per_a=1,
                   split_n=w2.shape[1], mul_weight=True, block=block, bias=w2_bias)
-    return _sum(down, x, k, add, add_stream)
-
-
-def _sum(down: torch.Tensor, x: torch.Tensor, k: int, add: torch.Tensor | None, add_stream) -> torch.Tensor:
-    """Each token's k rows of ``down`` [T*k, H] (already weighted) summed, plus ``add`` [T, H], once
-    ``add_stream`` (where ``add`` may still be written) has caught up."""
     out = torch.empty_like(x)
     if add_stream is not None:
         torch.cuda.current_stream(x.device).wait_stream(add_stream)
     add = None if add is None else add.contiguous()
-    _kernels().sum_kernel[(x.shape[0], _cdiv(x.shape[1], 1024))](
-        down, out if add is None else add, out, x.shape[1], TOP_K=k, ADD=add is not None, BLOCK=1024,
-        **pdl.launch_args(x))
+    _kernels().sum_kernel[(t, _cdiv(x.shape[1], 1024))](down, out if add is None else add, out, x.shape[1], TOP_K=k,
+                                                       ADD=add is not None, BLOCK=1024, **pdl.launch_args(x))
     return out
