@@ -151,6 +151,45 @@ def test_batched_falls_back_to_bmm_and_keeps_autograd():
         torch.testing.assert_close(skinny.batched(x, w), ref, rtol=1e-5, atol=1e-5)
 
 
+# (N, K) of batched's tile branches under batched_config: 128 x 64 two N blocks of whole tiles, one K step;
+# 48 x 1040 three N blocks and three K steps, masked; 64 x 1024 four N blocks and two K steps, unmasked (EVEN)
+BATCHED_TILE_CASES = [(128, 64), (48, 1040), (64, 1024)]
+
+
+def batched_tiles(n, k):
+    c = skinny.batched_config(n, k)
+    return -(-n // c.block_n), -(-k // c.block_k), n % c.block_n == 0 and k % c.block_k == 0
+
+
+def test_batched_tile_cases_cover_the_branches():
+    # so that a change of batched_config cannot quietly leave a branch of the kernel untested
+    tiles = [batched_tiles(n, k) for n, k in BATCHED_TILE_CASES]
+    assert any(k_steps > 1 and even for _, k_steps, even in tiles)  # the unmasked loads past the first K step
+    assert any(k_steps > 1 and not even for _, k_steps, even in tiles)  # the masked ones past it
+    assert any(n_blocks > 1 and even for n_blocks, _, even in tiles)
+    assert any(n_blocks > 1 and not even for n_blocks, _, even in tiles)
+
+
+@pytest.mark.parametrize("n,k", BATCHED_TILE_CASES)
+@pytest.mark.parametrize("layout", ["nk", "kn"])  # W contiguous [H, N, K]; W read along N (MLA's W_UK)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_batched_tiles_match_einsum(n, k, layout, rows):
+    if layout == "nk":
+        w = rand(2, n, k, dtype=torch.float32, seed=1)
+    else:
+        w = rand(2, k, n, dtype=torch.float32, seed=1).transpose(1, 2)
+        assert w.stride(1) == 1
+    x = rand(rows, 2, k, dtype=torch.float32, seed=2)
+    configs = []
+    kernel = skinny._kernels().batched
+    with skinny.use(True), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(skinny._kernels(), "batched", lambda *a, **kw: configs.append(kw["config"]) or kernel(*a, **kw))
+        got = skinny.batched(x, w)
+    assert configs == [skinny.batched_config(n, k)]  # the kernel ran, with the tiles the coverage test counts
+    assert got.shape == (rows, 2, n)
+    torch.testing.assert_close(got, torch.einsum("thk,hnk->thn", x, w), rtol=1e-5, atol=1e-4)
+
+
 def test_dispatch_stays_within_the_kernel_tile():
     assert skinny.MAX_ROWS <= skinny._kernels().BLOCK_M
 
@@ -220,14 +259,19 @@ def test_gpu_gated_same_bits_as_unfused(i, k, act, rows):
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
 @pytest.mark.parametrize("heads", [16, 128])  # DeepSeek-V2-Lite's and V3's heads (nope 128, rank 512, v 128)
 @pytest.mark.parametrize("rows", [1, 16])
-def test_gpu_batched_mla_shapes_match_bmm(heads, rows):
+def test_gpu_batched_mla_shapes_match_bmm(heads, rows, monkeypatch):
     kv_b = rand(heads * 256, 512, dtype=torch.bfloat16, seed=6) * 0.05
     w = kv_b.view(heads, 256, 512)
     w_uk, w_uv = w[:, :128], w[:, 128:]
     q_nope = rand(rows, heads, 192, dtype=torch.bfloat16, seed=5)[..., :128]
     o_lat = rand(rows, heads, 512, dtype=torch.bfloat16, seed=7)
+    calls = []
+    kernel = skinny._kernels().batched
+    monkeypatch.setattr(skinny._kernels(), "batched", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     for x, wt in ((q_nope, w_uk.transpose(1, 2)), (o_lat, w_uv)):
+        calls.clear()
         got = skinny.batched(x, wt)
+        assert calls == [1]  # the kernel took it: a fallback to bmm would only compare bmm with itself
         ref = torch.bmm(x.transpose(0, 1), wt.transpose(1, 2)).transpose(0, 1)
         exact = torch.einsum("thk,hnk->thn", x.float(), wt.float())
         assert ((got.float() - exact).abs() <= exact.abs() * 2 ** -7 + 1e-3).float().mean() >= 0.999
