@@ -25,7 +25,6 @@ from attnzoo.attention.kernels.page_table import (
     num_pages_host,
     padded_block_table_width,
 )
-from attnzoo.attention.kernels.store import store_kv, store_rows
 from attnzoo.attention.kv_cache import KVCacheSpec, KVPool, PageAllocator
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.attention.metadata import ForwardMode, build_metadata
@@ -263,103 +262,6 @@ def test_kernels_reject_mismatched_shapes():
 
 
 # ---------------------------------------------------------------- store and page tables
-
-
-@pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_store_kv_writes_exactly_the_slots(page_size):
-    seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
-    heads, tokens = 2, 11
-    num_pages = 2 + -(-2 * tokens // page_size)
-    k_cache = torch.full((num_pages, heads, page_size, 40), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    v_cache = torch.full((num_pages, heads, page_size, 24), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    slots = torch.randperm((num_pages - 1) * page_size, generator=gen)[:tokens] + page_size  # never page 0
-    k = torch.randn(tokens, heads, 40, generator=gen)  # float32 rows: the store casts to the cache dtype
-    v = torch.randn(tokens, heads, 24, generator=gen).to(torch.bfloat16)
-    store_kv(slots.to(DEVICE), k.to(DEVICE), k_cache, v.to(DEVICE), v_cache)
-    page, off = slots // page_size, slots % page_size
-    # The GPU rounds float32 -> bfloat16 to nearest like torch; Triton's interpreter truncates (< 1 ulp).
-    rtol = 0.0 if DEVICE.type == "cuda" else 2.0**-7
-    torch.testing.assert_close(k_cache[page, :, off].cpu(), k.to(torch.bfloat16), rtol=rtol, atol=0.0,
-                               msg=lambda m: f"{m} (seed {seed})")
-    assert torch.equal(v_cache[page, :, off].cpu(), v), f"seed {seed}"
-    written = torch.zeros(num_pages, page_size, dtype=torch.bool)
-    written[page, off] = True
-    assert k_cache.isnan().all(-1).all(1).cpu().eq(~written).all(), "a slot outside slot_mapping was written"
-
-
-@pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("rotary,fp8", [(40, False), (24, False), (40, True)])
-def test_store_with_rope_rotates_q_and_k_as_fused_rope(interleaved, rotary, fp8):
-    # The store's RoPE gives fused.rope's q and k (also partial rotary: the channels past R as they are), stores
-    # the rotated keys (fp8: their quantized bytes, as the plain store writes them) and leaves the values alone.
-    from attnzoo.attention.kv_cache import quantize_fp8
-    from attnzoo.layers.fused import rope_ref
-
-    seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
-    tokens, heads, q_heads, d, page_size = 5, 2, 6, 40, 16
-    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    k_cache = torch.zeros(3, heads, page_size, d, device=DEVICE).to(dtype)
-    v_cache = torch.zeros(3, heads, page_size, 24, device=DEVICE).to(dtype)
-    slots = torch.tensor([16, 17, 18, 40, 33], device=DEVICE)
-    q = torch.randn(tokens, q_heads, d, generator=gen).to(torch.bfloat16)
-    k = torch.randn(tokens, heads, d, generator=gen).to(torch.bfloat16)
-    v = torch.randn(tokens, heads, 24, generator=gen).to(torch.bfloat16)
-    pos = torch.arange(tokens)[:, None] * 7.0
-    freq = 1.0 / 10000 ** (torch.arange(rotary // 2) / (rotary // 2))
-    cos, sin = torch.cat([(pos * freq).cos()] * 2, -1), torch.cat([(pos * freq).sin()] * 2, -1)
-    want_q, want_k = rope_ref(q, cos, sin, interleaved), rope_ref(k, cos, sin, interleaved)
-    qd, kd = q.to(DEVICE), k.to(DEVICE)
-    store_kv(slots, kd, k_cache, v.to(DEVICE), v_cache, k_scale=0.5, v_scale=0.5, q=qd, cos=cos.to(DEVICE),
-             sin=sin.to(DEVICE), interleaved=interleaved)
-    # the GPU rounds float32 -> bfloat16 to nearest; Triton's interpreter truncates (< 1 ulp)
-    tol = dict(rtol=0.0, atol=0.0) if DEVICE.type == "cuda" else dict(rtol=2.0**-7, atol=1e-6)
-    torch.testing.assert_close(qd.cpu(), want_q, **tol, msg=lambda m: f"q: {m} (seed {seed})")
-    torch.testing.assert_close(kd.cpu(), want_k, **tol, msg=lambda m: f"k: {m} (seed {seed})")
-    def cached(x):  # what the plain store writes for rows x
-        return quantize_fp8(x, 0.5) if fp8 else x
-
-    stored = k_cache[slots // page_size, :, slots % page_size].cpu()
-    assert torch.equal(stored.view(torch.uint8), cached(kd.cpu()).view(torch.uint8)), f"keys (seed {seed})"
-    values = v_cache[slots // page_size, :, slots % page_size].cpu()
-    assert torch.equal(values.view(torch.uint8), cached(v).view(torch.uint8)), f"values (seed {seed})"
-    with pytest.raises(BackendError, match="RoPE"):
-        store_kv(slots, kd, k_cache, q=qd, cos=cos.to(DEVICE)[:, :3], sin=sin.to(DEVICE)[:, :3])
-
-
-def test_pool_store_with_rope_on_cpu_rotates_in_place():
-    # The pool's torch path (a CPU pool) rotates q and k in place as the GPU's store kernel does.
-    from attnzoo.attention.kv_cache import RoPE
-    from attnzoo.layers.fused import rope_ref
-
-    gen = torch.Generator().manual_seed(fresh_seed())
-    spec = KVCacheSpec(num_kv_heads=2, head_dim=32, v_head_dim=32)
-    pool = KVPool([spec], num_pages=4, page_size=16, dtype=torch.float32, device=torch.device("cpu"))
-    q, k, v = (torch.randn(3, h, 32, generator=gen) for h in (4, 2, 2))
-    cos, sin = torch.rand(3, 32, generator=gen), torch.rand(3, 32, generator=gen)
-    want_q, want_k = rope_ref(q, cos, sin), rope_ref(k, cos, sin)
-    slots = torch.tensor([16, 17, 18])
-    pool.store(0, slots, k, v, rope=RoPE(q, cos, sin))
-    assert torch.equal(q, want_q) and torch.equal(k, want_k)
-    assert torch.equal(pool.k(0)[1, :, :3].transpose(0, 1), want_k)
-
-
-def test_store_mla_and_indexer_rows():
-    # MLA keeps no separate value buffer; NSA's indexer keys have no head axis
-    seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
-    k_cache = torch.full((4, 1, 16, 72), float("nan"), device=DEVICE)
-    idx_cache = torch.full((4, 16, 32), float("nan"), device=DEVICE)
-    slots = torch.tensor([16, 17, 40, 63], device=DEVICE)
-    k = torch.randn(4, 1, 72, generator=gen).to(DEVICE)
-    idx = torch.randn(4, 32, generator=gen).to(DEVICE)
-    store_kv(slots, k, k_cache)
-    store_rows(slots, idx, idx_cache)
-    assert torch.equal(k_cache[slots // 16, :, slots % 16], k)
-    assert torch.equal(idx_cache[slots // 16, slots % 16], idx)
-    with pytest.raises(BackendError, match="slots"):
-        store_kv(slots[:3], k, k_cache)
 
 
 def test_ragged_kv_indices_and_padded_block_tables():

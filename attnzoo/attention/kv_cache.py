@@ -72,7 +72,26 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (x.float() * (1.0 / scale)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-@dataclass(frozen=True)
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two views may share an element. Rows of one buffer (the same row pitch, as q, k and v of a fused
+    QKV projection) are apart when their column windows are; other views, when their whole spans are."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def extent(x, dims):  # elements from a view's first to its last, over ``dims``
+        return sum((n - 1) * st for n, st in zip(x.shape[dims], x.stride()[dims])) + 1
+
+    pitch = a.stride(0)
+    if (a.dtype == b.dtype and a.dim() == b.dim() and a.shape[0] == b.shape[0] > 1 and b.stride(0) == pitch > 0
+            and max(extent(a, slice(1, None)), extent(b, slice(1, None))) <= pitch):
+        gap = (b.storage_offset() - a.storage_offset()) % pitch  # where b's window starts in a's row
+        return not (gap >= extent(a, slice(1, None)) and gap + extent(b, slice(1, None)) <= pitch)
+    size = a.element_size()
+    a0, b0 = a.storage_offset() * size, b.storage_offset() * b.element_size()
+    return a0 < b0 + extent(b, slice(None)) * b.element_size() and b0 < a0 + extent(a, slice(None)) * size
+
+
+@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
 class RoPE:
     """RoPE that ``KVPool.store`` applies as it stores a step's keys: ``q`` [T, H, D] and the keys rotated in
     place by ``cos``/``sin`` [T, R] float32 (``fused.rope``'s convention: cat(f, f), R <= D)."""
@@ -361,8 +380,9 @@ class KVPool:
         only its own indexer keys (k None)."""
         if k is not None and not self.owns_memory(layer_id):
             raise RuntimeError(f"layer {layer_id} reads a shared KV cache and must not write it")
-        if rope is not None and k is None:
-            raise RuntimeError("store: RoPE rotates the stored keys; this store has none")
+        if rope is not None and (k is None or (v is not None and overlaps(k, v))):
+            raise BackendError("store with RoPE: no keys, or values that share the keys' memory (rotating the "
+                               "keys in place would rotate them)", fix="rotate k first (fused.rope), then store")
         views = self._views[layer_id]
         if self.device.type == "cuda":
             # One Triton launch per layer for k and v (torch indexing costs several kernels each).

@@ -1,7 +1,9 @@
 """The one attention layer every model calls.
 
 A model computes q, k, v (projections, norms, RoPE) and hands them here; this layer stores k/v in the
-paged pool at the step's slots and runs the step's backend. It never knows which kernel runs.
+paged pool at the step's slots and runs the step's backend. It never knows which kernel runs. A model may
+leave plain RoPE to the layer (``rope=(cos, sin)``): the store then rotates q and k in place as it stores k,
+one launch where there were two.
 
 MLA (DeepSeek) uses the same layer in its absorbed form: the query is projected into the latent
 space, the "key" stored per token is the latent plus the shared RoPE key (one KV head), and the values
@@ -18,7 +20,7 @@ from torch import nn
 
 from attnzoo.attention.backends.base import AttentionBackend, StepPlan
 from attnzoo.attention.backends.hybrid import HybridBackend
-from attnzoo.attention.kv_cache import KVCacheSpec, KVPool, RoPE, layer_kind
+from attnzoo.attention.kv_cache import KVCacheSpec, KVPool, RoPE, layer_kind, overlaps
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.errors import BackendError
 from attnzoo.layers import fused
@@ -126,23 +128,28 @@ class Attention(nn.Module):
         v: torch.Tensor | None,  # [num_tokens, num_kv_heads, v_head_dim]; None on sharing and MLA layers
         ctx: ForwardContext,
         *,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin) [T, R]: q and k not yet rotated
+        # (cos, sin) float32 [T, R], cat(f, f): q and k not yet rotated; where the store rotates them, in place
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads * v_head_dim]
-        if rope is not None and (ctx.split is not None or not self._rotates_in_store(q, k, ctx)):
+        if rope is not None and (ctx.split is not None or not self._rotates_in_store(q, k, v, rope, ctx)):
             q, k = fused.rope(q, k, *rope)
             rope = None
         if ctx.split is not None:
             return ctx.split(self, q, k, v)
         return self.attend(q, k, v, ctx, rope=rope)
 
-    def _rotates_in_store(self, q: torch.Tensor, k: torch.Tensor | None, ctx: ForwardContext) -> bool:
-        """Whether this layer's store rotates q and k: in place (no autograd), on a GPU with Triton's ops on,
-        for backends that read q through its strides."""
-        if self.kv_shared_from is not None or k is None or not q.is_cuda or not fused.enabled(q):
+    def _rotates_in_store(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                          rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> bool:
+        """Whether this layer's store rotates q and k: in place (no autograd, v apart from k), with Triton's ops
+        on, rows the store's kernel takes, for backends that read q through its strides; else ``fused.rope``."""
+        if self.kv_shared_from is not None or k is None or not fused.enabled(q):
             return False
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
             return False
-        return ctx.backends.strided_query
+        cos = rope[0]
+        rows_fit = (q.stride(-1) == 1 and k.stride(-1) == 1 and cos.dtype == torch.float32
+                    and cos.shape[-1] % 2 == 0 and cos.shape[-1] <= k.shape[-1])
+        return rows_fit and not (v is not None and overlaps(k, v)) and ctx.backends.strided_query
 
     def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                ctx: ForwardContext, *, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

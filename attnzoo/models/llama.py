@@ -10,7 +10,7 @@ from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.layers.parallel import SINGLE, ParallelLMHead, RowParallelLinear, TPContext
 from attnzoo.models import validate
 from attnzoo.models.common import (
-    DecoderLayer, DecoderLM, DecoderModel, GatedMLP, MergedLinear, RotaryEmbedding, apply_rope_qk,
+    DecoderLayer, DecoderLM, DecoderModel, GatedMLP, MergedLinear, RotaryEmbedding,
 )
 
 
@@ -41,13 +41,9 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, scale=scale,
                               sliding_window=sliding_window)
 
-    # RoPE is the attention layer's to apply (with the key store, one launch); subclasses that normalise q and k
-    # first set this False and rotate them in ``rope``.
+    # Plain RoPE is the attention layer's to apply (with the key store, one launch); a subclass that normalises q
+    # and k first sets this False and defines rope(q, k, cos, sin) -> roped q, k.
     rope_in_attention = True
-
-    def rope(self, q, k, cos, sin):
-        """q [T, H, d], k [T, Hk, d] -> roped q, k (subclasses normalise them first)."""
-        return apply_rope_qk(q, k, cos, sin)
 
     def forward(self, x, cos, sin, ctx: ForwardContext):
         t = x.shape[0]

@@ -104,8 +104,9 @@ def store_kv(
     num_tokens, heads, k_dim = k.shape
     rope = cos is not None
     if rope and (q is None or sin is None or q.shape[0] != num_tokens or q.shape[2] != k_dim
-                 or q.stride(-1) != 1 or k.stride(-1) != 1 or cos.shape != sin.shape or cos.shape[0] != num_tokens or cos.shape[1] % 2
-                 or cos.shape[1] > k_dim or cos.dtype != torch.float32):
+                 or q.stride(-1) != 1 or k.stride(-1) != 1 or cos.shape != sin.shape
+                 or cos.shape[0] != num_tokens or cos.shape[1] % 2 or cos.shape[1] > k_dim
+                 or cos.dtype != torch.float32):
         raise BackendError(f"store with RoPE: q {None if q is None else tuple(q.shape)}, k {tuple(k.shape)} and "
                            f"cos/sin {tuple(cos.shape)} / {None if sin is None else tuple(sin.shape)} disagree",
                            fix="pass q [tokens, heads, head_dim] and k with unit-stride channels and float32 "
@@ -143,7 +144,8 @@ def store_kv(
         1.0 / k_scale, 1.0 / v_scale,
         PAGE_SIZE=k_cache.shape[2], K_DIM=k_dim, V_DIM=v_arg.shape[2],
         BLOCK_K=next_pow2(k_dim), BLOCK_V=next_pow2(v_arg.shape[2]), HAS_V=has_v,
-        FP8=fp8, HEADS=heads, Q_HEADS=q.shape[1] if rope else 0, ROPE=rope, HALF=half, HALF_PAD=max(16, next_pow2(half)), INTERLEAVED=interleaved,
+        FP8=fp8, HEADS=heads, Q_HEADS=q.shape[1] if rope else 0, ROPE=rope, HALF=half,
+        HALF_PAD=max(16, next_pow2(half)), INTERLEAVED=interleaved,
         num_warps=1 if max(k_dim, v_arg.shape[2]) <= 256 else 2, **pdl.launch_args(k),
     )
 
