@@ -108,8 +108,10 @@ def test_pool_store_with_rope_on_cpu_rotates_in_place():
     pool.store(0, slots, k, v, rope=RoPE(q, cos, sin))
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     assert torch.equal(pool.k(0)[1, :, :3].transpose(0, 1), want_k)
-    with pytest.raises(BackendError, match="share the keys' memory"):
+    with pytest.raises(BackendError, match="share memory"):
         pool.store(0, slots, k, k, rope=RoPE(q, cos, sin))
+    with pytest.raises(BackendError, match="float32"):  # every device refuses what the GPU's kernel would
+        pool.store(0, slots, k, v, rope=RoPE(q, cos.double(), sin.double()))
 
 
 def test_store_mla_and_indexer_rows():
@@ -135,17 +137,26 @@ def test_overlaps_tells_a_fused_projections_views_apart():
     assert not overlaps(k, v) and not overlaps(q, k) and overlaps(k, k)
     assert not overlaps(k[:1], v[:1]) and overlaps(qkv[:, :40].view(3, 2, 20), qkv[:, 30:50].view(3, 1, 20))
     assert not overlaps(torch.zeros(3), torch.zeros(3))
+    base = torch.zeros(16)
+    assert overlaps(torch.tensor(0.0), torch.tensor(0.0)) is False  # 0-d views of two tensors
+    assert overlaps(base[4], base[:8]) and not overlaps(base[8], base[:8])
+    a = base.numpy()  # two storages over one memory
+    assert overlaps(torch.from_numpy(a), torch.from_numpy(a[8:]))
 
 
-@pytest.mark.parametrize("route", ["store", "torch_ops", "q_not_strided", "autograd", "v_is_k", "split"])
+@pytest.mark.parametrize("route", ["store", "torch_ops", "q_not_strided", "autograd", "v_is_k", "split",
+                                   "strided_channels"])
 @pytest.mark.parametrize("rotary", [32, 16])
 def test_attention_layer_rotates_in_the_store_or_before_it(monkeypatch, route, rotary):
     # Attention(rope=(cos, sin)) gives what rotating q and k first gives, whichever route it takes: the store's
     # launch (q and k rotated in place) where it may, else fused.rope (the caller's q left as it was).
-    gen = torch.Generator().manual_seed(fresh_seed())
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
     t, heads, kv_heads, d = 3, 4, 2, 32
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen).to(DEVICE)
     q, k, v = (x.view(t, -1, d) for x in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
+    if route == "strided_channels":  # a q whose channels are every other element: not the kernel's rows
+        q = torch.randn(t, heads, 2 * d, generator=gen).to(DEVICE)[..., ::2]
     if route == "v_is_k":  # values from the key projection (Gemma 4's global layers): unrotated, so k stays put
         v = k
     pos = torch.arange(t)[:, None] + 5.0
@@ -171,9 +182,10 @@ def test_attention_layer_rotates_in_the_store_or_before_it(monkeypatch, route, r
         q = q0.clone().requires_grad_()
     with fused.use("torch" if route == "torch_ops" else "triton"), torch.set_grad_enabled(route == "autograd"):
         out, cached = run(q, k, v, (cos, sin))
-    torch.testing.assert_close(out.detach(), ref_out, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(cached, ref_k, rtol=1e-5, atol=1e-5)
+    msg = lambda m: f"{m} (seed {seed})"  # noqa: E731
+    torch.testing.assert_close(out.detach(), ref_out, rtol=1e-5, atol=1e-5, msg=msg)
+    torch.testing.assert_close(cached, ref_k, rtol=1e-5, atol=1e-5, msg=msg)
     if route == "store":
-        torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-6)  # rotated where it lies
+        torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-6, msg=msg)  # rotated where it lies
     else:
-        assert torch.equal(q.detach(), q0), "a fallback route changed the caller's q"
+        assert torch.equal(q.detach(), q0), f"a fallback route changed the caller's q (seed {seed})"

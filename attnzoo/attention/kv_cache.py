@@ -74,21 +74,22 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two views may share an element. Rows of one buffer (the same row pitch, as q, k and v of a fused
-    QKV projection) are apart when their column windows are; other views, when their whole spans are."""
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
+    QKV projection) are apart when their column windows are; other views, when their address spans are."""
 
     def extent(x, dims):  # elements from a view's first to its last, over ``dims``
         return sum((n - 1) * st for n, st in zip(x.shape[dims], x.stride()[dims])) + 1
 
-    pitch = a.stride(0)
-    if (a.dtype == b.dtype and a.dim() == b.dim() and a.shape[0] == b.shape[0] > 1 and b.stride(0) == pitch > 0
-            and max(extent(a, slice(1, None)), extent(b, slice(1, None))) <= pitch):
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    same = a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    pitch = a.stride(0) if a.dim() else 0
+    if (same and a.dtype == b.dtype and a.dim() == b.dim() and a.shape[0] == b.shape[0] > 1
+            and b.stride(0) == pitch > 0 and max(extent(a, slice(1, None)), extent(b, slice(1, None))) <= pitch):
         gap = (b.storage_offset() - a.storage_offset()) % pitch  # where b's window starts in a's row
         return not (gap >= extent(a, slice(1, None)) and gap + extent(b, slice(1, None)) <= pitch)
-    size = a.element_size()
-    a0, b0 = a.storage_offset() * size, b.storage_offset() * b.element_size()
-    return a0 < b0 + extent(b, slice(None)) * b.element_size() and b0 < a0 + extent(a, slice(None)) * size
+    # two storages may still hold the same memory (views of one array): compare addresses
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + extent(b, slice(None)) * b.element_size() and b0 < a0 + extent(a, slice(None)) * a.element_size()
 
 
 @dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
@@ -100,6 +101,22 @@ class RoPE:
     cos: torch.Tensor
     sin: torch.Tensor
     interleaved: bool = False
+
+    def problem(self, k: torch.Tensor | None, v: torch.Tensor | None) -> str | None:
+        """Why the store cannot rotate these rows in place (None: it can): what its kernel takes, on any device."""
+        q, cos = self.q, self.cos
+        if k is None:
+            return "no keys to rotate"
+        if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+            return f"q {tuple(q.shape)} and k {tuple(k.shape)} are not [tokens, heads, head_dim] of one head_dim"
+        if q.stride(-1) != 1 or k.stride(-1) != 1:
+            return "q or k has channels of a stride other than 1"
+        if (cos.dtype != torch.float32 or cos.shape != self.sin.shape or cos.dim() != 2 or cos.shape[0] != k.shape[0]
+                or cos.shape[1] % 2 or cos.shape[1] > k.shape[2]):
+            return f"cos/sin {tuple(cos.shape)} {cos.dtype} are not float32 [tokens, R], R even, at most head_dim"
+        if overlaps(q, k) or (v is not None and (overlaps(k, v) or overlaps(q, v))):
+            return "q, k and v share memory: rotating one in place would change another"
+        return None
 
 
 @dataclass(frozen=True)
@@ -380,9 +397,8 @@ class KVPool:
         only its own indexer keys (k None)."""
         if k is not None and not self.owns_memory(layer_id):
             raise RuntimeError(f"layer {layer_id} reads a shared KV cache and must not write it")
-        if rope is not None and (k is None or (v is not None and overlaps(k, v))):
-            raise BackendError("store with RoPE: no keys, or values that share the keys' memory (rotating the "
-                               "keys in place would rotate them)", fix="rotate k first (fused.rope), then store")
+        if rope is not None and (problem := rope.problem(k, v)):
+            raise BackendError(f"store with RoPE: {problem}", fix="rotate q and k first (fused.rope), then store")
         views = self._views[layer_id]
         if self.device.type == "cuda":
             # One Triton launch per layer for k and v (torch indexing costs several kernels each).

@@ -20,7 +20,7 @@ from torch import nn
 
 from attnzoo.attention.backends.base import AttentionBackend, StepPlan
 from attnzoo.attention.backends.hybrid import HybridBackend
-from attnzoo.attention.kv_cache import KVCacheSpec, KVPool, RoPE, layer_kind, overlaps
+from attnzoo.attention.kv_cache import KVCacheSpec, KVPool, RoPE, layer_kind
 from attnzoo.attention.metadata import BatchMetadata
 from attnzoo.errors import BackendError
 from attnzoo.layers import fused
@@ -146,10 +146,7 @@ class Attention(nn.Module):
             return False
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
             return False
-        cos = rope[0]
-        rows_fit = (q.stride(-1) == 1 and k.stride(-1) == 1 and cos.dtype == torch.float32
-                    and cos.shape[-1] % 2 == 0 and cos.shape[-1] <= k.shape[-1])
-        return rows_fit and not (v is not None and overlaps(k, v)) and ctx.backends.strided_query
+        return RoPE(q, *rope).problem(k, v) is None and ctx.backends.strided_query
 
     def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                ctx: ForwardContext, *, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -10,7 +10,7 @@ from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.layers.parallel import SINGLE, ParallelLMHead, RowParallelLinear, TPContext
 from attnzoo.models import validate
 from attnzoo.models.common import (
-    DecoderLayer, DecoderLM, DecoderModel, GatedMLP, MergedLinear, RotaryEmbedding,
+    DecoderLayer, DecoderLM, DecoderModel, GatedMLP, MergedLinear, RotaryEmbedding, apply_rope_qk,
 )
 
 
@@ -42,8 +42,12 @@ class LlamaAttention(nn.Module):
                               sliding_window=sliding_window)
 
     # Plain RoPE is the attention layer's to apply (with the key store, one launch); a subclass that normalises q
-    # and k first sets this False and defines rope(q, k, cos, sin) -> roped q, k.
+    # and k first sets this False and overrides ``rope``.
     rope_in_attention = True
+
+    def rope(self, q, k, cos, sin):
+        """q [T, H, d], k [T, Hk, d] -> roped q, k, where the model rotates them itself (rope_in_attention False)."""
+        return apply_rope_qk(q, k, cos, sin)
 
     def forward(self, x, cos, sin, ctx: ForwardContext):
         t = x.shape[0]
