@@ -73,23 +73,25 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two views may share an element. Rows of one buffer (the same row pitch, as q, k and v of a fused
-    QKV projection) are apart when their column windows are; other views, when their address spans are."""
-
-    def extent(x, dims):  # elements from a view's first to its last, over ``dims``
-        return sum((n - 1) * st for n, st in zip(x.shape[dims], x.stride()[dims])) + 1
-
+    """Whether two views may share a byte: their address spans meet and, for rows a row pitch apart in both (q, k
+    and v of a fused QKV projection), their windows modulo the pitch do too. Addresses, not storages: two storages
+    may hold the same memory."""
     if a.numel() == 0 or b.numel() == 0:
         return False
-    same = a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    pitch = a.stride(0) if a.dim() else 0
-    if (same and a.dtype == b.dtype and a.dim() == b.dim() and a.shape[0] == b.shape[0] > 1
-            and b.stride(0) == pitch > 0 and max(extent(a, slice(1, None)), extent(b, slice(1, None))) <= pitch):
-        gap = (b.storage_offset() - a.storage_offset()) % pitch  # where b's window starts in a's row
-        return not (gap >= extent(a, slice(1, None)) and gap + extent(b, slice(1, None)) <= pitch)
-    # two storages may still hold the same memory (views of one array): compare addresses
+    ea, eb = a.element_size(), b.element_size()
+
+    def width(x, e, first):  # bytes from a view's first element to past its last, over dims from ``first``
+        return sum((n - 1) * st for n, st in zip(x.shape[first:], x.stride()[first:])) * e + e
+
     a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + extent(b, slice(None)) * b.element_size() and b0 < a0 + extent(a, slice(None)) * a.element_size()
+    if not (a0 < b0 + width(b, eb, 0) and b0 < a0 + width(a, ea, 0)):
+        return False
+    if a.dim() and b.dim() and a.shape[0] > 1 and b.shape[0] > 1 and a.stride(0) * ea == b.stride(0) * eb > 0:
+        pitch, wa, wb = a.stride(0) * ea, width(a, ea, 1), width(b, eb, 1)
+        if max(wa, wb) <= pitch:
+            gap = (b0 - a0) % pitch  # where b's rows start within a's
+            return not (gap >= wa and gap + wb <= pitch)
+    return True
 
 
 @dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
