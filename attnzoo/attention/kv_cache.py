@@ -72,26 +72,31 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (x.float() * (1.0 / scale)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+def _footprint(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """(first byte, row pitch in bytes or 0, bytes of a row, bytes from the first element to past the last)."""
+    shape, stride, e = x.shape, x.stride(), x.element_size()
+    if 0 in shape:
+        return 0, 0, 0, 0
+    row = sum((n - 1) * st for n, st in zip(shape[1:], stride[1:])) * e + e
+    pitch = stride[0] * e if len(shape) > 1 and shape[0] > 1 else 0
+    return x.data_ptr(), pitch, row, row + (shape[0] - 1) * stride[0] * e if shape else e
+
+
+def _meet(fa: tuple[int, int, int, int], fb: tuple[int, int, int, int]) -> bool:
+    (a0, pa, ra, wa), (b0, pb, rb, wb) = fa, fb
+    if not (wa and wb and a0 < b0 + wb and b0 < a0 + wa):
+        return False
+    if pa and pa == pb and pa > 0 and max(ra, rb) <= pa:  # rows one pitch apart: windows modulo the pitch
+        gap = (b0 - a0) % pa
+        return not (gap >= ra and gap + rb <= pa)
+    return True
+
+
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two views may share a byte: their address spans meet and, for rows a row pitch apart in both (q, k
     and v of a fused QKV projection), their windows modulo the pitch do too. Addresses, not storages: two storages
     may hold the same memory."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    ea, eb = a.element_size(), b.element_size()
-
-    def width(x, e, first):  # bytes from a view's first element to past its last, over dims from ``first``
-        return sum((n - 1) * st for n, st in zip(x.shape[first:], x.stride()[first:])) * e + e
-
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    if not (a0 < b0 + width(b, eb, 0) and b0 < a0 + width(a, ea, 0)):
-        return False
-    if a.dim() and b.dim() and a.shape[0] > 1 and b.shape[0] > 1 and a.stride(0) * ea == b.stride(0) * eb > 0:
-        pitch, wa, wb = a.stride(0) * ea, width(a, ea, 1), width(b, eb, 1)
-        if max(wa, wb) <= pitch:
-            gap = (b0 - a0) % pitch  # where b's rows start within a's
-            return not (gap >= wa and gap + wb <= pitch)
-    return True
+    return _meet(_footprint(a), _footprint(b))
 
 
 @dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
@@ -116,7 +121,9 @@ class RoPE:
         if (cos.dtype != torch.float32 or cos.shape != self.sin.shape or cos.dim() != 2 or cos.shape[0] != k.shape[0]
                 or cos.shape[1] % 2 or cos.shape[1] > k.shape[2]):
             return f"cos/sin {tuple(cos.shape)} {cos.dtype} are not float32 [tokens, R], R even, at most head_dim"
-        if overlaps(q, k) or (v is not None and (overlaps(k, v) or overlaps(q, v))):
+        fq, fk = _footprint(q), _footprint(k)
+        fv = None if v is None else _footprint(v)
+        if _meet(fq, fk) or (fv is not None and (_meet(fk, fv) or _meet(fq, fv))):
             return "q, k and v share memory: rotating one in place would change another"
         return None
 
