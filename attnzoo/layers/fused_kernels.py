@@ -236,10 +236,10 @@ def rounded(x, ROUND: tl.constexpr):
 
 @triton.jit
 def rope_tile(X, OUT, COS, SIN, W, t, h0, stride_t, stride_h, stride_ot, stride_oh, stride_ct, eps, offset,
-               HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-               PASS_PAD: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
-               NORM: tl.constexpr, HAS_W: tl.constexpr, ROTATE: tl.constexpr, TAIL: tl.constexpr,
-               IN_PLACE: tl.constexpr):
+              HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+              PASS_PAD: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+              NORM: tl.constexpr, HAS_W: tl.constexpr, ROTATE: tl.constexpr, TAIL: tl.constexpr,
+              IN_PLACE: tl.constexpr):
     # Heads [h0, h0 + BLOCK_H) of token t: the rotary channels as two halves (x1 rotates with x2), the
     # other channels (partial RoPE) passed through; NORM: the head's RMSNorm first, over all D. TAIL: the
     # rotary channels are the last 2 HALF and written back where they were (DeepSeek-V4), else the first,
@@ -308,15 +308,15 @@ def _rope_kernel(Q, K, V, QO, KO, VO, COS, SIN, QW, KW, VW,
     k_blocks = tl.cdiv(KH, BLOCK_H)
     if blk < q_blocks:
         rope_tile(Q, QO, COS, SIN, QW, t, blk * BLOCK_H, stride_qt, stride_qh, QH * D, D, stride_ct, q_eps, q_offset,
-                   QH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED, NORM, HAS_QW, True, TAIL, IN_PLACE)
+                  QH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED, NORM, HAS_QW, True, TAIL, IN_PLACE)
     elif blk < q_blocks + k_blocks:
         rope_tile(K, KO, COS, SIN, KW, t, (blk - q_blocks) * BLOCK_H, stride_kt, stride_kh, KH * D, D, stride_ct,
-                   k_eps, k_offset, KH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED, NORM, HAS_KW, True, TAIL,
-                   IN_PLACE)
+                  k_eps, k_offset, KH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, INTERLEAVED, NORM, HAS_KW, True, TAIL,
+                  IN_PLACE)
     else:  # v keeps its channel order: read as halves in place, never interleaved
         rope_tile(V, VO, COS, SIN, VW, t, (blk - q_blocks - k_blocks) * BLOCK_H, stride_vt, stride_vh, VH * D, D,
-                   stride_ct, v_eps, v_offset, VH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, False, NORM, HAS_VW, False,
-                   TAIL, IN_PLACE)
+                  stride_ct, v_eps, v_offset, VH, D, HALF, HALF_PAD, PASS_PAD, BLOCK_H, False, NORM, HAS_VW, False,
+                  TAIL, IN_PLACE)
 
 
 def _heads_per_program(heads: int, width: int) -> int:
@@ -403,7 +403,7 @@ def _mla_entry_kernel(Q, KV, QO, ENTRY, COS, SIN, W, stride_qt, stride_qh, strid
     blk = tl.program_id(1)
     if blk > 0:
         rope_tile(Q, QO, COS, SIN, QO, t, (blk - 1) * BLOCK_H, stride_qt, stride_qh, stride_ot, stride_oh, stride_ct,
-                   0.0, 0.0, H, 2 * HALF, HALF, HALF_PAD, 0, BLOCK_H, INTERLEAVED, False, False, True, False, False)
+                  0.0, 0.0, H, 2 * HALF, HALF, HALF_PAD, 0, BLOCK_H, INTERLEAVED, False, False, True, False, False)
     else:
         cols = tl.arange(0, BLOCK_R)
         x = tl.load(KV + t * stride_kvt + cols, mask=cols < R, other=0.0)
@@ -414,7 +414,7 @@ def _mla_entry_kernel(Q, KV, QO, ENTRY, COS, SIN, W, stride_qt, stride_qh, strid
         tl.store(ENTRY + t * (R + 2 * HALF) + cols[None, :], y.to(x.dtype), mask=(cols < R)[None, :])
         # the shared key: one head of 2 HALF rotary channels after the latent, in and out
         rope_tile(KV + R, ENTRY + R, COS, SIN, ENTRY, t, 0, stride_kvt, 0, R + 2 * HALF, 0, stride_ct, 0.0, 0.0,
-                   1, 2 * HALF, HALF, HALF_PAD, 0, 1, INTERLEAVED, False, False, True, False, False)
+                  1, 2 * HALF, HALF, HALF_PAD, 0, 1, INTERLEAVED, False, False, True, False, False)
 
 
 def mla_entry(q_pe, kv, norm, cos, sin, *, interleaved: bool, q_out=None):
