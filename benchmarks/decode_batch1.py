@@ -21,14 +21,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import graph_of, time_cuda, write_result  # noqa: E402
 
 from attnzoo.attention.kernels import decode as dec  # noqa: E402
-from attnzoo.attention.kernels.decode_launch import decode_launch_config  # noqa: E402
+from attnzoo.attention.kernels.decode_launch import choose_num_kv_splits, decode_launch_config  # noqa: E402
 
-# heads, KV heads, key dim, value dim, values inside the key (MLA), the split count a batch-1 graph runs
+# heads, KV heads, key dim, value dim, values inside the key (MLA), the sliding window (None: every key), the
+# split count a batch-1 graph runs (choose_num_kv_splits for the graph's longest context, the window for sliding)
 SHAPES = {
-    "llama8b": dict(heads=32, kv_heads=8, dim=128, v_dim=128, v_from_k=False, splits=33),
-    "dsv2lite": dict(heads=16, kv_heads=1, dim=576, v_dim=512, v_from_k=True, splits=64),
-    "gemma4_31b_global": dict(heads=32, kv_heads=4, dim=512, v_dim=512, v_from_k=True, splits=64),
+    "llama8b": dict(heads=32, kv_heads=8, dim=128, v_dim=128, v_from_k=False, window=None),
+    "dsv2lite": dict(heads=16, kv_heads=1, dim=576, v_dim=512, v_from_k=True, window=None),
+    "gemma4_31b_global": dict(heads=32, kv_heads=4, dim=512, v_dim=512, v_from_k=True, window=None),
+    "gemma4_31b_sliding": dict(heads=32, kv_heads=16, dim=256, v_dim=256, v_from_k=False, window=1024),
 }
+GRAPH_MAX_KV_LEN = 131072  # a graph covers the model's context: its split counts follow the SMs, not the step
 PAGE = 16
 
 
@@ -36,19 +39,30 @@ PAGE = 16
 KNOBS = {"no_chunk": {"MERGE_CHUNKS": 1}, "chunk64": {"MERGE_CHUNKS": 16}}
 
 
+def graph_splits(shape: dict) -> int:
+    """The split count the backend picks for this shape in a batch-1 graph (triton.py's decode)."""
+    base = decode_launch_config(shape["dim"], shape["v_dim"], shape["heads"] // shape["kv_heads"], torch.bfloat16)
+    kv_len = min(GRAPH_MAX_KV_LEN, shape["window"] or GRAPH_MAX_KV_LEN)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return choose_num_kv_splits(batch=1, num_kv_heads=shape["kv_heads"], group=shape["heads"] // shape["kv_heads"],
+                                max_kv_len=kv_len, num_sms=sms, block_h=base["BLOCK_H"])
+
+
 def variants(shape: dict) -> dict[str, tuple[int, dict | None, dict]]:
     """name -> (splits, launch_config or None for the default, decode module knobs)."""
     base = decode_launch_config(shape["dim"], shape["v_dim"], shape["heads"] // shape["kv_heads"], torch.bfloat16)
-    out = {"default": (shape["splits"], None, {})}
-    out.update({name: (shape["splits"], None, knobs) for name, knobs in KNOBS.items()})
-    for s in (16, 32):
-        out[f"splits{s}"] = (s, None, {})
+    splits = graph_splits(shape)
+    out = {"default": (splits, None, {})}
+    out.update({name: (splits, None, knobs) for name, knobs in KNOBS.items()})
+    for s in (4, 8, 16, 32, 64):
+        if s != splits:
+            out[f"splits{s}"] = (s, None, {})
     # 64 keys a tile at MLA's 576 channels faulted (an illegal address) on an H200: not a tile the launcher picks
     for n in (16, 32) if shape["dim"] > 256 else (16, 32, 64):
         for w, st in ((4, 1), (4, 2), (4, 3), (8, 2)):
             cfg = dict(base, BLOCK_N=n, num_warps=w, num_stages=st)
             if cfg != base:
-                out[f"n{n}_w{w}_s{st}"] = (shape["splits"], cfg, {})
+                out[f"n{n}_w{w}_s{st}"] = (splits, cfg, {})
     return out
 
 
@@ -68,9 +82,10 @@ def build(shape: dict, context: int, layers: int, device):
     return q, caches, tables, seq_lens
 
 
-def reference(q, k, v, table, context: int, scale: float) -> torch.Tensor:
-    rows_k = k[table[0].long()].transpose(1, 2).reshape(-1, k.shape[1], k.shape[3])[:context].float()
-    rows_v = v[table[0].long()].transpose(1, 2).reshape(-1, v.shape[1], v.shape[3])[:context].float()
+def reference(q, k, v, table, context: int, scale: float, window: int | None) -> torch.Tensor:
+    first = max(0, context - window) if window else 0  # a sliding layer attends to the last ``window`` keys
+    rows_k = k[table[0].long()].transpose(1, 2).reshape(-1, k.shape[1], k.shape[3])[first:context].float()
+    rows_v = v[table[0].long()].transpose(1, 2).reshape(-1, v.shape[1], v.shape[3])[first:context].float()
     group = q.shape[1] // k.shape[1]
     rows_k, rows_v = rows_k.repeat_interleave(group, 1), rows_v.repeat_interleave(group, 1)
     p = torch.softmax(torch.einsum("hd,thd->ht", q[0].float(), rows_k) * scale, dim=-1)
@@ -80,8 +95,8 @@ def reference(q, k, v, table, context: int, scale: float) -> torch.Tensor:
 def run_shape(name: str, shape: dict, args) -> list[dict]:
     q, caches, tables, seq_lens = build(shape, args.context, args.layers, torch.device("cuda"))
     scale = shape["dim"] ** -0.5
-    want = reference(q, *caches[0], tables[0], args.context, scale)
-    kv_bytes = args.context * shape["kv_heads"] * (shape["dim"] + (0 if shape["v_from_k"] else shape["v_dim"])) * 2
+    want = reference(q, *caches[0], tables[0], args.context, scale, shape["window"])
+    kv_bytes = min(args.context, shape["window"] or args.context) * shape["kv_heads"] * (shape["dim"] + (0 if shape["v_from_k"] else shape["v_dim"])) * 2
     chosen = variants(shape)
     if args.variants != "all":
         chosen = {k: v for k, v in chosen.items() if k in args.variants.split(",")}
@@ -107,12 +122,12 @@ def run_variant(name, vname, shape, splits, cfg, q, caches, tables, seq_lens, wa
     def both(i, cfg=cfg, splits=splits, out=out, partial=partial, lse=lse):
         k, v = caches[i]
         return dec.decode_attention(q, k, v, tables[i], seq_lens, scale=scale, num_kv_splits=splits, out=out,
-                                    partial=partial, lse=lse, launch_config=cfg)
+                                    partial=partial, lse=lse, launch_config=cfg, sliding_window=shape["window"])
 
     def stage1(i, cfg=cfg, splits=splits, partial=partial, lse=lse):
         k, v = caches[i]
         dec._stage1(q, k, v, tables[i], seq_lens, partial, lse, direct=splits == 1, num_kv_splits=splits,
-                    scale=scale, sliding_window=None, logit_softcap=None, kv_skip=0, launch_config=cfg)
+                    scale=scale, sliding_window=shape["window"], logit_softcap=None, kv_skip=0, launch_config=cfg)
 
     def stage2(i, out=out, partial=partial, lse=lse):
         dec._stage2(partial, lse, out)

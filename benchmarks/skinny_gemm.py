@@ -26,11 +26,13 @@ SHAPES = {  # name: (N, K)
     "llama8b.down": (4096, 14336), "llama8b.lm_head": (128256, 4096),
     "gemma4_31b.qkv_sliding": (12288, 5376), "gemma4_31b.o_sliding": (5376, 8192),
     "gemma4_31b.gate_up": (43008, 5376), "gemma4_31b.down": (5376, 21504),
+    "gemma4_31b.lm_head": (262144, 5376),
     "dsv2lite.q": (3072, 2048), "dsv2lite.kv_a": (576, 2048), "dsv2lite.o": (2048, 2048),
     "dsv2lite.shared_gate_up": (5632, 2048), "dsv2lite.shared_down": (2048, 2816),
 }
 CONFIGS = [sk.Config(32, 256, 4, 4), sk.Config(16, 256, 4, 4), sk.Config(32, 128, 4, 8), sk.Config(64, 256, 4, 3),
-           sk.Config(32, 256, 4, 6), sk.Config(64, 128, 4, 6), sk.Config(32, 256, 8, 4), sk.Config(32, 512, 4, 3)]
+           sk.Config(32, 256, 4, 6), sk.Config(64, 128, 4, 6), sk.Config(32, 256, 8, 4), sk.Config(32, 512, 4, 3),
+           sk.Config(64, 256, 4, 4), sk.Config(128, 128, 4, 4), sk.Config(64, 256, 8, 3), sk.Config(128, 256, 8, 3)]
 L2_FLUSH_BYTES = 400 << 20  # weight copies per graph: at least this much, so no call finds its weight in L2
 
 

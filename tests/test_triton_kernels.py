@@ -199,10 +199,14 @@ def test_merge_splits_values_into_chunks_when_few_programs(monkeypatch, chunked)
 
 
 def test_split_count_fills_the_gpu_and_respects_limits():
-    # a long context at batch 1 splits; a large batch does not; a short context never splits below 256 tokens
+    # a long context at batch 1 splits; a large batch does not; no split is shorter than MIN_TOKENS_PER_SPLIT
+    from attnzoo.attention.kernels.decode_launch import MIN_TOKENS_PER_SPLIT as least
+
     assert choose_num_kv_splits(batch=1, num_kv_heads=8, group=4, max_kv_len=16384, num_sms=132) > 1
     assert choose_num_kv_splits(batch=256, num_kv_heads=8, group=4, max_kv_len=4096, num_sms=132) == 1
-    assert choose_num_kv_splits(batch=1, num_kv_heads=1, group=4, max_kv_len=300, num_sms=132) == 1
+    assert choose_num_kv_splits(batch=1, num_kv_heads=1, group=4, max_kv_len=least * 2 - 1, num_sms=132) == 1
+    # Gemma-4-31B's sliding layers at batch 1: a 1024-key window, 16 KV heads, fill the GPU (16 splits, not 4)
+    assert choose_num_kv_splits(batch=1, num_kv_heads=16, group=2, max_kv_len=1024, num_sms=132) == 16
 
 
 def test_wave_fill_counts_the_last_waves_empty_slots():

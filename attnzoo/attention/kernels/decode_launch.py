@@ -11,8 +11,9 @@ from attnzoo.attention.kernels.common import MIN_TILE, OutOfResources, head_dim_
 from attnzoo.attention.kernels.extend import extend_launch_config
 
 MAX_KV_SPLITS = 64
-# A split shorter than this spends more on the merge than it saves.
-MIN_TOKENS_PER_SPLIT = 256
+# A split shorter than this spends more on the merge than it saves. 256 capped a sliding window of 1024 at 4
+# splits: 64 programs for Gemma-4-31B at batch 1 (benchmarks/results/batch1_window_splits_nvidia_h200.txt).
+MIN_TOKENS_PER_SPLIT = 64
 # Stage-1 tiles tried beside the default (``fill_waves``): 32 keys a step take fewer registers than 64, so
 # more programs share an SM; the default keeps a batch whose programs fill their waves.
 WAVE_TILE_N = 32
