@@ -3,7 +3,8 @@ that importing a model file never imports triton; on CPU the interpreter must be
 
 * ``align_kernel``: the expert sort and padding of ``moe_align_block_size`` (one launch).
 * ``gemm_kernel``: one projection of every expert's padded row blocks in one launch (bf16/fp32 weights, FP8
-  block-scaled w8a8, or MXFP4 weights decoded in the K loop: w4a16).
+  block-scaled w8a8, or MXFP4 weights decoded in the K loop: w4a16); with GATED (unquantized weights), gate_up
+  ending in ``act_kernel``'s activation, so the [T*k, 2I] intermediate is never written.
 * ``sum_kernel``: each token's k weighted expert rows summed in float32 (plus the shared experts'
   output), stored in the model dtype.
 * ``route_kernel``: a router's scoring, group-limited top-k, renormalisation and scaling per token;
@@ -77,6 +78,46 @@ def _e8m0(s):
     return tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
 
 
+@triton.jit
+def _at_most(x, hi):
+    # torch.clamp's rule: NaN stays NaN (tl.minimum/maximum return the other operand)
+    return tl.where(x != x, x, tl.minimum(x, hi))
+
+
+@triton.jit
+def _clamp(x, lo, hi):
+    return _at_most(tl.where(x != x, x, tl.maximum(x, lo)), hi)
+
+
+@triton.jit
+def _dot(a, b, F32_OPERANDS: tl.constexpr, IEEE: tl.constexpr):
+    if F32_OPERANDS:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _gated_act(gate, up, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, CLAMP: tl.constexpr):
+    # act(gate) * up in float32 (ACT 1 silu, 2 gelu-tanh; 3 gpt-oss's clamped SwiGLU,
+    # (clamp(up, -LIMIT, LIMIT) + 1) * g * sigmoid(ALPHA * g), g = min(gate, LIMIT)); CLAMP > 0 clamps gate
+    # above and up on both sides first (DeepSeek-V4's SwiGLU).
+    if CLAMP > 0:
+        gate = _at_most(gate, CLAMP)
+        up = _clamp(up, -CLAMP, CLAMP)
+    if ACT == 1:
+        v = gate * tl.sigmoid(gate) * up
+    elif ACT == 3:
+        g = _at_most(gate, LIMIT)
+        v = (_clamp(up, -LIMIT, LIMIT) + 1.0) * (g * tl.sigmoid(g * ALPHA))
+    else:
+        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        v = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * z) - 1.0)) * up
+    return v
+
+
 @triton.jit(do_not_specialize=["num_valid", "num_m_blocks", "rows_per_a", "mul_weight", "stride_asm", "stride_bse",
                                "stride_bsn"])
 def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, bias_ptr,
@@ -88,10 +129,12 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, bias
                 F32_OPERANDS: tl.constexpr,
                 GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                B_MXFP4: tl.constexpr = False, PDL: tl.constexpr = False):
+                B_MXFP4: tl.constexpr = False, PDL: tl.constexpr = False, GATED: tl.constexpr = False,
+                ACT: tl.constexpr = 1, ALPHA: tl.constexpr = 1.702, LIMIT: tl.constexpr = 7.0, CLAMP: tl.constexpr = 0.0):
     # C[row] = A[row // rows_per_a] @ B[expert(block)]^T for the rows of one padded M block; rows are
     # flat (token, slot) indices, A is x (rows_per_a = k) or the intermediate (rows_per_a = 1; a
     # runtime value so that one compiled kernel serves every top-k).
+    # GATED (neither FP8 nor MXFP4): B's rows are N gate rows then N up rows, C [rows, N] = act(gate) * up.
     # IEEE: float32 models get no TF32 rounding. F32_OPERANDS (off the GPU): Triton's interpreter
     # multiplies the raw bits of bfloat16 tl.dot operands (see attention/kernels/common.py dot_args).
     prior_done(PDL)
@@ -119,6 +162,7 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, bias
                           (split_n + GROUP_N - 1) // GROUP_N + (offs_n - split_n) // GROUP_N)
         b_s_ptrs = b_scale_ptr + expert * stride_bse + s_rows * stride_bsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # GATED only
     if B_MXFP4:
         # B is packed bytes [E, N, K / 2] (two e2m1 codes per byte, the even k in the low nibble) with E8M0
         # scales [E, N, K / 32] (b_scale_ptr / stride_bs*). A K tile's bytes are read as [BLOCK_N, BLOCK_K / 2]
@@ -134,12 +178,7 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, bias
             packed = tl.load(b_ptrs, mask=b_ok, other=0).to(tl.int32)
             scale = _e8m0(tl.load(b_s_ptrs, mask=b_ok, other=127).to(tl.int32))
             b = tl.trans(tl.interleave(_e2m1(packed & 0xF) * scale, _e2m1(packed >> 4) * scale)).to(a.dtype)
-            if F32_OPERANDS:
-                acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-            elif IEEE:
-                acc += tl.dot(a, b, input_precision="ieee")
-            else:
-                acc += tl.dot(a, b)
+            acc += _dot(a, b, F32_OPERANDS, IEEE)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += (BLOCK_K // 2) * stride_bk
             b_s_ptrs += (BLOCK_K // 32) * stride_bsk
@@ -148,12 +187,10 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, bias
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if F32_OPERANDS:
-                d = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-            elif IEEE:
-                d = tl.dot(a, b, input_precision="ieee")
-            else:
-                d = tl.dot(a, b)
+            d = _dot(a, b, F32_OPERANDS, IEEE)
+            if GATED:
+                up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                acc_up += _dot(a, up, F32_OPERANDS, IEEE)
             if FP8:
                 a_s = tl.load(a_s_ptrs + (k0 // GROUP_K) * stride_ask, mask=row_ok, other=0.0)
                 b_s = tl.load(b_s_ptrs + (k0 // GROUP_K) * stride_bsk, mask=n_ok, other=0.0)
@@ -164,6 +201,11 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, bias
             b_ptrs += BLOCK_K * stride_bk
     if HAS_BIAS:  # the expert's bias [N] (gpt-oss), before the routing weight
         acc += tl.load(bias_ptr + expert * stride_biase + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_ptr + expert * stride_biase + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:  # gate and up rounded to C's dtype first, as the two-launch path stores them
+        dt = c_ptr.dtype.element_ty
+        acc = _gated_act(acc.to(dt).to(tl.float32), acc_up.to(dt).to(tl.float32), ACT, ALPHA, LIMIT, CLAMP)
     if mul_weight:  # the down projection: each row times its routing weight
         acc = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -171,25 +213,12 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, bias
 
 
 @triton.jit
-def _at_most(x, hi):
-    # torch.clamp's rule: NaN stays NaN (tl.minimum/maximum return the other operand)
-    return tl.where(x != x, x, tl.minimum(x, hi))
-
-
-@triton.jit
-def _clamp(x, lo, hi):
-    return _at_most(tl.where(x != x, x, tl.maximum(x, lo)), hi)
-
-
-@triton.jit
 def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
                ACT: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, MIN_AMAX: tl.constexpr,
                BLOCK: tl.constexpr, GROUPS: tl.constexpr, ALPHA: tl.constexpr = 1.702, LIMIT: tl.constexpr = 7.0,
                CLAMP: tl.constexpr = 0.0, PDL: tl.constexpr = False):
-    # y = act(x[:, :width]) * x[:, width:] (ACT 1 silu, 2 gelu-tanh; 3 gpt-oss's clamped SwiGLU,
-    # (clamp(up, -LIMIT, LIMIT) + 1) * g * sigmoid(ALPHA * g), g = min(gate, LIMIT)), in float32, for GROUPS x BLOCK channels
-    # of one row; with QUANT, FP8 with one scale per BLOCK (= the quantization group) channels. CLAMP > 0
-    # clamps gate above and up on both sides first (DeepSeek-V4's SwiGLU).
+    # y = _gated_act(x[:, :width], x[:, width:]) for GROUPS x BLOCK channels of one row; with QUANT, FP8 with
+    # one scale per BLOCK (= the quantization group) channels.
     prior_done(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
@@ -197,17 +226,7 @@ def act_kernel(x_ptr, y_ptr, s_ptr, width, stride_x, stride_y, stride_s,
     ok = offs < width
     gate = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + width + offs, mask=ok, other=0.0).to(tl.float32)
-    if CLAMP > 0:
-        gate = _at_most(gate, CLAMP)
-        up = _clamp(up, -CLAMP, CLAMP)
-    if ACT == 1:
-        v = gate * tl.sigmoid(gate) * up
-    elif ACT == 3:
-        g = _at_most(gate, LIMIT)
-        v = (_clamp(up, -LIMIT, LIMIT) + 1.0) * (g * tl.sigmoid(g * ALPHA))
-    else:
-        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        v = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * z) - 1.0)) * up
+    v = _gated_act(gate, up, ACT, ALPHA, LIMIT, CLAMP)
     if QUANT:
         # Masked channels are 0 and do not move a group's maximum; y holds bytes.
         q, scale = quant_groups(v, MIN_AMAX, UE8M0)

@@ -1,5 +1,6 @@
 """The fused MoE path (Triton): align the (token, slot) assignments by expert, two grouped GEMMs around the
-activation, the weighted sum of each token's rows; every buffer and grid sized by the shape, never the routing."""
+activation (unquantized experts: in gate_up's epilogue), the weighted sum of each token's rows; every buffer and grid
+sized by the shape, never the routing."""
 from __future__ import annotations
 
 import functools
@@ -16,6 +17,10 @@ from attnzoo.layers.mxfp4 import BLOCK as MXFP4_BLOCK
 
 # Bounds the transient [T*k, 2I] / [T*k, H] buffers of a long prefill; shapes still depend on T only.
 MAX_CHUNK_TOKENS = 4096
+# Unquantized experts: gate_up's GEMM may end in the activation (one launch less, no [T*k, 2I] round trip).
+# Off: DeepSeek-V2-Lite at batch 1 ran 0.6% slower with it (benchmarks/results/moe_gated_gemm_nvidia_h200.txt);
+# large batches, where the round trip is tens of MB a layer, are not measured yet.
+GATED_GEMM = False
 
 
 def padded_slots(num_assignments: int, num_local: int, block_m: int) -> int:
@@ -77,17 +82,26 @@ def align_one_token(topk_ids: torch.Tensor, block_m: int):
 
 
 def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *, num_valid: int, rows_per_a: int,
-                  split_n: int, mul_weight: bool, block=(128, 128), bias=None):
+                  split_n: int, mul_weight: bool, block=(128, 128), bias=None, act: str | None = None,
+                  clamp: float = 0.0):
     """out[row] = a[row // rows_per_a] @ w[expert]^T (times weights[row], float32 [T*k], if mul_weight):
     both projections pass the same argument types, so they share one compiled kernel. ``w`` uint8
-    [E, N, K/2] is MXFP4 (``w_scale`` its E8M0 bytes [E, N, K/32]), decoded in the kernel's K loop."""
+    [E, N, K/2] is MXFP4 (``w_scale`` its E8M0 bytes [E, N, K/32]), decoded in the K loop. ``act`` (unquantized
+    w [E, 2I, K]): out [rows, I] = act(gate) * up, ``_act_and_mul``'s values; each program reads as many weight
+    rows as the config's tile (half of them gate, half up)."""
     sorted_ids, expert_ids, total = align
     mxfp4 = w.dtype == MXFP4
     n_out, k_in = w.shape[1], w.shape[2] * (2 if mxfp4 else 1)
     fp8 = w.dtype == FP8
     scaled = fp8 or mxfp4
+    if act is not None:
+        if scaled:
+            raise ModelLoadError(f"the gated grouped GEMM takes unquantized experts, not {w.dtype}",
+                                 fix="quantized experts run the GEMM, then _act_and_mul")
+        n_out //= 2
+    block_n = max(16, cfg.block_n // 2) if act is not None else cfg.block_n
     num_m_blocks = expert_ids.numel()
-    grid = (num_m_blocks * _cdiv(n_out, cfg.block_n),)
+    grid = (num_m_blocks * _cdiv(n_out, block_n),)
     dummy = out  # never read when the matching flag is off
     _kernels().gemm_kernel[grid](
         a, w, out, a_scale if fp8 else dummy, w_scale if scaled else dummy, weights, dummy if bias is None else bias,
@@ -100,8 +114,10 @@ def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *
         FP8=fp8, IEEE=a.dtype == torch.float32, HAS_BIAS=bias is not None,
         F32_OPERANDS=a.device.type != "cuda",
         GROUP_N=block[0], GROUP_K=block[1],
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, B_MXFP4=mxfp4, **pdl.launch_args(a),
+        GATED=act is not None, ACT=ACTIVATIONS.index(act or "silu") + 1, ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
+        CLAMP=float(clamp),
     )
 
 
@@ -187,13 +203,20 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
     align = (align_one_token(topk_ids, cfg.block_m) if t == 1 and holds_all_experts
              else moe_align_block_size(topk_ids, cfg.block_m, num_local, expert_start))
     a, a_scale = act_quant(x, QUANT_GROUP, ue8m0) if fp8 else (x, None)
-    # An expert-parallel share leaves other ranks' rows unwritten: zeros, not garbage, for the act kernel to read.
-    gate_up = (torch.empty if holds_all_experts else torch.zeros)(t * k, 2 * inter, dtype=x.dtype, device=x.device)
+    # An expert-parallel share leaves other ranks' rows unwritten: zeros, not garbage, for the next kernel to read
+    # (act(0) * 0 is 0 for every activation, so a gated GEMM's zero rows are the two-launch path's).
+    new = torch.empty if holds_all_experts else torch.zeros
     flat_weights = topk_weights.reshape(-1).float().contiguous()
-    _grouped_gemm(a, a_scale, w13, w13_scale_inv, gate_up, flat_weights, align, cfg, num_valid=t * k, rows_per_a=k,
-                  split_n=inter, mul_weight=False, block=block, bias=w13_bias)
-    h, h_scale = _act_and_mul(gate_up, act, fp8, x.dtype, ue8m0, swiglu_limit)
-    down = (torch.empty if holds_all_experts else torch.zeros)(t * k, x.shape[1], dtype=x.dtype, device=x.device)
+    if GATED_GEMM and fmt == "bf16":
+        h, h_scale = new(t * k, inter, dtype=x.dtype, device=x.device), None
+        _grouped_gemm(a, None, w13, None, h, flat_weights, align, cfg, num_valid=t * k, rows_per_a=k, split_n=inter,
+                      mul_weight=False, block=block, bias=w13_bias, act=act, clamp=swiglu_limit)
+    else:
+        gate_up = new(t * k, 2 * inter, dtype=x.dtype, device=x.device)
+        _grouped_gemm(a, a_scale, w13, w13_scale_inv, gate_up, flat_weights, align, cfg, num_valid=t * k,
+                      rows_per_a=k, split_n=inter, mul_weight=False, block=block, bias=w13_bias)
+        h, h_scale = _act_and_mul(gate_up, act, fp8, x.dtype, ue8m0, swiglu_limit)
+    down = new(t * k, x.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(h, h_scale, w2, w2_scale_inv, down, flat_weights, align, cfg, num_valid=t * k, rows_per_a=1,
                   split_n=w2.shape[1], mul_weight=True, block=block, bias=w2_bias)
     out = torch.empty_like(x)
