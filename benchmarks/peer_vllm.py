@@ -14,6 +14,10 @@ says) must not shadow the packages attnzoo imports. Gemma 4 needs the overlay's 
     python benchmarks/peer_vllm.py --shape qwen3-30b-a3b --vllm-args "--max-num-seqs 512 --kv-cache-dtype fp8" ...
     python benchmarks/peer_vllm.py --shape llama8b --vllm-configs "default=;fa3=--attn-backend FLASH_ATTN;seqs512=--max-num-seqs 512"
 
+vLLM's FLASHINFER backend needs FlashInfer 0.6.14 (the version vLLM 0.26.0 pins), which the overlay lacks: install
+its ``flashinfer-python`` wheel with ``--no-deps --target /tmp/fisite`` (the overlay's apache-tvm-ffi serves it) and
+pass ``--vllm-extra-path /tmp/fisite``; its kernels build and autotune on first use (a few minutes on a fresh machine).
+
 ``--vllm-configs`` runs vLLM once per named configuration (vllm_offline.py arguments after ``=``) and
 compares attnzoo with the fastest of them (``vs_vllm``; ``vs_vllm_default`` against the first). A
 configuration vLLM cannot run is recorded with its error beside the others, never dropped silently.
