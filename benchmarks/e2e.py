@@ -17,7 +17,9 @@ of the shared few-shot prefix, and cascade, the prefix read once per step (by sl
 part of it inside every request's window). Each run's roofline
 counts the KV bytes its own path must read (``roofline_fraction``); ``roofline_plain_s`` is the plain
 path's estimate for the same schedule, so cascade runs can be set against what plain reading allows.
-``roofline_serial_fraction`` sets the run against a second bound: per step, the weights (bytes or GEMM FLOPs)
+``decode_roofline_fraction`` is the decode steps' alone (their roofline over their wall): the per-token figure a
+batch-1 latency target names, without the prompt's prefill. ``roofline_serial_fraction`` sets the run against a
+second bound: per step, the weights (bytes or GEMM FLOPs)
 and the attention (KV bytes or its FLOPs) each at its own limit, added, as kernels that run one after the
 other can at best do (a large batch's compute-bound GEMMs do not hide its KV reads).
 
@@ -332,6 +334,8 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
         "kv_cache_tokens": info["kv_cache_tokens"], "kv_bytes_per_token": info["kv_bytes_per_token"],
         "roofline_s": roof, "roofline_fraction": roof / wall, "roofline_plain_s": roof_plain,
         "roofline_serial_s": roof_serial, "roofline_serial_fraction": roof_serial / wall, **by_kind,
+        "decode_roofline_fraction": (by_kind["decode_roofline_s"] / by_kind["decode_wall_s"]
+                                     if by_kind["decode_wall_s"] > 0 else None),
         "weights_gib": (prof["dense_bytes"] + prof["expert_bytes"]) / 2**30,
         "prefix_cache_pages": len(llm.engine.prefix_cache) if llm.engine.prefix_cache is not None else 0,
         **timings,
@@ -346,14 +350,14 @@ def run_attnzoo(config, prompts, new_tokens, backend, max_running, limits, casca
 
 def print_table(results: list[dict]) -> None:
     print(f"\n{'engine':58s} {'tok/s':>9s} {'x HF':>6s} {'TTFT s':>7s} {'TPOT ms':>8s} {'peak GiB':>8s} "
-          f"{'KV tok':>9s} {'roofline':>8s} {'plain roof':>10s}")
+          f"{'KV tok':>9s} {'roofline':>8s} {'plain roof':>10s} {'decode roof':>11s}")
     nan = float("nan")
     for r in results:
         plain = r["roofline_plain_s"] / r["wall_s"] if "roofline_plain_s" in r else nan
         print(f"{r['backend'][:58]:58s} {r['output_tok_per_s']:9.0f} {r.get('vs_transformers', nan):6.2f} "
               f"{r.get('ttft_mean_s', nan):7.2f} {r.get('tpot_mean_ms', nan):8.1f} "
               f"{r.get('peak_mem_gib', nan):8.1f} {r.get('kv_cache_tokens', 0):9d} "
-              f"{r.get('roofline_fraction', nan):8.2f} {plain:10.2f}")
+              f"{r.get('roofline_fraction', nan):8.2f} {plain:10.2f} {r.get('decode_roofline_fraction') or nan:11.2f}")
 
 
 def load_prompts(n: int | None) -> tuple[list[list[int]], dict]:
