@@ -96,7 +96,8 @@ def run_shape(name: str, shape: dict, args) -> list[dict]:
     q, caches, tables, seq_lens = build(shape, args.context, args.layers, torch.device("cuda"))
     scale = shape["dim"] ** -0.5
     want = reference(q, *caches[0], tables[0], args.context, scale, shape["window"])
-    kv_bytes = min(args.context, shape["window"] or args.context) * shape["kv_heads"] * (shape["dim"] + (0 if shape["v_from_k"] else shape["v_dim"])) * 2
+    keys = min(args.context, shape["window"] or args.context)
+    kv_bytes = keys * shape["kv_heads"] * (shape["dim"] + (0 if shape["v_from_k"] else shape["v_dim"])) * 2
     chosen = variants(shape)
     if args.variants != "all":
         chosen = {k: v for k, v in chosen.items() if k in args.variants.split(",")}

@@ -130,7 +130,8 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, bias
                 GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                 B_MXFP4: tl.constexpr = False, PDL: tl.constexpr = False, GATED: tl.constexpr = False,
-                ACT: tl.constexpr = 1, ALPHA: tl.constexpr = 1.702, LIMIT: tl.constexpr = 7.0, CLAMP: tl.constexpr = 0.0):
+                ACT: tl.constexpr = 1, ALPHA: tl.constexpr = 1.702, LIMIT: tl.constexpr = 7.0,
+                CLAMP: tl.constexpr = 0.0):
     # C[row] = A[row // rows_per_a] @ B[expert(block)]^T for the rows of one padded M block; rows are
     # flat (token, slot) indices, A is x (rows_per_a = k) or the intermediate (rows_per_a = 1; a
     # runtime value so that one compiled kernel serves every top-k).
@@ -200,9 +201,10 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, bias
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
     if HAS_BIAS:  # the expert's bias [N] (gpt-oss), before the routing weight
-        acc += tl.load(bias_ptr + expert * stride_biase + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        bias_row = bias_ptr + expert * stride_biase
+        acc += tl.load(bias_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
-            acc_up += tl.load(bias_ptr + expert * stride_biase + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc_up += tl.load(bias_row + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:  # gate and up rounded to C's dtype first, as the two-launch path stores them
         dt = c_ptr.dtype.element_ty
         acc = _gated_act(acc.to(dt).to(tl.float32), acc_up.to(dt).to(tl.float32), ACT, ALPHA, LIMIT, CLAMP)
