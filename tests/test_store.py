@@ -114,6 +114,23 @@ def test_pool_store_with_rope_on_cpu_rotates_in_place():
         pool.store(0, slots, k, v, rope=RoPE(q, cos.double(), sin.double()))
 
 
+def test_rope_problem_checks_each_rows_once():
+    # The layer asks whether the store may rotate its rows, the pool asks again as it stores: the second answer
+    # is the first's (the checks cost tens of microseconds of host a layer), but other rows are checked anew.
+    from attnzoo.attention.kv_cache import RoPE
+
+    qkv = torch.randn(3, 8, 32)
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    cos, sin = torch.rand(3, 32), torch.rand(3, 32)
+    rope = RoPE(q, cos, sin)
+    calls = []
+    real = rope._problem
+    rope._problem = lambda k_, v_: calls.append(1) or real(k_, v_)
+    assert rope.problem(k, v) is None and rope.problem(k, v) is None and len(calls) == 1
+    assert "share memory" in rope.problem(k, k) and len(calls) == 2
+    assert rope.problem(k, v) is None and len(calls) == 3
+
+
 def test_store_mla_and_indexer_rows():
     # MLA keeps no separate value buffer; NSA's indexer keys have no head axis
     seed = fresh_seed()

@@ -20,7 +20,7 @@ exactly 0) or does not load them, so nothing in it reaches a result.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -99,7 +99,7 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return _meet(_footprint(a), _footprint(b))
 
 
-@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
+@dataclass(eq=False)  # holds tensors: compared by identity
 class RoPE:
     """RoPE that ``KVPool.store`` applies as it stores a step's keys: ``q`` [T, H, D] and the keys rotated in
     place by ``cos``/``sin`` [T, R] float32 (``fused.rope``'s convention: cat(f, f), R <= D)."""
@@ -108,9 +108,19 @@ class RoPE:
     cos: torch.Tensor
     sin: torch.Tensor
     interleaved: bool = False
+    # (k, v, verdict) of the last ``problem``: the layer asks before it stores, the pool again as it stores
+    _last: tuple | None = field(default=None, init=False, repr=False)
 
     def problem(self, k: torch.Tensor | None, v: torch.Tensor | None) -> str | None:
         """Why the store cannot rotate these rows in place (None: it can): what its kernel takes, on any device."""
+        last = self._last
+        if last is not None and last[0] is k and last[1] is v:
+            return last[2]
+        verdict = self._problem(k, v)
+        self._last = (k, v, verdict)
+        return verdict
+
+    def _problem(self, k: torch.Tensor | None, v: torch.Tensor | None) -> str | None:
         q, cos = self.q, self.cos
         if k is None:
             return "no keys to rotate"

@@ -131,30 +131,34 @@ class Attention(nn.Module):
         # (cos, sin) float32 [T, R], cat(f, f): q and k not yet rotated; where the store rotates them, in place
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads * v_head_dim]
-        if rope is not None and (ctx.split is not None or not self._rotates_in_store(q, k, v, rope, ctx)):
-            q, k = fused.rope(q, k, *rope)
-            rope = None
+        in_store = None
+        if rope is not None:
+            in_store = None if ctx.split is not None else self._store_rope(q, k, v, rope, ctx)
+            if in_store is None:
+                q, k = fused.rope(q, k, *rope)
         if ctx.split is not None:
             return ctx.split(self, q, k, v)
-        return self.attend(q, k, v, ctx, rope=rope)
+        return self.attend(q, k, v, ctx, rope=in_store)
 
-    def _rotates_in_store(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                          rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> bool:
-        """Whether this layer's store rotates q and k: in place (no autograd, v apart from k), with Triton's ops
-        on, rows the store's kernel takes, for backends that read q through its strides; else ``fused.rope``."""
+    def _store_rope(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                    rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> RoPE | None:
+        """The RoPE this layer's store applies to q and k: in place (no autograd, v apart from k), with Triton's
+        ops on, rows the store's kernel takes, for backends that read q through its strides; None: ``fused.rope``."""
         if self.kv_shared_from is not None or k is None or not fused.enabled(q):
-            return False
+            return None
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-            return False
-        return RoPE(q, *rope).problem(k, v) is None and ctx.backends.strided_query
+            return None
+        if not ctx.backends.strided_query:
+            return None
+        in_store = RoPE(q, *rope)
+        return in_store if in_store.problem(k, v) is None else None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-               ctx: ForwardContext, *, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """``forward``'s work: store k/v at the step's slots (RoPE on q and k first, in the same launch, where
-        ``rope`` is given), then the step's backend."""
+               ctx: ForwardContext, *, rope: RoPE | None = None) -> torch.Tensor:
+        """``forward``'s work: store k/v at the step's slots (``rope``: q and k rotated first, in the same launch),
+        then the step's backend."""
         meta = ctx.meta
         if self.kv_shared_from is None:
-            ctx.pool.store(self.layer_id, meta.slot_mapping_for(self.sliding_window), k, v,
-                           rope=None if rope is None else RoPE(q, *rope))
+            ctx.pool.store(self.layer_id, meta.slot_mapping_for(self.sliding_window), k, v, rope=rope)
         out = ctx.backends.run(self, q, meta, ctx.plan)
         return out.reshape(q.shape[0], self.num_heads * self.v_head_dim)
