@@ -21,10 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import graph_of, time_cuda, write_result  # noqa: E402
 
 from attnzoo.attention.kernels import decode as dec  # noqa: E402
-from attnzoo.attention.kernels.decode_launch import choose_num_kv_splits, decode_launch_config  # noqa: E402
+from attnzoo.attention.kernels.decode_launch import (  # noqa: E402
+    choose_num_kv_splits, decode_launch_config, min_split_keys,
+)
 
-# heads, KV heads, key dim, value dim, values inside the key (MLA), the sliding window (None: every key), the
-# split count a batch-1 graph runs (choose_num_kv_splits for the graph's longest context, the window for sliding)
+# heads, KV heads, key dim, value dim, values inside the key (MLA), the sliding window (None: every key)
 SHAPES = {
     "llama8b": dict(heads=32, kv_heads=8, dim=128, v_dim=128, v_from_k=False, window=None),
     "dsv2lite": dict(heads=16, kv_heads=1, dim=576, v_dim=512, v_from_k=True, window=None),
@@ -41,11 +42,14 @@ KNOBS = {"no_chunk": {"MERGE_CHUNKS": 1}, "chunk64": {"MERGE_CHUNKS": 16}}
 
 def graph_splits(shape: dict) -> int:
     """The split count the backend picks for this shape in a batch-1 graph (triton.py's decode)."""
-    base = decode_launch_config(shape["dim"], shape["v_dim"], shape["heads"] // shape["kv_heads"], torch.bfloat16)
+    group = shape["heads"] // shape["kv_heads"]
+    base = decode_launch_config(shape["dim"], shape["v_dim"], group, torch.bfloat16)
     kv_len = min(GRAPH_MAX_KV_LEN, shape["window"] or GRAPH_MAX_KV_LEN)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return choose_num_kv_splits(batch=1, num_kv_heads=shape["kv_heads"], group=shape["heads"] // shape["kv_heads"],
-                                max_kv_len=kv_len, num_sms=sms, block_h=base["BLOCK_H"])
+    key_bytes = (shape["dim"] + (0 if shape["v_from_k"] else shape["v_dim"])) * 2
+    return choose_num_kv_splits(batch=1, num_kv_heads=shape["kv_heads"], group=group, max_kv_len=kv_len,
+                                num_sms=sms, block_h=base["BLOCK_H"],
+                                min_split=min_split_keys(group, shape["v_dim"], key_bytes))
 
 
 def variants(shape: dict) -> dict[str, tuple[int, dict | None, dict]]:

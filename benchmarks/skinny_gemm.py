@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import gpu_slug, parse_ints, write_result  # noqa: E402
@@ -79,7 +80,11 @@ def main() -> None:
             cub = graph_us(lambda i: F.linear(x, ws[i]), copies)
             row = dict(shape=name, N=n, K=k, M=m, weight_MB=nbytes / 1e6, cublas_us=cub, configs={})
             for c in CONFIGS:
-                got = sk.linear(x, ws[0], config=c).float()
+                try:
+                    got = sk.linear(x, ws[0], config=c).float()
+                except triton.runtime.errors.OutOfResources as e:  # a wide tile on a GPU of less shared memory
+                    row["configs"][str(tuple(c))] = dict(error=str(e)[:200])
+                    continue
                 err = ((got - ref).abs().max() / ref.abs().max()).item()
                 if err > 2e-2:
                     row["configs"][str(tuple(c))] = dict(error=err)

@@ -206,59 +206,6 @@ def test_activation_clamps_keep_nan(act, clamp):
     assert got.isnan().sum() == 2 and torch.equal(got.isnan(), ref.isnan())
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("act,clamp,bias", [("silu", 0.0, False), ("gelu_tanh", 0.0, True),
-                                            ("swiglu_clamped", 0.0, True), ("silu", 3.0, False)])
-def test_gated_gemm_equals_the_gemm_then_the_activation(dtype, act, clamp, bias):
-    """gate_up's GEMM ending in the activation (unquantized experts) gives the two-launch path's rows: the same
-    gate and up (bias included), rounded to the model dtype, through the same activation; I = 40 is not a
-    multiple of the 16-wide tile, so the up rows' offset and the masks are exercised."""
-    from attnzoo.layers.moe.fused import _act_and_mul
-
-    t, k, e, h, i = 5, 2, 4, 48, 40
-    w13, _ = experts(e, h, i, dtype, seed=3)
-    b13 = (torch.randn(e, 2 * i, generator=torch.Generator().manual_seed(4)) * 0.5).to(DEVICE, dtype) if bias else None
-    weights, ids = routing(t, k, e, seed=3)
-    x = torch.randn(t, h, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype) * 2
-    cfg = MoEConfig(16, 32, 32)
-    align = moe_align_block_size(ids, cfg.block_m, e)
-    flat = weights.reshape(-1).float().contiguous()
-    gate_up = torch.empty(t * k, 2 * i, dtype=dtype, device=DEVICE)
-    _grouped_gemm(x, None, w13, None, gate_up, flat, align, cfg, num_valid=t * k, rows_per_a=k, split_n=i,
-                  mul_weight=False, bias=b13)
-    want, _ = _act_and_mul(gate_up, act, False, dtype, clamp=clamp)
-    got = torch.full((t * k, i), float("nan"), dtype=dtype, device=DEVICE)
-    _grouped_gemm(x, None, w13, None, got, flat, align, cfg, num_valid=t * k, rows_per_a=k, split_n=i,
-                  mul_weight=False, bias=b13, act=act, clamp=clamp)
-    assert not got.isnan().any(), "a row or column of the intermediate was left unwritten"
-    torch.testing.assert_close(got.float(), want.float(), rtol=1e-5 if dtype == torch.float32 else 1e-2,
-                               atol=1e-5 if dtype == torch.float32 else 1e-2)
-
-
-def test_fused_moe_runs_the_gated_gemm_for_unquantized_experts(monkeypatch):
-    """With GATED_GEMM on, unquantized experts skip the activation kernel; off, they run it; both routes give
-    the same output; quantized experts are refused by the gated GEMM."""
-    from attnzoo.layers.moe import fused as fm
-
-    calls = []
-    real = fm._act_and_mul
-    monkeypatch.setattr(fm, "_act_and_mul", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    t, k, e, h, i = 6, 2, 4, 32, 24
-    w13, w2 = experts(e, h, i, torch.float32, seed=6)
-    weights, ids = routing(t, k, e, seed=6)
-    x = torch.randn(t, h, generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    monkeypatch.setattr(fm, "GATED_GEMM", True)
-    gated = fused_moe(x, w13, w2, weights, ids, config=MoEConfig(16, 32, 32))
-    assert calls == []
-    monkeypatch.setattr(fm, "GATED_GEMM", False)
-    plain = fused_moe(x, w13, w2, weights, ids, config=MoEConfig(16, 32, 32))
-    assert calls == [1]
-    torch.testing.assert_close(gated, plain, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ModelLoadError, match="unquantized"):
-        fm._grouped_gemm(x, None, w13.to(FP8), None, torch.empty(t * k, i, device=DEVICE), weights.reshape(-1),
-                         moe_align_block_size(ids, 16, e), MoEConfig(16, 32, 32), num_valid=t * k, rows_per_a=k,
-                         split_n=i, mul_weight=False, act="silu")
-
 
 def test_expert_subset_shares_sum_to_the_whole():
     """Two expert-parallel shares (tokens routed elsewhere contribute zero) add up to all experts."""

@@ -13,7 +13,8 @@ import torch
 
 from attnzoo.attention.backends.torch_ref import TorchBackend
 from attnzoo.attention.kernels.store import store_kv, store_rows
-from attnzoo.attention.kv_cache import KVCacheSpec, KVPool, overlaps
+from attnzoo.attention.kv_cache import KVCacheSpec, KVPool
+from attnzoo.attention.store_rope import RoPE, overlaps
 from attnzoo.attention.layer import Attention, ForwardContext
 from attnzoo.attention.metadata import build_metadata
 from attnzoo.errors import BackendError
@@ -95,7 +96,6 @@ def test_store_with_rope_rotates_q_and_k_as_fused_rope(interleaved, d, rotary, f
 
 def test_pool_store_with_rope_on_cpu_rotates_in_place():
     # The pool's torch path (a CPU pool) rotates q and k in place as the GPU's store kernel does.
-    from attnzoo.attention.kv_cache import RoPE
     from attnzoo.layers.fused import rope_ref
 
     gen = torch.Generator().manual_seed(fresh_seed())
@@ -117,7 +117,6 @@ def test_pool_store_with_rope_on_cpu_rotates_in_place():
 def test_rope_problem_checks_each_rows_once():
     # The layer asks whether the store may rotate its rows, the pool asks again as it stores: the second answer
     # is the first's (the checks cost tens of microseconds of host a layer), but other rows are checked anew.
-    from attnzoo.attention.kv_cache import RoPE
 
     qkv = torch.randn(3, 8, 32)
     q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]

@@ -207,6 +207,13 @@ def test_split_count_fills_the_gpu_and_respects_limits():
     assert choose_num_kv_splits(batch=1, num_kv_heads=1, group=4, max_kv_len=least * 2 - 1, num_sms=132) == 1
     # Gemma-4-31B's sliding layers at batch 1: a 1024-key window, 16 KV heads, fill the GPU (16 splits, not 4)
     assert choose_num_kv_splits(batch=1, num_kv_heads=16, group=2, max_kv_len=1024, num_sms=132) == 16
+    # a split reads at least the bytes of the partials it leaves the merge: MLA's many heads take longer splits
+    from attnzoo.attention.kernels.decode_launch import min_split_keys
+
+    assert min_split_keys(group=4, v_dim=128, key_bytes=512) == least  # Llama: 2 KB of partials, 512 B a key
+    assert min_split_keys(group=128, v_dim=512, key_bytes=1152) == 228  # DeepSeek-V3's absorbed MLA
+    assert choose_num_kv_splits(batch=1, num_kv_heads=1, group=128, max_kv_len=2000, num_sms=132, block_h=64,
+                                min_split=228) == 8
 
 
 def test_wave_fill_counts_the_last_waves_empty_slots():

@@ -20,10 +20,11 @@ exactly 0) or does not load them, so nothing in it reaches a result.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from attnzoo.attention.store_rope import RoPE
 from attnzoo.errors import BackendError, KVCacheFullError, ModelLoadError
 from attnzoo.layers.fused import rope_ref
 
@@ -70,72 +71,6 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x / scale, saturated to the e4m3 range and rounded to nearest even: what the fp8 pool stores."""
     # Times the inverse, as the store kernel does, so both round the same products.
     return (x.float() * (1.0 / scale)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-
-
-def _footprint(x: torch.Tensor) -> tuple[int, int, int, int]:
-    """(first byte, row pitch in bytes or 0, bytes of a row, bytes from the first element to past the last)."""
-    shape, stride, e = x.shape, x.stride(), x.element_size()
-    if 0 in shape:
-        return 0, 0, 0, 0
-    row = sum((n - 1) * st for n, st in zip(shape[1:], stride[1:])) * e + e
-    pitch = stride[0] * e if len(shape) > 1 and shape[0] > 1 else 0
-    return x.data_ptr(), pitch, row, row + (shape[0] - 1) * stride[0] * e if shape else e
-
-
-def _meet(fa: tuple[int, int, int, int], fb: tuple[int, int, int, int]) -> bool:
-    (a0, pa, ra, wa), (b0, pb, rb, wb) = fa, fb
-    if not (wa and wb and a0 < b0 + wb and b0 < a0 + wa):
-        return False
-    if pa and pa == pb and pa > 0 and max(ra, rb) <= pa:  # rows one pitch apart: windows modulo the pitch
-        gap = (b0 - a0) % pa
-        return not (gap >= ra and gap + rb <= pa)
-    return True
-
-
-def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two views may share a byte: their address spans meet and, for rows a row pitch apart in both (q, k
-    and v of a fused QKV projection), their windows modulo the pitch do too. Addresses, not storages: two storages
-    may hold the same memory."""
-    return _meet(_footprint(a), _footprint(b))
-
-
-@dataclass(eq=False)  # holds tensors: compared by identity
-class RoPE:
-    """RoPE that ``KVPool.store`` applies as it stores a step's keys: ``q`` [T, H, D] and the keys rotated in
-    place by ``cos``/``sin`` [T, R] float32 (``fused.rope``'s convention: cat(f, f), R <= D)."""
-
-    q: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    interleaved: bool = False
-    # (k, v, verdict) of the last ``problem``: the layer asks before it stores, the pool again as it stores
-    _last: tuple | None = field(default=None, init=False, repr=False)
-
-    def problem(self, k: torch.Tensor | None, v: torch.Tensor | None) -> str | None:
-        """Why the store cannot rotate these rows in place (None: it can): what its kernel takes, on any device."""
-        last = self._last
-        if last is not None and last[0] is k and last[1] is v:
-            return last[2]
-        verdict = self._problem(k, v)
-        self._last = (k, v, verdict)
-        return verdict
-
-    def _problem(self, k: torch.Tensor | None, v: torch.Tensor | None) -> str | None:
-        q, cos = self.q, self.cos
-        if k is None:
-            return "no keys to rotate"
-        if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-            return f"q {tuple(q.shape)} and k {tuple(k.shape)} are not [tokens, heads, head_dim] of one head_dim"
-        if q.stride(-1) != 1 or k.stride(-1) != 1:
-            return "q or k has channels of a stride other than 1"
-        if (cos.dtype != torch.float32 or cos.shape != self.sin.shape or cos.dim() != 2 or cos.shape[0] != k.shape[0]
-                or cos.shape[1] % 2 or cos.shape[1] > k.shape[2]):
-            return f"cos/sin {tuple(cos.shape)} {cos.dtype} are not float32 [tokens, R], R even, at most head_dim"
-        fq, fk = _footprint(q), _footprint(k)
-        fv = None if v is None else _footprint(v)
-        if _meet(fq, fk) or (fv is not None and (_meet(fk, fv) or _meet(fq, fv))):
-            return "q, k and v share memory: rotating one in place would change another"
-        return None
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,9 @@ from torch import nn
 
 from attnzoo.attention.backends.base import AttentionBackend, StepPlan
 from attnzoo.attention.backends.hybrid import HybridBackend
-from attnzoo.attention.kv_cache import KVCacheSpec, KVPool, RoPE, layer_kind
+from attnzoo.attention.kv_cache import KVCacheSpec, KVPool, layer_kind
 from attnzoo.attention.metadata import BatchMetadata
+from attnzoo.attention.store_rope import RoPE
 from attnzoo.errors import BackendError
 from attnzoo.layers import fused
 

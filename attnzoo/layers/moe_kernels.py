@@ -101,9 +101,7 @@ def _dot(a, b, F32_OPERANDS: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit
 def _gated_act(gate, up, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, CLAMP: tl.constexpr):
-    # act(gate) * up in float32 (ACT 1 silu, 2 gelu-tanh; 3 gpt-oss's clamped SwiGLU,
-    # (clamp(up, -LIMIT, LIMIT) + 1) * g * sigmoid(ALPHA * g), g = min(gate, LIMIT)); CLAMP > 0 clamps gate
-    # above and up on both sides first (DeepSeek-V4's SwiGLU).
+    # ACT 1 silu, 2 gelu-tanh, 3 gpt-oss's clamped SwiGLU; CLAMP > 0: DeepSeek-V4's clamps first
     if CLAMP > 0:
         gate = _at_most(gate, CLAMP)
         up = _clamp(up, -CLAMP, CLAMP)

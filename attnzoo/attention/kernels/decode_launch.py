@@ -11,8 +11,7 @@ from attnzoo.attention.kernels.common import MIN_TILE, OutOfResources, head_dim_
 from attnzoo.attention.kernels.extend import extend_launch_config
 
 MAX_KV_SPLITS = 64
-# A split shorter than this spends more on the merge than it saves. 256 capped a sliding window of 1024 at 4
-# splits: 64 programs for Gemma-4-31B at batch 1 (benchmarks/results/batch1_window_splits_nvidia_h200.txt).
+# The fewest keys a split takes (min_split_keys may ask more): 256 held Gemma-4-31B's 1024-key windows to 4 splits
 MIN_TOKENS_PER_SPLIT = 64
 # Stage-1 tiles tried beside the default (``fill_waves``): 32 keys a step take fewer registers than 64, so
 # more programs share an SM; the default keeps a batch whose programs fill their waves.
@@ -41,14 +40,23 @@ def decode_launch_config(head_dim: int, v_head_dim: int, group: int, dtype: torc
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
 
 
+def min_split_keys(group: int, v_dim: int, key_bytes: int) -> int:
+    """The fewest keys a split takes: MIN_TOKENS_PER_SPLIT, or as many as it takes to read as many bytes as the
+    float32 partials it leaves the merge (``group`` x ``v_dim`` a KV head; ``key_bytes`` of KV a key and KV head).
+    DeepSeek-V3's MLA (128 heads of 512 values, 1152 bytes a key) needs 228."""
+    return max(MIN_TOKENS_PER_SPLIT, -(-group * v_dim * 4 // key_bytes))
+
+
 def choose_num_kv_splits(
-    *, batch: int, num_kv_heads: int, group: int, max_kv_len: int, num_sms: int, block_h: int = MIN_TILE
+    *, batch: int, num_kv_heads: int, group: int, max_kv_len: int, num_sms: int, block_h: int = MIN_TILE,
+    min_split: int = MIN_TOKENS_PER_SPLIT,
 ) -> int:
-    """How many KV splits make ``batch`` decode programs fill ``num_sms`` multiprocessors (host ints only)."""
+    """How many KV splits make ``batch`` decode programs fill ``num_sms`` multiprocessors, none of fewer than
+    ``min_split`` keys (host ints only)."""
     head_blocks = -(-group // block_h)
     programs = batch * num_kv_heads * head_blocks
     want = -(-2 * num_sms // programs)
-    longest = max(1, max_kv_len // MIN_TOKENS_PER_SPLIT)
+    longest = max(1, max_kv_len // min_split)
     return max(1, min(want, longest, MAX_KV_SPLITS))
 
 

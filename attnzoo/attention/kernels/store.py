@@ -22,6 +22,7 @@ import triton.language as tl
 from attnzoo import pdl
 from attnzoo.attention.kernels.common import next_pow2, prior_done
 from attnzoo.attention.kernels.codec import fp8_bytes
+from attnzoo.attention.store_rope import RoPE
 from attnzoo.layers.fused_kernels import rope_tile
 from attnzoo.errors import BackendError
 
@@ -103,12 +104,8 @@ def store_kv(
     first, in place (``fused.rope``'s RoPE; ``interleaved`` as there), and the rotated keys stored."""
     num_tokens, heads, k_dim = k.shape
     rope = cos is not None
-    if rope and (q is None or sin is None or q.shape[0] != num_tokens or q.shape[2] != k_dim
-                 or q.stride(-1) != 1 or k.stride(-1) != 1 or cos.shape != sin.shape
-                 or cos.shape[0] != num_tokens or cos.shape[1] % 2 or cos.shape[1] > k_dim
-                 or cos.dtype != torch.float32):
-        raise BackendError(f"store with RoPE: q {None if q is None else tuple(q.shape)}, k {tuple(k.shape)} and "
-                           f"cos/sin {tuple(cos.shape)} / {None if sin is None else tuple(sin.shape)} disagree",
+    if rope and (problem := "no q or sin" if q is None or sin is None else RoPE(q, cos, sin).rows_problem(k)):
+        raise BackendError(f"store with RoPE: {problem}",
                            fix="pass q [tokens, heads, head_dim] and k with unit-stride channels and float32 "
                                "cos/sin [tokens, R] with R even, at most head_dim")
     if k_cache.dim() != 4 or k_cache.shape[1] != heads or k_cache.shape[3] != k_dim:

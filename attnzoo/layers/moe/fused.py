@@ -8,7 +8,7 @@ import functools
 import torch
 
 from attnzoo import pdl
-from attnzoo.errors import ModelLoadError
+from attnzoo.errors import BackendError, ModelLoadError
 from attnzoo.layers.fp8 import GROUP as QUANT_GROUP
 from attnzoo.layers.fp8 import GROUPS_PER_PROGRAM, MIN_AMAX, act_quant
 from attnzoo.layers.moe.reference import ACTIVATIONS, FP8, MXFP4, SWIGLU_ALPHA, SWIGLU_LIMIT, _cdiv
@@ -17,9 +17,7 @@ from attnzoo.layers.mxfp4 import BLOCK as MXFP4_BLOCK
 
 # Bounds the transient [T*k, 2I] / [T*k, H] buffers of a long prefill; shapes still depend on T only.
 MAX_CHUNK_TOKENS = 4096
-# Unquantized experts: gate_up's GEMM may end in the activation (one launch less, no [T*k, 2I] round trip).
-# Off: DeepSeek-V2-Lite at batch 1 ran 0.6% slower with it (benchmarks/results/moe_gated_gemm_nvidia_h200.txt);
-# large batches, where the round trip is tens of MB a layer, are not measured yet.
+# Off: slower at batch 1 (V2-Lite, results/moe_gated_gemm_nvidia_h200.txt); large batches not measured yet
 GATED_GEMM = False
 
 
@@ -87,8 +85,8 @@ def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *
     """out[row] = a[row // rows_per_a] @ w[expert]^T (times weights[row], float32 [T*k], if mul_weight):
     both projections pass the same argument types, so they share one compiled kernel. ``w`` uint8
     [E, N, K/2] is MXFP4 (``w_scale`` its E8M0 bytes [E, N, K/32]), decoded in the K loop. ``act`` (unquantized
-    w [E, 2I, K]): out [rows, I] = act(gate) * up, ``_act_and_mul``'s values; each program reads as many weight
-    rows as the config's tile (half of them gate, half up)."""
+    w [E, 2I, K]; a kernel variant of its own): out [rows, I] = act(gate) * up, ``_act_and_mul``'s values, each
+    program reading half its tile's rows from gate and half from up (16 of each at least)."""
     sorted_ids, expert_ids, total = align
     mxfp4 = w.dtype == MXFP4
     n_out, k_in = w.shape[1], w.shape[2] * (2 if mxfp4 else 1)
@@ -96,8 +94,8 @@ def _grouped_gemm(a, a_scale, w, w_scale, out, weights, align, cfg: MoEConfig, *
     scaled = fp8 or mxfp4
     if act is not None:
         if scaled:
-            raise ModelLoadError(f"the gated grouped GEMM takes unquantized experts, not {w.dtype}",
-                                 fix="quantized experts run the GEMM, then _act_and_mul")
+            raise BackendError(f"the gated grouped GEMM takes unquantized experts, not {w.dtype}",
+                               fix="pass act=None for FP8 or MXFP4 experts and apply the activation after the GEMM")
         n_out //= 2
     block_n = max(16, cfg.block_n // 2) if act is not None else cfg.block_n
     num_m_blocks = expert_ids.numel()
@@ -203,8 +201,7 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, act: str = "silu", expert_s
     align = (align_one_token(topk_ids, cfg.block_m) if t == 1 and holds_all_experts
              else moe_align_block_size(topk_ids, cfg.block_m, num_local, expert_start))
     a, a_scale = act_quant(x, QUANT_GROUP, ue8m0) if fp8 else (x, None)
-    # An expert-parallel share leaves other ranks' rows unwritten: zeros, not garbage, for the next kernel to read
-    # (act(0) * 0 is 0 for every activation, so a gated GEMM's zero rows are the two-launch path's).
+    # An expert-parallel share leaves other ranks' rows unwritten: zeros (act(0) * 0 is 0), not garbage
     new = torch.empty if holds_all_experts else torch.zeros
     flat_weights = topk_weights.reshape(-1).float().contiguous()
     if GATED_GEMM and fmt == "bf16":
