@@ -182,7 +182,8 @@ class TritonBackend(AttentionBackend):
         if layer.sliding_window:
             kv_len = min(kv_len, layer.sliding_window)
         block_h = how.decode_launch_config(head_dim, v_dim, group, k_cache.dtype)["BLOCK_H"]
-        key_bytes = (head_dim + (0 if layer.kind == "mla" else v_dim)) * k_cache.element_size()
+        v_in_k = v_cache.data_ptr() == k_cache.data_ptr()  # MLA: the values are the latent's first channels
+        key_bytes = (head_dim + (0 if v_in_k else v_dim)) * k_cache.element_size()
         splits = how.choose_num_kv_splits(batch=batch, num_kv_heads=num_kv_heads, group=group,
                                           max_kv_len=kv_len - shared, num_sms=self._num_sms, block_h=block_h,
                                           min_split=how.min_split_keys(group, v_dim, key_bytes))
