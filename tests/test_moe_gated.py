@@ -78,3 +78,23 @@ def test_gated_gemm_refuses_quantized_experts():
         _grouped_gemm(x, None, w13.to(FP8), None, torch.empty(t * k, i, device=DEVICE), weights.reshape(-1),
                       moe_align_block_size(ids, 16, e), TILE, num_valid=t * k, rows_per_a=k, split_n=i,
                       mul_weight=False, act="silu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("t", [1, 64, 512])
+def test_gpu_gated_route_at_v2_lite_shapes(monkeypatch, t):
+    """DeepSeek-V2-Lite's experts (64 of 2048 x 1408, top-6) in bfloat16 with the table's tiles: the gated route
+    gives the two-launch route's output, and both the reference's."""
+    from attnzoo.layers.moe import moe_reference
+    from test_moe import rel_err
+
+    w13, w2 = experts(64, 2048, 1408, torch.bfloat16, std=0.02)
+    weights, ids = routing(t, 6, 64, seed=t)
+    x = torch.randn(t, 2048, device=DEVICE, dtype=torch.bfloat16)
+    outs = []
+    for gated in (True, False):
+        monkeypatch.setattr(fm, "GATED_GEMM", gated)
+        outs.append(fused_moe(x, w13, w2, weights, ids))
+    assert rel_err(outs[0], outs[1]) < 1e-3
+    assert rel_err(outs[0], moe_reference(x, w13, w2, weights, ids)) < 1e-2
