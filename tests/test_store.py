@@ -75,8 +75,8 @@ def test_store_with_rope_rotates_q_and_k_as_fused_rope(interleaved, d, rotary, f
     freq = 1.0 / 10000 ** (torch.arange(rotary // 2) / (rotary // 2))
     cos, sin = torch.cat([(pos * freq).cos()] * 2, -1), torch.cat([(pos * freq).sin()] * 2, -1)
     want_q, want_k = rope_ref(q, cos, sin, interleaved), rope_ref(k, cos, sin, interleaved)
-    store_kv(slots, kd, k_cache, vd, v_cache, k_scale=0.5, v_scale=0.5, q=qd, cos=cos.to(DEVICE),
-             sin=sin.to(DEVICE), interleaved=interleaved)
+    store_kv(slots, kd, k_cache, vd, v_cache, k_scale=0.5, v_scale=0.5,
+             rope=RoPE(qd, cos.to(DEVICE), sin.to(DEVICE), interleaved))
     # the GPU rounds float32 -> bfloat16 to nearest; Triton's interpreter truncates (< 1 ulp)
     tol = dict(rtol=0.0, atol=0.0) if DEVICE.type == "cuda" else dict(rtol=2.0**-7, atol=1e-6)
     torch.testing.assert_close(qd.cpu(), want_q, **tol, msg=lambda m: f"q: {m} (seed {seed})")
@@ -91,7 +91,7 @@ def test_store_with_rope_rotates_q_and_k_as_fused_rope(interleaved, d, rotary, f
     assert torch.equal(values.view(torch.uint8), cached(v).view(torch.uint8)), f"values (seed {seed})"
     assert torch.equal(vd.cpu(), v), "the values were changed"
     with pytest.raises(BackendError, match="RoPE"):
-        store_kv(slots, kd, k_cache, q=qd, cos=cos.to(DEVICE)[:, :3], sin=sin.to(DEVICE)[:, :3])
+        store_kv(slots, kd, k_cache, rope=RoPE(qd, cos.to(DEVICE)[:, :3], sin.to(DEVICE)[:, :3]))
 
 
 def test_pool_store_with_rope_on_cpu_rotates_in_place():
@@ -114,20 +114,20 @@ def test_pool_store_with_rope_on_cpu_rotates_in_place():
         pool.store(0, slots, k, v, rope=RoPE(q, cos.double(), sin.double()))
 
 
-def test_rope_problem_checks_each_rows_once():
+def test_rope_problem_checks_each_rows_once(monkeypatch):
     # The layer asks whether the store may rotate its rows, the pool asks again as it stores: the second answer
     # is the first's (the checks cost tens of microseconds of host a layer), but other rows are checked anew.
-
     qkv = torch.randn(3, 8, 32)
     q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
-    cos, sin = torch.rand(3, 32), torch.rand(3, 32)
-    rope = RoPE(q, cos, sin)
     calls = []
-    real = rope._problem
-    rope._problem = lambda k_, v_: calls.append(1) or real(k_, v_)
+    real = RoPE._problem
+    monkeypatch.setattr(RoPE, "_problem", lambda self, k_, v_: calls.append(1) or real(self, k_, v_))
+    rope = RoPE(q, torch.rand(3, 32), torch.rand(3, 32))
     assert rope.problem(k, v) is None and rope.problem(k, v) is None and len(calls) == 1
     assert "share memory" in rope.problem(k, k) and len(calls) == 2
     assert rope.problem(k, v) is None and len(calls) == 3
+    with pytest.raises(AttributeError):  # frozen: a field changed after the answer would make it stale
+        rope.q = q[:, :2]
 
 
 def test_store_mla_and_indexer_rows():

@@ -359,10 +359,8 @@ class KVPool:
             from attnzoo.attention.kernels.store import store_kv, store_rows
 
             if k is not None:
-                rotary = {} if rope is None else dict(q=rope.q, cos=rope.cos, sin=rope.sin,
-                                                      interleaved=rope.interleaved)
                 store_kv(slot_mapping, k, views["k"], v, views["v"] if v is not None else None,
-                         k_scale=self.k_scale, v_scale=self.v_scale, **rotary)
+                         k_scale=self.k_scale, v_scale=self.v_scale, rope=rope)
             if index_k is not None:
                 store_rows(slot_mapping, index_k, views["index_k"])
             return

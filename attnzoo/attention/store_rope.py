@@ -35,10 +35,12 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return _meet(_footprint(a), _footprint(b))
 
 
-@dataclass(eq=False)  # holds tensors: compared by identity
+@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
 class RoPE:
     """RoPE that ``KVPool.store`` applies as it stores a step's keys: ``q`` [T, H, D] and the keys rotated in
-    place by ``cos``/``sin`` [T, R] float32 (``fused.rope``'s convention: cat(f, f), R <= D)."""
+    place by ``cos``/``sin`` [T, R] float32 (``fused.rope``'s convention: cat(f, f), R <= D). Made per layer call:
+    ``problem`` answers again for the same k and v objects without looking, so it does not see their layout
+    changed in place (``set_``, ``transpose_``) between two asks."""
 
     q: torch.Tensor
     cos: torch.Tensor
@@ -53,7 +55,7 @@ class RoPE:
         if last is not None and last[0] is k and last[1] is v:
             return last[2]
         verdict = self._problem(k, v)
-        self._last = (k, v, verdict)
+        object.__setattr__(self, "_last", (k, v, verdict))  # a memo: the fields stay as built
         return verdict
 
     def _problem(self, k: torch.Tensor | None, v: torch.Tensor | None) -> str | None:

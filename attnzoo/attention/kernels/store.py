@@ -8,9 +8,9 @@ indexer keys (one "head") go through the same kernel.
 An fp8 (e4m3) cache stores row / scale, saturated to +-448 and rounded to nearest even (NaN kept), as
 ``kv_cache.quantize_fp8`` does on the CPU.
 
-With ``cos``/``sin``, the same launch applies RoPE first (``fused.rope``'s arithmetic: float32, rounded to the
-rows' dtype): the keys are rotated before they are stored, and written back rotated, and the query's heads,
-a program each, are rotated in place. A decode step then spends one launch, not two, between the QKV
+With ``rope`` (``store_rope.RoPE``), the same launch applies RoPE first (``fused.rope``'s arithmetic: float32,
+rounded to the rows' dtype): the keys are rotated before they are stored, and written back rotated, and the query's
+heads, a program each, are rotated in place. A decode step then spends one launch, not two, between the QKV
 projection and attention.
 """
 from __future__ import annotations
@@ -94,20 +94,18 @@ def store_kv(
     *,
     k_scale: float = 1.0,  # fp8 caches: what is stored is k / k_scale
     v_scale: float = 1.0,
-    q: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]: rotated in place with k (cos/sin given)
-    cos: torch.Tensor | None = None,  # [num_tokens, R] float32 (cat(f, f), R <= head_dim): RoPE before the store
-    sin: torch.Tensor | None = None,
-    interleaved: bool = False,
+    rope: RoPE | None = None,  # q [T, H, head_dim] and k rotated in place first, by cos/sin [T, R] float32
 ) -> None:
     """cache[slot // page_size, :, slot % page_size] = row, for k (and v), cast to the cache dtype
-    (quantized by the scale for an fp8 cache). With ``cos``/``sin``: k's and q's first R channels are rotated
-    first, in place (``fused.rope``'s RoPE; ``interleaved`` as there), and the rotated keys stored."""
+    (quantized by the scale for an fp8 cache). With ``rope``: k's and q's first R channels are rotated first, in
+    place (``fused.rope``'s RoPE, interleaved or not), and the rotated keys stored."""
     num_tokens, heads, k_dim = k.shape
-    rope = cos is not None
-    if rope and (problem := "no q or sin" if q is None or sin is None else RoPE(q, cos, sin).rows_problem(k)):
+    if rope is not None and (problem := rope.problem(k, v)):
         raise BackendError(f"store with RoPE: {problem}",
-                           fix="pass q [tokens, heads, head_dim] and k with unit-stride channels and float32 "
-                               "cos/sin [tokens, R] with R even, at most head_dim")
+                           fix="pass q [tokens, heads, head_dim] and k with unit-stride channels, apart from each "
+                               "other and from v, and float32 cos/sin [tokens, R] with R even, at most head_dim")
+    rotate = rope is not None
+    q, cos, sin = (rope.q, rope.cos, rope.sin) if rotate else (None, None, None)
     if k_cache.dim() != 4 or k_cache.shape[1] != heads or k_cache.shape[3] != k_dim:
         raise BackendError(f"store: k {tuple(k.shape)} does not fit the cache {tuple(k_cache.shape)}",
                            fix="pass [tokens, kv_heads, head_dim] rows for this layer's cache")
@@ -130,19 +128,19 @@ def store_kv(
                            fix="pass the k and v views of one pool (one dtype)")
     if fp8:  # the kernel writes the bytes (fp8_bytes)
         k_cache, vc_arg = k_cache.view(torch.uint8), vc_arg.view(torch.uint8)
-    if rope and (cos.stride(-1) != 1 or sin.stride() != cos.stride()):
+    if rotate and (cos.stride(-1) != 1 or sin.stride() != cos.stride()):
         cos, sin = cos.contiguous(), sin.contiguous()
-    q_arg, cos_arg, sin_arg = (q, cos, sin) if rope else (k, k, k)  # unread without RoPE
-    half = cos.shape[1] // 2 if rope else 0
-    _store_kernel[(num_tokens, heads + (q.shape[1] if rope else 0))](
+    q_arg, cos_arg, sin_arg = (q, cos, sin) if rotate else (k, k, k)  # unread without RoPE
+    half = cos.shape[1] // 2 if rotate else 0
+    _store_kernel[(num_tokens, heads + (q.shape[1] if rotate else 0))](
         slot_mapping, k, v_arg, k_cache, vc_arg, q_arg, cos_arg, sin_arg,
         *k.stride(), *v_arg.stride(), *k_cache.stride(), *vc_arg.stride(), q_arg.stride(0), q_arg.stride(1),
         cos_arg.stride(0),
         1.0 / k_scale, 1.0 / v_scale,
         PAGE_SIZE=k_cache.shape[2], K_DIM=k_dim, V_DIM=v_arg.shape[2],
         BLOCK_K=next_pow2(k_dim), BLOCK_V=next_pow2(v_arg.shape[2]), HAS_V=has_v,
-        FP8=fp8, HEADS=heads, Q_HEADS=q.shape[1] if rope else 0, ROPE=rope, HALF=half,
-        HALF_PAD=max(16, next_pow2(half)), INTERLEAVED=interleaved,
+        FP8=fp8, HEADS=heads, Q_HEADS=q.shape[1] if rotate else 0, ROPE=rotate, HALF=half,
+        HALF_PAD=max(16, next_pow2(half)), INTERLEAVED=rotate and rope.interleaved,
         num_warps=1 if max(k_dim, v_arg.shape[2]) <= 256 else 2, **pdl.launch_args(k),
     )
 
