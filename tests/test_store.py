@@ -112,6 +112,8 @@ def test_pool_store_with_rope_on_cpu_rotates_in_place():
         pool.store(0, slots, k, k, rope=RoPE(q, cos, sin))
     with pytest.raises(BackendError, match="float32"):  # every device refuses what the GPU's kernel would
         pool.store(0, slots, k, v, rope=RoPE(q, cos.double(), sin.double()))
+    with pytest.raises(BackendError, match="float32"):
+        pool.store(0, slots, k, v, rope=RoPE(q, cos, sin.double()))
 
 
 def test_rope_problem_checks_each_rows_once(monkeypatch):

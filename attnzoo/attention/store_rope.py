@@ -76,7 +76,7 @@ class RoPE:
             return f"q {tuple(q.shape)} and k {tuple(k.shape)} are not [tokens, heads, head_dim] of one head_dim"
         if q.stride(-1) != 1 or k.stride(-1) != 1:
             return "q or k has channels of a stride other than 1"
-        if (cos.dtype != torch.float32 or cos.shape != self.sin.shape or cos.dim() != 2 or cos.shape[0] != k.shape[0]
-                or cos.shape[1] % 2 or cos.shape[1] > k.shape[2]):
+        if (cos.dtype != torch.float32 or self.sin.dtype != torch.float32 or cos.shape != self.sin.shape
+                or cos.dim() != 2 or cos.shape[0] != k.shape[0] or cos.shape[1] % 2 or cos.shape[1] > k.shape[2]):
             return f"cos/sin {tuple(cos.shape)} {cos.dtype} are not float32 [tokens, R], R even, at most head_dim"
         return None
