@@ -21,9 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import graph_of, time_cuda, write_result  # noqa: E402
 
 from attnzoo.attention.kernels import decode as dec  # noqa: E402
-from attnzoo.attention.kernels.decode_launch import (  # noqa: E402
-    choose_num_kv_splits, decode_launch_config, min_split_keys,
-)
+from attnzoo.attention.kernels.decode_launch import decode_launch_config, layer_kv_splits  # noqa: E402
 
 # heads, KV heads, key dim, value dim, values inside the key (MLA), the sliding window (None: every key)
 SHAPES = {
@@ -42,14 +40,10 @@ KNOBS = {"no_chunk": {"MERGE_CHUNKS": 1}, "chunk64": {"MERGE_CHUNKS": 16}}
 
 def graph_splits(shape: dict) -> int:
     """The split count the backend picks for this shape in a batch-1 graph (triton.py's decode)."""
-    group = shape["heads"] // shape["kv_heads"]
-    base = decode_launch_config(shape["dim"], shape["v_dim"], group, torch.bfloat16)
-    kv_len = min(GRAPH_MAX_KV_LEN, shape["window"] or GRAPH_MAX_KV_LEN)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    key_bytes = (shape["dim"] + (0 if shape["v_from_k"] else shape["v_dim"])) * 2
-    return choose_num_kv_splits(batch=1, num_kv_heads=shape["kv_heads"], group=group, max_kv_len=kv_len,
-                                num_sms=sms, block_h=base["BLOCK_H"],
-                                min_split=min_split_keys(group, shape["v_dim"], key_bytes))
+    return layer_kv_splits(batch=1, heads=shape["heads"], num_kv_heads=shape["kv_heads"], head_dim=shape["dim"],
+                           v_dim=shape["v_dim"], values_in_keys=shape["v_from_k"], dtype=torch.bfloat16,
+                           max_kv_len=min(GRAPH_MAX_KV_LEN, shape["window"] or GRAPH_MAX_KV_LEN),
+                           num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
 
 
 def variants(shape: dict) -> dict[str, tuple[int, dict | None, dict]]:

@@ -181,12 +181,9 @@ class TritonBackend(AttentionBackend):
         kv_len = plan.graph_max_kv_len or plan.max_seq_len
         if layer.sliding_window:
             kv_len = min(kv_len, layer.sliding_window)
-        block_h = how.decode_launch_config(head_dim, v_dim, group, k_cache.dtype)["BLOCK_H"]
-        v_in_k = v_cache.data_ptr() == k_cache.data_ptr()  # MLA: the values are the latent's first channels
-        key_bytes = (head_dim + (0 if v_in_k else v_dim)) * k_cache.element_size()
-        splits = how.choose_num_kv_splits(batch=batch, num_kv_heads=num_kv_heads, group=group,
-                                          max_kv_len=kv_len - shared, num_sms=self._num_sms, block_h=block_h,
-                                          min_split=how.min_split_keys(group, v_dim, key_bytes))
+        splits = how.layer_kv_splits(batch=batch, heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                     v_dim=v_dim, values_in_keys=v_cache.data_ptr() == k_cache.data_ptr(),
+                                     dtype=k_cache.dtype, max_kv_len=kv_len - shared, num_sms=self._num_sms)
         kw = dict(scale=layer.scale, logit_softcap=layer.logit_softcap, sinks=layer.sinks, k_scale=self.pool.k_scale,
                   v_scale=self.pool.v_scale)
         if not shared:

@@ -60,6 +60,17 @@ def choose_num_kv_splits(
     return max(1, min(want, longest, MAX_KV_SPLITS))
 
 
+def layer_kv_splits(*, batch: int, heads: int, num_kv_heads: int, head_dim: int, v_dim: int, values_in_keys: bool,
+                    dtype: torch.dtype, max_kv_len: int, num_sms: int) -> int:
+    """``choose_num_kv_splits`` for one attention layer's caches (stage 1's head tile, a key's bytes; MLA's values
+    are the keys' first channels, ``values_in_keys``)."""
+    group = heads // num_kv_heads
+    block_h = decode_launch_config(head_dim, v_dim, group, dtype)["BLOCK_H"]
+    key_bytes = (head_dim + (0 if values_in_keys else v_dim)) * dtype.itemsize
+    return choose_num_kv_splits(batch=batch, num_kv_heads=num_kv_heads, group=group, max_kv_len=max_kv_len,
+                                num_sms=num_sms, block_h=block_h, min_split=min_split_keys(group, v_dim, key_bytes))
+
+
 def choose_num_shared_splits(
     *, batch: int, num_kv_heads: int, group: int, shared_len: int, num_sms: int, block_m: int,
     max_splits: int = MAX_KV_SPLITS,
