@@ -1,5 +1,5 @@
-"""The attention-backend policy: the shipped table cell by cell, override precedence, every rejection
-reason, policy-file errors with file:line, the Decision's JSON, and `attnzoo policy` on the CLI.
+"""The attention-backend policy: the shipped table cell by cell and the precedence of overrides (its refusals and
+policy-file errors: test_policy_errors.py; the Decision's JSON and `attnzoo policy`: test_policy_cli.py).
 
 Everything runs on CPU: GPUs are named explicitly (gpu="sm100"). Whether the FlashInfer package is
 installed is set per test (``flashinfer_installed`` / ``flashinfer_missing``) so that results do not
@@ -7,23 +7,20 @@ depend on the machine.
 """
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
 import pytest
 
-from attnzoo.attention import backends as backend_registry
 from attnzoo.attention.backends import all_capabilities, backend_names, get_backend_class
-from attnzoo.attention.backends import capabilities as caps_mod
-from attnzoo.attention.backends.base import AttentionBackend
-from attnzoo.policy import GPUS, Overrides, ModelProfile, resolve
-from attnzoo.cli import main as policy_main
+from attnzoo.policy import GPUS, Overrides, resolve
 from attnzoo.policy.profile import profile_from_config
 from attnzoo.cli import table_cells
-from attnzoo.policy.resolve import gpu_class
 from attnzoo.policy.table import SHIPPED_POLICY, load_table
-from attnzoo.errors import BackendError, PolicyError
+from attnzoo.errors import PolicyError
+from policy_helpers import (  # noqa: F401  (fixtures: used by name)
+    ARCHS, SMALL_TABLE, USER_POLICY, _no_user_policy, flashinfer_installed, flashinfer_missing, line_of,
+    pretend_modules, profile, tiny_configs, write,
+)
 
 CAPABILITIES = all_capabilities()  # the backend classes' declarations, by name
 
@@ -45,26 +42,6 @@ EXPECTED = {
     "deepseek_v4": {g: ("torch", "torch", 64) if g == "cpu" else ("compressed_triton", "compressed_triton", 64)
                     for g in GPUS},
 }
-ARCHS = {
-    "LlamaForCausalLM": "llama",
-    "Qwen3ForCausalLM": "llama",
-    "Qwen3MoeForCausalLM": "llama",
-    "Gemma3ForCausalLM": "gemma3",
-    "Gemma3ForConditionalGeneration": "gemma3",
-    "Gemma4ForCausalLM": "gemma4",
-    "Gemma4ForConditionalGeneration": "gemma4",
-    "DeepseekV2ForCausalLM": "deepseek_mla",
-    "DeepseekV3ForCausalLM": "deepseek_mla",
-    "DeepseekV32ForCausalLM": "deepseek_nsa",
-    "Kimi_K25ForConditionalGeneration": "deepseek_mla",
-    "KimiK25ForConditionalGeneration": "deepseek_mla",
-    "Mistral4ForCausalLM": "deepseek_mla",
-    "Mistral3ForConditionalGeneration": "deepseek_mla",
-    "GlmMoeDsaForCausalLM": "deepseek_nsa",
-    "MistralLarge4ForConditionalGeneration": "deepseek_nsa",
-    "GptOssForCausalLM": "gpt_oss",
-    "DeepseekV4ForCausalLM": "deepseek_v4",
-}
 # Mistral 4's 256-wide latent: trtllm_mla (576 / 512 only) cannot decode it, its Blackwell rows say flashinfer_mla.
 _MISTRAL4 = {**EXPECTED["deepseek_mla"], **dict.fromkeys(("sm100", "sm103"), ("flashinfer_mla", "flashinfer_mla", 64))}
 EXPECTED.update(Mistral4ForCausalLM=_MISTRAL4, Mistral3ForConditionalGeneration=_MISTRAL4)
@@ -72,41 +49,6 @@ EXPECTED.update(Mistral4ForCausalLM=_MISTRAL4, Mistral3ForConditionalGeneration=
 
 def expected(arch: str, gpu: str) -> tuple:
     return EXPECTED.get(arch, EXPECTED[ARCHS[arch]])[gpu]
-
-
-@pytest.fixture(autouse=True)
-def _no_user_policy(monkeypatch):
-    monkeypatch.delenv("ATTNZOO_POLICY", raising=False)
-
-
-def _pretend_modules(monkeypatch, **present: bool):
-    real = caps_mod.module_available
-    monkeypatch.setattr(caps_mod, "module_available", lambda m: present.get(m, real(m)) if m else True)
-
-
-@pytest.fixture
-def flashinfer_installed(monkeypatch):
-    _pretend_modules(monkeypatch, flashinfer=True)
-
-
-@pytest.fixture
-def flashinfer_missing(monkeypatch):
-    _pretend_modules(monkeypatch, flashinfer=False)
-
-
-def write(tmp_path: Path, text: str, name: str = "policy.toml") -> Path:
-    p = tmp_path / name
-    p.write_text(text)
-    return p
-
-
-def line_of(text: str, needle: str) -> int:
-    return next(i for i, l in enumerate(text.splitlines(), 1) if needle in l)
-
-
-def profile(arch="LlamaForCausalLM", family="llama", kind="mha", dims=(128,), vdims=None, **kw) -> ModelProfile:
-    return ModelProfile(architecture=arch, family=family, kind=kind, head_dims=frozenset(dims),
-                        v_head_dims=frozenset(vdims or dims), **kw)
 
 
 # ------------------------------------------------------------------------------ the shipped table
@@ -170,39 +112,8 @@ def test_every_cell_resolves(arch, gpu, flashinfer_installed):
     assert d.sources["decode_backend"].reason and d.sources["decode_backend"].reason in d.explain()
 
 
-def _tiny_configs():
-    from transformers import (DeepseekV2Config, DeepseekV3Config, DeepseekV32Config, Gemma3Config,
-                              Gemma3TextConfig, Gemma4Config, Gemma4TextConfig, LlamaConfig, Qwen3Config,
-                              Qwen3MoeConfig)
-
-    gemma_text = dict(num_hidden_layers=6, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=32, global_head_dim=64, attention_k_eq_v=True, num_global_key_value_heads=1,
-                      sliding_window=16, vocab_size=128, vocab_size_per_layer_input=128)
-    mla = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, kv_lora_rank=32, qk_rope_head_dim=16,
-               qk_nope_head_dim=16, v_head_dim=16, vocab_size=128)
-    qwen = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=32, num_hidden_layers=2,
-                vocab_size=128)
-    gemma3 = dict(num_hidden_layers=6, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                  sliding_window=16, vocab_size=128)
-    cfgs = {
-        "LlamaForCausalLM": LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, vocab_size=128),
-        "Qwen3ForCausalLM": Qwen3Config(**qwen),
-        "Qwen3MoeForCausalLM": Qwen3MoeConfig(**qwen, num_experts=4, moe_intermediate_size=32),
-        "Gemma3ForCausalLM": Gemma3TextConfig(**gemma3),
-        "Gemma3ForConditionalGeneration": Gemma3Config(text_config=gemma3),
-        "Gemma4ForCausalLM": Gemma4TextConfig(**gemma_text),
-        "Gemma4ForConditionalGeneration": Gemma4Config(text_config=gemma_text),
-        "DeepseekV2ForCausalLM": DeepseekV2Config(**mla),
-        "DeepseekV3ForCausalLM": DeepseekV3Config(**mla),
-        "DeepseekV32ForCausalLM": DeepseekV32Config(**mla, index_topk=8, index_head_dim=16, index_n_heads=2),
-    }
-    for arch, c in cfgs.items():
-        c.architectures = [arch]
-    return cfgs
-
-
 def test_profiles_from_hf_configs():
-    cfgs = _tiny_configs()
+    cfgs = tiny_configs()
     p = {a: profile_from_config(c) for a, c in cfgs.items()}
     assert (p["LlamaForCausalLM"].kind, p["LlamaForCausalLM"].head_dims, p["LlamaForCausalLM"].num_kv_heads) == (
         "mha", {16}, {1})
@@ -235,7 +146,7 @@ def test_profiles_from_hf_configs():
 
 @pytest.mark.parametrize("gpu", ["cpu", "sm80"])
 def test_config_resolves_like_its_cell(gpu):
-    for arch, cfg in _tiny_configs().items():
+    for arch, cfg in tiny_configs().items():
         d = resolve(cfg, gpu=gpu)
         assert (d.prefill_backend, d.decode_backend, d.page_size) == expected(arch, gpu), arch
         assert d.profile.source == "config" and not d.adjustments
@@ -253,7 +164,7 @@ def test_blackwell_without_flashinfer_falls_back_and_says_so(flashinfer_missing)
 
 def test_blackwell_tiny_models_fall_back_on_shape(flashinfer_installed):
     # The tiny test shapes are outside what the TRT-LLM kernels serve; the reason is in the Decision.
-    cfgs = _tiny_configs()
+    cfgs = tiny_configs()
     d = resolve(cfgs["LlamaForCausalLM"], gpu="sm100")
     assert d.decode_backend == "triton" and any("head dim(s) {16}" in a for a in d.adjustments)
     d = resolve(cfgs["DeepseekV3ForCausalLM"], gpu="sm100")
@@ -277,23 +188,6 @@ def test_keyword_overrides_and_their_precedence():
     assert d.page_size == 1 and d.sources["page_size"].level == "override" and not d.adjustments
 
 
-USER_POLICY = """\
-schema = 1
-
-[family.gemma4.gpu.sm90]
-page_size = 32
-reason = "family entry, GPU row"
-
-[family.gemma4.arch.Gemma4ForConditionalGeneration]
-decode = "torch"
-reason = "arch entry, all GPUs"
-
-[models."google/gemma-4-*"]
-prefill = "torch"
-
-[models."google/gemma-4-31B-*".gpu.sm90]
-page_size = 8
-"""
 
 
 def test_user_policy_file_levels(tmp_path, flashinfer_installed):
@@ -337,26 +231,6 @@ def test_policy_env_var_and_file_precedence(tmp_path, monkeypatch):
         resolve("LlamaForCausalLM", gpu="sm90")
 
 
-SMALL_TABLE = """\
-schema = 1
-[family.llama]
-fallback = ["triton", "torch"]
-profile = { kind = "mha", head_dims = [128], num_kv_heads = [8] }
-[family.llama.gpu.sm90]
-prefill = "triton"
-decode = "triton"
-page_size = 16
-reason = "family default"
-[family.llama.arch.LlamaForCausalLM.gpu.sm90]
-decode = "torch"
-reason = "arch entry"
-[family.llama.arch.LlamaForCausalLM.gpu.sm100]
-backend = "trtllm_mha"
-page_size = 8
-reason = "arch entry naming trtllm_mha with a page size it cannot take"
-"""
-
-
 def test_shipped_arch_entry_beats_family_default(tmp_path):
     table = write(tmp_path, SMALL_TABLE)
     d = resolve("LlamaForCausalLM", gpu="sm90", table=table)
@@ -369,7 +243,7 @@ def test_automatic_policy_falls_back_and_says_so(tmp_path, monkeypatch, flashinf
     table = write(tmp_path, SMALL_TABLE)
     # The row names trtllm_mha; were it unable to run here (FlashInfer missing), the automatic policy
     # walks the family's fallback list and records it.
-    _pretend_modules(monkeypatch, flashinfer=False)
+    pretend_modules(monkeypatch, flashinfer=False)
     d = resolve("LlamaForCausalLM", gpu="sm100", table=table)
     assert (d.prefill_backend, d.decode_backend) == ("triton", "triton")
     assert len(d.adjustments) == 2 and all("needs the Python package 'flashinfer'" in a and "triton" in a
@@ -379,7 +253,7 @@ def test_automatic_policy_falls_back_and_says_so(tmp_path, monkeypatch, flashinf
     rejected = [c for c in d.candidates if c.name == "trtllm_mha"]
     assert rejected and not any(c.accepted for c in rejected)
     # Installed, trtllm_mha runs, and the table's page size 8 is raised to what it needs.
-    _pretend_modules(monkeypatch, flashinfer=True)
+    pretend_modules(monkeypatch, flashinfer=True)
     d = resolve("LlamaForCausalLM", gpu="sm100", table=table)
     assert (d.prefill_backend, d.decode_backend, d.page_size) == ("trtllm_mha", "trtllm_mha", 16)
     assert any("page size raised from 8" in a and "{16, 32, 64}" in a for a in d.adjustments)
@@ -407,319 +281,3 @@ page_size = 1
     d = resolve(mla, gpu="sm100", overrides=Overrides(decode_backend="trtllm_mla"), table=table)
     assert (d.prefill_backend, d.page_size) == ("torch", 32) and any("multiple of 4 columns" in n for n in d.notes)
     assert any("raised from 1" in a and "trtllm_mla needs {32, 64}" in a for a in d.adjustments)
-
-
-# -------------------------------------------------------------------------------- rejections
-
-
-def _reject(exc, match, model="LlamaForCausalLM", gpu="sm90", **ov):
-    with pytest.raises(exc) as e:
-        resolve(model, gpu=gpu, overrides=Overrides(**ov))
-    msg = str(e.value)
-    assert re.search(match, msg), msg
-    return msg
-
-
-def test_reject_unknown_backend():
-    msg = _reject(BackendError, "unknown attention backend 'flashattn'", backend="flashattn")
-    assert "torch" in msg and "triton" in msg  # the valid choices
-
-
-class _Undeclared(AttentionBackend):  # states no capabilities
-    name = "undeclared"
-
-    def extend(self, layer, q, meta):
-        raise AssertionError("never run")
-
-    decode = extend
-
-
-def test_reject_registered_backend_without_declaration(monkeypatch):
-    # A backend is one file and one registry line; its class must carry the declaration.
-    monkeypatch.setitem(backend_registry._REGISTRY, "undeclared", f"{__name__}:_Undeclared")
-    msg = _reject(BackendError, "'undeclared' .* declares no capabilities", backend="torch", gpu="cpu")
-    assert "capabilities = BackendCapabilities" in msg
-
-
-def test_reject_missing_package(monkeypatch, flashinfer_missing):
-    msg = _reject(BackendError, r"needs the Python package 'flashinfer'", gpu="sm100", decode_backend="trtllm_mha")
-    assert 'pip install "attnzoo[flashinfer]"' in msg and "Fix: valid decode backends" in msg
-    _pretend_modules(monkeypatch, triton=False)
-    msg = _reject(BackendError, r"needs the Python package 'triton'", backend="triton")
-    assert 'pip install "attnzoo[triton]"' in msg and "Fix: valid prefill backends" in msg and "torch" in msg
-
-
-def test_reject_gpu(monkeypatch, flashinfer_installed):
-    _reject(BackendError, r"decode does not run on sm80 \(runs on: sm90, sm100, sm103, sm120\)",
-            gpu="sm80", decode_backend="trtllm_mha")
-    _reject(BackendError, r"does not run on sm90 \(runs on: sm100, sm103, sm120\)",
-            model="DeepseekV3ForCausalLM", decode_backend="trtllm_mla")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    _reject(BackendError, "needs TRITON_INTERPRET=1", gpu="cpu", backend="triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    d = resolve("LlamaForCausalLM", gpu="cpu", overrides=Overrides(backend="triton"))
-    assert d.decode_backend == "triton" and any("interpreter" in n for n in d.notes)
-
-
-def test_reject_head_dim(flashinfer_installed):
-    _reject(BackendError, r"q/k head dim\(s\) \{32\} unsupported \(supports \{64, 128, 256, 512\}\)",
-            model=profile(dims=(32,)), gpu="sm100", decode_backend="trtllm_mha")
-    _reject(BackendError, r"head dim\(s\) \{2048\} unsupported \(supports any up to 1024\)",
-            model=profile(dims=(2048,)), backend="torch")
-    # FA3 prefill does not build for head dim 512: flashinfer prefill on sm90 runs FA2 and says so.
-    gemma = profile("Gemma4ForConditionalGeneration", "gemma4", dims=(256, 512), uses_sliding_window=True)
-    d = resolve(gemma, gpu="sm90", overrides=Overrides(prefill_backend="flashinfer"))
-    assert d.kernels["prefill"] == "FlashInfer FA2 prefill"
-    pre = next(c for c in d.candidates if c.chosen and c.phase == "prefill")
-    assert any("FA3 prefill skipped" in r and "head dim 512" in r for r in pre.reasons)
-    d = resolve(profile(dims=(128,)), gpu="sm90", overrides=Overrides(prefill_backend="flashinfer"))
-    assert d.kernels["prefill"] == "FlashInfer FA3 prefill"
-
-
-def test_reject_page_size(flashinfer_installed):
-    _reject(PolicyError, r"page size 8 \(from keyword page_size=8\) is not supported: .*trtllm_mha needs \{16, 32, 64\}",
-            gpu="sm100", backend="trtllm_mha", page_size=8)
-    for bad in (0, 129, "16"):
-        _reject(PolicyError, "not an integer in 1..128", page_size=bad)
-
-
-def test_explicit_page_size_restricts_the_automatic_backend(tmp_path, flashinfer_installed):
-    table = write(tmp_path, SMALL_TABLE)
-    # The row's automatic trtllm_mha cannot take the explicit page size 8: the backend adjusts, the page size not.
-    d = resolve("LlamaForCausalLM", gpu="sm100", overrides=Overrides(page_size=8), table=table)
-    assert (d.prefill_backend, d.decode_backend, d.page_size) == ("triton", "triton", 8)
-    assert all("page size 8 unsupported" in a for a in d.adjustments) and len(d.adjustments) == 2
-
-
-def test_reject_attention_kind_and_phase(flashinfer_installed):
-    _reject(BackendError, "does not run MHA attention", gpu="sm100", decode_backend="trtllm_mla")
-    _reject(BackendError, "does not run MHA attention", backend="flashinfer_mla")
-    _reject(BackendError, "does not run MLA attention", model="DeepseekV3ForCausalLM", gpu="sm100",
-            decode_backend="trtllm_mha")
-    msg = _reject(BackendError, r"prefill backend 'trtllm_mla' .* has no prefill path \(decode only\)",
-                  model="DeepseekV3ForCausalLM", gpu="sm100", backend="trtllm_mla")
-    assert "valid prefill backends" in msg
-
-
-def test_reject_features_and_dtype(flashinfer_installed):
-    _reject(BackendError, "does not support attention logit soft-capping",
-            model=profile(uses_softcap=True), gpu="sm100", backend="trtllm_mha")
-    _reject(BackendError, r"does not run dtype float32 \(supports: bfloat16, float16\)",
-            gpu="sm100", backend="trtllm_mha", dtype="float32")
-    assert resolve("LlamaForCausalLM", gpu="sm100",
-                   overrides=Overrides(backend="trtllm_mha", dtype="torch.bfloat16")).decode_backend == "trtllm_mha"
-    _reject(BackendError, "does not run NSA attention", model="DeepseekV32ForCausalLM", backend="triton")
-
-
-def test_explicit_choice_in_user_file_is_never_replaced(tmp_path, flashinfer_installed):
-    path = write(tmp_path, '[family.llama.gpu.sm80]\ndecode = "trtllm_mha"\n')
-    msg = _reject(BackendError, "decode does not run on sm80", gpu="sm80", policy_file=path)
-    assert str(path) in msg and "family.llama.gpu.sm80" in msg
-
-
-def test_reject_unknown_architecture_and_gpu():
-    with pytest.raises(PolicyError, match="MistralForCausalLM.*not in the policy table") as e:
-        resolve("MistralForCausalLM", gpu="cpu")
-    assert "LlamaForCausalLM" in str(e.value)
-    with pytest.raises(PolicyError, match="GPU 'sm75' is not one the policy knows"):
-        resolve("LlamaForCausalLM", gpu="sm75")
-    assert gpu_class("sm_86") == "sm80" and gpu_class("SM121") == "sm120"
-    d = resolve("LlamaForCausalLM", gpu="sm86")
-    assert d.gpu == "sm80" and d.device_gpu == "sm86" and any("sm86 uses the sm80 rows" in n for n in d.notes)
-
-
-# ------------------------------------------------------------------------- policy file errors
-
-
-BAD_FILES = [
-    # (file text, the offending key, the text on the offending line)
-    ('[family.llama.gpu.sm90]\nprefill = "torch"\ndecoder = "torch"\n', "family.llama.gpu.sm90.decoder", "decoder ="),
-    ('schema = 1\nbackends = ["torch"]\n', "backends", "backends ="),
-    ('[family.llama]\n\n[family.mistral.gpu.sm90]\nbackend = "torch"\n', "family.mistral", "[family.mistral"),
-    ('[family.llama.arch.MistralForCausalLM]\ndecode = "torch"\n', "family.llama.arch.MistralForCausalLM",
-     "[family.llama.arch.Mistral"),
-    ('[family.llama.gpu.sm75]\ndecode = "torch"\n', "family.llama.gpu.sm75", "[family.llama.gpu.sm75"),
-    ('[models."meta-llama/*".gpu.sm90]\n# comment\ndecode = "flashattn"\n', 'models."meta-llama/*".gpu.sm90.decode',
-     'decode = "flashattn"'),
-    ('[family.llama.gpu.sm90]\npage_size = "16"\n', "family.llama.gpu.sm90.page_size", "page_size ="),
-    ('[family.llama]\n\nprofile = { kind = "mha" }\n', "family.llama.profile", "profile ="),
-    ('[family.llama]\ngpu.sm90.decode = "torch"\ngpu.sm90.speed = "fast"\n', "family.llama.gpu.sm90.speed",
-     "speed"),
-    # The fallback order is the automatic policy's; a user file's choices are explicit.
-    ('[family.llama]\nfallback = ["torch"]\n', "family.llama.fallback", "fallback ="),
-]
-
-
-@pytest.mark.parametrize("text,key,needle", BAD_FILES)
-def test_bad_policy_file_names_file_key_and_line(tmp_path, text, key, needle):
-    path = write(tmp_path, text)
-    with pytest.raises(PolicyError) as e:
-        resolve("LlamaForCausalLM", gpu="sm90", overrides=Overrides(policy_file=path))
-    msg = str(e.value)
-    assert f"{path}:{line_of(text, needle)}:" in msg, msg
-    assert repr(key) in msg or key in msg, msg
-    assert "Fix:" in msg
-
-
-def test_bad_shipped_table_names_file_key_and_line(tmp_path):
-    # The same checks guard the shipped table; keys of inline tables get their line too.
-    text = SMALL_TABLE.replace('profile = { kind = "mha", head_dims = [128]', 'profile = { kind = "mha", head_dim = [128]')
-    path = write(tmp_path, text, "table.toml")
-    with pytest.raises(PolicyError, match=re.escape(f"{path}:{line_of(text, 'profile =')}: key 'family.llama.profile.head_dim'")):
-        resolve("LlamaForCausalLM", gpu="sm90", table=path)
-
-
-def test_malformed_toml_names_file_and_line(tmp_path):
-    text = '[family.llama.gpu.sm90]\nprefill = "torch"\ndecode = \n'
-    path = write(tmp_path, text)
-    with pytest.raises(PolicyError, match=re.escape(f"{path}:3: malformed TOML")):
-        resolve("LlamaForCausalLM", gpu="sm90", overrides=Overrides(policy_file=path))
-
-
-# ------------------------------------------------------------------------- Decision as JSON / text
-
-
-def test_decision_json_and_explain(flashinfer_missing):
-    d = resolve("Gemma4ForConditionalGeneration", gpu="sm90", model_id="google/gemma-4-31B-it")
-    data = json.loads(json.dumps(d.to_dict()))
-    assert (data["prefill_backend"], data["decode_backend"], data["page_size"]) == ("triton", "triton", 16)
-    assert data["gpu"] == "sm90" and data["architecture"] == "Gemma4ForConditionalGeneration"
-    assert set(data["sources"]) == {"prefill_backend", "decode_backend", "page_size"}
-    assert data["sources"]["page_size"]["line"] == line_of(SHIPPED_POLICY.read_text(), "[family.gemma4.gpu.sm90]")
-    names = {(c["name"], c["phase"]) for c in data["candidates"]}
-    assert names == {(n, p) for n in CAPABILITIES for p in ("prefill", "decode")}
-    for c in data["candidates"]:
-        assert {"name", "accepted", "reasons"} <= set(c) and c["reasons"]
-    trt = next(c for c in data["candidates"] if c["name"] == "trtllm_mha" and c["phase"] == "decode")
-    assert not trt["accepted"] and any("attnzoo[flashinfer]" in r for r in trt["reasons"])
-    text = d.explain()
-    assert text.splitlines()[0] == ("Gemma4ForConditionalGeneration (google/gemma-4-31B-it) on sm90: "
-                                    "prefill triton, decode triton, page size 16")
-    assert "FA3 does not build for 512" in text  # the row's reason
-    assert 'pip install "attnzoo[flashinfer]"' in text and "using triton" in text  # the fallback, stated
-    assert "trtllm_mha" in text and "rejected" in text
-
-
-# ------------------------------------------------------------------------------------------- CLI
-
-
-def test_cli_explain_by_hub_id_without_weights(capsys, tmp_path, monkeypatch, flashinfer_installed):
-    import huggingface_hub.constants as hf_constants
-
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
-    rc = policy_main(["policy", "explain", "some-org/some-model", "--gpu", "sm100", "--json",
-                      "--arch", "Gemma4ForConditionalGeneration"])
-    assert rc == 0
-    data = json.loads(capsys.readouterr().out)
-    assert (data["prefill_backend"], data["decode_backend"], data["page_size"]) == ("trtllm_mha", "trtllm_mha", 64)
-    assert data["model_id"] == "some-org/some-model" and data["kernels"]["decode"].startswith("trtllm-gen")
-    assert all({"name", "accepted", "reasons"} <= set(c) for c in data["candidates"])
-    # Not cached, not a flagship and no --arch: a clear error suggesting --arch.
-    rc = policy_main(["policy", "explain", "some-org/some-model", "--gpu", "sm100"])
-    err = capsys.readouterr().err
-    assert rc == 2 and "--arch" in err and "Hugging Face cache" in err
-
-
-def test_cli_explain_flagship_offline_for_another_gpu(capsys, tmp_path, monkeypatch, flashinfer_missing):
-    # Issue 38: the README's command, offline, on a CPU machine without FlashInfer: what would run on sm100.
-    import huggingface_hub.constants as hf_constants
-
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert policy_main(["policy", "explain", "google/gemma-4-31B-it", "--gpu", "sm100", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
-    assert (data["architecture"], data["prefill_backend"], data["decode_backend"], data["page_size"]) == (
-        "Gemma4ForConditionalGeneration", "trtllm_mha", "trtllm_mha", 64)
-    assert data["hypothetical"]["assumed_installed"] == ["flashinfer", "triton"] and not data["adjustments"]
-    assert any("flagship table" in n for n in data["notes"]) and any("not this machine" in n for n in data["notes"])
-    assert data["profile"]["head_dims"] == [256, 512]
-    # The local GPU, or an explicit empty --assume-installed, checks this machine's packages.
-    assert policy_main(["policy", "explain", "google/gemma-4-31B-it", "--gpu", "sm100", "--assume-installed", ""]) == 0
-    assert capsys.readouterr().out.startswith("Gemma4ForConditionalGeneration (google/gemma-4-31B-it) on sm100: "
-                                              "prefill triton, decode triton")
-    assert policy_main(["policy", "explain", "deepseek-ai/DeepSeek-V3", "--gpu", "cpu"]) == 0
-    assert "HYPOTHETICAL" not in capsys.readouterr().out
-
-
-def test_cli_explain_takes_the_kv_cache_dtype(capsys):
-    # The decision depends on what the cache stores, as load_model's kv_cache_dtype does.
-    assert policy_main(["policy", "explain", "LlamaForCausalLM", "--gpu", "sm90", "--json", "--assume-installed"]) == 0
-    plain = json.loads(capsys.readouterr().out)
-    assert policy_main(["policy", "explain", "LlamaForCausalLM", "--gpu", "sm90", "--json", "--assume-installed",
-                        "--kv-cache-dtype", "fp8_e4m3"]) == 0
-    fp8 = json.loads(capsys.readouterr().out)
-    assert (plain["kv_cache_dtype"], fp8["kv_cache_dtype"]) == ("auto", "fp8_e4m3")
-    assert "FA3" in plain["kernels"]["prefill"] and "FA3" not in fp8["kernels"]["prefill"]
-    assert policy_main(["policy", "explain", "DeepseekV2ForCausalLM", "--gpu", "sm90",
-                        "--kv-cache-dtype", "fp8_e4m3"]) == 2
-    assert "kv_cache_dtype='auto'" in capsys.readouterr().err
-
-
-def test_cli_explain_reads_cached_and_local_configs(capsys, tmp_path, monkeypatch):
-    import huggingface_hub.constants as hf_constants
-
-    cfg = _tiny_configs()["Gemma4ForConditionalGeneration"]
-    # A hub id whose config.json sits in the local HF cache (the cache's on-disk layout).
-    cache = tmp_path / "hub"
-    snap = cache / "models--google--gemma-4-31B-it" / "snapshots" / ("0" * 40)
-    snap.mkdir(parents=True)
-    (cache / "models--google--gemma-4-31B-it" / "refs").mkdir()
-    (cache / "models--google--gemma-4-31B-it" / "refs" / "main").write_text("0" * 40)
-    cfg.save_pretrained(snap)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
-    assert policy_main(["policy", "explain", "google/gemma-4-31B-it", "--gpu", "sm90", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
-    assert data["profile"]["source"] == "config" and data["profile"]["head_dims"] == [32, 64]
-    assert data["architecture"] == "Gemma4ForConditionalGeneration"
-    # A local checkpoint directory, with overrides and a user policy file.
-    local = tmp_path / "ckpt"
-    _tiny_configs()["LlamaForCausalLM"].save_pretrained(local)
-    pol = write(tmp_path, '[models."*ckpt"]\ndecode = "torch"\n')
-    assert policy_main(["policy", "explain", str(local), "--gpu", "sm90", "--policy", str(pol),
-                        "--prefill-backend", "torch", "--page-size", "32"]) == 0
-    out = capsys.readouterr().out.splitlines()  # sm90 is not this machine: a hypothetical answer, said first
-    assert out[0].startswith("HYPOTHETICAL") and "prefill torch, decode torch, page size 32" in out[1]
-    out = "\n".join(out)
-    assert "keyword prefill_backend='torch'" in out and "model pattern '*ckpt'" in out
-    # An explicit choice that cannot run: exit 2 and the reason.
-    assert policy_main(["policy", "explain", "DeepseekV3ForCausalLM", "--gpu", "sm90", "--backend", "trtllm_mla"]) == 2
-    assert "trtllm_mla" in capsys.readouterr().err
-
-
-def test_cli_show_and_backends(capsys, tmp_path):
-    assert policy_main(["policy", "show", "--json"]) == 0
-    shown = json.loads(capsys.readouterr().out)
-    assert len(shown["cells"]) == len(ARCHS) * len(GPUS) and shown["model_patterns"] == []
-    assert policy_main(["policy", "show", "--gpu", "sm100"]) == 0
-    out = capsys.readouterr().out.splitlines()  # a table: header, rule, one line per architecture
-    assert len(out) == 2 + len(ARCHS) and all(" sm100 " in l for l in out[2:])
-    assert max(map(len, out)) < 200 and set(out[1]) <= {"-", " "}
-    # A user policy file is merged in, its model-id patterns listed.
-    pol = write(tmp_path, USER_POLICY)
-    assert policy_main(["policy", "show", "--gpu", "sm90", "--policy", str(pol), "--json"]) == 0
-    shown = json.loads(capsys.readouterr().out)
-    cell = next(c for c in shown["cells"] if c["architecture"] == "Gemma4ForConditionalGeneration")
-    assert (cell["decode_backend"], cell["page_size"]) == ("torch", 32) and str(pol) in cell["decode_backend_from"]
-    assert [(p["pattern"], p["gpu"]) for p in shown["model_patterns"]] == [
-        ("google/gemma-4-*", "*"), ("google/gemma-4-31B-*", "sm90")]
-    assert policy_main(["policy", "backends", "--json"]) == 0
-    data = {d["name"]: d for d in json.loads(capsys.readouterr().out)}
-    assert set(data) == set(CAPABILITIES) and data["torch"]["registered"]
-    assert data["trtllm_mla"]["page_sizes"] == "{32, 64} (trtllm-gen MLA decode); {16, 32, 64, 128} (XQA-MLA decode)"
-    assert data["trtllm_mla"]["prefill"] == [] and data["trtllm_mla"]["decode"][1]["num_heads"] == [128]
-
-
-def test_attnzoo_entry_point_mounts_policy(capsys):
-    from attnzoo.cli import main
-
-    assert main(["policy", "explain", "LlamaForCausalLM", "--gpu", "cpu", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["decode_backend"] == "torch"
-
-
-def test_xqa_group_limit_for_large_head_dims(flashinfer_installed):
-    # XQA (trtllm_mha decode on sm90) serves head dims above 256 only with <= 16 query heads per KV head.
-    wide = profile(dims=(512,), num_heads=32, num_kv_heads=frozenset({1}))
-    _reject(BackendError, r"at most 16 query heads per KV head; this model has head dim 512 and up to 32",
-            model=wide, decode_backend="trtllm_mha")
-    ok = profile(dims=(512,), num_heads=32, num_kv_heads=frozenset({4}))
-    assert resolve(ok, gpu="sm90", overrides=Overrides(decode_backend="trtllm_mha")).decode_backend == "trtllm_mha"
