@@ -82,3 +82,32 @@ def test_a_child_runs_e2e_with_its_part_removed(ablate, monkeypatch):
     ablate.main(["--child", "base", "--", "--shape", "dsv2lite"])
     assert seen == [(["--shape", "dsv2lite"], True), (["--shape", "dsv2lite"], False)]
     assert not isinstance(decode._decode_stage2, ablate._NoLaunch)
+
+
+def test_runs_base_each_part_base_and_records_them(ablate, monkeypatch, tmp_path, capsys):
+    # Each child's command carries its part and e2e.py's arguments with the run's own --out; a child that fails is
+    # recorded with its log and the others go on.
+    import json
+
+    calls = []
+    real_run = ablate.subprocess.run
+
+    def child(cmd, *args, **kwargs):
+        if "--child" not in cmd:  # git, for the result's meta
+            return real_run(cmd, *args, **kwargs)
+        part, prefix = cmd[cmd.index("--child") + 1], cmd[cmd.index("--out", cmd.index("--")) + 1]
+        calls.append((part, cmd[cmd.index("--") + 1:cmd.index("--out", cmd.index("--"))]))
+        if part == "moe_sum":
+            return types.SimpleNamespace(returncode=1)
+        tpot = {"base": 2.0, "stage2": 1.9}[part]
+        result = {"tpot_mean_ms": tpot, "output_tok_per_s": 1e3 / tpot, "decode_roofline_fraction": 0.6}
+        (tmp_path / (prefix.rsplit("/", 1)[-1] + ".json")).write_text(json.dumps({"results": [result]}))
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(ablate.subprocess, "run", child)
+    ablate.main(["--out", str(tmp_path / "abl"), "--parts", "stage2,moe_sum", "--", "--shape", "dsv2lite"])
+    assert calls == [(p, ["--shape", "dsv2lite"]) for p in ("base", "stage2", "moe_sum", "base")]
+    rows = json.loads((tmp_path / "abl.json").read_text())["rows"]
+    assert [r["part"] for r in rows] == ["base", "stage2", "moe_sum", "base"]
+    assert rows[1]["delta_ms"] == pytest.approx(-0.1) and "exit 1" in rows[2]["error"]
+    assert "stage2" in capsys.readouterr().out
