@@ -8,11 +8,9 @@ import random
 
 import pytest
 
-pytest.importorskip("lm_eval")
-
-from attnzoo.errors import EvalError  # noqa: E402
-from attnzoo.evals import report as report_mod  # noqa: E402
-from attnzoo.evals import stats, tokens  # noqa: E402
+from attnzoo.errors import EvalError
+from attnzoo.evals import report as report_mod
+from attnzoo.evals import stats, tokens
 
 
 def test_mcnemar_exact_values():
@@ -114,8 +112,6 @@ def test_compare_runs_on_reports():
 
 
 def test_token_helpers():
-    from attnzoo.evals import tokens
-
     assert tokens.first_difference([1, 2, 3], [1, 2, 3]) is None
     assert tokens.first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert tokens.first_difference([1, 2], [1, 2, 3]) == 2

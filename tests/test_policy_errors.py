@@ -134,6 +134,15 @@ def test_reject_unknown_architecture_and_gpu():
     assert d.gpu == "sm80" and d.device_gpu == "sm86" and any("sm86 uses the sm80 rows" in n for n in d.notes)
 
 
+def test_xqa_group_limit_for_large_head_dims(flashinfer_installed):
+    # XQA (trtllm_mha decode on sm90) serves head dims above 256 only with <= 16 query heads per KV head.
+    wide = profile(dims=(512,), num_heads=32, num_kv_heads=frozenset({1}))
+    _reject(BackendError, r"at most 16 query heads per KV head; this model has head dim 512 and up to 32",
+            model=wide, decode_backend="trtllm_mha")
+    ok = profile(dims=(512,), num_heads=32, num_kv_heads=frozenset({4}))
+    assert resolve(ok, gpu="sm90", overrides=Overrides(decode_backend="trtllm_mha")).decode_backend == "trtllm_mha"
+
+
 # ------------------------------------------------------------------------- policy file errors
 
 
@@ -180,12 +189,3 @@ def test_malformed_toml_names_file_and_line(tmp_path):
     path = write(tmp_path, text)
     with pytest.raises(PolicyError, match=re.escape(f"{path}:3: malformed TOML")):
         resolve("LlamaForCausalLM", gpu="sm90", overrides=Overrides(policy_file=path))
-
-
-def test_xqa_group_limit_for_large_head_dims(flashinfer_installed):
-    # XQA (trtllm_mha decode on sm90) serves head dims above 256 only with <= 16 query heads per KV head.
-    wide = profile(dims=(512,), num_heads=32, num_kv_heads=frozenset({1}))
-    _reject(BackendError, r"at most 16 query heads per KV head; this model has head dim 512 and up to 32",
-            model=wide, decode_backend="trtllm_mha")
-    ok = profile(dims=(512,), num_heads=32, num_kv_heads=frozenset({4}))
-    assert resolve(ok, gpu="sm90", overrides=Overrides(decode_backend="trtllm_mha")).decode_backend == "trtllm_mha"
