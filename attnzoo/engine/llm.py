@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from attnzoo.attention.kv_cache import KVPool, kv_bytes_by_kind, kv_footprint
-from attnzoo.engine import build, load_config
+from attnzoo.engine import build, describe, load_config
 from attnzoo.engine.engine import Completion
 from attnzoo.engine.load_config import WINDOW_KV_FRACTION, LoadConfig
 from attnzoo.engine.progress import GenerationProgress
@@ -279,56 +279,6 @@ class LLM:
         with self._lock:
             return self.engine.score(ids).cpu()
 
-    def _cascade_info(self) -> str:
-        e = self.engine
-        scope = f" ({e.prefill_backend.cascade_extend_scope})" if e.prefill_backend.cascade_extend_scope else ""
-        if e.cascade:
-            graphs = e.graphs is not None and e.graphs.cascade
-            when = (f"as CUDA graphs when shared tokens x (requests - 1) >= {e.cascade_graph_min_saved_tokens}, "
-                    f"eagerly when >= {e.cascade_min_saved_tokens} and no graph serves the step" if graphs else
-                    f"when shared tokens x (requests - 1) >= {e.cascade_min_saved_tokens}; such steps run eagerly")
-            return (f"on: decode steps whose requests share >= 1 page read it once ({when})"
-                    + (f"; extend steps too{scope}" if e.cascade_extend else ""))
-        if e.prefix_cache is None:
-            return "off: prefix caching is off"
-        if not e.decode_backend.supports_cascade:
-            # trtllm_mha off Blackwell: its prefill is the flashinfer backend, which cascades extend steps
-            extend = f"; extend steps: on (prefill backend {e.prefill_backend.name!r}){scope}" if e.cascade_extend else ""
-            return f"off: decode backend {e.decode_backend.name!r} has no cascade path" + extend
-        return "off: turned off (cascade=False)"
-
-    def _page_groups_info(self) -> dict:
-        """The pool's page groups: capacity, layers and bytes per token of each, and why it is split or not."""
-        pool, e, specs = self.pool, self.engine, self.model.kv_cache_specs()
-        ps = pool.page_size
-
-        def group(name: str, alloc) -> dict:
-            layers = [i for i in range(len(specs)) if specs[i] is not None and pool.in_window_group(i) == (name == "window")]
-            return {"pages": alloc.capacity, "tokens": alloc.capacity * ps, "layers": len(layers),
-                    "kv_bytes_per_token": KVPool.bytes_per_token(specs, ps, pool.kv_dtype, group=name)}
-
-        if not pool.has_window_group:
-            windows = {s.sliding_window for s in specs if s is not None and s.sliding_window}
-            why = ("one group: no layer has a sliding window" if not windows else
-                   "one group: window_kv_fraction=None" if self.window_kv_fraction is None else
-                   "one group: window_kv_fraction='auto' splits only models whose layers compress their keys"
-                   if self.window_kv_fraction == "auto" and e.context_len > max(windows) else
-                   f"one group: the context ({e.context_len}) fits the sliding window ({max(windows)})")
-            return {"explain": why, "window_kv_fraction": None, "full": group("full", e.allocator)}
-        return {
-            "explain": (f"two groups in one buffer: the {group('window', e.window_allocator)['layers']} sliding-window "
-                        f"layers keep only the pages their window ({pool.window} tokens) can still see, in their own "
-                        f"pages ('window'); the others keep every token ('full'). window_kv_fraction="
-                        f"{self.window_kv_fraction!r} sizes the window group ('auto': for max_running decoding requests' "
-                        "windows and one prefill chunk; a number: in tokens per full-group token); kv_cache_tokens "
-                        "counts the full group. A request reserves prompt + max_new_tokens in 'full' and at most its "
-                        "window + a page + its largest prefill chunk in 'window'"),
-            "window_kv_fraction": self.window_kv_fraction,
-            "window": pool.window,
-            "full": group("full", e.allocator),
-            "window_group": group("window", e.window_allocator),
-        }
-
     def info(self) -> dict[str, Any]:
         specs = self.model.kv_cache_specs()
         elt = torch.empty((), dtype=self.pool.kv_dtype).element_size()
@@ -346,7 +296,7 @@ class LLM:
             "device": str(self.device),
             "kv_cache_pages": self.engine.allocator.capacity,
             "kv_cache_tokens": self.engine.allocator.capacity * self.pool.page_size,
-            "kv_page_groups": self._page_groups_info(),
+            "kv_page_groups": describe.page_groups(self.pool, self.engine, specs, self.window_kv_fraction),
             "kv_bytes_per_token": kv_bytes_per_token,
             "kv_bytes_per_token_by_kind": kv_bytes_by_kind(specs, self.pool.page_size, self.pool.kv_dtype),
             "kv_footprint": kv_footprint(self.pool, self.config),
@@ -362,7 +312,7 @@ class LLM:
             # steps replayed as pieces between eager attention calls: their token buckets (None: off)
             "piecewise_graphs": None if (p := self.engine.runner.pieces) is None else {
                 "buckets": p.buckets, "graphs": p.num_graphs, "capture_s": round(p.capture_s, 2)},
-            "cascade": self._cascade_info(),
+            "cascade": describe.cascade_state(self.engine),
             # a short prompt chunk after a cached prefix replayed as decode rows: [most new tokens, why]
             "token_rows": list(self.engine.runner.token_rows_limit()),
             # a mixed step's leading decode rows on the decode backend from this many on: [rows or None, why]
