@@ -17,8 +17,10 @@ request's own keys), each checked against the other, and the cascade's kernels u
     python benchmarks/cascade_tiles.py [--sweep [--layers dsv2lite-mla,...] | --extend]
 """
 import argparse
+import functools
 import itertools
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -82,7 +84,7 @@ def sweep(layers, batch: int = 1319) -> None:
         print_kernels(replay)
         plain = graph_of(lambda: dec.decode_attention(q, k, v, tables, seq, scale=d ** -0.5, out=out))
         print(f"   plain decode (every request reads the prefix): {time_cuda(plain) * 1000:.1f} us")
-        if dec.gemm_shared_pass(q, k, v, SHARED, None):  # MLA: the shared pass as two GEMMs (cascade_gemm)
+        if dec.shared_pass_kind(q, k, v, SHARED, None) == "gemm":  # MLA: the shared pass as two GEMMs (cascade_gemm)
             err = (run(None)().float() - ref).abs().max().item()
             gemm = graph_of(run(None))
             print(f"   shared pass as GEMMs: {time_cuda(gemm) * 1000:.1f} us, max diff {err:.1e}")
@@ -176,6 +178,73 @@ def extend_sweep() -> None:
         cascade_gemm.CHUNK_SCORE_BYTES = default
 
 
+def shared_sdpa(batches=(64, 128, 256, 512, 1024, 1319), owns=(72, 200)) -> None:
+    """The Llama-8B layer's cascade call three ways, CUDA-graph replays: the Triton shared pass with stage 1's
+    default tile, with the cascade's own tile, and the cuDNN shared pass with it; each checked against the first.
+    Then cuDNN's first call at a new row count (its plan built) and stage 1's tiles over plain decode batches."""
+    from attnzoo.attention.kernels import cascade_sdpa
+
+    global OWN
+    print(f"{torch.cuda.get_device_name()}: Llama-8B layer, shared {SHARED} tokens, us per cascade call")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    d, default_own = HEAD_DIM, how.decode_launch_config(HEAD_DIM, HEAD_DIM, HEADS // KV_HEADS, torch.bfloat16)
+    floor, own_launch = cascade_sdpa.MIN_ROWS, dec.cascade_own_launch_config
+    for own, batch in itertools.product(owns, batches):
+        OWN = own
+        q, k, v, tables, seq = case(batch)
+        out = q.new_empty(batch, HEADS, d)
+        # the Triton pass splits the prefix as the backend does (to fill the GPU at small batches); cuDNN takes one
+        tiled_splits = how.choose_num_shared_splits(batch=batch, num_kv_heads=KV_HEADS, group=HEADS // KV_HEADS,
+                                                    shared_len=SHARED, num_sms=sms, block_m=64, max_splits=63)
+
+        def call(shared_splits=1):
+            return dec.cascade_decode_attention(q, k, v, tables, seq, shared_len=SHARED, scale=d ** -0.5,
+                                                num_kv_splits=1, num_shared_splits=shared_splits, out=out, graph=True)
+        row, ref = [], None
+        for name, own_tile, cudnn in (("default", False, False), ("own tile", True, False),
+                                      ("own + cudnn", True, True)):
+            fn = functools.partial(call, 1 if cudnn else tiled_splits)
+            cascade_sdpa.MIN_ROWS = 0 if cudnn else 1 << 62
+            dec.cascade_own_launch_config = own_launch if own_tile else (lambda *a: None)
+            try:
+                got = fn().float()
+                ref = got.clone() if ref is None else ref
+                t = time_cuda(graph_of(fn)) * 1000
+            finally:
+                cascade_sdpa.MIN_ROWS, dec.cascade_own_launch_config = floor, own_launch
+            row.append(f"{name} {t:6.1f} ({(got - ref).abs().max().item():.0e})")
+        print(f"own {own:3d} batch {batch:5d} rows {batch * HEADS:6d}: " + "  ".join(row))
+        if batch == batches[-1]:
+            cascade_sdpa.MIN_ROWS = 0
+            try:
+                print_kernels(graph_of(call))
+            finally:
+                cascade_sdpa.MIN_ROWS = floor
+    q, k, v, tables, seq = case(777)
+    rows = q.view(777, KV_HEADS, -1, d).transpose(0, 1).reshape(1, KV_HEADS, -1, d)
+    keys = torch.randn(1, KV_HEADS, SHARED, d, device="cuda", dtype=q.dtype)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    cascade_sdpa._attend(rows, keys, keys, 0.1)
+    torch.cuda.synchronize()
+    print(f"cuDNN's first call at a new row count ({rows.shape[2]} rows): {(time.perf_counter() - t0) * 1000:.1f} ms")
+    for batch, ctx in ((1, 1400), (8, 1400), (83, 1150), (256, 400), (1319, 300)):
+        OWN = max(1, ctx - SHARED - 1)
+        q, k, v, tables, seq = case(batch)
+        seq.fill_(ctx)
+        splits = how.layer_kv_splits(batch=batch, heads=HEADS, num_kv_heads=KV_HEADS, head_dim=d, v_dim=d,
+                                     values_in_keys=False, dtype=q.dtype, max_kv_len=ctx,
+                                     num_sms=sms)
+        row = []
+        tiles = ((32, 4, 2), (16, 1, 1), (16, 2, 2), (16, 4, 2), (32, 2, 2))
+        for cfg in (None, *(dict(default_own, BLOCK_N=n, num_warps=w, num_stages=st) for n, w, st in tiles)):
+            fn = functools.partial(dec.decode_attention, q, k, v, tables, seq, scale=d ** -0.5, num_kv_splits=splits,
+                                   launch_config=cfg)
+            row.append(f"{time_cuda(graph_of(fn)) * 1000:6.1f}")
+        print(f"plain decode batch {batch:5d} x {ctx} keys, {splits} splits: default, then (BLOCK_N, warps, "
+              f"stages) {tiles}: " + " / ".join(row))
+
+
 def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     group = HEADS // KV_HEADS
@@ -203,9 +272,13 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--extend", action="store_true", help="the MLA extend cascade against the plain kernel")
+    ap.add_argument("--shared-sdpa", action="store_true",
+                    help="the Llama layer's cascade: cuDNN's shared pass and stage 1's own tile against the defaults")
     ap.add_argument("--layers", default=",".join(LAYERS), help=f"the sweep's layers, of {', '.join(LAYERS)}")
     args = ap.parse_args()
     if args.extend:
         extend_sweep()
+    elif args.shared_sdpa:
+        shared_sdpa()
     else:
         sweep(args.layers.split(",")) if args.sweep else main()

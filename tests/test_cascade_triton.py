@@ -116,7 +116,7 @@ def test_mla_shared_pass_as_gemms_matches_plain_decode(dtype, monkeypatch):
                        gen=gen)
     q = torch.randn(len(suffix), heads, d, generator=gen).to(dtype).to(DEVICE)
     ran = []
-    monkeypatch.setattr(dec, "gemm_shared_pass", lambda *a: True)
+    monkeypatch.setattr(dec, "shared_pass_kind", lambda *a, **k: "gemm")
     monkeypatch.setattr(cascade_gemm, "CHUNK_SCORE_BYTES", 4 * shared_len * heads)
     monkeypatch.setattr(cascade_gemm, "_row_softmax", _Counted(cascade_gemm._row_softmax, ran))
     out = cascade_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, shared_len=shared_len,
@@ -143,7 +143,7 @@ def test_mla_gemm_shared_pass_on_the_gpu_at_its_batch():
     kv = SharedPagedKV(128, suffix, kv_heads=1, head_dim=576, v_dim=512, page_size=64, dtype=torch.bfloat16,
                        mla=True, gen=gen)
     q = torch.randn(len(suffix), 16, 576, generator=gen).to(torch.bfloat16).to(DEVICE)
-    assert dec.gemm_shared_pass(q, kv.k_cache, kv.v_cache, 128, None)
+    assert dec.shared_pass_kind(q, kv.k_cache, kv.v_cache, 128, None) == "gemm"
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
     ran = []
     with pytest.MonkeyPatch.context() as mp:
@@ -367,16 +367,16 @@ def test_the_gemm_shared_pass_is_chosen_for_mla_at_a_large_batch_only():
     big, small = (torch.empty(n, 16, 576, dtype=torch.bfloat16, device="meta") for n in (rows, rows - 1))
     is_cuda = lambda x: True  # noqa: E731 (the decision's other conditions, off a GPU)
     for q in (big, small):
-        assert not dec.gemm_shared_pass(q, cache, values, 1312, None)  # not on a GPU
+        assert dec.shared_pass_kind(q, cache, values, 1312, None) == "triton"  # not on a GPU
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.Tensor, "is_cuda", property(is_cuda))
-        assert dec.gemm_shared_pass(big, cache, values, 1312, None)
-        assert not dec.gemm_shared_pass(small, cache, values, 1312, None)  # too few rows
-        assert not dec.gemm_shared_pass(big, cache, values, 1312, 30.0)  # softcapped
-        assert not dec.gemm_shared_pass(big, cache, values, 1312, None, 0.5, 1.0)  # a scaled cache
-        assert not dec.gemm_shared_pass(big, cache, values, cascade_gemm.MAX_SHARED_LEN + 16, None)
-        assert not dec.gemm_shared_pass(big.float(), cache.float(), cache.float()[..., :512], 1312, None)
-        assert not dec.gemm_shared_pass(big, cache, torch.empty_like(values), 1312, None)  # values apart
+        assert dec.shared_pass_kind(big, cache, values, 1312, None) == "gemm"
+        assert dec.shared_pass_kind(small, cache, values, 1312, None) == "triton"  # too few rows
+        assert dec.shared_pass_kind(big, cache, values, 1312, 30.0) == "triton"  # softcapped
+        assert dec.shared_pass_kind(big, cache, values, 1312, None, 0.5, 1.0) == "triton"  # a scaled cache
+        assert dec.shared_pass_kind(big, cache, values, cascade_gemm.MAX_SHARED_LEN + 16, None) == "triton"
+        assert dec.shared_pass_kind(big.float(), cache.float(), cache.float()[..., :512], 1312, None) == "triton"
+        assert dec.shared_pass_kind(big, cache, torch.empty_like(values), 1312, None) == "triton"  # values apart
 
 
 def test_cascade_rejects_what_it_cannot_run():

@@ -13,7 +13,9 @@ def cascade_state(e) -> str:
         when = (f"as CUDA graphs when shared tokens x (requests - 1) >= {e.cascade_graph_min_saved_tokens}, "
                 f"eagerly when >= {e.cascade_min_saved_tokens} and no graph serves the step" if graphs else
                 f"when shared tokens x (requests - 1) >= {e.cascade_min_saved_tokens}; such steps run eagerly")
-        return (f"on: decode steps whose requests share >= 1 page read it once ({when})"
+        shared_pass = e.decode_backend.cascade_shared_pass
+        return (f"on: decode steps whose requests share >= 1 page read it once ({when}"
+                + (f"; {shared_pass}" if shared_pass else "") + ")"
                 + (f"; extend steps too{scope}" if e.cascade_extend else ""))
     if e.prefix_cache is None:
         return "off: prefix caching is off"

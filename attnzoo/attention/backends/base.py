@@ -31,7 +31,8 @@ Cascade attention: a backend that reads a prefix shared by every request of a DE
 whole batch (``meta.shared_prefix_len``) declares ``cascade=True``; others ignore the field and
 read every request's pages as usual, which gives the same result. ``supports_cascade_extend``: the
 same for EXTEND steps (every new token of the step comes after the shared pages), set per instance where it
-depends on the pool's layers; ``cascade_extend_scope`` says which layers and steps, where not all.
+depends on the pool's layers; ``cascade_extend_scope`` says which layers and steps, where not all;
+``cascade_shared_pass`` which kernels read a decode step's shared prefix, where they depend on the step.
 
 Mixed steps: a backend that declares ``splits_mixed_steps`` serves the two parts ``HybridBackend`` splits an
 EXTEND step into (its leading decode rows as a DECODE step, the prompt chunks as an EXTEND step, each with the
@@ -133,6 +134,7 @@ class AttentionBackend(ABC):
     supports_cascade: ClassVar[bool] = False
     supports_cascade_extend: ClassVar[bool] = False
     cascade_extend_scope: ClassVar[str] = ""  # e.g. "MLA layers": shown in load_model's explanation
+    cascade_shared_pass: ClassVar[str] = ""  # likewise
     supports_cascade_graph: ClassVar[bool] = False
     splits_mixed_steps: ClassVar[bool] = False
     # q may arrive as a strided view (rotated in place in the QKV projection's output by the store's RoPE)

@@ -98,6 +98,10 @@ class TritonBackend(AttentionBackend):
     strided_query = True  # every kernel addresses q through its strides
     cascade_extend_scope = ("MLA layers: their shared prefix as GEMMs, from cascade_gemm.EXTEND_MIN_ROWS "
                             "(token, head) rows")
+    cascade_shared_pass = ("the shared prefix by cuDNN's attention in steps captured as CUDA graphs from "
+                           "cascade_sdpa.MIN_ROWS (request, head) rows of 16-bit layers with keys and values of one "
+                           "width up to 128; as GEMMs from cascade_gemm.MIN_ROWS rows of MLA layers; else by the "
+                           "Triton kernel")
 
     def __init__(self, pool: KVPool):
         super().__init__(pool)
@@ -195,8 +199,10 @@ class TritonBackend(AttentionBackend):
                                         partial=partial, lse=lse, **kw)
         # Stage 2 merges the suffix and shared splits together: their sum stays within its limit.
         splits = min(splits, how.MAX_KV_SPLITS - 1)
-        if dec.gemm_shared_pass(q, k_cache, v_cache, shared, layer.logit_softcap, kw["k_scale"], kw["v_scale"]):
-            shared_splits = 1  # the GEMM pass writes the whole prefix's attention into one slot
+        graph = plan.graph_max_kv_len is not None
+        if dec.shared_pass_kind(q, k_cache, v_cache, shared, layer.logit_softcap, kw["k_scale"], kw["v_scale"],
+                                graph=graph) != "triton":
+            shared_splits = 1  # the GEMM and cuDNN passes write the whole prefix's attention into one slot
         else:
             block_m = how.cascade_launch_config(head_dim, v_dim, k_cache.dtype)["BLOCK_M"]
             shared_splits = how.choose_num_shared_splits(
@@ -206,7 +212,8 @@ class TritonBackend(AttentionBackend):
         partial, lse = self._scratch(plan, batch, num_heads, splits + shared_splits, v_dim, q.device)
         return dec.cascade_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                             shared_len=shared, num_kv_splits=splits,
-                                            num_shared_splits=shared_splits, partial=partial, lse=lse, **kw)
+                                            num_shared_splits=shared_splits, partial=partial, lse=lse, graph=graph,
+                                            **kw)
 
     def _scratch(self, plan: TritonPlan, batch, heads, splits, v_dim, device):
         key = (batch, heads, splits, v_dim)

@@ -38,11 +38,12 @@ from attnzoo.attention.kernels.common import (
     value_tile,
     values_in_key,
 )
-from attnzoo.attention.kernels import cascade_gemm
+from attnzoo.attention.kernels import cascade_gemm, cascade_sdpa
 from attnzoo.attention.kernels.decode_launch import (
     MAX_KV_SPLITS,
     WAVE_TILE_N,
     cascade_launch_config,
+    cascade_own_launch_config,
     decode_launch_config,
     fill_waves,
 )
@@ -263,12 +264,17 @@ def _check(name: str, q, k_cache, v_cache, splits: int) -> None:
     check_kernel_dtypes(q, k_cache, v_cache)
 
 
-def gemm_shared_pass(q, k_cache, v_cache, shared_len: int, logit_softcap: float | None, k_scale: float = 1.0,
-                     v_scale: float = 1.0) -> bool:
-    """Whether ``cascade_decode_attention`` with one shared split and no ``launch_config`` runs its shared pass
-    as GEMMs (``cascade_gemm``: MLA at a large batch) rather than ``_cascade_shared``."""
-    return cascade_gemm.applies(q, k_cache, values_in_key(k_cache, v_cache), shared_len, logit_softcap, k_scale,
-                                v_scale)
+def shared_pass_kind(q, k_cache, v_cache, shared_len: int, logit_softcap: float | None, k_scale: float = 1.0,
+                     v_scale: float = 1.0, *, graph: bool = False) -> str:
+    """Which kernel runs the shared pass of ``cascade_decode_attention`` with one shared split and no
+    ``launch_config``: "gemm" (``cascade_gemm``: MLA at a large batch), "cudnn" (``cascade_sdpa``: MHA and GQA at a
+    large batch in a CUDA graph's step) or "triton" (``_cascade_shared``)."""
+    v_from_k = values_in_key(k_cache, v_cache)
+    if cascade_gemm.applies(q, k_cache, v_from_k, shared_len, logit_softcap, k_scale, v_scale):
+        return "gemm"
+    if cascade_sdpa.applies(q, k_cache, v_cache, v_from_k, logit_softcap, k_scale, v_scale, graph=graph):
+        return "cudnn"
+    return "triton"
 
 
 def _split_scratch(q, v_dim, splits, partial, lse):
@@ -396,7 +402,8 @@ def cascade_decode_attention(
     out: torch.Tensor | None = None,  # [batch, num_heads, v_head_dim], q's dtype
     partial: torch.Tensor | None = None,  # [batch, num_heads, num_kv_splits + num_shared_splits, v_head_dim] float32
     lse: torch.Tensor | None = None,  # [batch, num_heads, num_kv_splits + num_shared_splits] float32
-    launch_config: dict | None = None,  # override cascade_launch_config for the shared pass
+    launch_config: dict | None = None,  # override cascade_launch_config for the shared pass (and run it in Triton)
+    graph: bool = False,  # the step is being captured as a CUDA graph (shared_pass_kind)
     k_scale: float = 1.0,  # fp8 caches, as in decode_attention
     v_scale: float = 1.0,
 ) -> torch.Tensor:  # [batch, num_heads, v_head_dim]
@@ -427,17 +434,24 @@ def cascade_decode_attention(
     partial, lse = _split_scratch(q, v_dim, splits, partial, lse)
     if batch == 0:
         return out
+    group = num_heads // num_kv_heads
     _stage1(q, k_cache, v_cache, block_tables, seq_lens, partial, lse, direct=False, num_kv_splits=num_kv_splits,
-            scale=scale, sliding_window=None, logit_softcap=logit_softcap, kv_skip=shared_len, launch_config=None,
+            scale=scale, sliding_window=None, logit_softcap=logit_softcap, kv_skip=shared_len,
+            launch_config=cascade_own_launch_config(head_dim, v_dim, group, k_cache.dtype),
             k_scale=k_scale, v_scale=v_scale)
 
-    if launch_config is None and num_shared_splits == 1 and gemm_shared_pass(q, k_cache, v_cache, shared_len,
-                                                                             logit_softcap, k_scale, v_scale):
+    kind = "triton"
+    if launch_config is None and num_shared_splits == 1:
+        kind = shared_pass_kind(q, k_cache, v_cache, shared_len, logit_softcap, k_scale, v_scale, graph=graph)
+    if kind == "gemm":
         cascade_gemm.shared_pass(q, k_cache, block_tables, partial, lse, slot=num_kv_splits, shared_len=shared_len,
                                  scale=scale, v_dim=v_dim)
+    elif kind == "cudnn":
+        cascade_sdpa.shared_pass(q, k_cache, v_cache, block_tables, partial, lse, slot=num_kv_splits,
+                                 shared_len=shared_len, scale=scale)
+    if kind != "triton":
         _stage2(partial, lse, out, sinks)
         return out
-    group = num_heads // num_kv_heads
     bd, bdr = head_dim_tiles(head_dim)
     cfg = dict(launch_config or cascade_launch_config(head_dim, v_dim, k_cache.dtype))
     launch(

@@ -40,6 +40,18 @@ def decode_launch_config(head_dim: int, v_head_dim: int, group: int, dtype: torc
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
 
 
+def cascade_own_launch_config(head_dim: int, v_head_dim: int, group: int, dtype: torch.dtype) -> dict | None:
+    """Stage 1's tiles over each request's own keys after a cascade's shared prefix: spans of tens to hundreds
+    of keys, one program each, in many waves. For widths up to 256, the wave tile (32 keys, 2 stages, loads
+    pipelined) in place of the default's 64 in 1: at 1319 requests on an H200, 72 own keys 187 -> 131 us, 200 own
+    keys 357 -> 285 us (benchmarks/results/cascade_sdpa_nvidia_h200.txt). ``None``: stage 1's own choice (wider
+    heads)."""
+    cfg = decode_launch_config(head_dim, v_head_dim, group, dtype)
+    if cfg["BLOCK_N"] <= WAVE_TILE_N or cfg["num_stages"] > 1:
+        return None
+    return dict(cfg, **WAVE_TILES[0])
+
+
 def min_split_keys(group: int, v_dim: int, key_bytes: int) -> int:
     """The fewest keys a split takes: MIN_TOKENS_PER_SPLIT, or as many as it takes to read as many bytes as the
     float32 partials it leaves the merge (``group`` x ``v_dim`` a KV head; ``key_bytes`` of KV a key and KV head).

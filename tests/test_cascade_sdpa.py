@@ -1,0 +1,138 @@
+"""The cascade's shared pass through cuDNN's attention (``kernels.cascade_sdpa``): the copies around the call
+(checked on the CPU with torch's CPU flash attention in cuDNN's place), when it is chosen, and on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnzoo.attention.backends.torch_ref import attention_reference
+from attnzoo.attention.kernels import cascade_sdpa
+from attnzoo.attention.kernels import decode as dec
+from attnzoo.attention.kernels.decode import cascade_decode_attention, decode_attention
+from attnzoo.attention.kernels.decode_launch import (
+    WAVE_TILE_N,
+    cascade_launch_config,
+    cascade_own_launch_config,
+    decode_launch_config,
+)
+from test_cascade_triton import SharedPagedKV
+from test_triton_kernels import DEVICE, TOL, fresh_seed, rel_err
+
+# (dtype, kv heads, heads, head dim, page size, requests): a group of 4; of 3 and 5 (not powers of two, masked);
+# pages of 4 and of 1 key; more requests than one copy program takes
+LAYOUTS = [(torch.bfloat16, 2, 8, 64, 16, 3), (torch.float32, 2, 6, 32, 4, 19), (torch.float32, 1, 5, 16, 1, 2)]
+
+
+@pytest.mark.parametrize("dtype,kv_heads,heads,d,page_size,batch", LAYOUTS)
+def test_the_copies_around_cudnn_write_the_triton_pass_slot(dtype, kv_heads, heads, d, page_size, batch):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    kv = SharedPagedKV(32, [3, 17, 1, 2][:batch] + [2] * (batch - 4), kv_heads=kv_heads, head_dim=d, v_dim=d,
+                       page_size=page_size, dtype=dtype, mla=False, gen=gen)
+    q = torch.randn(batch, heads, d, generator=gen).to(dtype).to(DEVICE)
+    # the Triton pass's slot 2 (after two own splits), and the cuDNN path's into scratch holding a sentinel
+    partial = torch.zeros(batch, heads, 3, d, device=DEVICE)
+    lse = torch.zeros(batch, heads, 3, device=DEVICE)
+    cascade_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, shared_len=32, scale=0.1,
+                             num_kv_splits=2, partial=partial, lse=lse, launch_config=cascade_launch_config(d, d, dtype))
+    got_p = torch.full_like(partial, 7.0)
+    got_l = torch.full_like(lse, 7.0)
+    cascade_sdpa.shared_pass(q, kv.k_cache, kv.v_cache, kv.block_tables, got_p, got_l, slot=2, shared_len=32,
+                             scale=0.1)
+    tol = 3e-3 if dtype == torch.bfloat16 else 1e-5
+    assert (got_p[:, :, 2] - partial[:, :, 2]).abs().max().item() <= tol, f"outputs (seed {seed})"
+    assert (got_l[:, :, 2] - lse[:, :, 2]).abs().max().item() <= 1e-4, f"log2 LSE (seed {seed})"
+    assert (got_p[:, :, :2] == 7.0).all() and (got_l[:, :, :2] == 7.0).all(), "wrote outside its slot"
+
+
+def test_cascade_with_the_cudnn_pass_matches_plain_decode_and_the_reference(monkeypatch):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    suffix = [1, 20, 16, 5]
+    kv = SharedPagedKV(48, suffix, kv_heads=2, head_dim=64, v_dim=64, page_size=16, dtype=torch.bfloat16,
+                       mla=False, gen=gen)
+    q = torch.randn(len(suffix), 8, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    ran = []
+    monkeypatch.setattr(dec, "shared_pass_kind", lambda *a, **k: "cudnn")
+    monkeypatch.setattr(cascade_sdpa, "_attend", lambda *a, _f=cascade_sdpa._attend: ran.append(1) or _f(*a))
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
+    out = cascade_decode_attention(*args, shared_len=48, scale=0.1, num_kv_splits=2)
+    assert ran == [1], "the cuDNN pass did not run once"
+    plain = decode_attention(*args, scale=0.1, num_kv_splits=2)
+    assert rel_err(out, plain) <= TOL[torch.bfloat16], f"{rel_err(out, plain):.2e} (seed {seed})"
+    for i, n in enumerate(suffix):
+        ref = attention_reference(q[i : i + 1], kv.k[i], kv.v[i], torch.tensor([48 + n - 1]), scale=0.1)
+        assert rel_err(out[i : i + 1], ref) <= TOL[torch.bfloat16], f"request {i} (seed {seed})"
+
+
+def test_the_cudnn_pass_is_chosen_for_mha_in_graphs_at_a_large_batch_only(monkeypatch):
+    bf16 = torch.bfloat16
+    rows = cascade_sdpa.MIN_ROWS // 32
+    big, small = (torch.empty(n, 32, 128, dtype=bf16, device="meta") for n in (rows, rows - 1))
+    # caches in memory (meta tensors share one null pointer: values_in_key would call them MLA's)
+    cache, values = (torch.empty(4, 8, 16, 128, dtype=bf16) for _ in range(2))
+
+    def kind(q=big, k=cache, v=values, softcap=None, scales=(1.0, 1.0), graph=True):
+        return dec.shared_pass_kind(q, k, v, 1312, softcap, *scales, graph=graph)
+
+    assert kind() == "triton"  # not on a GPU
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda x: True))
+    monkeypatch.setattr(cascade_sdpa, "cudnn_attention_available", lambda i: True)
+    assert kind() == "cudnn"
+    assert kind(graph=False) == "triton"  # an eager step: cuDNN would build a plan for its batch mid-run
+    assert kind(q=small) == "triton"  # too few rows
+    assert kind(softcap=30.0) == "triton"
+    assert kind(scales=(0.5, 1.0)) == "triton"  # a scaled (fp8) cache
+    assert kind(v=cache) == "triton"  # values in the keys (MLA's latent)
+
+    def caches(d, dtype=bf16):
+        return (torch.empty(4, 8, 16, d, dtype=dtype) for _ in range(2))
+    assert kind(*[torch.empty(rows, 32, 128, dtype=bf16, device="meta"), *caches(128, torch.float8_e4m3fn)]) == \
+        "triton"
+    assert kind(torch.empty(rows, 32, 256, dtype=bf16, device="meta"), *caches(256)) == "triton"
+    # not a power of two: the copies' tiles
+    assert kind(torch.empty(rows, 32, 96, dtype=bf16, device="meta"), *caches(96)) == "triton"
+    k, v = (torch.empty(4, 8, 16, 256, dtype=bf16)[..., :128] for _ in range(2))
+    assert kind(k=k, v=v) == "triton"  # a page's slots not one run of memory
+    assert kind(v=torch.empty(4, 8, 16, 64, dtype=bf16)) == "triton"  # values of another width
+    monkeypatch.setattr(cascade_sdpa, "cudnn_attention_available", lambda i: False)
+    assert kind() == "triton"
+
+
+def test_the_cascade_stage_1_takes_the_wave_tile_for_narrow_heads_only():
+    bf16 = torch.bfloat16
+    cfg = cascade_own_launch_config(128, 128, 4, bf16)
+    assert cfg == dict(decode_launch_config(128, 128, 4, bf16), BLOCK_N=WAVE_TILE_N, num_stages=2)
+    assert cascade_own_launch_config(576, 512, 16, bf16) is None  # MLA: stage 1's default
+    assert cascade_own_launch_config(128, 128, 4, torch.float32) is None  # already 32 keys a step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_cudnn_pass_on_the_gpu_at_its_batch_in_a_graph():
+    # Llama's widths at 520 requests x 32 heads (past MIN_ROWS): chosen in a graph's step, captured in one, and
+    # equal to the Triton shared pass and to plain decode
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    suffix = torch.randint(1, 40, (520,), generator=gen).tolist()
+    kv = SharedPagedKV(128, suffix, kv_heads=8, head_dim=128, v_dim=128, page_size=16, dtype=torch.bfloat16,
+                       mla=False, gen=gen)
+    q = torch.randn(len(suffix), 32, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
+    assert dec.shared_pass_kind(q, kv.k_cache, kv.v_cache, 128, None, graph=True) == "cudnn"
+    out = torch.empty_like(q)
+    run = lambda: cascade_decode_attention(*args, shared_len=128, scale=0.09, num_kv_splits=1, out=out,  # noqa: E731
+                                           graph=True)
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    tiled = cascade_decode_attention(*args, shared_len=128, scale=0.09, num_kv_splits=1,
+                                     launch_config=cascade_launch_config(128, 128, torch.bfloat16))
+    plain = decode_attention(*args, scale=0.09, num_kv_splits=2)
+    for name, other in (("triton shared pass", tiled), ("plain decode", plain)):
+        assert rel_err(out, other) <= 1e-2, f"vs {name}: {rel_err(out, other):.2e} (seed {seed})"
