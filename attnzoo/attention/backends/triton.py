@@ -140,18 +140,21 @@ class TritonBackend(AttentionBackend):
         return meta.shared_prefix_len  # baked into the launches (kv_skip, shared_len) and the split counts
 
     def warm_up(self, layers) -> None:
-        """The GEMM cascade's kernels, once per MLA layer shape that qualifies: they are chosen from thousands of
-        rows, which the engine's two-prompt warm-up never has (``extend.warm_up_cascade``)."""
-        if not self.supports_cascade_extend:
-            return
+        """Kernels only large steps choose, which the engine's two-prompt warm-up never reaches, once per layer
+        shape that qualifies: MLA's GEMM cascade (``extend.warm_up_cascade``) and the copies around the cuDNN
+        shared pass of a captured decode step (``cascade_sdpa.warm_up``)."""
         seen = set()
         for layer in layers:
             k_cache, v_cache = self.pool.k(layer.layer_id), self.pool.v(layer.layer_id)
             key = (layer.num_heads, tuple(k_cache.shape[1:]), v_cache.shape[-1], layer.sinks is None)
             if layer.sliding_window or layer.logit_softcap or key in seen:
                 continue
-            if self._extend_mod.warm_up_cascade(k_cache, v_cache, layer.num_heads, scale=layer.scale,
-                                                sinks=layer.sinks):
+            calls = self._decode_mod.cascade_sdpa.warm_up(k_cache, v_cache, layer.num_heads, scale=layer.scale,
+                                                          k_scale=self.pool.k_scale, v_scale=self.pool.v_scale)
+            if self.supports_cascade_extend:
+                calls += self._extend_mod.warm_up_cascade(k_cache, v_cache, layer.num_heads, scale=layer.scale,
+                                                          sinks=layer.sinks)
+            if calls:
                 seen.add(key)  # only a layer that qualified: one that did not must not hide one that does
 
     # ---- per layer ----

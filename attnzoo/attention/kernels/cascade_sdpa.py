@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnzoo.attention.kernels.common import next_pow2
+from attnzoo.attention.kernels.common import next_pow2, values_in_key
 
 # (request, query head) rows from which cuDNN runs the pass: below, the copies around it cost more than it saves
 # (benchmarks/results/cascade_sdpa_nvidia_h200.txt)
@@ -84,9 +84,13 @@ def layer_qualifies(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, v_
             and head_dim == v_dim and 16 <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0 and k_scale == v_scale == 1.0)
 
 
+def cudnn_attention_available(device: torch.device) -> bool:
+    """cuDNN's fused attention through torch on ``device``: a CUDA device of Ampere or newer, cuDNN 9 or later."""
+    return device.type == "cuda" and _cudnn_attention(device.index or 0)
+
+
 @functools.cache
-def cudnn_attention_available(device_index: int) -> bool:
-    """cuDNN's fused attention through torch: cuDNN 9 or later on an Ampere or newer GPU."""
+def _cudnn_attention(device_index: int) -> bool:
     return (torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000
             and torch.cuda.get_device_capability(device_index) >= (8, 0))
 
@@ -98,10 +102,10 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, v_fro
     (``graph``): cuDNN builds a plan per row count and prefix length (about 50 ms), which a graph's capture
     pays once and an eager step of a new batch size would pay mid-run."""
     batch, heads, head_dim = q.shape
-    return (graph and q.is_cuda and not softcap and batch * heads >= MIN_ROWS and _pages_flatten(k_cache)
+    return (graph and not softcap and batch * heads >= MIN_ROWS and _pages_flatten(k_cache)
             and _pages_flatten(v_cache)
             and layer_qualifies(q.dtype, k_cache.dtype, head_dim, v_cache.shape[-1], v_from_k, k_scale, v_scale)
-            and cudnn_attention_available(q.device.index or 0))
+            and cudnn_attention_available(q.device))
 
 
 def _pages_flatten(cache: torch.Tensor) -> bool:
@@ -148,3 +152,23 @@ def shared_pass(
         out = out.contiguous()
     _to_slot[grid](out, lse_e.contiguous(), partial, lse, batch, partial.stride(0), partial.stride(1), lse.stride(0),
                    lse.stride(1), slot * partial.stride(2), slot * lse.stride(2), **tiles)
+
+
+def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, *, scale: float, k_scale: float = 1.0,
+            v_scale: float = 1.0) -> int:
+    """Compile the copies around cuDNN's call (and load cuDNN's attention) for a layer of this shape before a
+    captured step needs them (the engine's two-prompt warm-up never has MIN_ROWS rows): one request over page 0
+    (the pool's padding page; nothing is written to the cache). -> the calls made: 0 where the layer does not
+    qualify or cuDNN does not run here."""
+    d, page_size = k_cache.shape[-1], k_cache.shape[2]
+    if not (_pages_flatten(k_cache) and _pages_flatten(v_cache)
+            and layer_qualifies(k_cache.dtype, k_cache.dtype, d, v_cache.shape[-1], values_in_key(k_cache, v_cache),
+                                k_scale, v_scale)
+            and cudnn_attention_available(k_cache.device)):
+        return 0
+    q = k_cache.new_zeros(1, num_heads, d)
+    partial = torch.empty(1, num_heads, 2, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(1, num_heads, 2, dtype=torch.float32, device=q.device)
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=q.device)
+    shared_pass(q, k_cache, v_cache, tables, partial, lse, slot=1, shared_len=page_size, scale=scale)
+    return 1
