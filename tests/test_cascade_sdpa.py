@@ -83,6 +83,7 @@ def test_the_cudnn_pass_is_chosen_for_mha_in_graphs_at_a_large_batch_only(monkey
     assert kind() == "cudnn"
     assert kind(graph=False) == "triton"  # an eager step: cuDNN would build a plan for its batch mid-run
     assert kind(q=small) == "triton"  # too few rows
+    assert kind(q=torch.empty(rows, 32, 256, dtype=bf16, device="meta")[..., ::2]) == "triton"  # channels apart
     assert kind(softcap=30.0) == "triton"
     assert kind(scales=(0.5, 1.0)) == "triton"  # a scaled (fp8) cache
     assert kind(v=cache) == "triton"  # values in the keys (MLA's latent)

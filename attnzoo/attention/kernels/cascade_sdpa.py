@@ -81,17 +81,21 @@ def layer_qualifies(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, v_
     and the same width, a power of two up to MAX_HEAD_DIM (the copies' tiles), in 16-bit floats with an unscaled
     cache of the same dtype."""
     return (dtype in (torch.bfloat16, torch.float16) and kv_dtype == dtype and not v_from_k
-            and head_dim == v_dim and 16 <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0 and k_scale == v_scale == 1.0)
+            and head_dim == v_dim and 16 <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0
+            and k_scale == v_scale == 1.0)
 
 
 def cudnn_attention_available(device: torch.device) -> bool:
-    """cuDNN's fused attention through torch on ``device``: a CUDA device of Ampere or newer, cuDNN 9 or later."""
+    """cuDNN's fused attention through torch on ``device``: a CUDA device of Ampere or newer, cuDNN 9 or later, a
+    torch whose op returns the LSE (2.5 or later)."""
     return device.type == "cuda" and _cudnn_attention(device.index or 0)
 
 
 @functools.cache
 def _cudnn_attention(device_index: int) -> bool:
-    return (torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return ((major, minor) >= (2, 5) and torch.backends.cudnn.is_available()
+            and (torch.backends.cudnn.version() or 0) >= 90000
             and torch.cuda.get_device_capability(device_index) >= (8, 0))
 
 
@@ -102,7 +106,7 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, v_fro
     (``graph``): cuDNN builds a plan per row count and prefix length (about 50 ms), which a graph's capture
     pays once and an eager step of a new batch size would pay mid-run."""
     batch, heads, head_dim = q.shape
-    return (graph and not softcap and batch * heads >= MIN_ROWS and _pages_flatten(k_cache)
+    return (graph and not softcap and batch * heads >= MIN_ROWS and q.stride(2) == 1 and _pages_flatten(k_cache)
             and _pages_flatten(v_cache)
             and layer_qualifies(q.dtype, k_cache.dtype, head_dim, v_cache.shape[-1], v_from_k, k_scale, v_scale)
             and cudnn_attention_available(q.device))
@@ -114,21 +118,24 @@ def _pages_flatten(cache: torch.Tensor) -> bool:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    # [1, kv heads, rows or keys, d] each -> (output like q, natural-log LSE with kv heads x rows elements)
+    # [1, kv heads, rows or keys, d] each -> (output like q, natural-log LSE with kv heads x rows elements). The
+    # aten ops behind F.scaled_dot_product_attention, which alone return the LSE the merge needs (torch >= 2.5).
     if q.is_cuda:
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, False, False, scale=scale)[:2]
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            query=q, key=k, value=v, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=False,
+            return_debug_mask=False, scale=scale)
     else:  # the same layout through torch's CPU flash attention: what the CPU tests check the copies with
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
-    return out, lse
+        res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query=q, key=k, value=v, dropout_p=0.0, is_causal=False, scale=scale)
+    return res[0], res[1]
 
 
 def shared_pass(
-    q: torch.Tensor,  # [batch, heads, head_dim]
+    q: torch.Tensor,  # [batch, heads, head_dim], channels adjacent (a view of a fused projection is fine)
     k_cache: torch.Tensor,  # [num_pages, kv_heads, page_size, head_dim]
     v_cache: torch.Tensor,  # [num_pages, kv_heads, page_size, head_dim]
     block_tables: torch.Tensor,  # [batch, max_pages] int32: the shared pages are row 0's first
-    partial: torch.Tensor,  # [batch, heads, splits, head_dim] float32
+    partial: torch.Tensor,  # [batch, heads, splits, head_dim] float32, channels adjacent
     lse: torch.Tensor,  # [batch, heads, splits] float32
     *,
     slot: int,  # the split slot the prefix's output goes to
@@ -146,7 +153,8 @@ def shared_pass(
     tiles = dict(GROUP=group, D=d, BLOCK_B=COPY_REQUESTS, BLOCK_G=next_pow2(group))
     _rows_by_kv_head[grid](q, rows, batch, q.stride(0), q.stride(1), **tiles)
     _gather_prefix[(pages, kv_heads)](k_cache, v_cache, block_tables, keys, values, pages, k_cache.stride(0),
-                                      k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), PAGE_SIZE=page_size, D=d, BLOCK_T=next_pow2(page_size))
+                                      k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), PAGE_SIZE=page_size,
+                                      D=d, BLOCK_T=next_pow2(page_size))
     out, lse_e = _attend(rows, keys, values, scale)
     if not out.is_contiguous():  # the copy below reads rows in order
         out = out.contiguous()
