@@ -82,8 +82,9 @@ def test_qwen3_30b_a3b_shape_builds_on_the_meta_device(e2e):
 
 
 def test_full_warm_up_leaves_only_the_first_two_prompts_cached(e2e, tmp_path):
-    """The pass over every prompt (behind a marker token) compiles the measured run's shapes; then its pages leave
-    the prefix cache, and the measured run starts with what the two-prompt warm-up cached, as before."""
+    """The pass over every prompt (behind a marker token) compiles the measured run's shapes, and the backends'
+    warm-up what only captured steps run; then the pass's pages leave the prefix cache, and the measured run starts
+    with what the two-prompt warm-up cached, as before."""
     from helpers import random_prompts, save_checkpoint
     from test_llama import tiny_llama
 
@@ -92,8 +93,11 @@ def test_full_warm_up_leaves_only_the_first_two_prompts_cached(e2e, tmp_path):
     prefix = random_prompts(160, [22], seed=1)[0]
     prompts = [prefix + q for q in random_prompts(160, [3, 5, 7, 9, 11], seed=2)]
     cascade = llm.engine.cascade_min_saved_tokens, llm.engine.runner.cascade_graph_min_saved_tokens
+    backends_warmed, warm = [], llm.engine.warm_up_backends
+    llm.engine.warm_up_backends = lambda: backends_warmed.append(1) or warm()
     res = e2e.warm_up(llm, prompts, full=True)
     assert res["first_decode_logits_finite"] and res["full_warm_up_s"] >= 0
+    assert backends_warmed == [1], "the backends' own warm-up (paths only captured steps take), as a server's"
     assert (llm.engine.cascade_min_saved_tokens, llm.engine.runner.cascade_graph_min_saved_tokens) == cascade
     cache = llm.engine.pages.prefix_cache
     # the shared prefix's 5 full pages and the 6th page of each of the first two prompts (25 and 27 tokens):
