@@ -372,6 +372,10 @@ def test_the_gemm_shared_pass_is_chosen_for_mla_at_a_large_batch_only():
         mp.setattr(torch.Tensor, "is_cuda", property(is_cuda))
         assert dec.shared_pass_kind(big, cache, values, 1312, None) == "gemm"
         assert dec.shared_pass_kind(small, cache, values, 1312, None) == "triton"  # too few rows
+        mp.setattr(cascade_gemm, "MIN_ROWS", cascade_gemm.MIN_ROWS - 16)  # read at the call (benchmark drivers)
+        assert dec.shared_pass_kind(small, cache, values, 1312, None) == "gemm"
+        mp.undo()
+        mp.setattr(torch.Tensor, "is_cuda", property(is_cuda))
         assert dec.shared_pass_kind(big, cache, values, 1312, 30.0) == "triton"  # softcapped
         assert dec.shared_pass_kind(big, cache, values, 1312, None, 0.5, 1.0) == "triton"  # a scaled cache
         assert dec.shared_pass_kind(big, cache, values, cascade_gemm.MAX_SHARED_LEN + 16, None) == "triton"

@@ -65,11 +65,13 @@ def layer_qualifies(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, nu
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, v_from_k: bool, shared_len: int, softcap: float | None,
-            k_scale: float = 1.0, v_scale: float = 1.0, *, min_rows: int = MIN_ROWS) -> bool:
+            k_scale: float = 1.0, v_scale: float = 1.0, *, min_rows: int | None = None) -> bool:
     """Whether the shared pass of this cascade step runs as GEMMs: a layer ``layer_qualifies`` admits, on a GPU,
     enough rows, a prefix short enough for one softmax tile, no softcapping (fp8 caches, scaled caches, float32
     models and softcapping stay with the Triton pass)."""
     batch, heads, head_dim = q.shape
+    # read here, not bound as the default: a driver that changes MIN_ROWS changes the decision
+    min_rows = MIN_ROWS if min_rows is None else min_rows
     return (q.is_cuda and not softcap and batch * heads >= min_rows and shared_len <= MAX_SHARED_LEN
             and layer_qualifies(q.dtype, k_cache.dtype, head_dim, k_cache.shape[1], v_from_k, k_scale, v_scale))
 
