@@ -9,6 +9,7 @@ from attnzoo.attention.backends.torch_ref import attention_reference
 from attnzoo.attention.kernels import cascade_sdpa
 from attnzoo.attention.kernels import decode as dec
 from attnzoo.attention.kernels.decode import cascade_decode_attention, decode_attention
+from attnzoo.errors import BackendError
 from attnzoo.attention.kernels.decode_launch import (
     WAVE_TILE_N,
     cascade_launch_config,
@@ -79,7 +80,7 @@ def test_the_cudnn_pass_is_chosen_for_mha_in_graphs_at_a_large_batch_only(monkey
 
     assert kind() == "triton"  # not on a GPU
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda x: True))
-    monkeypatch.setattr(cascade_sdpa, "cudnn_attention_available", lambda device: True)
+    monkeypatch.setattr(cascade_sdpa, "cudnn_attention_available", lambda device, shared_len=0: True)
     assert kind() == "cudnn"
     assert kind(graph=False) == "triton"  # an eager step: cuDNN would build a plan for its batch mid-run
     assert kind(q=small) == "triton"  # too few rows
@@ -98,8 +99,45 @@ def test_the_cudnn_pass_is_chosen_for_mha_in_graphs_at_a_large_batch_only(monkey
     k, v = (torch.empty(4, 8, 16, 256, dtype=bf16)[..., :128] for _ in range(2))
     assert kind(k=k, v=v) == "triton"  # a page's slots not one run of memory
     assert kind(v=torch.empty(4, 8, 16, 64, dtype=bf16)) == "triton"  # values of another width
-    monkeypatch.setattr(cascade_sdpa, "cudnn_attention_available", lambda device: False)
+    monkeypatch.setattr(cascade_sdpa, "cudnn_attention_available", lambda device, shared_len=0: False)
     assert kind() == "triton"
+
+
+def test_cudnn_is_asked_for_by_device_version_switches_and_known_faults(monkeypatch):
+    gpu = torch.device("cuda", 0)
+    assert not cascade_sdpa.cudnn_attention_available(torch.device("cpu"))
+    monkeypatch.setattr(cascade_sdpa, "_cudnn_attention", lambda index: True)  # an NVIDIA GPU, torch, cuDNN >= 9.3
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91500)
+    assert cascade_sdpa.cudnn_attention_available(gpu, shared_len=4096)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91400)  # faults past 1024 keys in graphs
+    assert cascade_sdpa.cudnn_attention_available(gpu, shared_len=1024)
+    assert not cascade_sdpa.cudnn_attention_available(gpu, shared_len=1040)
+    with _cudnn_sdp(False):
+        assert not cascade_sdpa.cudnn_attention_available(gpu, shared_len=16)  # torch's switch for it, off
+
+
+class _cudnn_sdp:
+    """torch.backends.cuda.enable_cudnn_sdp(on) for a block."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        self.was = torch.backends.cuda.cudnn_sdp_enabled()
+        torch.backends.cuda.enable_cudnn_sdp(self.on)
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.enable_cudnn_sdp(self.was)
+
+
+def test_the_copies_refuse_scratch_whose_channels_lie_apart():
+    q = torch.zeros(2, 8, 16)
+    cache = torch.zeros(4, 2, 4, 16)
+    tables = torch.zeros(2, 2, dtype=torch.int32)
+    strided = torch.zeros(2, 8, 2, 32)[..., ::2]
+    with pytest.raises(BackendError, match="not adjacent"):
+        cascade_sdpa.shared_pass(q, cache, cache.clone(), tables, strided, torch.zeros(2, 8, 2), slot=1, shared_len=4,
+                                 scale=0.1)
 
 
 def test_the_cascade_stage_1_takes_the_wave_tile_for_narrow_heads_only():
@@ -167,7 +205,7 @@ def test_warm_up_runs_the_copies_once_per_layer_shape_reading_only_the_padding_p
     backend = TritonBackend(pool)
     backend.warm_up(layers)
     assert seen == [], "cuDNN does not run here: nothing to warm up"
-    monkeypatch.setattr(cascade_sdpa, "cudnn_attention_available", lambda device: True)
+    monkeypatch.setattr(cascade_sdpa, "cudnn_attention_available", lambda device, shared_len=0: True)
     backend.warm_up(layers)
     assert seen == [True], "one call for the two plain layers' shape (windowed and softcapped layers never take it)"
     assert torch.equal(pool.buffer.view(torch.bfloat16).nan_to_num(), before.view(torch.bfloat16).nan_to_num()), \

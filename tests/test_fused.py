@@ -394,7 +394,7 @@ def test_gpu_argmax_finite_full_vocab(rows):
 def test_gpu_greedy_fused_equals_unfused(tmp_path, name):
     """bf16 on the GPU, triton attention with CUDA graphs: fused and unfused give the same tokens."""
     hf = MODELS[name]()
-    with torch.no_grad():  # Gemma: unit-scale attention scores, as in test_gpu_backends.tiny_gemma4
+    with torch.no_grad():  # Gemma: unit-scale attention scores, as in helpers.tiny_gemma4
         for n, p in hf.named_parameters():
             if n.endswith("q_norm.weight"):
                 p.mul_(p.shape[0] ** -0.5)

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("flashinfer", reason='FlashInfer is not installed (pip install "attnzoo[flashinfer]")')
 
 import attnzoo  # noqa: E402
-from helpers import random_prompts, save_checkpoint  # noqa: E402
+from helpers import random_prompts, save_checkpoint, tiny_gemma4  # noqa: E402
 from test_gpu_backends import BLACKWELL, CC, DEV, DTYPE, MLA_RANK, MLA_ROPE, XQA_OR_TRTLLM_GEN  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -55,33 +55,6 @@ def tiny_llama(path, *, heads, kv_heads, head_dim):
                       max_position_embeddings=1024, initializer_range=0.1)
     torch.manual_seed(0)
     return save_checkpoint(LlamaForCausalLM(cfg).eval(), path)
-
-
-def tiny_gemma4(path, window=16):
-    """31B-like in miniature: sliding d256 layers (window 16) and global d512 layers with k == v.
-
-    Gemma 4 attends with scale 1.0 after q/k RMSNorm; with the norms' initial weight 1 the scores of a
-    random model have a standard deviation of sqrt(head_dim) (16 to 23), a near one-hot softmax that
-    turns bf16 rounding in one layer into whole units of logit difference a few layers on (measured:
-    0.7 between two correct backends). Trained models learn small q_norm weights; here they are set to
-    head_dim ** -0.5, which keeps the scores at unit scale and the test sensitive to real errors."""
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-
-    s, f = "sliding_attention", "full_attention"
-    cfg = Gemma4TextConfig(
-        vocab_size=256, vocab_size_per_layer_input=256, hidden_size=128, intermediate_size=256,
-        num_hidden_layers=4, layer_types=[s, f, s, f], num_attention_heads=4, num_key_value_heads=2,
-        head_dim=256, global_head_dim=512, attention_k_eq_v=True, num_global_key_value_heads=1,
-        sliding_window=window, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
-        max_position_embeddings=1024, initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    model = Gemma4ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            q_norm = layer.self_attn.q_norm.weight
-            q_norm.fill_(q_norm.shape[0] ** -0.5)
-    return save_checkpoint(model, path)
 
 
 def tiny_deepseek_v3(path):

@@ -85,7 +85,7 @@ def test_flashinfer_gemma4_graph_and_windowed_cascade_match_eager_plain(tmp_path
     graph-replayed plain decode and eager cascade (sliding layers reading the part of a 150-token shared
     prefix inside every window once) give the eager plain path's greedy tokens and logits."""
     pytest.importorskip("flashinfer")
-    from test_gpu_backends import tiny_gemma4
+    from helpers import tiny_gemma4
 
     path = tiny_gemma4(tmp_path / "gemma4", window=128)
     prefix = random_prompts(160, [150], seed=7)[0]
@@ -135,7 +135,7 @@ def test_flashinfer_cascade_graphs_match_eager_cascade_and_cascade_off(tiny_dir,
     if model == "llama":
         path = tiny_dir
     else:
-        from test_gpu_backends import tiny_gemma4
+        from helpers import tiny_gemma4
 
         path = tiny_gemma4(tmp_path / "gemma4", window=64)
     prefix = random_prompts(160, [150], seed=7)[0]
@@ -216,7 +216,7 @@ def test_overlap_equals_serial_steps_with_graphs_and_cascade(tmp_path, backend):
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     from attnzoo.engine.sampling import SamplingParams
-    from test_gpu_backends import tiny_gemma4
+    from helpers import tiny_gemma4
 
     path = tiny_gemma4(tmp_path / "gemma4", window=64)
     prefix = random_prompts(256, [150], seed=7)[0]

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from attnzoo.attention.kernels.common import next_pow2, values_in_key
+from attnzoo.errors import BackendError
 
 # (request, query head) rows from which cuDNN runs the pass: below, the copies around it cost more than it saves
 # (benchmarks/results/cascade_sdpa_nvidia_h200.txt)
@@ -85,21 +86,27 @@ def layer_qualifies(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, v_
             and k_scale == v_scale == 1.0)
 
 
-def cudnn_attention_available(device: torch.device) -> bool:
-    """cuDNN's fused attention through torch on ``device``: a CUDA device of Ampere or newer, cuDNN 9 or later, a
-    torch whose op returns the LSE (2.5 or later)."""
-    return device.type == "cuda" and _cudnn_attention(device.index or 0)
+def cudnn_attention_available(device: torch.device, shared_len: int = 0) -> bool:
+    """cuDNN's fused attention through torch on ``device``: an NVIDIA GPU of Ampere or newer (not ROCm, whose
+    "cudnn" is MIOpen), cuDNN 9.3 or later (earlier 9.x mis-computed the softmax statistics this pass merges), a
+    torch whose op returns them (2.5 or later), torch's switches for it on; not cuDNN 9.14 past 1024 keys, which
+    faults or gives NaN there under graph capture without a causal mask (TransformerEngine turns it off alike)."""
+    if device.type != "cuda" or not _cudnn_attention(device.index or 0):
+        return False
+    if not (torch.backends.cudnn.enabled and torch.backends.cuda.cudnn_sdp_enabled()):
+        return False
+    return not (91400 <= torch.backends.cudnn.version() < 91500 and shared_len > 1024)
 
 
 @functools.cache
 def _cudnn_attention(device_index: int) -> bool:
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    return ((major, minor) >= (2, 5) and torch.backends.cudnn.is_available()
-            and (torch.backends.cudnn.version() or 0) >= 90000
+    return ((major, minor) >= (2, 5) and torch.version.hip is None and torch.backends.cudnn.is_available()
+            and (torch.backends.cudnn.version() or 0) >= 90300
             and torch.cuda.get_device_capability(device_index) >= (8, 0))
 
 
-def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, v_from_k: bool,
+def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, v_from_k: bool, shared_len: int,
             softcap: float | None, k_scale: float = 1.0, v_scale: float = 1.0, *, graph: bool = False) -> bool:
     """Whether this cascade step's shared pass runs through cuDNN: a layer ``layer_qualifies`` admits, on a GPU
     where cuDNN's attention runs, at least MIN_ROWS rows, no softcapping, in a step captured as a CUDA graph
@@ -109,7 +116,7 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, v_fro
     return (graph and not softcap and batch * heads >= MIN_ROWS and q.stride(2) == 1 and _pages_flatten(k_cache)
             and _pages_flatten(v_cache)
             and layer_qualifies(q.dtype, k_cache.dtype, head_dim, v_cache.shape[-1], v_from_k, k_scale, v_scale)
-            and cudnn_attention_available(q.device))
+            and cudnn_attention_available(q.device, shared_len))
 
 
 def _pages_flatten(cache: torch.Tensor) -> bool:
@@ -144,6 +151,9 @@ def shared_pass(
 ) -> None:
     """Decode: attend every (request, head) row to the shared prefix: its normalised output into
     ``partial[:, :, slot]`` and its log2-LSE into ``lse[:, :, slot]``, as ``_cascade_shared`` writes them."""
+    if partial.stride(3) != 1 or block_tables.stride(1) != 1:
+        raise BackendError("cascade_sdpa: the split scratch's channels or the block table's pages are not adjacent",
+                           fix="pass contiguous scratch and block tables (as the backend allocates them)")
     batch, heads, d = q.shape
     kv_heads, page_size = k_cache.shape[1:3]
     group, pages = heads // kv_heads, shared_len // page_size

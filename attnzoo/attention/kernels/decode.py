@@ -272,7 +272,8 @@ def shared_pass_kind(q, k_cache, v_cache, shared_len: int, logit_softcap: float 
     v_from_k = values_in_key(k_cache, v_cache)
     if cascade_gemm.applies(q, k_cache, v_from_k, shared_len, logit_softcap, k_scale, v_scale):
         return "gemm"
-    if cascade_sdpa.applies(q, k_cache, v_cache, v_from_k, logit_softcap, k_scale, v_scale, graph=graph):
+    if cascade_sdpa.applies(q, k_cache, v_cache, v_from_k, shared_len, logit_softcap, k_scale, v_scale,
+                            graph=graph):
         return "cudnn"
     return "triton"
 

@@ -44,8 +44,8 @@ def cascade_own_launch_config(head_dim: int, v_head_dim: int, group: int, dtype:
     """Stage 1's tiles over each request's own keys after a cascade's shared prefix: spans of tens to hundreds
     of keys, one program each, in many waves. For widths up to 256, the wave tile (32 keys, 2 stages, loads
     pipelined) in place of the default's 64 in 1: at 1319 requests on an H200, 72 own keys 187 -> 131 us, 200 own
-    keys 357 -> 285 us (benchmarks/results/cascade_sdpa_nvidia_h200.txt). ``None``: stage 1's own choice (wider
-    heads)."""
+    keys 357 -> 285 us (benchmarks/results/cascade_sdpa_nvidia_h200.txt). ``None``: stage 1's own choice, where
+    its default is not 64 keys in one stage (wider heads, MLA-like groups, float32)."""
     cfg = decode_launch_config(head_dim, v_head_dim, group, dtype)
     if cfg["BLOCK_N"] <= WAVE_TILE_N or cfg["num_stages"] > 1:
         return None
