@@ -98,10 +98,10 @@ class TritonBackend(AttentionBackend):
     strided_query = True  # every kernel addresses q through its strides
     cascade_extend_scope = ("MLA layers: their shared prefix as GEMMs, from cascade_gemm.EXTEND_MIN_ROWS "
                             "(token, head) rows")
-    cascade_shared_pass = ("the shared prefix by cuDNN's attention in steps captured as CUDA graphs from "
-                           "cascade_sdpa.MIN_ROWS (request, head) rows of 16-bit layers with keys and values of one "
-                           "width up to 128; as GEMMs from cascade_gemm.MIN_ROWS rows of MLA layers; else by the "
-                           "Triton kernel")
+    cascade_shared_pass = ("the shared prefix by cuDNN's attention (9.3+, NVIDIA GPUs) in steps captured as CUDA "
+                           "graphs from cascade_sdpa.MIN_ROWS (request, head) rows of 16-bit layers with keys and "
+                           "values of one width, a power of two up to 128; as GEMMs from cascade_gemm.MIN_ROWS rows "
+                           "of MLA layers; else by the Triton kernel")
 
     def __init__(self, pool: KVPool):
         super().__init__(pool)
