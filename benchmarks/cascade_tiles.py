@@ -14,7 +14,11 @@ shared tokens in pages of 64), requests of 100 new tokens after 0-63 own cached 
 all: the plain extend kernel against ``cascade_extend_attention`` (the prefix as GEMMs, then the kernel over each
 request's own keys), each checked against the other, and the cascade's kernels under the profiler.
 
-    python benchmarks/cascade_tiles.py [--sweep [--layers dsv2lite-mla,...] | --extend]
+``--shared-sdpa``: the Llama layer's cascade at 64-1319 requests x 72 and 200 own keys, three ways (the default,
+stage 1 on the cascade's own tile, then cuDNN's shared pass too; ``shared_sdpa``), cuDNN's first call at a new
+row count, and stage 1's tiles over plain decode batches.
+
+    python benchmarks/cascade_tiles.py [--sweep [--layers dsv2lite-mla,...] | --extend | --shared-sdpa]
 """
 import argparse
 import functools
