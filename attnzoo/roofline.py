@@ -94,51 +94,77 @@ def roofline_seconds(steps: list[dict], prof: dict, limits: dict, shared_once: b
     (dense + top_k experts) + attention over the step's token pairs (NSA: over the selected ones, plus the
     indexer's scores over every pair).
     """
-    E, k = prof["num_experts"], prof["top_k"]
-    per_expert = prof["expert_bytes"] / max(E, 1)
-    active_params = prof["dense_params"] + (prof["expert_params"] / E * k if E else 0)
     bw, rate = limits["copy_bytes_per_s"], limits["matmul_flops_per_s"]
     total = 0.0
     for s in steps:
-        n = s["new_tokens"]
-        touched = E * (1 - (1 - k / E) ** n) if E else 0
-        weight_bytes = prof["dense_bytes"] + per_expert * touched
-        mean_ctx = s["kv_tokens"] / max(s["num_reqs"], 1)
-        shared = s["shared_prefix_len"] if shared_once else 0
-        saved = shared * (s["num_reqs"] - 1)
-        kv_bytes = 0.0
-        attn_flops = 0.0
-        for layer in prof["layers"]:
-            if layer["window"]:
-                # Windowed cascade: the prefix tokens inside every request's window (those after the longest
-                # request's window start) are read once; step logs without max_seq_len count none.
-                seen = max(0, shared - max(0, s.get("max_seq_len", 1 << 62) - layer["window"]))
-                kv_bytes += layer["kv_bytes"] * (s["num_reqs"] * min(mean_ctx, layer["window"])
-                                                 - seen * (s["num_reqs"] - 1))
-                attn_flops += layer["flops_per_pair"] * n * min(mean_ctx, layer["window"])
-            elif layer.get("topk"):  # NSA: at most topk selected tokens per query
-                kv_bytes += layer["kv_bytes"] * s["num_reqs"] * min(mean_ctx, layer["topk"])
-                attn_flops += layer["flops_per_pair"] * n * min(mean_ctx, layer["topk"])
-            else:
-                kv_bytes += layer["kv_bytes"] * (s["kv_tokens"] - saved)
-                attn_flops += layer["flops_per_pair"] * s["attn_pairs"]
-            if layer.get("rate"):  # compressed entries: HCA every one, CSA the indexer's top-k plus every index key
-                entries = mean_ctx / layer["rate"]
-                read = min(entries, layer["csa_topk"]) if layer["csa_topk"] else entries
-                kv_bytes += layer["compressed_bytes"] * s["num_reqs"] * read + layer["state_bytes"] * n
-                attn_flops += layer["flops_per_pair"] * n * read
-                if layer["csa_topk"]:
-                    kv_bytes += layer["index_bytes"] * s["num_reqs"] * entries
-                    attn_flops += layer["index_flops_per_pair"] * n * entries
-            if layer.get("topk") and mean_ctx > layer["topk"]:
-                kv_bytes += layer["index_bytes"] * s["kv_tokens"]
-                attn_flops += layer["index_flops_per_pair"] * s["attn_pairs"]
-        gemm_flops = 2 * active_params * n
+        weight_bytes, kv_bytes, gemm_flops, attn_flops = step_cost(s, prof, shared_once)
         if serial:
             total += max(weight_bytes / bw, gemm_flops / rate) + max(kv_bytes / bw, attn_flops / rate)
         else:
             total += max((weight_bytes + kv_bytes) / bw, (gemm_flops + attn_flops) / rate)
     return total
+
+
+def weight_bytes_at(prof: dict, tokens: float) -> float:
+    """The weights a step of ``tokens`` new tokens reads: the dense ones and the experts its tokens can touch
+    (expected distinct experts of ``tokens x top_k`` uniform picks)."""
+    E, k = prof["num_experts"], prof["top_k"]
+    touched = E * (1 - (1 - k / E) ** tokens) if E else 0
+    return prof["dense_bytes"] + prof["expert_bytes"] / max(E, 1) * touched
+
+
+def step_cost(s: dict, prof: dict, shared_once: bool = True) -> tuple[float, float, float, float]:
+    """One logged step's (weight bytes, KV bytes, GEMM FLOPs, attention FLOPs), as ``roofline_seconds`` counts them."""
+    E, k = prof["num_experts"], prof["top_k"]
+    active_params = prof["dense_params"] + (prof["expert_params"] / E * k if E else 0)
+    n = s["new_tokens"]
+    weight_bytes = weight_bytes_at(prof, n)
+    mean_ctx = s["kv_tokens"] / max(s["num_reqs"], 1)
+    shared = s["shared_prefix_len"] if shared_once else 0
+    saved = shared * (s["num_reqs"] - 1)
+    kv_bytes = 0.0
+    attn_flops = 0.0
+    for layer in prof["layers"]:
+        if layer["window"]:
+            # Windowed cascade: the prefix tokens inside every request's window (those after the longest
+            # request's window start) are read once; step logs without max_seq_len count none.
+            seen = max(0, shared - max(0, s.get("max_seq_len", 1 << 62) - layer["window"]))
+            kv_bytes += layer["kv_bytes"] * (s["num_reqs"] * min(mean_ctx, layer["window"])
+                                             - seen * (s["num_reqs"] - 1))
+            attn_flops += layer["flops_per_pair"] * n * min(mean_ctx, layer["window"])
+        elif layer.get("topk"):  # NSA: at most topk selected tokens per query
+            kv_bytes += layer["kv_bytes"] * s["num_reqs"] * min(mean_ctx, layer["topk"])
+            attn_flops += layer["flops_per_pair"] * n * min(mean_ctx, layer["topk"])
+        else:
+            kv_bytes += layer["kv_bytes"] * (s["kv_tokens"] - saved)
+            attn_flops += layer["flops_per_pair"] * s["attn_pairs"]
+        if layer.get("rate"):  # compressed entries: HCA every one, CSA the indexer's top-k plus every index key
+            entries = mean_ctx / layer["rate"]
+            read = min(entries, layer["csa_topk"]) if layer["csa_topk"] else entries
+            kv_bytes += layer["compressed_bytes"] * s["num_reqs"] * read + layer["state_bytes"] * n
+            attn_flops += layer["flops_per_pair"] * n * read
+            if layer["csa_topk"]:
+                kv_bytes += layer["index_bytes"] * s["num_reqs"] * entries
+                attn_flops += layer["index_flops_per_pair"] * n * entries
+        if layer.get("topk") and mean_ctx > layer["topk"]:
+            kv_bytes += layer["index_bytes"] * s["kv_tokens"]
+            attn_flops += layer["index_flops_per_pair"] * s["attn_pairs"]
+    return weight_bytes, kv_bytes, 2 * active_params * n, attn_flops
+
+
+def balanced_seconds(steps: list[dict], prof: dict, limits: dict, *, output_tokens: int, rows: int) -> float:
+    """A bound for the same work under the best chunked-prefill schedule: the run's new tokens, KV reads and
+    FLOPs (``step_cost`` of its logged steps) spread evenly over the fewest steps that emit ``output_tokens`` at
+    ``rows`` sampled rows a step, each step reading the weights once and at max(bytes, FLOPs). Where a schedule
+    runs compute-bound prompt steps and bandwidth-bound decode steps apart (``roofline_seconds`` of its own
+    steps), a balanced one hides the decode rows' reads under the prompts' GEMMs: this is how far that goes."""
+    n_steps = max(1, -(-output_tokens // max(rows, 1)))
+    costs = [step_cost(s, prof) for s in steps]
+    new_tokens = sum(s["new_tokens"] for s in steps) / n_steps
+    kv_bytes = sum(c[1] for c in costs)
+    flops = sum(c[2] + c[3] for c in costs)
+    bw, rate = limits["copy_bytes_per_s"], limits["matmul_flops_per_s"]
+    return max(n_steps * weight_bytes_at(prof, new_tokens) / bw + kv_bytes / bw, flops / rate)
 
 
 def step_kinds(steps: list[dict], *, t0: float, prof: dict, limits: dict) -> dict:

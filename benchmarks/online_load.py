@@ -4,7 +4,9 @@ closed loop of ``--max-concurrency`` requests, with the engine's per-step log br
 Set beside ``serve_peer.py`` on one machine, the difference is what the HTTP server and its client cost;
 the step breakdown says where the engine's own time goes (decode-only steps against steps that also carry
 prompt chunks, and how many prompt tokens those carry), and on a GPU e2e.py's roofline of the same steps
-(``attnzoo.roofline``) says how far each kind is from what it must read and compute.
+(``attnzoo.roofline``) says how far each kind is from what it must read and compute; ``balanced_s``, the same work
+spread over the fewest steps that emit its tokens (every step a share of the prompts beside the decode rows),
+how far a better schedule could go.
 
     python benchmarks/online_load.py --shape llama8b --dataset random --max-concurrency 100 --num-prompts 250
 """
@@ -28,7 +30,7 @@ from common import run_meta  # noqa: E402
 import attnzoo  # noqa: E402
 from attnzoo.engine.online import OnlineEngine  # noqa: E402
 from attnzoo.engine.sampling import SamplingParams  # noqa: E402
-from attnzoo.roofline import device_limits, model_profile, roofline_seconds, step_kinds  # noqa: E402
+from attnzoo.roofline import balanced_seconds, device_limits, model_profile, roofline_seconds, step_kinds  # noqa: E402
 
 
 DRIVE_TIMEOUT_S = 600  # the longest wait for the next request to finish
@@ -129,14 +131,18 @@ def main(argv=None) -> int:
     stats, wall = drive(online, prompts, args.max_concurrency or len(prompts))
     log, llm.engine.step_log = llm.engine.step_log, None
     online.shutdown()
+    errors = [s["error"] for s in stats if s.get("error")]
+    tokens = sum(s.get("tokens", 0) for s in stats)
     roofline = {}
     if limits is not None:  # e2e.py's roofline over this run's steps: what a step of each kind must read and compute
         prof = model_profile(llm)
         roofline = {"roofline_s": round(roofline_seconds(log, prof, limits), 3),
                     **{k: round(v, 3) for k, v in step_kinds(log, t0=t_start, prof=prof, limits=limits).items()}}
         roofline["roofline_fraction"] = round(roofline["roofline_s"] / wall, 3)
-    errors = [s["error"] for s in stats if s.get("error")]
-    tokens = sum(s.get("tokens", 0) for s in stats)
+        # the same work with every step carrying its share of the prompts beside the decode rows
+        roofline["balanced_s"] = round(balanced_seconds(log, prof, limits, output_tokens=tokens,
+                                                        rows=args.max_concurrency or len(prompts)), 3)
+        roofline["balanced_fraction"] = round(roofline["balanced_s"] / wall, 3)
     ttfts = [s["ttft"] for s in stats if "ttft" in s]
     tpots = [(s["latency"] - s["ttft"]) / (s["tokens"] - 1) for s in stats if s.get("tokens", 0) > 1]
     res = {"shape": args.shape, "layers": args.layers, "dataset": args.dataset, "num_prompts": len(prompts),

@@ -1,7 +1,7 @@
 """benchmarks/e2e.py's shapes and the roofline (attnzoo.roofline), on CPU: the reduced DeepSeek-V3.2 shape, and NSA
 layers counted at their top-k selection (plus the indexer keys once selection drops tokens)."""
 import attnzoo
-from attnzoo.roofline import model_profile, roofline_seconds, step_kinds
+from attnzoo.roofline import balanced_seconds, model_profile, roofline_seconds, step_kinds
 from test_nsa import COMMON, INDEXER
 
 
@@ -48,6 +48,28 @@ def test_serial_roofline_adds_the_attention_to_compute_bound_gemms():
     # weights: 1 byte, 2 x 10 x 4 = 80 FLOPs; KV: 2 x 12 = 24 bytes, no attention FLOPs
     assert roofline_seconds([step], prof, limits) == max(1 + 24, 80)
     assert roofline_seconds([step], prof, limits, serial=True) == max(1, 80) + 24
+
+
+def test_balanced_bound_spreads_the_prompts_over_the_decode_steps():
+    """A prompt step (compute-bound) then ten decode steps of one row (bandwidth-bound) cost the sum of their own
+    bounds; the same work spread over the fewest steps that can emit the output tokens reads the weights once a
+    step and overlaps the prompt's FLOPs with the decode rows' KV reads."""
+    prof = {"num_experts": 0, "top_k": 0, "expert_bytes": 0, "expert_params": 0, "dense_bytes": 10.0,
+            "dense_params": 1.0, "layers": [{"window": None, "kv_bytes": 1.0, "flops_per_pair": 0.0}]}
+    limits = {"copy_bytes_per_s": 1.0, "matmul_flops_per_s": 1.0}
+
+    def step(new, kv):
+        return {"num_reqs": 1, "new_tokens": new, "kv_tokens": kv, "shared_prefix_len": 0, "attn_pairs": new * kv}
+
+    steps = [step(100, 0)] + [step(1, 100 + i) for i in range(10)]
+    kv = sum(range(100, 110))  # 1045 bytes of KV; 2 FLOPs a token: 220
+    assert roofline_seconds(steps, prof, limits) == max(10, 200) + 10 * 10 + kv
+    # ten tokens at ten rows a step: one step reads the weights once, the FLOPs hide under the bytes
+    assert balanced_seconds(steps, prof, limits, output_tokens=10, rows=10) == max(10 + kv, 220)
+    # one row a step: ten steps, ten weight reads
+    assert balanced_seconds(steps, prof, limits, output_tokens=10, rows=1) == max(100 + kv, 220)
+    fast_memory = {"copy_bytes_per_s": 1e6, "matmul_flops_per_s": 1.0}  # compute-bound: the FLOPs alone
+    assert balanced_seconds(steps, prof, fast_memory, output_tokens=10, rows=10) == 220
 
 
 def test_step_kinds_split_wall_and_roofline_by_decode_and_extend():
