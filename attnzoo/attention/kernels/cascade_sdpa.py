@@ -23,7 +23,6 @@ from attnzoo.errors import BackendError
 MIN_ROWS = 16384
 # cuDNN's flash attention takes head dims up to 128 on every GPU it runs on (wider ones only on some)
 MAX_HEAD_DIM = 128
-LOG2E = 1.4426950408889634
 # requests a program of the row copies moves: a few KB of rows each
 COPY_REQUESTS = 16
 
