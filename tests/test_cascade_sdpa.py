@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnzoo.attention.backends.torch_ref import attention_reference
 from attnzoo.attention.kernels import cascade_sdpa
@@ -112,22 +113,8 @@ def test_cudnn_is_asked_for_by_device_version_switches_and_known_faults(monkeypa
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91400)  # faults past 1024 keys in graphs
     assert cascade_sdpa.cudnn_attention_available(gpu, shared_len=1024)
     assert not cascade_sdpa.cudnn_attention_available(gpu, shared_len=1040)
-    with _cudnn_sdp(False):
-        assert not cascade_sdpa.cudnn_attention_available(gpu, shared_len=16)  # torch's switch for it, off
-
-
-class _cudnn_sdp:
-    """torch.backends.cuda.enable_cudnn_sdp(on) for a block."""
-
-    def __init__(self, on: bool):
-        self.on = on
-
-    def __enter__(self):
-        self.was = torch.backends.cuda.cudnn_sdp_enabled()
-        torch.backends.cuda.enable_cudnn_sdp(self.on)
-
-    def __exit__(self, *exc):
-        torch.backends.cuda.enable_cudnn_sdp(self.was)
+    with sdpa_kernel([SDPBackend.MATH]):  # torch's switch for cuDNN's attention, off
+        assert not cascade_sdpa.cudnn_attention_available(gpu, shared_len=16)
 
 
 def test_the_copies_refuse_scratch_whose_channels_lie_apart():

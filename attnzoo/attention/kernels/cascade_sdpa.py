@@ -111,11 +111,16 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, v_fro
     where cuDNN's attention runs, at least MIN_ROWS rows, no softcapping, in a step captured as a CUDA graph
     (``graph``): cuDNN builds a plan per row count and prefix length (about 50 ms), which a graph's capture
     pays once and an eager step of a new batch size would pay mid-run."""
-    batch, heads, head_dim = q.shape
-    return (graph and not softcap and batch * heads >= MIN_ROWS and q.stride(2) == 1 and _pages_flatten(k_cache)
-            and _pages_flatten(v_cache)
-            and layer_qualifies(q.dtype, k_cache.dtype, head_dim, v_cache.shape[-1], v_from_k, k_scale, v_scale)
-            and cudnn_attention_available(q.device, shared_len))
+    batch, heads = q.shape[:2]
+    return (graph and not softcap and batch * heads >= MIN_ROWS and q.stride(2) == 1
+            and _cache_runs(k_cache, v_cache, q.dtype, v_from_k, k_scale, v_scale, shared_len))
+
+
+def _cache_runs(k_cache, v_cache, dtype, v_from_k: bool, k_scale: float, v_scale: float, shared_len: int) -> bool:
+    # the step-independent conditions, which the warm-up asks too: the layer, the pool's layout, cuDNN here
+    return (_pages_flatten(k_cache) and _pages_flatten(v_cache)
+            and layer_qualifies(dtype, k_cache.dtype, k_cache.shape[-1], v_cache.shape[-1], v_from_k, k_scale, v_scale)
+            and cudnn_attention_available(k_cache.device, shared_len))
 
 
 def _pages_flatten(cache: torch.Tensor) -> bool:
@@ -178,10 +183,7 @@ def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, *, sca
     (the pool's padding page; nothing is written to the cache). -> the calls made: 0 where the layer does not
     qualify or cuDNN does not run here."""
     d, page_size = k_cache.shape[-1], k_cache.shape[2]
-    if not (_pages_flatten(k_cache) and _pages_flatten(v_cache)
-            and layer_qualifies(k_cache.dtype, k_cache.dtype, d, v_cache.shape[-1], values_in_key(k_cache, v_cache),
-                                k_scale, v_scale)
-            and cudnn_attention_available(k_cache.device)):
+    if not _cache_runs(k_cache, v_cache, k_cache.dtype, values_in_key(k_cache, v_cache), k_scale, v_scale, page_size):
         return 0
     q = k_cache.new_zeros(1, num_heads, d)
     partial = torch.empty(1, num_heads, 2, d, dtype=torch.float32, device=q.device)
