@@ -105,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mixed-min-rows", type=int, default=None,
                     help="fewest decode rows a mixed step splits off (HybridBackend.mixed_min_rows; 0: never; "
                          "default: the runner's)")
+    ap.add_argument("--whole-steps", choices=("on", "off"), default="on",
+                    help="off: the mixed-step graphs (engine.mixed_graphs) set aside, their steps run as pieces")
     bench_serving.add_args(ap, server=False)
     args = ap.parse_args(argv)
     from e2e import make_config  # after the path insert: e2e imports the benchmarks' helpers
@@ -120,6 +122,8 @@ def main(argv=None) -> int:
     llm.warm_up()
     if args.graph_extend_tokens is not None:
         llm.engine.graph_extend_tokens = args.graph_extend_tokens
+    if args.whole_steps == "off" and llm.engine.runner.mixed is not None:
+        llm.engine.runner.mixed, llm.engine.runner.mixed_why = None, "off (online_load.py --whole-steps off)"
     if args.mixed_min_rows is not None:
         llm.engine.runner.backends.mixed_min_rows = args.mixed_min_rows or None
     prompts = bench_serving.make_prompts(args)

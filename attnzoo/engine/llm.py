@@ -311,7 +311,10 @@ class LLM:
                 "captured_while_generating_bytes": [g.on_demand_bytes, g.max_on_demand_bytes]},  # [held, cap]
             # steps replayed as pieces between eager attention calls: their token buckets (None: off)
             "piecewise_graphs": None if (p := self.engine.runner.pieces) is None else {
-                "buckets": p.buckets, "graphs": p.num_graphs, "capture_s": round(p.capture_s, 2)},
+                "buckets": p.buckets, "graphs": p.num_graphs, "capture_s": round(p.capture_s, 2),
+                # the same buckets' steps captured whole, attention inside: [most chunks a step, capture s] or why not
+                "whole_steps": self.engine.runner.mixed_why or [self.engine.runner.mixed.max_chunks,
+                                                                round(self.engine.runner.mixed.capture_s, 2)]},
             "cascade": describe.cascade_state(self.engine),
             # a short prompt chunk after a cached prefix replayed as decode rows: [most new tokens, why]
             "token_rows": list(self.engine.runner.token_rows_limit()),
@@ -387,7 +390,9 @@ def load_model(
     runs at the smallest size that holds it (``max_running`` always one), or above 256 rows at its own (to 8)
     once it kept it 3 steps, within a cap on those graphs' count and bytes (``info()["cuda_graph"]``).
     ``piecewise_graph_tokens=N``: steps of up to N tokens the decode graphs do not serve replay CUDA graphs
-    between their eager attention calls (``engine.piecewise``: CUDA, one GPU, no NSA or compressed layers).
+    between their eager attention calls (``engine.piecewise``: CUDA, one GPU, no NSA or compressed layers); where
+    both backends capture mixed steps whole (triton), those steps replay one graph each, attention inside
+    (``engine.mixed_graphs``; ``info()["piecewise_graphs"]["whole_steps"]`` says whether).
     ``cascade``: read a prefix shared by a whole decode batch once per step (None: wherever the decode
     backend supports it and prefix caching is on; ``info()["cascade"]`` says which).
     ``tensor_parallel_size=N``: split the model over N GPUs (N CPU processes on CPU): this process is

@@ -66,7 +66,7 @@ class PiecewiseGraphs:
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bucket -> its graphs, one per gap plus one
         self.cuts: dict[int, list[Cut]] = {}  # bucket -> its attention calls, in order
         self.hidden: dict[int, torch.Tensor] = {}  # bucket -> the last piece's output [bucket, hidden]
-        self._mempool = None
+        self.mempool = None
         self.capture_s = 0.0  # host time of the captures at load (warm-ups included)
         self._alloc_slots()
         if not emulate:
@@ -158,7 +158,7 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        self._mempool = torch.cuda.graph_pool_handle()
+        self.mempool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.buckets):  # largest first: smaller buckets reuse its memory
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -172,12 +172,12 @@ class PiecewiseGraphs:
                     out = self._cut(layer, q, k, v, cuts)
                     graphs[-1].capture_end()
                     graphs.append(torch.cuda.CUDAGraph())
-                    graphs[-1].capture_begin(pool=self._mempool)
+                    graphs[-1].capture_begin(pool=self.mempool)
                     return out
 
                 ctx = self._context(bs, split)
                 torch.cuda.synchronize()  # as torch.cuda.graph does: nothing of the warm-up pending at capture
-                graphs[0].capture_begin(pool=self._mempool)
+                graphs[0].capture_begin(pool=self.mempool)
                 self.hidden[bs] = self._forward(bs, ctx)
                 graphs[-1].capture_end()
             torch.cuda.current_stream().wait_stream(stream)

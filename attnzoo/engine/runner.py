@@ -60,6 +60,7 @@ class Prepared:
     plan: object | None  # the backends' StepPlan for an eager step
     over_cap: bool = False  # a cascade step whose graph the cap on their number refused
     pieces: bool = False  # replayed as piecewise CUDA graphs, attention eager between them
+    mixed: bool = False  # replayed whole from a mixed-step graph (``staged``: MixedGraphs.stage's result)
 
 
 def check_cascade(decode_backend_cls, prefix_caching: bool, cascade: bool | None) -> bool:
@@ -167,12 +168,17 @@ class Runner:
         self.cascade_graph_min_saved_tokens = 8192
         self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs()
         self.pieces = None  # PiecewiseGraphs, set by enable_piecewise_graphs(): the steps the decode graphs do not serve
+        # MixedGraphs, set with the pieces where the backends capture mixed steps whole (attention included), and
+        # why not where they do not
+        self.mixed = None
+        self.mixed_why: str | None = "no piecewise CUDA graphs (piecewise_graph_tokens=0)"
         # replayed: plain decode graphs; eager: decode/sampling steps run eagerly, of which cascade: with a
         # shared prefix; cascade_replayed: cascade decode graphs; cascade_over_cap: cascade steps whose graph
         # was not captured for the cap on their number (those ran eagerly or as plain graphs)
-        # piecewise: steps replayed as piecewise graphs (eager attention between them), not counted as eager
+        # piecewise: steps replayed as piecewise graphs (eager attention between them), not counted as eager;
+        # mixed: steps the piecewise graphs would serve replayed whole from a mixed-step graph instead
         self.graph_stats = {"replayed": 0, "eager": 0, "cascade": 0, "cascade_replayed": 0, "cascade_over_cap": 0,
-                            "token_rows": 0, "piecewise": 0}
+                            "token_rows": 0, "piecewise": 0, "mixed": 0}
         # A step of prompt chunks with at most this many new tokens in all runs as decode rows, one per token
         # (``as_token_rows``), in the decode graphs where they fit: an extend step runs eagerly, and with few
         # tokens its launches outlast its GPU work. Each row reads its whole context, so the reads grow with
@@ -191,9 +197,14 @@ class Runner:
         self.graphs = DecodeGraphs(self.model, self.pool, self.backends, max_batch=max_batch, max_context=max_context,
                                    buckets=DEFAULT_BUCKETS if batch_sizes is None else batch_sizes, prune=prune)
 
-    def enable_piecewise_graphs(self, max_tokens: int, buckets=None, emulate: bool = False) -> None:
+    def enable_piecewise_graphs(self, max_tokens: int, buckets=None, emulate: bool = False, *, whole: bool = True,
+                                max_context: int | None = None) -> None:
         """Capture piecewise graphs (``engine.piecewise``) for steps of up to ``max_tokens`` tokens that the decode
-        graphs do not serve; ``emulate``: the same cuts without graphs (CPU tests)."""
+        graphs do not serve, and where the backends allow (``whole``), mixed-step graphs of the same buckets with
+        the attention inside (``engine.mixed_graphs``), which serve the steps they fit in the pieces' place;
+        ``emulate``: the same steps without graphs (CPU tests). ``max_context``: the mixed graphs' longest request
+        where there are no decode graphs to take it from."""
+        from attnzoo.engine.mixed_graphs import MixedGraphs
         from attnzoo.engine.piecewise import PiecewiseGraphs
 
         if self.tp is not None:  # the ranks replay the leader's steps as they are
@@ -207,6 +218,19 @@ class Runner:
                                fix="pass the most tokens a captured step may hold, e.g. 512, or 0 for none")
         self.pieces = PiecewiseGraphs(self.model, self.pool, self.backends, max_tokens=max_tokens, buckets=buckets,
                                       emulate=emulate)
+        self.mixed, self.mixed_why = None, self.backends.mixed_capture()
+        if not whole:
+            self.mixed_why = "off (whole=False)"
+        elif self.mixed_why is None and self.graphs is None and not emulate:
+            self.mixed_why = "no decode CUDA graphs (the decode part's launch constants come from their state)"
+        if self.mixed_why is not None:
+            return
+        if self.graphs is None:  # emulated: the decode backend's graph state is the mixed graphs' alone
+            max_context = max_context or self.pool.page_size * 64
+            self.backends.init_graph_state(self.pieces.max_tokens, -(-max_context // self.pool.page_size))
+        self.mixed = MixedGraphs(self.model, self.pool, self.backends, buckets=self.pieces.buckets,
+                                 max_context=self.graphs.max_context if self.graphs is not None else max_context,
+                                 mempool=self.pieces.mempool, emulate=emulate)
 
     def run(self, step: Step) -> tuple[torch.Tensor, int]:
         """One forward pass -> (logits of rows ``step.rows``, the shared prefix length cascade read)."""
@@ -240,10 +264,11 @@ class Runner:
                 meta.shared_prefix_len = 0
         graph = fixed.graph if fixed is not None else (
             self.graphs is not None and self.graphs.fits(meta) and (cascade_graph or not meta.shared_prefix_len))
-        staged = self.graphs.stage(meta) if graph else None
-        plan = None if graph else self.backends.prepare(meta)
         pieces = not graph and self.pieces is not None and self.pieces.fits(meta)
-        return Prepared(step, meta, graph, staged, plan, over_cap, pieces)
+        mixed = pieces and self.mixed is not None and self.mixed.fits(meta)
+        staged = self.graphs.stage(meta) if graph else self.mixed.stage(meta) if mixed else None
+        plan = None if graph or mixed else self.backends.prepare(meta)
+        return Prepared(step, meta, graph, staged, plan, over_cap, pieces and not mixed, mixed)
 
     def token_rows_limit(self) -> tuple[int, str]:
         """(the most new tokens a step of prompt chunks may bring to run as token rows, why; 0: never)."""
@@ -308,6 +333,10 @@ class Runner:
                 hidden = self.graphs.launch(prep.staged, ids)  # decode: row i is request i
                 logits = self.model.compute_logits(hidden[rows])
                 self.graph_stats["cascade_replayed" if meta.shared_prefix_len else "replayed"] += 1
+            elif prep.mixed:
+                hidden = self.mixed.launch(prep.staged, ids)
+                logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
+                self.graph_stats["mixed"] += 1
             elif prep.pieces:
                 hidden = self.pieces.launch(ids, meta, prep.plan)
                 logits = self.model.compute_logits(hidden if rows is None else hidden[rows])

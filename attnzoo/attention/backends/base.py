@@ -38,6 +38,11 @@ Mixed steps: a backend that declares ``splits_mixed_steps`` serves the two parts
 EXTEND step into (its leading decode rows as a DECODE step, the prompt chunks as an EXTEND step, each with the
 metadata of its own requests and its own plan, both in the same step), in models whose every attention is the
 shared layer's call over its rows. A backend whose two plans could not live in one step leaves it off.
+``captures_mixed_steps``: a mixed step can be captured whole at a token bucket (``engine.mixed_graphs``): its
+decode (under ``prepare_graph``) and extend plans, made once at the bucket's static metadata, launch from the
+metadata's device tensors only, so they serve every replay; its decode takes every row of the step (rows that are not
+decode rows: one key in page 0), and its extend reads and writes only the rows ``q_indptr`` gives each request (offsets
+into q that need not start at 0; other rows of its output are undefined).
 
 Overlap: the engine may prepare step N+1 while step N still runs on the GPU. A backend whose plan
 stages data in host buffers it reuses, copied to the GPU asynchronously (FlashInfer's wrappers and
@@ -137,6 +142,7 @@ class AttentionBackend(ABC):
     cascade_shared_pass: ClassVar[str] = ""  # likewise
     supports_cascade_graph: ClassVar[bool] = False
     splits_mixed_steps: ClassVar[bool] = False
+    captures_mixed_steps: ClassVar[bool] = False
     # q may arrive as a strided view (rotated in place in the QKV projection's output by the store's RoPE)
     strided_query: ClassVar[bool] = False
 

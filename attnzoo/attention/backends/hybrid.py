@@ -13,7 +13,9 @@ Mixed steps (decode rows beside prompt chunks, as a server's steps are): an exte
 tile of query rows and walks its keys serially, so a decode row costs it as much as a chunk's block of rows,
 while the decode kernel splits a row's keys across the GPU. Where both backends declare ``splits_mixed_steps``,
 the step's leading decode rows (the scheduler puts them first) run as a decode step on the decode backend and
-the chunks as an extend step on the prefill backend (``MixedPlan``), as vLLM's FlashInfer backend does.
+the chunks as an extend step on the prefill backend (``MixedPlan``), as vLLM's FlashInfer backend does. A mixed step
+captured whole (``engine.mixed_graphs``) runs both parts over all of its rows and keeps each row's own
+(``MixedStepPlan``), where both backends declare ``captures_mixed_steps``.
 """
 from __future__ import annotations
 
@@ -44,6 +46,19 @@ class MixedPlan(StepPlan):
     decode_plan: StepPlan
     extend_meta: BatchMetadata
     extend_plan: StepPlan
+
+
+@dataclass
+class MixedStepPlan(StepPlan):
+    """A mixed step captured whole (``engine.mixed_graphs``): the decode part over every row of the step (rows that
+    are not decode rows read one key in page 0), the extend part over chunk slots whose ``q_indptr`` indexes the
+    same rows, and each row's own part kept (``is_decode``: [rows] bool, device)."""
+
+    decode_meta: BatchMetadata
+    decode_plan: StepPlan
+    extend_meta: BatchMetadata
+    extend_plan: StepPlan
+    is_decode: torch.Tensor
 
 
 class HybridBackend:
@@ -121,6 +136,15 @@ class HybridBackend:
             return None, "off (mixed_min_rows=None)"
         return self._mixed_min_rows, "the decode rows run on the decode backend, the chunks on the prefill backend"
 
+    def mixed_capture(self) -> str | None:
+        """Why mixed steps cannot be captured whole (``engine.mixed_graphs``) with these backends; None: they can."""
+        if self.mixed_refused is not None:
+            return self.mixed_refused
+        names = [b.name for b in self.distinct() if not b.captures_mixed_steps]
+        if names:
+            return f"backend {', '.join(map(repr, names))} does not declare captures_mixed_steps"
+        return None
+
     def decode_rows(self, meta: BatchMetadata) -> int:
         """How many leading requests of an EXTEND step run as a decode step (``MixedPlan``); 0: none. Not where
         a prefix is shared (the step's cascade reads it once for all its requests)."""
@@ -143,6 +167,10 @@ class HybridBackend:
 
     def run(self, layer: AttentionLayer, q: torch.Tensor, meta: BatchMetadata, plan: StepPlan) -> torch.Tensor:
         """One layer's attention over the cache (its k/v already stored) with the step's ``plan``."""
+        if isinstance(plan, MixedStepPlan):
+            dec = self.decode_backend.decode(layer, q, plan.decode_meta, plan.decode_plan)
+            ext = self.prefill_backend.extend(layer, q, plan.extend_meta, plan.extend_plan)
+            return torch.where(plan.is_decode.view(-1, *[1] * (ext.dim() - 1)), dec.view_as(ext), ext)
         if isinstance(plan, MixedPlan):  # the decode part's rows first, one per request
             n = plan.decode_meta.num_reqs
             return torch.cat([self.decode_backend.decode(layer, q[:n], plan.decode_meta, plan.decode_plan),

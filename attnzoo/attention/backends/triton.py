@@ -95,6 +95,7 @@ class TritonBackend(AttentionBackend):
     fix = "use backend='torch' on CPU (or set TRITON_INTERPRET=1 before importing attnzoo, for tests)"
     supports_cascade_graph = True
     splits_mixed_steps = True
+    captures_mixed_steps = True  # launches read device metadata only; extend's grid is sized by the plan's max_q_len
     strided_query = True  # every kernel addresses q through its strides
     cascade_extend_scope = ("MLA layers: their shared prefix as GEMMs, from cascade_gemm.EXTEND_MIN_ROWS "
                             "(token, head) rows")
