@@ -8,9 +8,9 @@ per Triton launch, several a layer: benchmarks/results/host_launch_nvidia_h200.t
 
 - tokens: the step's rows in its own order (its decode rows first, as the scheduler puts them, then its chunks),
   padded to the bucket; padding rows store into page 0 (never handed out) and are dropped.
-- the decode part runs over every row of the bucket: a decode row over its pages, any other row as one key in
-  page 0 (a program that reads one tile). The extend part runs over ``max_chunks`` request slots whose
-  ``q_indptr`` indexes the same rows (an empty slot has none). Each row keeps its own part's output
+- the decode part runs over every row of the bucket: a decode row over its pages, any other row with length 0 (its
+  programs read no key). The extend part then runs over ``max_chunks`` request slots whose ``q_indptr`` indexes the
+  same rows (an empty slot has none) and writes the chunks' rows over the decode part's output
   (``hybrid.MixedStepPlan``).
 - the launch constants (the decode's KV splits, the extend's grid) follow from the bucket and ``max_context``,
   never from the step: the plans made at capture serve every replay.
@@ -75,11 +75,10 @@ class MixedGraphs:
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)  # [max_tokens]
         self.slots = torch.zeros(n, dtype=torch.int64, device=dev)  # [max_tokens]: padding writes page 0
         self.window_slots = torch.zeros_like(self.slots) if window else None  # [max_tokens]
-        self.is_decode = torch.zeros(n, dtype=torch.bool, device=dev)  # [max_tokens]: the row keeps decode's output
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)  # [max_tokens]
         # the decode part: one request per row
         self.dec_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)  # [max_tokens + 1]
-        self.dec_seq_lens, self.dec_prefix = i32(n, fill=1), i32(n)  # [max_tokens] each
+        self.dec_seq_lens, self.dec_prefix = i32(n), i32(n)  # [max_tokens] each
         self.dec_tables = i32(n, p)  # [max_tokens, max_pages]
         self.dec_window = i32(n, p) if window else None  # [max_tokens, max_pages]
         # the extend part: max_chunks request slots over the same rows
@@ -127,7 +126,7 @@ class MixedGraphs:
                             last_token_rows=self.rows[:e], window_block_tables=self.ext_window, **shared)
         b = self.backends
         plan = MixedStepPlan(dec, b.decode_backend.prepare_graph(dec, capturing=True), ext,
-                             b.prefill_backend.prepare(ext), self.is_decode[:bs])
+                             b.prefill_backend.prepare(ext))
         self.steps[bs] = (ext, plan)
         return self.steps[bs]
 
@@ -145,8 +144,7 @@ class MixedGraphs:
             # at capture: one chunk of bs tokens from position 0, every key in page 0; no decode rows
             self.positions.zero_()
             self.slots.zero_()
-            self.is_decode.zero_()
-            self.dec_seq_lens.fill_(1)
+            self.dec_seq_lens.zero_()
             self.ext_indptr.fill_(bs)
             self.ext_indptr[0] = 0
             self.ext_seq_lens.zero_()
@@ -175,13 +173,10 @@ class MixedGraphs:
         self.positions[t:bs].zero_()
         self.slots[:t].copy_(meta.slot_mapping)
         self.slots[t:bs].zero_()
-        self.is_decode[:n].fill_(True)
-        self.is_decode[n:bs].fill_(False)
-        # decode part: the decode rows over their pages, every other row one key in page 0
+        # decode part: the decode rows over their pages, every other row of length 0
         self.dec_seq_lens[:n].copy_(meta.seq_lens[:n])
-        self.dec_seq_lens[n:bs].fill_(1)
+        self.dec_seq_lens[n:bs].zero_()
         self.dec_tables[:n, :w].copy_(meta.block_tables[:n])
-        self.dec_tables[n:bs, 0].zero_()
         # extend part: the chunks at their rows of the step; the slots past them empty
         self.ext_indptr[: e + 1].copy_(meta.q_indptr[n:])
         self.ext_indptr[e + 1:].fill_(t)
@@ -193,7 +188,6 @@ class MixedGraphs:
             self.window_slots[:t].copy_(meta.window_slot_mapping)
             self.window_slots[t:bs].zero_()
             self.dec_window[:n, :ww].copy_(meta.window_block_tables[:n])
-            self.dec_window[n:bs, 0].zero_()
             self.ext_window[:e, :ww].copy_(meta.window_block_tables[n:])
         return MixedStaged(t, bs)
 

@@ -40,9 +40,10 @@ metadata of its own requests and its own plan, both in the same step), in models
 shared layer's call over its rows. A backend whose two plans could not live in one step leaves it off.
 ``captures_mixed_steps``: a mixed step can be captured whole at a token bucket (``engine.mixed_graphs``): its
 decode (under ``prepare_graph``) and extend plans, made once at the bucket's static metadata, launch from the
-metadata's device tensors only, so they serve every replay; its decode takes every row of the step (rows that are not
-decode rows: one key in page 0), and its extend reads and writes only the rows ``q_indptr`` gives each request (offsets
-into q that need not start at 0; other rows of its output are undefined).
+metadata's device tensors only, so they serve every replay; its decode takes every row of the step (a row that is not
+a decode row has length 0: no key, its output undefined), and its extend takes ``out=`` and reads and writes only the
+rows ``q_indptr`` gives each request (offsets into q that need not start at 0; the other rows of ``out`` are left as
+they are).
 
 Overlap: the engine may prepare step N+1 while step N still runs on the GPU. A backend whose plan
 stages data in host buffers it reuses, copied to the GPU asynchronously (FlashInfer's wrappers and

@@ -14,8 +14,8 @@ tile of query rows and walks its keys serially, so a decode row costs it as much
 while the decode kernel splits a row's keys across the GPU. Where both backends declare ``splits_mixed_steps``,
 the step's leading decode rows (the scheduler puts them first) run as a decode step on the decode backend and
 the chunks as an extend step on the prefill backend (``MixedPlan``), as vLLM's FlashInfer backend does. A mixed step
-captured whole (``engine.mixed_graphs``) runs both parts over all of its rows and keeps each row's own
-(``MixedStepPlan``), where both backends declare ``captures_mixed_steps``.
+captured whole (``engine.mixed_graphs``) runs the decode part over all of its rows, then the extend part writes the
+chunks' rows over it (``MixedStepPlan``), where both backends declare ``captures_mixed_steps``.
 """
 from __future__ import annotations
 
@@ -51,14 +51,13 @@ class MixedPlan(StepPlan):
 @dataclass
 class MixedStepPlan(StepPlan):
     """A mixed step captured whole (``engine.mixed_graphs``): the decode part over every row of the step (rows that
-    are not decode rows read one key in page 0), the extend part over chunk slots whose ``q_indptr`` indexes the
-    same rows, and each row's own part kept (``is_decode``: [rows] bool, device)."""
+    are not decode rows read no key), then the extend part over chunk slots whose ``q_indptr`` indexes the same
+    rows, written over the decode part's output at those rows."""
 
     decode_meta: BatchMetadata
     decode_plan: StepPlan
     extend_meta: BatchMetadata
     extend_plan: StepPlan
-    is_decode: torch.Tensor
 
 
 class HybridBackend:
@@ -168,9 +167,8 @@ class HybridBackend:
     def run(self, layer: AttentionLayer, q: torch.Tensor, meta: BatchMetadata, plan: StepPlan) -> torch.Tensor:
         """One layer's attention over the cache (its k/v already stored) with the step's ``plan``."""
         if isinstance(plan, MixedStepPlan):
-            dec = self.decode_backend.decode(layer, q, plan.decode_meta, plan.decode_plan)
-            ext = self.prefill_backend.extend(layer, q, plan.extend_meta, plan.extend_plan)
-            return torch.where(plan.is_decode.view(-1, *[1] * (ext.dim() - 1)), dec.view_as(ext), ext)
+            out = self.decode_backend.decode(layer, q, plan.decode_meta, plan.decode_plan)
+            return self.prefill_backend.extend(layer, q, plan.extend_meta, plan.extend_plan, out=out)
         if isinstance(plan, MixedPlan):  # the decode part's rows first, one per request
             n = plan.decode_meta.num_reqs
             return torch.cat([self.decode_backend.decode(layer, q[:n], plan.decode_meta, plan.decode_plan),

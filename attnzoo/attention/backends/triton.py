@@ -159,7 +159,8 @@ class TritonBackend(AttentionBackend):
                 seen.add(key)  # only a layer that qualified: one that did not must not hide one that does
 
     # ---- per layer ----
-    def extend(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: TritonPlan) -> torch.Tensor:
+    def extend(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: TritonPlan, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
         self.check_layer("prefill", layer)
         ext, lid = self._extend_mod, layer.layer_id
         k_cache, v_cache = self.pool.k(lid), self.pool.v(lid)
@@ -168,13 +169,13 @@ class TritonBackend(AttentionBackend):
                                        self.pool.v_scale):
             return ext.cascade_extend_attention(q, k_cache, v_cache, meta.block_tables, meta.q_indptr,
                                                 meta.prefix_lens, shared_len=shared, max_q_len=plan.max_q_len,
-                                                scale=layer.scale, sinks=layer.sinks)
+                                                scale=layer.scale, sinks=layer.sinks, out=out)
         return ext.extend_attention(
             q, k_cache, v_cache, meta.block_tables_for(layer.sliding_window), meta.q_indptr,
             meta.prefix_lens,
             max_q_len=plan.max_q_len, scale=layer.scale,
             sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap, sinks=layer.sinks,
-            k_scale=self.pool.k_scale, v_scale=self.pool.v_scale,
+            k_scale=self.pool.k_scale, v_scale=self.pool.v_scale, out=out,
         )
 
     def decode(self, layer, q: torch.Tensor, meta: BatchMetadata, plan: TritonPlan) -> torch.Tensor:
