@@ -37,7 +37,8 @@ def step_peak_bytes(engine, lengths: list[int], logits_rows: int, hidden: int, d
     def logits():
         with torch.inference_mode():
             rows = torch.zeros(logits_rows, hidden, dtype=dtype, device=dev)
-            engine.model.compute_logits(rows).softmax(dim=-1)
+            # float32, as the sampler's softmax reads them (compute_logits keeps the LM head's dtype)
+            engine.model.compute_logits(rows).float().softmax(dim=-1)
 
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
     prefill = peak_of(lambda: engine.generate([[0] * n for n in lengths], [params] * len(lengths)))

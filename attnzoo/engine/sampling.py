@@ -72,7 +72,8 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Tokens [n] for logits [n, vocab] float32, one row per request, without a host sync.
+    """Tokens [n] for logits [n, vocab] (any float dtype, scaled in float32), one row per request, without a host
+    sync.
 
     Temperature, top-k and top-p are applied per row on the whole batch at once; the draw is
     argmax(probs / E) with E ~ Exp(1) from each request's own generator, which samples from probs and
@@ -83,7 +84,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """
     dev = logits.device
     temp = to_device([p.temperature for p in params], torch.float32, dev)
-    logits = logits / temp[:, None]
+    logits = logits.float() / temp[:, None]
     # max propagates NaN and sees +inf; checked on the values softmax reads, after the division.
     finite = torch.isfinite(logits.max(dim=-1).values)
     if any(p.top_k for p in params):
@@ -106,7 +107,8 @@ def pick_tokens(logits: torch.Tensor, reqs, eos_ids) -> torch.Tensor:
     """The next token of each row of ``logits`` [rows, vocab] (row i: request ``reqs[i]``), on the device
     and without a host sync: greedy rows by argmax, the others by ``sample``, after ``process_logits``;
     -1 where the raw logits' top value is not finite (``fused.argmax_finite``: an O(rows) check that comes
-    back with the tokens)."""
+    back with the tokens). The logits may be in any float dtype: greedy rows read them as they are (argmax of
+    bf16 values is that of their exact float32 copy, the first index on ties in both), the rest in float32."""
     tokens = fused.argmax_finite(logits)  # -1: a non-finite row
     scores = process_logits(logits, reqs, eos_ids)
     rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
@@ -165,11 +167,12 @@ def process_logits(logits: torch.Tensor, reqs, eos_ids) -> torch.Tensor:
     ``reqs`` holds one request per row (``.params``, ``.prompt``, ``.out``). The penalty divides the
     positive and multiplies the negative logits of every token already in the prompt or the output
     (RepetitionPenaltyLogitsProcessor); rows with fewer than ``min_new_tokens`` output tokens cannot pick
-    an EOS token. Returns ``logits`` itself when no row asks for either (no copy, no kernel).
+    an EOS token. Returns ``logits`` itself when no row asks for either (no copy, no kernel), else a float32 copy.
     """
     if not needs_processing(reqs):
         return logits
-    logits = logits.clone()
+    # a copy even of float32 logits: the rows are changed in place below; float32 as the penalty was always applied
+    logits = logits.to(torch.float32, copy=True)
     dev = logits.device
     rep = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0]
     if rep:

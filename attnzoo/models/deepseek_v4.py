@@ -256,7 +256,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         return self.model.norm(self.model.hc_head(streams))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)  # in the head's dtype: consumers convert (CausalLM.compute_logits)
 
     def checkpoint_name(self, name: str) -> str | None:
         """DeepSeek's tensor names (``layers.0.attn.wq_a.weight``, with or without ``model.``) -> ours."""

@@ -127,4 +127,4 @@ class Gemma3ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
-        return fused.softcap(logits, self.softcap) if self.softcap else logits.float()
+        return fused.softcap(logits, self.softcap) if self.softcap else logits

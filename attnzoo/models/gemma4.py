@@ -298,4 +298,4 @@ class Gemma4ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
-        return fused.softcap(logits, self.softcap) if self.softcap else logits.float()
+        return fused.softcap(logits, self.softcap) if self.softcap else logits

@@ -199,7 +199,7 @@ class MistralLarge4ForConditionalGeneration(_TextOfMultimodal, GlmMoeDsaForCausa
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
-        return fused.softcap(logits, self.softcap) if self.softcap else logits.float()
+        return fused.softcap(logits, self.softcap) if self.softcap else logits
 
     def checkpoint_name(self, name: str) -> str | None:
         if name.startswith("mtp_dspark."):  # the multi-token-prediction draft head
