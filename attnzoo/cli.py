@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a prompt after a cached prefix, a chat turn); 0: off; default: 64 where the graphs run")
     s.add_argument("--piecewise-graph-tokens", type=int, default=0, metavar="N",
                    help="steps of up to N tokens that the decode graphs do not serve (prompt chunks, mixed steps) "
-                        "replay CUDA graphs between their eager attention calls; 0 (default): eager")
+                        "replay CUDA graphs between their eager attention calls, or whole with the attention "
+                        "inside where the backends capture mixed steps (triton); 0 (default): eager")
     s.set_defaults(func=_serve)
 
     i = sub.add_parser("info", help="load a model and print LLM.info() (backends, page size, KV capacity)")

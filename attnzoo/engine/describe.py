@@ -57,3 +57,12 @@ def page_groups(pool: KVPool, e, specs, window_kv_fraction) -> dict:
         "full": group("full", e.allocator),
         "window_group": group("window", e.window_allocator),
     }
+
+
+def whole_steps(runner) -> list:
+    """[the most prompt chunks a mixed step captured whole may hold, or None; why] (``engine.mixed_graphs``)."""
+    if runner.mixed is None:
+        return [None, runner.mixed_why]
+    return [runner.mixed.max_chunks, f"mixed steps of up to {runner.mixed.max_tokens} tokens replay one graph each, "
+            f"attention inside (captured in {runner.mixed.capture_s:.2f} s); steps with a shared prefix or more "
+            "chunks run as pieces"]

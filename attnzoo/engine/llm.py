@@ -312,9 +312,8 @@ class LLM:
             # steps replayed as pieces between eager attention calls: their token buckets (None: off)
             "piecewise_graphs": None if (p := self.engine.runner.pieces) is None else {
                 "buckets": p.buckets, "graphs": p.num_graphs, "capture_s": round(p.capture_s, 2),
-                # the same buckets' steps captured whole, attention inside: [most chunks a step, capture s] or why not
-                "whole_steps": self.engine.runner.mixed_why or [self.engine.runner.mixed.max_chunks,
-                                                                round(self.engine.runner.mixed.capture_s, 2)]},
+                # the buckets' mixed steps captured whole, attention inside: [most chunks a step, or None; why]
+                "whole_steps": describe.whole_steps(self.engine.runner)},
             "cascade": describe.cascade_state(self.engine),
             # a short prompt chunk after a cached prefix replayed as decode rows: [most new tokens, why]
             "token_rows": list(self.engine.runner.token_rows_limit()),
