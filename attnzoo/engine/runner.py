@@ -196,6 +196,8 @@ class Runner:
 
         self.graphs = DecodeGraphs(self.model, self.pool, self.backends, max_batch=max_batch, max_context=max_context,
                                    buckets=DEFAULT_BUCKETS if batch_sizes is None else batch_sizes, prune=prune)
+        if self.mixed is not None:  # their decode part's scratch went with the backend's graph state
+            self.mixed, self.mixed_why = None, "the decode graphs were captured again since: enable_piecewise_graphs again"
 
     def enable_piecewise_graphs(self, max_tokens: int, buckets=None, emulate: bool = False, *, whole: bool = True,
                                 max_context: int | None = None) -> None:
