@@ -198,6 +198,21 @@ def test_merge_splits_values_into_chunks_when_few_programs(monkeypatch, chunked)
     assert spy.grids == [(2, 16, 4 if chunked else 1), (2, 8, 2 if chunked else 1)]
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_row_of_length_zero_gives_zeros_and_leaves_the_others(splits):
+    """A mixed-step graph's rows that are not decode rows have length 0 (engine.mixed_graphs): their output is 0,
+    written directly or merged from splits that are all empty, never NaN (padding rows store it into page 0)."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    kv = PagedKV([20, 9], kv_heads=2, head_dim=32, v_dim=32, page_size=4, dtype=torch.float32, gen=gen)
+    q = torch.randn(3, 4, 32, generator=gen).to(DEVICE)
+    tables = torch.cat([kv.block_tables, torch.zeros_like(kv.block_tables[:1])])
+    lens = torch.tensor([20, 9, 0], dtype=torch.int32, device=DEVICE)
+    out, ref = (torch.full((n, 4, 32), float("nan"), device=DEVICE) for n in (3, 2))
+    decode_attention(q, kv.k_cache, kv.v_cache, tables, lens, scale=0.2, num_kv_splits=splits, out=out)
+    decode_attention(q[:2], kv.k_cache, kv.v_cache, kv.block_tables, lens[:2], scale=0.2, num_kv_splits=splits, out=ref)
+    assert out[2].eq(0).all() and torch.equal(out[:2], ref)
+
+
 def test_split_count_fills_the_gpu_and_respects_limits():
     # a long context at batch 1 splits; a large batch does not; no split is shorter than MIN_TOKENS_PER_SPLIT
     from attnzoo.attention.kernels.decode_launch import MIN_TOKENS_PER_SPLIT as least

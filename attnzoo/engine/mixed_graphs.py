@@ -9,7 +9,7 @@ per Triton launch, several a layer: benchmarks/results/host_launch_nvidia_h200.t
 - tokens: the step's rows in its own order (its decode rows first, as the scheduler puts them, then its chunks),
   padded to the bucket; padding rows store into page 0 (never handed out) and are dropped.
 - the decode part runs over every row of the bucket: a decode row over its pages, any other row with length 0 (its
-  programs read no key). The extend part then runs over ``max_chunks`` request slots whose ``q_indptr`` indexes the
+  programs read no key, and write 0). The extend part then runs over ``max_chunks`` request slots whose ``q_indptr`` indexes the
   same rows (an empty slot has none) and writes the chunks' rows over the decode part's output
   (``hybrid.MixedStepPlan``).
 - the launch constants (the decode's KV splits, the extend's grid) follow from the bucket and ``max_context``,

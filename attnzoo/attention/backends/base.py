@@ -41,7 +41,7 @@ shared layer's call over its rows. A backend whose two plans could not live in o
 ``captures_mixed_steps``: a mixed step can be captured whole at a token bucket (``engine.mixed_graphs``): its
 decode (under ``prepare_graph``) and extend plans, made once at the bucket's static metadata, launch from the
 metadata's device tensors only, so they serve every replay; its decode takes every row of the step (a row that is not
-a decode row has length 0: no key, its output undefined), and its extend takes ``out=`` and reads and writes only the
+a decode row has length 0: no key, its output 0), and its extend takes ``out=`` and reads and writes only the
 rows ``q_indptr`` gives each request (offsets into q that need not start at 0; the other rows of ``out`` are left as
 they are).
 

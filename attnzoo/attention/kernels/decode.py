@@ -224,14 +224,15 @@ def _decode_stage2(
     offs_d = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     h_ok = offs_h < num_heads
     s_ok = h_ok[:, None] & (offs_s[None, :] < num_splits)
-    # lse is in log2 units; empty splits carry -inf and weigh 0. Split 0 is never empty.
+    # lse is in log2 units; empty splits carry -inf and weigh 0. A row of length 0 (a mixed-step graph's row that is
+    # not a decode row) has only empty splits and merges to 0, as a direct write of it is.
     lse = tl.load(LSE + b * stride_lb + offs_h[:, None] * stride_lh + offs_s[None, :] * stride_ls, mask=s_ok,
                   other=float("-inf"))
     m = tl.max(lse, 1)
     if HAS_SINKS:  # the head's sink logit joins the merged denominator (log2 units, as lse)
         sink = tl.load(SINKS + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         m = tl.maximum(m, sink)
-    m = tl.where(h_ok, m, 0.0)  # heads past the last: no -inf - -inf
+    m = tl.where(h_ok & (m > float("-inf")), m, 0.0)  # heads past the last, rows of no key: no -inf - -inf
     w = tl.exp2(lse - m[:, None])
     denom = tl.sum(w, 1)
     if HAS_SINKS:
@@ -242,7 +243,7 @@ def _decode_stage2(
         mask=s_ok[:, :, None] & (offs_d[None, None, :] < V_DIM),
         other=0.0,
     )
-    out = tl.sum(part * w[:, :, None], 1) / tl.where(h_ok, denom, 1.0)[:, None]
+    out = tl.sum(part * w[:, :, None], 1) / tl.where(h_ok & (denom > 0.0), denom, 1.0)[:, None]
     tl.store(O + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od,
              out.to(O.dtype.element_ty), mask=h_ok[:, None] & (offs_d[None, :] < V_DIM))
 
