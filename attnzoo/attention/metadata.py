@@ -80,6 +80,16 @@ class BatchMetadata:
     def is_decode(self) -> bool:
         return self.mode is ForwardMode.DECODE
 
+    def leading_decode_rows(self) -> int:
+        """How many leading requests bring one token on a cached prefix: the decode rows a mixed step starts with
+        (the scheduler puts them first)."""
+        n = 0
+        for q, s in zip(self.q_lens_cpu, self.seq_lens_cpu):
+            if q != 1 or s < 2:
+                break
+            n += 1
+        return n
+
     def split(self, n: int) -> "tuple[BatchMetadata, BatchMetadata]":
         """(the first ``n`` requests as a DECODE step, the rest as an EXTEND step): the first's tensors are views of
         this step's, the second's small device copies (a view from an odd offset changes a pointer's alignment,

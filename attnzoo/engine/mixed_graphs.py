@@ -9,9 +9,9 @@ per Triton launch, several a layer: benchmarks/results/host_launch_nvidia_h200.t
 - tokens: the step's rows in its own order (its decode rows first, as the scheduler puts them, then its chunks),
   padded to the bucket; padding rows store into page 0 (never handed out) and are dropped.
 - the decode part runs over every row of the bucket: a decode row over its pages, any other row with length 0 (its
-  programs read no key, and write 0). The extend part then runs over ``max_chunks`` request slots whose ``q_indptr`` indexes the
-  same rows (an empty slot has none) and writes the chunks' rows over the decode part's output
-  (``hybrid.MixedStepPlan``).
+  programs read no key, and write 0). The extend part then runs over ``max_chunks`` request slots whose
+  ``q_indptr`` indexes the same rows (an empty slot has none) and writes the chunks' rows over the decode part's
+  output (``hybrid.MixedStepPlan``).
 - the launch constants (the decode's KV splits, the extend's grid) follow from the bucket and ``max_context``,
   never from the step: the plans made at capture serve every replay.
 
@@ -33,16 +33,6 @@ from attnzoo.attention.metadata import BatchMetadata, ForwardMode
 # Chunk slots of a captured step. An empty slot's extend programs return at once; a step with more chunks (many
 # short prompts after a cached prefix) runs as pieces.
 MAX_CHUNKS = 16
-
-
-def leading_decode_rows(meta: BatchMetadata) -> int:
-    """How many leading requests of a step bring one token on a cached prefix (its decode rows)."""
-    n = 0
-    for q, s in zip(meta.q_lens_cpu, meta.seq_lens_cpu):
-        if q != 1 or s < 2:
-            break
-        n += 1
-    return n
 
 
 @dataclass
@@ -102,9 +92,9 @@ class MixedGraphs:
     def fits(self, meta: BatchMetadata) -> bool:
         if meta.is_decode or meta.shared_prefix_len or meta.num_tokens > self.max_tokens:
             return False
-        if meta.max_seq_len > self.max_context or meta.block_tables.shape[1] > self.max_pages:
-            return False
-        return meta.num_reqs - leading_decode_rows(meta) <= self.max_chunks
+        # a table may be wider than max_pages (a prompt's pages are held from admission): stage reads only the
+        # columns its rows' lengths reach
+        return meta.max_seq_len <= self.max_context and meta.num_reqs - meta.leading_decode_rows() <= self.max_chunks
 
     def _step(self, bs: int) -> tuple[BatchMetadata, MixedStepPlan]:
         """The bucket's metadata over the static buffers (the extend part's, which the layers' stores read too)
@@ -116,8 +106,8 @@ class MixedGraphs:
         window = self.window_slots is not None
         shared = dict(page_size=ps, positions=self.positions[:bs], slot_mapping=self.slots[:bs],
                       window_slot_mapping=self.window_slots[:bs] if window else None)
-        dec = BatchMetadata(mode=ForwardMode.DECODE, q_indptr=self.dec_indptr[: bs + 1], seq_lens=self.dec_seq_lens[:bs],
-                            prefix_lens=self.dec_prefix[:bs], block_tables=self.dec_tables[:bs],
+        dec = BatchMetadata(mode=ForwardMode.DECODE, q_indptr=self.dec_indptr[: bs + 1],
+                            seq_lens=self.dec_seq_lens[:bs], prefix_lens=self.dec_prefix[:bs], block_tables=self.dec_tables[:bs],
                             seq_lens_cpu=[self.max_context] * bs, q_lens_cpu=[1] * bs, last_token_rows=self.rows[:bs],
                             window_block_tables=self.dec_window[:bs] if window else None, **shared)
         ext = BatchMetadata(mode=ForwardMode.EXTEND, q_indptr=self.ext_indptr, seq_lens=self.ext_seq_lens,
@@ -167,8 +157,8 @@ class MixedGraphs:
     def stage(self, meta: BatchMetadata) -> MixedStaged:
         """A step that ``fits`` into the static buffers (stream-ordered after the work already queued, as
         ``DecodeGraphs.stage``)."""
-        t, n = meta.num_tokens, leading_decode_rows(meta)
-        e, bs, w = meta.num_reqs - n, self._bucket(meta.num_tokens), meta.block_tables.shape[1]
+        t, n = meta.num_tokens, meta.leading_decode_rows()
+        e, bs, w = meta.num_reqs - n, self._bucket(meta.num_tokens), min(meta.block_tables.shape[1], self.max_pages)
         self.positions[:t].copy_(meta.positions)
         self.positions[t:bs].zero_()
         self.slots[:t].copy_(meta.slot_mapping)
@@ -176,19 +166,19 @@ class MixedGraphs:
         # decode part: the decode rows over their pages, every other row of length 0
         self.dec_seq_lens[:n].copy_(meta.seq_lens[:n])
         self.dec_seq_lens[n:bs].zero_()
-        self.dec_tables[:n, :w].copy_(meta.block_tables[:n])
+        self.dec_tables[:n, :w].copy_(meta.block_tables[:n, :w])
         # extend part: the chunks at their rows of the step; the slots past them empty
         self.ext_indptr[: e + 1].copy_(meta.q_indptr[n:])
         self.ext_indptr[e + 1:].fill_(t)
         self.ext_prefix[:e].copy_(meta.prefix_lens[n:])
         self.ext_seq_lens[:e].copy_(meta.seq_lens[n:])
-        self.ext_tables[:e, :w].copy_(meta.block_tables[n:])
+        self.ext_tables[:e, :w].copy_(meta.block_tables[n:, :w])
         if self.window_slots is not None:
-            ww = meta.window_block_tables.shape[1]
+            ww = min(meta.window_block_tables.shape[1], self.max_pages)
             self.window_slots[:t].copy_(meta.window_slot_mapping)
             self.window_slots[t:bs].zero_()
-            self.dec_window[:n, :ww].copy_(meta.window_block_tables[:n])
-            self.ext_window[:e, :ww].copy_(meta.window_block_tables[n:])
+            self.dec_window[:n, :ww].copy_(meta.window_block_tables[:n, :ww])
+            self.ext_window[:e, :ww].copy_(meta.window_block_tables[n:, :ww])
         return MixedStaged(t, bs)
 
     def launch(self, staged: MixedStaged, ids: torch.Tensor) -> torch.Tensor:

@@ -197,7 +197,8 @@ class Runner:
         self.graphs = DecodeGraphs(self.model, self.pool, self.backends, max_batch=max_batch, max_context=max_context,
                                    buckets=DEFAULT_BUCKETS if batch_sizes is None else batch_sizes, prune=prune)
         if self.mixed is not None:  # their decode part's scratch went with the backend's graph state
-            self.mixed, self.mixed_why = None, "the decode graphs were captured again since: enable_piecewise_graphs again"
+            self.mixed = None
+            self.mixed_why = "the decode graphs were captured again since: enable_piecewise_graphs again"
 
     def enable_piecewise_graphs(self, max_tokens: int, buckets=None, emulate: bool = False, *, whole: bool = True,
                                 max_context: int | None = None) -> None:
@@ -230,9 +231,11 @@ class Runner:
         if self.graphs is None:  # emulated: the decode backend's graph state is the mixed graphs' alone
             max_context = max_context or self.pool.page_size * 64
             self.backends.init_graph_state(self.pieces.max_tokens, -(-max_context // self.pool.page_size))
+        self.mixed_why = "their capture failed"  # until it succeeds: an error below leaves no graphs and this reason
         self.mixed = MixedGraphs(self.model, self.pool, self.backends, buckets=self.pieces.buckets,
                                  max_context=self.graphs.max_context if self.graphs is not None else max_context,
                                  mempool=self.pieces.mempool, emulate=emulate)
+        self.mixed_why = None
 
     def run(self, step: Step) -> tuple[torch.Tensor, int]:
         """One forward pass -> (logits of rows ``step.rows``, the shared prefix length cascade read)."""

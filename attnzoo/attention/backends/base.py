@@ -43,7 +43,8 @@ decode (under ``prepare_graph``) and extend plans, made once at the bucket's sta
 metadata's device tensors only, so they serve every replay; its decode takes every row of the step (a row that is not
 a decode row has length 0: no key, its output 0), and its extend takes ``out=`` and reads and writes only the
 rows ``q_indptr`` gives each request (offsets into q that need not start at 0; the other rows of ``out`` are left as
-they are).
+they are). Its graph state (``init_graph_state``) comes from the decode graphs' largest batch, and the decode part runs
+at up to the largest token bucket, which may be more rows: state sized by the batch must not bound it.
 
 Overlap: the engine may prepare step N+1 while step N still runs on the GPU. A backend whose plan
 stages data in host buffers it reuses, copied to the GPU asynchronously (FlashInfer's wrappers and

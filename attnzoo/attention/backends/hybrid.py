@@ -150,11 +150,7 @@ class HybridBackend:
         floor = self.mixed_split()[0]
         if floor is None or meta.is_decode or meta.shared_prefix_len:
             return 0
-        n = 0
-        for q, s in zip(meta.q_lens_cpu, meta.seq_lens_cpu):
-            if q != 1 or s < 2:
-                break
-            n += 1
+        n = meta.leading_decode_rows()
         return n if floor <= n < meta.num_reqs else 0
 
     def prepare(self, meta: BatchMetadata) -> StepPlan:
