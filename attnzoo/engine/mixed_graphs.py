@@ -107,8 +107,9 @@ class MixedGraphs:
         shared = dict(page_size=ps, positions=self.positions[:bs], slot_mapping=self.slots[:bs],
                       window_slot_mapping=self.window_slots[:bs] if window else None)
         dec = BatchMetadata(mode=ForwardMode.DECODE, q_indptr=self.dec_indptr[: bs + 1],
-                            seq_lens=self.dec_seq_lens[:bs], prefix_lens=self.dec_prefix[:bs], block_tables=self.dec_tables[:bs],
-                            seq_lens_cpu=[self.max_context] * bs, q_lens_cpu=[1] * bs, last_token_rows=self.rows[:bs],
+                            seq_lens=self.dec_seq_lens[:bs], prefix_lens=self.dec_prefix[:bs],
+                            block_tables=self.dec_tables[:bs], seq_lens_cpu=[self.max_context] * bs,
+                            q_lens_cpu=[1] * bs, last_token_rows=self.rows[:bs],
                             window_block_tables=self.dec_window[:bs] if window else None, **shared)
         ext = BatchMetadata(mode=ForwardMode.EXTEND, q_indptr=self.ext_indptr, seq_lens=self.ext_seq_lens,
                             prefix_lens=self.ext_prefix, block_tables=self.ext_tables,
@@ -158,7 +159,8 @@ class MixedGraphs:
         """A step that ``fits`` into the static buffers (stream-ordered after the work already queued, as
         ``DecodeGraphs.stage``)."""
         t, n = meta.num_tokens, meta.leading_decode_rows()
-        e, bs, w = meta.num_reqs - n, self._bucket(meta.num_tokens), min(meta.block_tables.shape[1], self.max_pages)
+        e, bs = meta.num_reqs - n, self._bucket(t)
+        w = min(meta.block_tables.shape[1], self.max_pages)
         self.positions[:t].copy_(meta.positions)
         self.positions[t:bs].zero_()
         self.slots[:t].copy_(meta.slot_mapping)
