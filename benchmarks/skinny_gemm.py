@@ -1,4 +1,5 @@
-"""Decode GEMMs at 1-16 rows: cuBLAS (``F.linear``) against the skinny Triton kernel, tile configs swept.
+"""Decode GEMMs at a few rows (1-16 by default; a served batch's 128 at most): cuBLAS (``F.linear``) against
+the skinny Triton kernel, tile configs swept (past 16 rows a tile holds every row, plain and swapped).
 
 Each case is timed as the decode step runs it: inside a CUDA graph, one call per copy of the weight with
 enough copies that none is read from L2 (a model's layers never share a weight). Every config is first
@@ -34,6 +35,19 @@ SHAPES = {  # name: (N, K)
 CONFIGS = [sk.Config(32, 256, 4, 4), sk.Config(16, 256, 4, 4), sk.Config(32, 128, 4, 8), sk.Config(64, 256, 4, 3),
            sk.Config(32, 256, 4, 6), sk.Config(64, 128, 4, 6), sk.Config(32, 256, 8, 4), sk.Config(32, 512, 4, 3),
            sk.Config(64, 256, 4, 4), sk.Config(128, 128, 4, 4), sk.Config(64, 256, 8, 3), sk.Config(128, 256, 8, 3)]
+# Rows past 16 (a served batch's decode steps): every row in one tile, so W is still read once, by row count
+WIDE = [(32, 128, 4, 4, False), (32, 256, 4, 3, False), (64, 128, 4, 4, False), (64, 64, 4, 6, False),
+        (128, 64, 8, 4, False), (64, 128, 8, 3, False), (64, 128, 4, 4, True), (64, 64, 4, 6, True),
+        (64, 256, 4, 3, True), (128, 64, 4, 4, True), (128, 128, 8, 3, True), (32, 128, 4, 4, True)]
+
+
+def configs_for_rows(m: int) -> list:
+    if m <= sk.BLOCK_M:  # each also as W x^T (tensor cores' 64-deep side on W's rows)
+        return CONFIGS + [c._replace(swap=True) for c in CONFIGS if c.block_n >= 64]
+    block_m = 1 << (m - 1).bit_length()
+    return [sk.Config(bn, bk, w, st, block_m, swap) for bn, bk, w, st, swap in WIDE]
+
+
 L2_FLUSH_BYTES = 400 << 20  # weight copies per graph: at least this much, so no call finds its weight in L2
 
 
@@ -79,7 +93,7 @@ def main() -> None:
             ref = (x.float() @ ws[0].float().T)
             cub = graph_us(lambda i: F.linear(x, ws[i]), copies)
             row = dict(shape=name, N=n, K=k, M=m, weight_MB=nbytes / 1e6, cublas_us=cub, configs={})
-            for c in CONFIGS:
+            for c in configs_for_rows(m):
                 try:
                     got = sk.linear(x, ws[0], config=c).float()
                 except triton.runtime.errors.OutOfResources as e:  # a wide tile on a GPU of less shared memory
@@ -93,8 +107,8 @@ def main() -> None:
                                                      rel_err=err)
             ok = {kc: v["us"] for kc, v in row["configs"].items() if "us" in v}
             best = min(ok, key=ok.get)
-            row.update(best=best, best_us=ok[best], speedup=cub / ok[best],
-                       rule=str(tuple(skinny.config_for(n, k))), rule_us=ok.get(str(tuple(skinny.config_for(n, k)))))
+            rule = str(tuple(skinny.config_for(n, k, m))) if m <= skinny.MAX_ROWS else None
+            row.update(best=best, best_us=ok[best], speedup=cub / ok[best], rule=rule, rule_us=ok.get(rule))
             if name.endswith("gate_up"):  # the MLP's activation in the same launch, against a launch of its own
                 act = "gelu_tanh" if name.startswith("gemma") else "silu"
                 row["act_separate_us"] = graph_us(lambda i: fused.act_and_mul(skinny.linear(x, ws[i]), act), copies)

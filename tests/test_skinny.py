@@ -36,6 +36,14 @@ def test_kernel_matches_torch(rows, bias, dtype):
         torch.testing.assert_close(got.float(), ref, **tol)
 
 
+def test_narrow_projections_past_one_row_take_the_swapped_tile():
+    # o_proj-sized weights: one row streams 512-wide steps; 2-16 rows the W x^T tile (both checked above)
+    one, more = skinny.config_for(4096, 4096, 1), skinny.config_for(4096, 4096, 4)
+    assert not one.swap and (one.block_n, one.block_k) == (32, 512)
+    assert more.swap and (more.block_m, more.block_n) == (16, 64)
+    assert not skinny.config_for(6144, 4096, 4).swap  # wider ones keep their tile at every row count
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
@@ -102,7 +110,7 @@ def test_strided_rows_bias_rules_and_limits():
         assert not skinny.fits(x, w.requires_grad_())  # no backward in the kernel
         with torch.no_grad():
             assert skinny.fits(x, w)
-        with pytest.raises(ValueError, match="at most 16 rows"):
+        with pytest.raises(ValueError, match="tile holds 16 rows"):
             skinny._kernels().linear(rand(17, 32, dtype=torch.float32, seed=1), w.detach(),
                                      config=skinny.config_for(48, 32))
 
@@ -236,7 +244,7 @@ def test_gpu_full_shapes_match_cublas(n, k, rows):
     from attnzoo.layers import skinny_kernels
 
     x, w = rand(rows, k, dtype=torch.bfloat16, seed=5), rand(n, k, dtype=torch.bfloat16, seed=6) * 0.05
-    got = skinny_kernels.linear(x, w, config=skinny.config_for(n, k))  # the kernel, whatever fits() decides
+    got = skinny_kernels.linear(x, w, config=skinny.config_for(n, k, rows))  # the kernel, whatever fits() decides
     ref = x.float() @ w.float().T
     # both round a float32 sum to bfloat16 once: within a unit or two of the last place
     assert ((got.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-3).float().mean() >= 0.999

@@ -66,13 +66,15 @@ def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return weight.shape[1] <= MAX_K and _runs(x, weight)
 
 
-def config_for(n: int, k: int):
-    """The tile config for an [n, k] weight, by its output features (benchmarks/skinny_gemm.py): up to 4096
-    (o_proj, down_proj, MLA's small projections) 32 rows with 512-wide steps along K, so that each of the few
-    programs keeps long reads in flight; to 8192 64 x 128 tiles six stages deep; wider ones 64 x 256."""
+def config_for(n: int, k: int, m: int = 1):
+    """The tile config for an [n, k] weight and ``m`` rows of x, by its output features
+    (benchmarks/skinny_gemm.py): up to 4096 (o_proj, down_proj, MLA's small projections) one row takes 32 W rows
+    with 512-wide steps along K, so that each of the few programs keeps long reads in flight, and 2-16 rows
+    take 64 x 128 tiles of W x^T, six stages deep (the one-row tile slowed by up to 1.3x past one row, which
+    Triton compiles apart); to 8192 64 x 128 tiles six stages deep; wider ones 64 x 256."""
     sk = _kernels()
     if n <= 4096:
-        return sk.Config(32, 512, 4, 3)
+        return sk.Config(32, 512, 4, 3) if m <= 1 else sk.Config(64, 128, 4, 6, swap=True)
     return sk.Config(64, 128, 4, 6) if n <= 8192 else sk.Config(64, 256, 4, 3)
 
 
@@ -114,7 +116,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         _check_interpreter(x)
         return F.linear(x, weight, bias)
     n, k = weight.shape
-    y = _kernels().linear(x.reshape(-1, k), weight, bias, config=config_for(n, k))
+    x2 = x.reshape(-1, k)
+    y = _kernels().linear(x2, weight, bias, config=config_for(n, k, x2.shape[0]))
     return y.view(*x.shape[:-1], n)
 
 
@@ -133,7 +136,7 @@ def gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act:
         return fused.act_and_mul(linear(x, weight, bias), act)
     fused.check_gated_act(act)
     n2, k = weight.shape
-    c = config_for(n2, k)  # each program reads block_n rows of gate and of up: a plain tile's bytes
+    c = config_for(n2, k)  # the one-row tile at any row count (no other measured gated): half its rows of gate, of up
     y = _kernels().linear(x.reshape(-1, k), weight, bias, config=c._replace(block_n=c.block_n // 2), act=act)
     return y.view(*x.shape[:-1], n2 // 2)
 
