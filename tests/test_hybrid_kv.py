@@ -195,6 +195,23 @@ def test_prefix_cache_matches_the_longest_prefix_with_its_window_pages():
     assert cache.evict(6) == 6 and cache.window_allocator.num_free == cache.window_allocator.capacity
 
 
+def test_eviction_passes_held_pages_once():
+    # five one-page prompts, oldest first; a running request holds the two oldest pages
+    full = PageAllocator(8)
+    cache = PrefixCache(full, PS)
+    prompts = [[i] * (PS + 1) for i in range(5)]
+    pages = full.alloc(5)
+    for prompt, page in zip(prompts, pages):
+        cache.insert(prompt, [page])
+    full.free(pages[2:])
+    assert cache.evict(1) == 1 and cache.match(prompts[2]) == ([], [])  # the oldest one only the cache holds
+    # the held pages were passed over once: now the most recently used, after the ones left to evict
+    assert list(cache._pages.values()) == [pages[3], pages[4], pages[0], pages[1]]
+    assert cache.evict(5) == 2 and len(cache) == 2 and cache.match(prompts[0]) == ([pages[0]], [])
+    full.free([pages[0], pages[0], pages[1]])  # the match and the request let go: the cache holds the rest
+    assert cache.evict(5) == 2 and full.num_free == full.capacity
+
+
 def test_no_sliding_layers_or_short_context_keep_one_group(tmp_path, gemma):
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

@@ -32,7 +32,7 @@ class PrefixCache:
         self.window_allocator, self.window = window_allocator, window  # None: one page group
         self._pages: OrderedDict[int, int] = OrderedDict()  # chained hash -> page id, LRU order
         self._ready: set[int] = set()  # page ids whose contents are written
-        self._window: dict[int, int] = {}  # chained hash -> window-group page id, where known
+        self._window: OrderedDict[int, int] = OrderedDict()  # chained hash -> window-group page id, LRU order
         self._wready: set[int] = set()  # window-group page ids whose contents are written
 
     def _hashes(self, tokens: list[int], num_pages: int) -> list[int]:
@@ -64,6 +64,8 @@ class PrefixCache:
         pages = []
         for h in hashes:
             self._pages.move_to_end(h)
+            if h in self._window:
+                self._window.move_to_end(h)
             pages.append(self._pages[h])
         self.allocator.incref(pages)
         return pages, wpages
@@ -126,31 +128,36 @@ class PrefixCache:
     def evictable_window(self) -> int:
         return sum(1 for p in self._window.values() if self.window_allocator.refcount(p) == 1)
 
+    @staticmethod
+    def _oldest(entries: OrderedDict, n: int, allocator: PageAllocator) -> list[int]:
+        """Up to ``n`` hashes of ``entries`` (hash -> page, oldest first) whose page only the cache holds. The
+        entries passed over (pages running requests hold) count as just used: the next search starts past them,
+        so that a full pool admitting request after request does not walk them again each time."""
+        found, held = [], []
+        for h, page in entries.items():
+            if len(found) == n:
+                break
+            (found if allocator.refcount(page) == 1 else held).append(h)
+        for h in held:
+            entries.move_to_end(h)
+        return found
+
     def evict(self, n: int) -> int:
         """Drop up to ``n`` pages only the cache holds, oldest first; returns how many were freed."""
-        freed = 0
-        for h in list(self._pages):
-            if freed == n:
-                break
-            if self.allocator.refcount(self._pages[h]) == 1:
-                self._drop_node(h)
-                freed += 1
-        return freed
+        victims = self._oldest(self._pages, n, self.allocator)
+        for h in victims:
+            self._drop_node(h)
+        return len(victims)
 
     def evict_window(self, n: int) -> int:
         """Drop up to ``n`` window-group pages only the cache holds, oldest first (their full pages stay,
         but are matched again only where no needed window page is missing); returns how many were freed."""
-        freed = 0
-        for h in list(self._pages):
-            if freed == n:
-                break
-            wpage = self._window.get(h)
-            if wpage is not None and self.window_allocator.refcount(wpage) == 1:
-                del self._window[h]
-                self._wready.discard(wpage)
-                self.window_allocator.free([wpage])
-                freed += 1
-        return freed
+        victims = self._oldest(self._window, n, self.window_allocator)
+        for h in victims:
+            wpage = self._window.pop(h)
+            self._wready.discard(wpage)
+            self.window_allocator.free([wpage])
+        return len(victims)
 
     def __len__(self) -> int:
         return len(self._pages)
