@@ -38,13 +38,14 @@ def main() -> None:
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         act = ("gelu_tanh" if name.startswith("gemma") else "silu") if name.endswith("gate_up") else None
-        config = skinny.config_for(n, k)
-        if act:
-            config = config._replace(block_n=config.block_n // 2)
         copies = max(1, min(32, -(-L2_FLUSH_BYTES // (n * k * 2))))
         ws = [torch.randn(n, k, dtype=dt, device=dev) * 0.02 for _ in range(copies)]
         norm = RMSNorm(k).to(dev, dt)
         for m in args.rows:
+            # the tile linear() and gated() pick: gated the one-row rule, half its rows of gate, of up
+            config = skinny.config_for(n, k, 1 if act else m)
+            if act:
+                config = config._replace(block_n=config.block_n // 2)
             x, res = torch.randn(m, k, dtype=dt, device=dev), torch.randn(m, k, dtype=dt, device=dev)
 
             def step(i, budget):

@@ -44,6 +44,18 @@ def test_narrow_projections_past_one_row_take_the_swapped_tile():
     assert not skinny.config_for(6144, 4096, 4).swap  # wider ones keep their tile at every row count
 
 
+def test_swapped_tile_in_the_gated_and_per_head_launches():
+    # no rule picks these yet; the kernel's swapped product must still hold in every form it has
+    kern = skinny._kernels()
+    tile = kern.Config(16, 32, 4, 2, swap=True)
+    x, w = rand(3, 64, dtype=torch.float32, seed=1), rand(96, 64, dtype=torch.float32, seed=2)
+    got = kern.linear(x, w, config=tile, act="silu")
+    torch.testing.assert_close(got, fused.act_and_mul_ref(F.linear(x, w), "silu"), rtol=1e-5, atol=1e-4)
+    xh, wh = rand(3, 2, 32, dtype=torch.float32, seed=3), rand(2, 48, 32, dtype=torch.float32, seed=4)
+    got = kern.batched(xh, wh, torch.empty(3, 2, 48, device=DEV), config=tile)
+    torch.testing.assert_close(got, torch.einsum("thk,hnk->thn", xh, wh), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
@@ -112,7 +124,7 @@ def test_strided_rows_bias_rules_and_limits():
             assert skinny.fits(x, w)
         with pytest.raises(ValueError, match="tile holds 16 rows"):
             skinny._kernels().linear(rand(17, 32, dtype=torch.float32, seed=1), w.detach(),
-                                     config=skinny.config_for(48, 32))
+                                     config=skinny.config_for(48, 32, 1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -199,7 +211,9 @@ def test_batched_tiles_match_einsum(n, k, layout, rows):
 
 
 def test_dispatch_stays_within_the_kernel_tile():
-    assert skinny.MAX_ROWS <= skinny._kernels().BLOCK_M
+    for n in (2048, 4096, 8192, 16384):  # each of config_for's classes, at the most rows dispatched
+        assert skinny.config_for(n, 4096, skinny.MAX_ROWS).block_m >= skinny.MAX_ROWS
+    assert skinny.batched_config(512, 128).block_m >= skinny.MAX_ROWS
 
 
 def test_describe_names_the_path():
@@ -303,14 +317,14 @@ def test_prefetch_bytes_fit_the_row_the_budget_and_the_alignment():
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
 @pytest.mark.parametrize("n,k", [(6144, 4096), (6000, 4096), (2800, 2048)])
 def test_gpu_prefetch_leaves_the_bits_alone(n, k):
-    # also where N is no whole number of tiles (6000 over 64-row tiles, 2800 over 32): the last rows are clamped
+    # also where N is no whole number of tiles (6000 and 2800 over 64-row tiles): the last rows are clamped
     from attnzoo import pdl
     from attnzoo.layers import skinny_kernels
 
     x, w = rand(3, k, dtype=torch.bfloat16, seed=5), rand(n, k, dtype=torch.bfloat16, seed=6) * 0.05
     if not pdl.enabled(x):
         pytest.skip("the prefetch runs only with PDL (SM90+)")
-    c = skinny.config_for(n, k)
+    c = skinny.config_for(n, k, x.shape[0])  # the 3 rows' tile, as linear() picks it
     want = skinny_kernels.linear(x, w, config=c, prefetch=0)
     for budget in (skinny_kernels.PREFETCH_BUDGET, 1 << 20):
         assert skinny_kernels.prefetch_bytes(w, c.block_n, budget) > 0

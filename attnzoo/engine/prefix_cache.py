@@ -4,7 +4,8 @@ A page is identified by a hash chained over every token up to its end, so two pr
 if they agree on all tokens before it. The cache holds one reference on each page it knows; requests
 using the page hold their own. A page becomes *ready* once its owner has written it; requests that
 matched a page still being written wait for it before they prefill past it. Pages only the cache holds
-are evicted least-recently-used when the allocator runs short.
+are evicted least-recently-used when the allocator runs short; a page a running request holds counts as in
+use, and an eviction that passes it over moves it to the recent end.
 
 With a window page group (``KVPool.has_window_group``) a cached page position also keeps its window-group
 page, where one is known. A prefix of k pages is usable only if the window pages its next query can
@@ -61,11 +62,11 @@ class PrefixCache:
             lo = window_start(k * self.page_size, self.window, self.page_size)
             wpages = [0] * lo + [self._window[h] for h in hashes[lo:]]
             self.window_allocator.incref(wpages[lo:])
+            for h in hashes[lo:]:
+                self._window.move_to_end(h)
         pages = []
         for h in hashes:
             self._pages.move_to_end(h)
-            if h in self._window:
-                self._window.move_to_end(h)
             pages.append(self._pages[h])
         self.allocator.incref(pages)
         return pages, wpages

@@ -21,7 +21,7 @@ from attnzoo.errors import BackendError
 from attnzoo.lazy import optional_module
 from attnzoo.layers import fused
 
-MAX_ROWS = 16  # rows that take the kernel: at most its tile (skinny_kernels.BLOCK_M)
+MAX_ROWS = 16  # rows that take the kernel: at most the rows of config_for's tiles (past it cuBLAS was faster)
 MAX_K = 16384  # past it one program streams too long a row: cuBLAS's split-K won (Gemma-4-31B down_proj, H200)
 DTYPES = (torch.bfloat16, torch.float16)
 _forced: bool | None = None
@@ -66,12 +66,12 @@ def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return weight.shape[1] <= MAX_K and _runs(x, weight)
 
 
-def config_for(n: int, k: int, m: int = 1):
+def config_for(n: int, k: int, m: int):
     """The tile config for an [n, k] weight and ``m`` rows of x, by its output features
     (benchmarks/skinny_gemm.py): up to 4096 (o_proj, down_proj, MLA's small projections) one row takes 32 W rows
     with 512-wide steps along K, so that each of the few programs keeps long reads in flight, and 2-16 rows
-    take 64 x 128 tiles of W x^T, six stages deep (the one-row tile slowed by up to 1.3x past one row, which
-    Triton compiles apart); to 8192 64 x 128 tiles six stages deep; wider ones 64 x 256."""
+    take 64 x 128 tiles of W x^T, six stages deep (the one-row tile, where Triton specialises M == 1, was up to
+    1.3x slower past one row); to 8192 64 x 128 tiles six stages deep; wider ones 64 x 256."""
     sk = _kernels()
     if n <= 4096:
         return sk.Config(32, 512, 4, 3) if m <= 1 else sk.Config(64, 128, 4, 6, swap=True)
@@ -136,7 +136,7 @@ def gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act:
         return fused.act_and_mul(linear(x, weight, bias), act)
     fused.check_gated_act(act)
     n2, k = weight.shape
-    c = config_for(n2, k)  # the one-row tile at any row count (no other measured gated): half its rows of gate, of up
+    c = config_for(n2, k, 1)  # the m=1 rule at any row count (no other measured gated): half its rows of gate, of up
     y = _kernels().linear(x.reshape(-1, k), weight, bias, config=c._replace(block_n=c.block_n // 2), act=act)
     return y.view(*x.shape[:-1], n2 // 2)
 

@@ -152,7 +152,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def batched(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, config: Config) -> torch.Tensor:
-    """out[:, h] = x[:, h] @ weight[h]^T for every head h: x [M, H, K] (M <= 16, unit stride along K), weight
+    """out[:, h] = x[:, h] @ weight[h]^T for every head h: x [M, H, K] (M <= ``config.block_m``, unit stride along K), weight
     [H, N, K] of any strides (MLA's W_UK is read along N), out [M, H, N] with unit stride along N (a view into
     a larger buffer allowed). One launch, a program per (block of N, head)."""
     m, h, k = x.shape
