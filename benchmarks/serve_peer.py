@@ -127,10 +127,8 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def server_ttft(url: str) -> tuple[float, float] | None:
-    """(sum s, count) of the server's own time-to-first-token histogram (attnzoo's and vLLM's /metrics both
-    have one), or None where it has none: set beside the client's TTFT, it splits the engine's share from the
-    HTTP path's."""
+def scrape(url: str) -> list | None:
+    """The samples of the server's /metrics, or None where nothing answers."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -138,14 +136,49 @@ def server_ttft(url: str) -> tuple[float, float] | None:
             text = r.read().decode()
     except OSError:
         return None
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def server_ttft(url: str) -> tuple[float, float] | None:
+    """(sum s, count) of the server's own time-to-first-token histogram (attnzoo's and vLLM's /metrics both
+    have one), or None where it has none: set beside the client's TTFT, it splits the engine's share from the
+    HTTP path's."""
     total = {"sum": 0.0, "count": 0.0}
-    for family in text_string_to_metric_families(text):
-        if family.name.endswith("time_to_first_token_seconds"):
-            for sample in family.samples:
-                kind = sample.name.rsplit("_", 1)[-1]
-                if kind in total:
-                    total[kind] += sample.value
+    for sample in scrape(url) or ():
+        base, _, part = sample.name.rpartition("_")
+        if base.endswith("time_to_first_token_seconds") and part in total:
+            total[part] += sample.value
     return (total["sum"], total["count"]) if total["count"] else None
+
+
+STEP_METRICS = {"attnzoo_engine_step_seconds": "s", "attnzoo_engine_step_host_seconds": "host_s",
+                "attnzoo_engine_step_tokens": "tokens"}
+
+
+def server_steps(url: str) -> dict | None:
+    """attnzoo's engine steps so far by kind ("decode", "prompt"): {"steps", "s", "host_s", "tokens"} each, from
+    its /metrics (None for a server without them: vLLM)."""
+    out: dict = {}
+    for sample in scrape(url) or ():
+        base, _, part = sample.name.rpartition("_")
+        if base in STEP_METRICS and part in ("sum", "count"):
+            kind = out.setdefault(sample.labels["kind"], {"steps": 0.0, "s": 0.0, "host_s": 0.0, "tokens": 0.0})
+            kind["steps" if part == "count" else STEP_METRICS[base]] = sample.value
+    return out or None
+
+
+def step_delta(before: dict | None, after: dict | None) -> dict | None:
+    """What ``server_steps`` counted between two reads: a scenario's steps by kind, with their mean ms."""
+    if after is None:
+        return None
+    out = {}
+    for kind, a in after.items():
+        b = (before or {}).get(kind, {})
+        d = {k: v - b.get(k, 0.0) for k, v in a.items()}
+        if d["steps"] > 0:
+            out[kind] = {"steps": int(d["steps"]), "s": round(d["s"], 3), "host_s": round(d["host_s"], 3),
+                         "tokens": int(d["tokens"]), "ms_mean": round(1e3 * d["s"] / d["steps"], 2)}
+    return out
 
 
 def measure(label: str, args, model: str) -> list[dict]:
@@ -167,15 +200,21 @@ def measure(label: str, args, model: str) -> list[dict]:
                                 num_prompts=num_prompts, vocab_size=VOCAB[args.shape],
                                 min_token_id=10, gsm8k_tokens=str(bench_serving.GSM8K_TOKENS), max_concurrency=conc,
                                 request_rate=math.inf, warmup=WARMUP, seed=seed, label=label, first_question=first_question,
-                                after_warmup=lambda: snap.append(server_ttft(url)))
+                                after_warmup=lambda: snap.append((server_ttft(url), server_steps(url))))
         if dataset == "gsm8k":
             first_question += ns.warmup + ns.num_prompts
         results, wall = asyncio.run(bench_serving.run(ns))
         s = bench_serving.summarize(ns, results, wall)
-        before, after = (snap[0] if snap else None) or (0.0, 0.0), server_ttft(url)
+        ttft0, steps0 = snap[0] if snap else (None, None)
+        before, after = ttft0 or (0.0, 0.0), server_ttft(url)
         if after is not None and after[1] > before[1]:  # the measured requests' only: read after the warm-up
             s["server_ttft_ms_mean"] = round(1e3 * (after[0] - before[0]) / (after[1] - before[1]), 2)
             print(f"  server-side TTFT mean {s['server_ttft_ms_mean']} ms", flush=True)
+        steps = step_delta(steps0, server_steps(url))
+        if steps:  # where the engine's time went: how many prompt steps the arrivals made, and their cost
+            s["server_steps"] = steps
+            print("  server steps: " + ", ".join(f"{k} {v['steps']} x {v['ms_mean']} ms (host {v['host_s']} s)"
+                                                 for k, v in steps.items()), flush=True)
         print(bench_serving.table([s]).splitlines()[-1], flush=True)
         rows.append(s)
     return rows

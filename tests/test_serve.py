@@ -222,10 +222,13 @@ def test_metrics_parse_as_prometheus_text(srv):
     for name in ("attnzoo_requests_waiting", "attnzoo_requests_running", "attnzoo_kv_pages_in_use",
                  "attnzoo_prefix_cache_hit_rate", "attnzoo_time_to_first_token_seconds",
                  "attnzoo_time_per_output_token_seconds", "attnzoo_inter_token_latency_seconds",
-                 "attnzoo_generation_tokens_per_second"):
+                 "attnzoo_generation_tokens_per_second", "attnzoo_engine_step_seconds",
+                 "attnzoo_engine_step_host_seconds", "attnzoo_engine_step_tokens"):
         assert name in fams, name
     count = next(s.value for s in fams["attnzoo_time_to_first_token_seconds"].samples if s.name.endswith("_count"))
     assert count >= 1
+    steps = {s.labels["kind"]: s.value for s in fams["attnzoo_engine_step_seconds"].samples if s.name.endswith("_count")}
+    assert steps["prompt"] >= 1 and steps["decode"] >= 1  # the request's prompt step, then its decode steps
 
 
 def test_serve_peer_reads_the_servers_own_ttft(srv, bench_script):
@@ -236,6 +239,19 @@ def test_serve_peer_reads_the_servers_own_ttft(srv, bench_script):
     after = peer.server_ttft(srv.url)
     assert after[1] == before[1] + 1 and 0 < after[0] - before[0] < 60
     assert peer.server_ttft("http://127.0.0.1:9") is None  # nothing listens there: no number, no error
+
+
+def test_serve_peer_counts_the_engine_steps_by_kind(srv, bench_script):
+    """serve_peer.py's step counts: a 3-token request is one prompt step (its first token) and two decode steps of
+    one row, a token each."""
+    peer = bench_script("serve_peer")
+    before = peer.server_steps(srv.url)
+    srv.client.completions.create(model="tiny", prompt="steps", max_tokens=3, temperature=0)
+    got = peer.step_delta(before, peer.server_steps(srv.url))
+    assert got["prompt"]["steps"] == 1 and got["prompt"]["tokens"] >= 1
+    assert got["decode"]["steps"] == got["decode"]["tokens"] == 2
+    assert 0 <= got["decode"]["host_s"] <= got["decode"]["s"] and got["decode"]["ms_mean"] > 0
+    assert peer.server_steps("http://127.0.0.1:9") is None and peer.step_delta(None, None) is None
 
 
 def test_bench_serving_reads_the_server_after_its_warm_up(srv, bench_script):

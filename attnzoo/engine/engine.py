@@ -73,6 +73,7 @@ class Engine:
                              cascade_min_saved_tokens=cascade_min_saved_tokens, max_rows=self.scheduler.max_running)
         self.scheduler.gone = self.runner.gone  # one list: the scheduler adds ended requests, each step sends them
         self.step_log: list[dict] | None = None  # set to [] to record one summary per step (benchmarks)
+        self.on_step: Callable[[dict], None] | None = None  # hears each step's summary (the server's metrics)
         # Both hide host work behind an asynchronous device. On a CPU the step runs on the host itself: a step
         # launched early runs to its end before this step's tokens are handed out, a step later.
         self.overlap = self.early_launch = self.device.type != "cpu"
@@ -273,11 +274,15 @@ class Engine:
                 req.finish = "abort"
             updated.append(req)
         self.generated_tokens += len(updated)
-        if self.step_log is not None:  # "t": when the step's tokens reached the host
+        if self.step_log is not None or self.on_step is not None:  # "t": when the step's tokens reached the host
             # host_s: the host's work before it waited for the tokens (wait_s), the next step's early launch
             # included, not the token loop after the read; a step whose wait is ~0 is bound by the host
-            self.step_log.append({**batch.summary(), "t": time.perf_counter(), "host_s": t_wait - t_begin,
-                                  "wait_s": t_read - t_wait})
+            summary = {**batch.summary(), "t": time.perf_counter(), "host_s": t_wait - t_begin,
+                       "wait_s": t_read - t_wait}
+            if self.step_log is not None:
+                self.step_log.append(summary)
+            if self.on_step is not None:
+                self.on_step(summary)
         finished = [r for r in sched.running if r.finish]
         for req in finished:
             sched.remove(req, unfinished=req.finish == "abort")

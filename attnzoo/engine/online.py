@@ -120,6 +120,11 @@ class OnlineEngine:
             self._cv.notify()
         self._thread.join(timeout)
 
+    def listen_steps(self, callback: Callable[[dict], None] | None) -> None:
+        """``callback`` hears each engine step's summary (``Engine.step``'s, as ``step_log`` records it) on the
+        engine thread until the loop ends; None stops it."""
+        self.engine.on_step = callback
+
     def _wake(self) -> None:
         with self._cv:
             self._cv.notify()
@@ -138,7 +143,7 @@ class OnlineEngine:
             self.error = e
             self._fail_all(e)
         finally:
-            self.engine.arrivals = None
+            self.engine.arrivals = self.engine.on_step = None
 
     def _loop(self) -> None:
         engine = self.engine

@@ -32,6 +32,7 @@ def create_app(llm, *, model_name: str, api_key: str | None = None, max_queue: i
     ``finally`` would not run)."""
     online = OnlineEngine(llm, max_queue=max_queue)
     metrics = Metrics(online)
+    online.listen_steps(metrics.step)
     tok = llm.tokenizer
 
     @contextlib.asynccontextmanager

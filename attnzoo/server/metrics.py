@@ -7,6 +7,8 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_STEP = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
+_TOKENS = tuple(2 ** i for i in range(15))
 
 
 class Metrics:
@@ -32,6 +34,14 @@ class Metrics:
         self.prompt_tokens = Counter("attnzoo_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("attnzoo_generation_tokens", "output tokens of finished requests", registry=r)
         self.requests = Counter("attnzoo_requests", "finished requests by finish reason", ["finish_reason"], registry=r)
+        # Engine steps by kind: "decode" (one new token a request) or "prompt" (prompt chunks in it). A step's time
+        # runs from its start to its tokens on the host; its host part is what ran before the wait for them.
+        self.step_time = Histogram("attnzoo_engine_step_seconds", "engine step, start to tokens on the host",
+                                   ["kind"], buckets=_STEP, registry=r)
+        self.step_host = Histogram("attnzoo_engine_step_host_seconds", "engine step's host work before its wait",
+                                   ["kind"], buckets=_STEP, registry=r)
+        self.step_tokens = Histogram("attnzoo_engine_step_tokens", "new tokens an engine step computes", ["kind"],
+                                     buckets=_TOKENS, registry=r)
         self._samples: deque[tuple[float, int]] = deque()
 
     def _hit_rate(self) -> float:
@@ -59,6 +69,13 @@ class Metrics:
             self.itl.observe(b - a)
         if len(token_times) > 1:
             self.tpot.observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))
+
+    def step(self, summary: dict) -> None:
+        """Observe one engine step (``Engine.on_step``'s summary), on the engine thread."""
+        kind = "decode" if summary["new_tokens"] == summary["num_reqs"] else "prompt"
+        self.step_time.labels(kind).observe(summary["host_s"] + summary["wait_s"])
+        self.step_host.labels(kind).observe(summary["host_s"])
+        self.step_tokens.labels(kind).observe(summary["new_tokens"])
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
